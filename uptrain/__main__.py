@@ -1,0 +1,3 @@
+from uptrain.cli import main
+
+raise SystemExit(main())

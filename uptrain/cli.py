@@ -1,0 +1,97 @@
+"""The `uptrain` command. Each subcommand is a plain function taking the parsed arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from uptrain import UptrainError, __version__
+
+
+def convert(args: argparse.Namespace) -> int:
+    from uptrain.convert import convert_checkpoint
+
+    out = convert_checkpoint(args.src, args.out, args.num_kv_heads, pooling=args.pooling, seed=args.seed,
+                             dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                             allow_pickle=args.allow_pickle)
+    print(f"wrote {out}")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from uptrain.inspect_checkpoint import format_report, inspect_checkpoint
+
+    info = inspect_checkpoint(args.src, context=args.context, batch=args.batch, dtype=args.dtype)
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def _add_convert(sub) -> None:
+    from uptrain.convert.pooling import STRATEGIES
+
+    p = sub.add_parser("convert", help="pool K/V heads of a checkpoint into fewer KV heads (MHA → GQA)",
+                       description="Convert a Hugging Face checkpoint to grouped-query attention with G KV heads, "
+                                   "streaming tensor by tensor. Query head i reads KV head i // (heads / G).")
+    p.add_argument("src", help="checkpoint folder (safetensors, single or sharded) or a Hub id")
+    p.add_argument("out", help="output folder; written to a temporary sibling and renamed when complete")
+    p.add_argument("--num-kv-heads", "-g", type=int, required=True, metavar="G",
+                   help="KV heads after conversion; must divide the attention heads and the current KV heads")
+    p.add_argument("--pooling", default="mean", choices=sorted(STRATEGIES),
+                   help="how each group's heads become one: " + "; ".join(
+                       f"{s.name}: {s.reference}" for s in STRATEGIES.values()) + " (default: mean)")
+    p.add_argument("--seed", type=int, default=0, help="seed for --pooling random (default: 0)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="cast floating-point tensors (default: keep each tensor's dtype)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB or 500MiB (default: 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read pytorch_model*.bin checkpoints (with torch.load(weights_only=True))")
+    p.set_defaults(func=convert)
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="attention layout and KV-cache size for every valid number of KV heads",
+                       description="Show a checkpoint's architecture, heads and parameter count, and its KV-cache "
+                                   "bytes for the current layout and every G it can be pooled to.")
+    p.add_argument("src", help="checkpoint folder or Hub id")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default: 1)")
+    p.add_argument("--dtype", help="cache dtype (default: the checkpoint's dtype)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=inspect)
+
+
+def _add_train(sub) -> None:
+    from uptrain.train.cli import add_arguments, train
+
+    p = sub.add_parser("train", help="uptrain a (converted) checkpoint with Accelerate",
+                       description="Continue pretraining a checkpoint for a budget of tokens or steps; "
+                                   "runs alone or under `accelerate launch -m uptrain train`.")
+    add_arguments(p)
+    p.set_defaults(func=train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="uptrain", description="Convert MHA checkpoints to GQA and uptrain them.")
+    parser.add_argument("--version", action="version", version=f"uptrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_convert, _add_inspect, _add_train):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UptrainError as err:
+        print(f"uptrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"uptrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

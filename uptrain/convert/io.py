@@ -1,0 +1,334 @@
+"""Checkpoint reading and writing, one tensor at a time.
+
+Safetensors files are read with plain positioned reads (no mmap): a mapped file counts
+toward the process's resident memory as it is touched, and a converter that maps a 140 GB
+checkpoint looks, and may behave, like one that loaded it. Each source file is hashed as it
+is read, in order, so provenance costs no second pass over the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import torch
+
+from uptrain import UptrainError
+
+# safetensors dtype codes ↔ torch dtypes.
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+COPY_CHUNK_BYTES = 8 * 1024 * 1024
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    start: int = 0  # absolute byte offsets in `file` (safetensors only)
+    end: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, list[TensorInfo]]:
+    """Parse and validate a safetensors header without touching tensor data."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise UptrainError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise UptrainError(f"{path}: corrupt or truncated safetensors header")
+            raw = f.read(header_len)
+    except OSError as err:
+        raise UptrainError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UptrainError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise UptrainError(f"{path}: corrupt safetensors header")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    tensors = []
+    for name, entry in header.items():
+        try:
+            dtype = ST_DTYPES[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UptrainError(f"{path}: corrupt safetensors entry for {name!r}") from None
+        info = TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
+        if end < begin or end - begin != info.nbytes or any(n < 0 for n in shape):
+            raise UptrainError(f"{path}: corrupt safetensors entry for {name!r} (size does not match shape)")
+        if info.end > size:
+            raise UptrainError(f"{path}: truncated: {name!r} ends at byte {info.end} but the file has {size}")
+        tensors.append(info)
+    tensors.sort(key=lambda t: t.start)
+    return metadata, tensors
+
+
+class HashingReader:
+    """Positioned reads from one file that fold every byte, in file order, into a sha256.
+
+    Reads usually arrive in file order, so the hash comes free with the conversion; a read
+    ahead of the hashed prefix hashes the gap first, and `finish` hashes the tail.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file: BinaryIO = open(path, "rb")
+        self.sha256 = hashlib.sha256()
+        self.hashed = 0
+
+    def _fold(self, pos: int, view: memoryview) -> None:
+        if pos <= self.hashed < pos + len(view):
+            self.sha256.update(view[self.hashed - pos:])
+            self.hashed = pos + len(view)
+
+    def _catch_up(self, pos: int) -> None:
+        while self.hashed < pos:
+            self.file.seek(self.hashed)
+            chunk = self.file.read(min(COPY_CHUNK_BYTES, pos - self.hashed))
+            if not chunk:
+                raise UptrainError(f"{self.path}: file ended early (truncated?)")
+            self.sha256.update(chunk)
+            self.hashed += len(chunk)
+
+    def read_into(self, start: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the bytes at [start, start + len(buffer))."""
+        self._catch_up(start)
+        self.file.seek(start)
+        done = 0
+        while done < len(buffer):
+            n = self.file.readinto(buffer[done:])
+            if not n:
+                raise UptrainError(f"{self.path}: file ended early (truncated?)")
+            self._fold(start + done, buffer[done:done + n])
+            done += n
+
+    def copy_to(self, start: int, length: int, write: Callable[[memoryview], object], chunk: bytearray) -> None:
+        """Stream [start, start + length) to `write` through a reusable chunk buffer."""
+        view = memoryview(chunk)
+        pos, end = start, start + length
+        while pos < end:
+            part = view[: min(len(view), end - pos)]
+            self.read_into(pos, part)
+            write(part)
+            pos += len(part)
+
+    def finish(self) -> str:
+        self._catch_up(os.fstat(self.file.fileno()).st_size)
+        self.file.close()
+        return self.sha256.hexdigest()
+
+
+class SourceCheckpoint:
+    """The weights of a local checkpoint folder: tensor metadata up front, data on demand."""
+
+    def __init__(self, folder: Path, allow_pickle: bool = False):
+        self.folder = folder
+        self.is_pickle = False
+        self.metadata: dict = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._readers: dict[Path, HashingReader] = {}
+        self._pickled: dict[Path, dict] = {}
+        if (folder / SAFETENSORS_INDEX).is_file():
+            self._open_safetensors(self._index_shards(folder / SAFETENSORS_INDEX))
+        elif (folder / SAFETENSORS_SINGLE).is_file():
+            self._open_safetensors({SAFETENSORS_SINGLE: None})
+        elif (folder / PICKLE_INDEX).is_file() or (folder / PICKLE_SINGLE).is_file():
+            if not allow_pickle:
+                raise UptrainError(
+                    f"{folder} holds only pickle (.bin) weights; pass --allow-pickle to read them "
+                    "(loaded with torch.load(weights_only=True))")
+            self._open_pickle(folder)
+        else:
+            raise UptrainError(f"{folder} holds no weights ({SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX})")
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({t.file for t in self.tensors.values()})
+
+    def _index_shards(self, index_path: Path) -> dict[str, set[str]]:
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise UptrainError(f"{index_path}: not a valid index (no weight_map)") from None
+        shards: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, set()).add(name)
+        return shards
+
+    def _open_safetensors(self, shards: dict[str, set[str] | None]) -> None:
+        for shard, names in shards.items():
+            path = self.folder / shard
+            if not path.is_file():
+                raise UptrainError(f"shard {shard} named in the index is missing from {self.folder}")
+            metadata, infos = read_safetensors_header(path)
+            self.metadata = self.metadata or metadata
+            held = {t.name: t for t in infos}
+            if names is not None:
+                missing = sorted(names - held.keys())
+                if missing:
+                    raise UptrainError(f"the index names {missing[0]!r} in {shard}, which does not hold it"
+                                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                held = {n: t for n, t in held.items() if n in names}
+            self.tensors.update(held)
+
+    def _open_pickle(self, folder: Path) -> None:
+        self.is_pickle = True
+        if (folder / PICKLE_INDEX).is_file():
+            shards = self._index_shards(folder / PICKLE_INDEX)
+        else:
+            shards = {PICKLE_SINGLE: None}
+        for shard, names in shards.items():
+            path = folder / shard
+            if not path.is_file():
+                raise UptrainError(f"shard {shard} named in the index is missing from {folder}")
+            state = _torch_load_safely(path)
+            if names is not None and (missing := sorted(names - state.keys())):
+                raise UptrainError(f"the index names {missing[0]!r} in {shard}, which does not hold it")
+            self._pickled[path] = state
+            for name, t in state.items():
+                if names is None or name in names:
+                    self.tensors[name] = TensorInfo(name, t.dtype, tuple(t.shape), path)
+
+    def order(self) -> list[TensorInfo]:
+        """Tensors in file order: reading them in this order reads each file front to back."""
+        return sorted(self.tensors.values(), key=lambda t: (str(t.file), t.start))
+
+    def _reader(self, path: Path) -> HashingReader:
+        if path not in self._readers:
+            self._readers[path] = HashingReader(path)
+        return self._readers[path]
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        if self.is_pickle:
+            return self._pickled[info.file][name]
+        buffer = bytearray(info.nbytes)
+        self._reader(info.file).read_into(info.start, memoryview(buffer))
+        if not buffer:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return torch.frombuffer(buffer, dtype=info.dtype).reshape(info.shape)
+
+    def copy_raw(self, name: str, write: Callable[[memoryview], object], chunk: bytearray) -> None:
+        """Send a tensor's bytes unchanged to `write`, never holding more than `chunk`."""
+        info = self.tensors[name]
+        if self.is_pickle:
+            write(tensor_bytes(self._pickled[info.file][name]))
+        else:
+            self._reader(info.file).copy_to(info.start, info.nbytes, write, chunk)
+
+    def file_hashes(self) -> dict[str, str]:
+        """sha256 of every source weight file (completes the in-order hashes)."""
+        hashes = {}
+        for path in self.files:
+            if self.is_pickle:
+                with open(path, "rb") as f:
+                    hashes[path.name] = hashlib.file_digest(f, "sha256").hexdigest()
+            else:
+                hashes[path.name] = self._reader(path).finish()
+        self._readers.clear()
+        return hashes
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.file.close()
+        self._readers.clear()
+        self._pickled.clear()
+
+
+def _torch_load_safely(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refuses arbitrary objects with an UnpicklingError
+        raise UptrainError(f"{path}: cannot be read as a weights-only pickle ({type(err).__name__})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UptrainError(f"{path}: not a state dict of tensors")
+    return state
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The little-endian bytes of a tensor, as safetensors stores them."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class OutputEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class ShardWriter:
+    """Writes one safetensors file whose header is known up front; tensors then stream in order."""
+
+    def __init__(self, path: Path, entries: list[OutputEntry], metadata: dict[str, str]):
+        self.path = path
+        self.entries = entries
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        for e in entries:
+            header[e.name] = {"dtype": TORCH_TO_ST[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keeps tensor data 8-byte aligned, as safetensors does
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+        self._remaining = 0
+
+    def begin(self, name: str) -> None:
+        entry = self.entries[self._next]
+        if entry.name != name or self._remaining:
+            raise RuntimeError(f"writing {name} out of plan order in {self.path}")
+        self._remaining = entry.nbytes
+        self._next += 1
+
+    def write(self, data: memoryview) -> None:
+        self._remaining -= len(data)
+        if self._remaining < 0:
+            raise RuntimeError(f"more bytes than planned for a tensor in {self.path}")
+        self.file.write(data)
+
+    def close(self) -> None:
+        self.file.close()
+        if self._next != len(self.entries) or self._remaining:
+            raise RuntimeError(f"{self.path}: closed before every planned tensor was written")

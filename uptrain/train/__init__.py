@@ -1,0 +1,1 @@
+"""Uptraining: data packing, the Accelerate loop, metrics, checkpoint/resume."""

@@ -30,7 +30,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-COPY_CHUNK_BYTES = 8 * 1024 * 1024
+COPY_CHUNK_BYTES = 1024 * 1024
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"

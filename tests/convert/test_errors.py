@@ -177,3 +177,9 @@ def test_console_script_exit_code_and_help(tmp_path):
     help_text = subprocess.run([uptrain, "convert", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--num-kv-heads", "--pooling", "--seed", "--dtype", "--max-shard-size", "--overwrite", "--allow-pickle"):
         assert flag in help_text
+
+
+def test_hub_id_offline_says_so(capsys, tmp_path):
+    # conftest sets HF_HUB_OFFLINE=1: an uncached Hub id must fail at once, naming the reason.
+    err = fails(capsys, tmp_path, ["some-org/some-model", "-g", 2], "could not be fetched from the Hub")
+    assert "HF_HUB_OFFLINE is set" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from uptrain import UptrainError, __version__
 
@@ -12,10 +13,22 @@ from uptrain import UptrainError, __version__
 def convert(args: argparse.Namespace) -> int:
     from uptrain.convert import convert_checkpoint
 
+    from uptrain.convert.run import resolve_source
+    from uptrain.fsutil import check_output_path
+
     _pin_malloc_mmap_threshold()
+    calibration = calibration_info = None
+    if args.calibration_data:
+        from uptrain.calibration import collect_attention_moments
+
+        check_output_path(Path(args.out).absolute(), args.overwrite)  # before minutes of calibration
+        folder, _ = resolve_source(args.src)
+        calibration, calibration_info = collect_attention_moments(folder, args.calibration_data,
+                                                                  num_tokens=args.calibration_tokens)
     out = convert_checkpoint(args.src, args.out, args.num_kv_heads, pooling=args.pooling, seed=args.seed,
                              dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                             allow_pickle=args.allow_pickle)
+                             allow_pickle=args.allow_pickle, grouping=args.grouping, calibration=calibration,
+                             calibration_info=calibration_info)
     print(f"wrote {out}")
     return 0
 
@@ -70,6 +83,14 @@ def _add_convert(sub) -> None:
                    help="how each group's heads become one: " + "; ".join(
                        f"{s.name}: {s.reference}" for s in STRATEGIES.values()) + " (default: mean)")
     p.add_argument("--seed", type=int, default=0, help="seed for --pooling random (default: 0)")
+    p.add_argument("--grouping", default="contiguous", choices=["contiguous", "similarity"],
+                   help="which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or "
+                        "similarity (renumber heads exactly so that similar K/V heads are grouped; uses the "
+                        "calibration data when given) (default: contiguous)")
+    p.add_argument("--calibration-data", metavar="FILE",
+                   help="text/jsonl/parquet file(s) or a datasets name; required by --pooling calibrated")
+    p.add_argument("--calibration-tokens", type=int, default=32768,
+                   help="tokens of calibration data read by the source model (default: 32768)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="cast floating-point tensors (default: keep each tensor's dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB or 500MiB (default: 5GB)")

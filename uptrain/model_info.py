@@ -81,3 +81,10 @@ def config_dtype(config: dict) -> str:
     """The checkpoint's declared dtype (transformers 5 writes `dtype`, older `torch_dtype`)."""
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return str(dtype).removeprefix("torch.")
+
+
+def rotary_dim(config: dict, head_dim: int) -> int:
+    """Dims of each head that RoPE rotates (the rest pass through): head_dim × partial_rotary_factor."""
+    rope = config.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return int(head_dim * factor)

@@ -17,6 +17,9 @@ from uptrain import UptrainError
 @dataclass(frozen=True)
 class AttentionLayout:
     attn_prefix: str = "model.layers.{layer}.self_attn"
+    # Query and output projections: rewritten only by whole-layer merges (calibrated, similarity).
+    q_proj: str = "q_proj"
+    o_proj: str = "o_proj"
     kv_modules: tuple[str, ...] = ("k_proj", "v_proj")
     # Row-pooled tensors inside each module ("weight", "bias" when present).
     kv_rows: tuple[str, ...] = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
@@ -36,7 +39,7 @@ LAYOUTS: dict[str, AttentionLayout] = {
     "qwen3": AttentionLayout(notes="k_norm acts on head_dim only and is shared by all heads"),
     "gemma": AttentionLayout(notes="explicit head_dim"),
     "gemma2": AttentionLayout(notes="explicit head_dim"),
-    "phi": AttentionLayout(notes="biases, partial rotary; k_layernorm (optional) is shared by all heads"),
+    "phi": AttentionLayout(o_proj="dense", notes="biases, partial rotary; k_layernorm (optional) is shared by all heads"),
     "phi3": AttentionLayout(kv_modules=("qkv_proj",), kv_rows=(), fused_qkv="qkv_proj.weight",
                             notes="fused qkv_proj = [Q | K | V]"),
     "stablelm": AttentionLayout(

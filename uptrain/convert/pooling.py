@@ -29,8 +29,10 @@ class PoolingContext:
 class Strategy:
     name: str
     reference: str
-    fn: Callable[[torch.Tensor, PoolingContext], torch.Tensor]
+    fn: Callable[[torch.Tensor, PoolingContext], torch.Tensor] | None
     lossless_on_identical_heads: bool
+    # Sees a whole layer's Q, K, V, O and calibration statistics (convert/calibrated.py).
+    whole_layer: bool = False
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -65,6 +67,11 @@ def pool_random(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
         return torch.ones(shape, dtype=heads.dtype)
     generator = torch.Generator().manual_seed(_tensor_seed(ctx.seed, ctx.tensor_name))
     return torch.randn(shape, generator=generator, dtype=heads.dtype) * ctx.init_std
+
+
+STRATEGIES["calibrated"] = Strategy(
+    "calibrated", "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
+    "rows (RoPE-safe complex scales) and o_proj columns", None, True, whole_layer=True)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

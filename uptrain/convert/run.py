@@ -19,10 +19,12 @@ from uptrain import UptrainError
 from uptrain.convert.grouping import check_num_kv_heads, kv_groups, query_to_kv
 from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, COPY_CHUNK_BYTES, OutputEntry,
                                 ShardWriter, SourceCheckpoint, tensor_bytes)
+from uptrain.convert.layer_merge import (GROUPINGS, LayerMerger, check_whole_layer_support,
+                                         layer_tensor_names)
 from uptrain.convert.layouts import AttentionLayout, layout_for
 from uptrain.convert.pooling import PoolingContext, Role, Strategy, get_strategy, pool_rows
 from uptrain.fsutil import atomic_directory, check_output_path
-from uptrain.model_info import AttentionGeometry, attention_geometry, read_config
+from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Files besides the weights that make the output a usable checkpoint.
@@ -34,8 +36,11 @@ SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.jso
 class PlannedTensor:
     out: OutputEntry
     sources: list[str]
-    kind: str  # "copy" (same bytes), "cast", "rows" (pooled rows), "fused" (Q|K|V), "per_head"
+    # "copy" (same bytes), "cast", "rows" (pooled rows), "fused" (Q|K|V), "per_head",
+    # "layer" (rewritten by a whole-layer merge)
+    kind: str
     role: Role = "weight"
+    layer: int | None = None
 
 
 @dataclass
@@ -69,8 +74,13 @@ def _role(rel_name: str) -> Role:
 
 
 def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
-                    num_kv_heads: int, cast: torch.dtype | None) -> ConversionPlan:
-    """Decide every output tensor. Raises on a K/V tensor the layout does not describe."""
+                    num_kv_heads: int, cast: torch.dtype | None, whole_layer: Strategy | None = None,
+                    grouping: str = "contiguous") -> ConversionPlan:
+    """Decide every output tensor. Raises on a K/V tensor the layout does not describe.
+
+    With `whole_layer` (a strategy that needs it, or similarity grouping) each layer's Q, K, V
+    and O tensors are planned as one unit for `LayerMerger`.
+    """
     g, h, kv, d = num_kv_heads, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
     tensors = source.tensors
     pooled: dict[str, PlannedTensor] = {}  # keyed by the first source tensor
@@ -83,6 +93,9 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
     for layer in range(geometry.num_layers):
         prefix = layout.attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]
+        if whole_layer is not None:
+            _plan_whole_layer(pooled, tensors, layout, geometry, layer, g, out_dtype, whole_layer, grouping)
+            continue
         for rel in layout.kv_rows:
             name = prefix + rel
             if name not in tensors:
@@ -132,6 +145,25 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
     return plan
 
 
+def _plan_whole_layer(pooled: dict, tensors: dict, layout: AttentionLayout, geometry: AttentionGeometry,
+                      layer: int, g: int, out_dtype, strategy: Strategy, grouping: str) -> None:
+    prefix = layout.attn_prefix.format(layer=layer) + "."
+    names = layer_tensor_names(layout)
+    extra = {n: tensors[n].shape for n in tensors
+             if n.startswith(prefix) and n[len(prefix):] not in names and not n.endswith(f"{layout.o_proj}.bias")}
+    check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim)
+    for rel, field in names.items():
+        name = prefix + rel
+        if name not in tensors:
+            if field.endswith("_w"):
+                raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
+            continue
+        shape = tensors[name].shape
+        if field[0] in "kv":
+            shape = (g * geometry.head_dim, *shape[1:])
+        pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), shape), [name], "layer", layer=layer)
+
+
 def shard_plan(plan: ConversionPlan, max_shard_bytes: int) -> list[list[PlannedTensor]]:
     """Split the plan, in order, into shards no larger than the limit (a bigger tensor gets its own)."""
     shards: list[list[PlannedTensor]] = [[]]
@@ -146,9 +178,11 @@ def shard_plan(plan: ConversionPlan, max_shard_bytes: int) -> list[list[PlannedT
 
 
 def _compute(t: PlannedTensor, source: SourceCheckpoint, plan: ConversionPlan, strategy: Strategy,
-             seed: int, init_std: float) -> torch.Tensor:
+             seed: int, init_std: float, merger: LayerMerger | None) -> torch.Tensor:
     geo, g = plan.geometry, plan.num_kv_heads
     ctx = PoolingContext(t.role, t.out.name, seed, init_std)
+    if t.kind == "layer":
+        return merger.tensor(t.layer, t.out.name).to(t.out.dtype)
     if t.kind == "cast":
         return source.read_tensor(t.sources[0]).to(t.out.dtype)
     if t.kind == "rows":
@@ -191,14 +225,23 @@ def resolve_source(src: str | Path) -> tuple[Path, str]:
 
 def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pooling: str = "mean",
                        seed: int = 0, dtype: str | None = None, max_shard_size: int | str = "5GB",
-                       overwrite: bool = False, allow_pickle: bool = False, progress: bool | None = None) -> Path:
+                       overwrite: bool = False, allow_pickle: bool = False, progress: bool | None = None,
+                       grouping: str = "contiguous", calibration: dict[int, torch.Tensor] | None = None,
+                       calibration_info: dict | None = None) -> Path:
     """Convert the checkpoint at `src` to `num_kv_heads` KV heads and write it to `out`.
 
     Streams: holds at most one source tensor (one layer's K or V) and the tensor being
-    written. `out` appears only when everything succeeded. Returns the output folder.
+    written — one layer's Q, K, V and O for `calibrated` pooling or `similarity` grouping.
+    `calibration` maps each layer to the second moment of its attention input, augmented with
+    a constant 1 ((hidden + 1)², see `uptrain.calibration`). `out` appears only when
+    everything succeeded. Returns the output folder.
     """
     out = Path(out).absolute()
     strategy = get_strategy(pooling)
+    if grouping not in GROUPINGS:
+        raise UptrainError(f"--grouping must be one of {', '.join(GROUPINGS)}, got {grouping!r}")
+    if strategy.whole_layer and calibration is None:
+        raise UptrainError(f"--pooling {pooling} needs calibration data (--calibration-data FILE)")
     cast = None
     if dtype is not None:
         if dtype not in DTYPES:
@@ -213,14 +256,23 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pool
     check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, num_kv_heads)
     source = SourceCheckpoint(folder, allow_pickle=allow_pickle)
     try:
-        plan = plan_conversion(source, layout, geometry, num_kv_heads, cast)
+        whole_layer = strategy.whole_layer or grouping != "contiguous"
+        plan = plan_conversion(source, layout, geometry, num_kv_heads, cast,
+                               whole_layer=strategy if whole_layer else None, grouping=grouping)
+        init_std = config.get("initializer_range", 0.02)
+        merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, grouping,
+                             rotary_dim(config, geometry.head_dim), calibration, seed, init_std)
         with atomic_directory(out, overwrite) as tmp:
-            _write_weights(plan, source, tmp, strategy, seed, config.get("initializer_range", 0.02),
-                           max_shard_bytes, progress)
+            _write_weights(plan, source, tmp, strategy, seed, init_std, max_shard_bytes, progress, merger)
             hashes = source.file_hashes()
             _write_config(folder, tmp, config, num_kv_heads, dtype)
             _copy_side_files(folder, tmp, config)
             provenance = _provenance(label, hashes, strategy, seed, plan, dtype)
+            provenance["grouping"] = grouping
+            if merger.kv_orders:
+                provenance["kv_head_order"] = {str(k): v for k, v in merger.kv_orders.items()}
+            if calibration_info:
+                provenance["calibration"] = calibration_info
             (tmp / "uptrain.json").write_text(json.dumps(provenance, indent=2) + "\n")
             (tmp / "README.md").write_text(_model_card(provenance))
     finally:
@@ -229,7 +281,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pool
 
 
 def _write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path, strategy: Strategy,
-                   seed: int, init_std: float, max_shard_bytes: int, progress: bool | None) -> None:
+                   seed: int, init_std: float, max_shard_bytes: int, progress: bool | None,
+                   merger: LayerMerger) -> None:
     shards = shard_plan(plan, max_shard_bytes)
     metadata = {**{k: str(v) for k, v in source.metadata.items()}, "format": "pt"}
     names = ([SAFETENSORS_SINGLE] if len(shards) == 1 else
@@ -247,7 +300,7 @@ def _write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path,
                     if t.kind == "copy":
                         source.copy_raw(t.sources[0], writer.write, chunk)
                     else:
-                        writer.write(tensor_bytes(_compute(t, source, plan, strategy, seed, init_std)))
+                        writer.write(tensor_bytes(_compute(t, source, plan, strategy, seed, init_std, merger)))
                     weight_map[t.out.name] = shard_name
                     bar.update(t.out.nbytes)
             finally:

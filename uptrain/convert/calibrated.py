@@ -1,0 +1,212 @@
+"""Whole-layer K/V merges: the `calibrated` strategy and `similarity` grouping.
+
+Unlike the per-tensor strategies in pooling.py these see one layer's Q, K, V and O at once,
+because every per-head correction is folded into that head's `q_proj` rows or `o_proj`
+columns: the output keeps exactly the shapes of plain GQA.
+
+Notation: x is the attention input (after the layer's input norm) augmented with a constant
+1, so biases are columns of the weights; C = E[x xᵀ] over calibration tokens, (D+1)×(D+1).
+Query head q reads source KV head s(q) = q // n_rep; the group of target KV head j holds the
+source KV heads j·r … (j+1)·r − 1 (contiguous, after any similarity permutation).
+
+Values. Head q's output is O_q · Σ_t a_qt · W_s v-inputs; with a shared W and a per-source-head
+map M_s folded into O_q, the error Σ_q ‖O_q (M_s W − W_s) x‖² is minimised by
+M_s = W_s C Wᵀ (given W C Wᵀ = I) and W = the top-d principal directions of
+Σ_s W_sᵀ G_s W_s under C, G_s = Σ_{q→s} O_qᵀ O_q — a closed-form PCA.
+
+Keys. RoPE rotates each frequency pair (dims i and i + rot/2, transformers' rotate_half
+layout) as a complex number, so the only per-head maps that commute with it are complex
+scales per pair. Each source head's key pair u_s is approximated by σ_s · v (shared v, complex
+scale σ_s), weighted by its queries' energy E|q|²; the best v is a rank-1 Hermitian
+eigenproblem, and conj(σ_s) is folded into the query pair rows. Dimensions outside the
+rotary part are handled the same way with real scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass
+class LayerAttention:
+    """One layer's attention projections in float64; biases None when absent."""
+    q_w: torch.Tensor  # [h·d, D]
+    k_w: torch.Tensor  # [kv·d, D]
+    v_w: torch.Tensor  # [kv·d, D]
+    o_w: torch.Tensor  # [D, h·d]
+    q_b: torch.Tensor | None
+    k_b: torch.Tensor | None
+    v_b: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # dims [0, rotary_dim) rotate in pairs (i, i + rotary_dim / 2)
+
+    @property
+    def n_rep(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _augment(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    ones_col = b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+    return torch.cat([w, ones_col[:, None]], dim=1)
+
+
+def _split(w_aug: torch.Tensor, had_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return w_aug[:, :-1].contiguous(), (w_aug[:, -1].contiguous() if had_bias else None)
+
+
+def _psd_sqrt(m: torch.Tensor) -> torch.Tensor:
+    vals, vecs = torch.linalg.eigh((m + m.mT) / 2)
+    return (vecs * vals.clamp(min=0).sqrt()) @ vecs.mT
+
+
+def regularised(c: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """C plus a small ridge so directions the calibration text never visited stay invertible."""
+    scale = c.diagonal().mean().clamp(min=1e-12)
+    return c + ridge * scale * torch.eye(c.shape[0], dtype=c.dtype)
+
+
+def merge_values(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                             torch.Tensor]:
+    """Shared V per group and o_proj with each head's map folded in: (v_w, v_b, o_w)."""
+    d, kv = layer.head_dim, layer.num_kv_heads
+    r = kv // groups
+    v_aug = _augment(layer.v_w, layer.v_b)
+    o_w = layer.o_w.clone()
+    new_v = []
+    for j in range(groups):
+        sources = range(j * r, (j + 1) * r)
+        blocks = []
+        for s in sources:
+            o_cols = [layer.o_w[:, q * d:(q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
+            gram = sum(o.mT @ o for o in o_cols)
+            blocks.append(_psd_sqrt(gram) @ v_aug[s * d:(s + 1) * d])
+        a = torch.cat(blocks)  # [r·d, D+1]
+        vals, vecs = torch.linalg.eigh(a @ c @ a.mT)
+        top_vals, top_vecs = vals[-d:].flip(0), vecs[:, -d:].flip(1)
+        w = (top_vecs / top_vals.clamp(min=1e-30).sqrt()).mT @ a  # [d, D+1], w C wᵀ = I
+        new_v.append(w)
+        for s in sources:
+            m = v_aug[s * d:(s + 1) * d] @ c @ w.mT  # [d, d]
+            for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
+                o_w[:, q * d:(q + 1) * d] = layer.o_w[:, q * d:(q + 1) * d] @ m
+    v_w, v_b = _split(torch.cat(new_v), layer.v_b is not None)
+    return v_w, v_b, o_w
+
+
+def _rank_one(u: torch.Tensor, alpha: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best shared v and scales σ with u_s ≈ σ_s v under Σ_s α_s ‖·‖²_C.
+
+    u: [P, r, D+1] (complex for rotary pairs, real otherwise), alpha: [P, r].
+    Returns v: [P, D+1], sigma: [P, r].
+    """
+    a = u * alpha.sqrt()[..., None]  # [P, r, D+1]
+    cc = c.to(a.dtype)
+    gram = a.conj() @ cc @ a.mT  # [P, r, r], gram[p, s, t] = a_s^H C a_t
+    vals, vecs = torch.linalg.eigh(gram)
+    lam, e = vals[:, -1].clamp(min=1e-30), vecs[:, :, -1]  # [P], [P, r]
+    v = (e[:, None, :] @ a)[:, 0] / lam.sqrt()[:, None].to(a.dtype)  # v = Σ_s e_s a_s / √λ
+    s_prime = (e.conj()[:, None, :] @ gram)[:, 0] / lam.sqrt()[:, None].to(a.dtype)  # [P, r]
+    # Heads whose queries carry no energy have α = 0: any scale is as good; keep theirs finite.
+    sigma = torch.where(alpha > 0, s_prime / alpha.clamp(min=1e-30).sqrt().to(a.dtype), torch.zeros_like(s_prime))
+    return v, sigma
+
+
+def merge_keys(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                           torch.Tensor, torch.Tensor | None]:
+    """Shared K per group; each query head's rows absorb its conj(σ): (k_w, k_b, q_w, q_b)."""
+    d, kv, rot = layer.head_dim, layer.num_kv_heads, layer.rotary_dim
+    r, half = kv // groups, rot // 2
+    k_aug = _augment(layer.k_w, layer.k_b).view(kv, d, -1)
+    q_aug = _augment(layer.q_w, layer.q_b).view(layer.num_heads, d, -1)
+    new_k = torch.zeros(groups, d, k_aug.shape[-1], dtype=k_aug.dtype)
+    new_q = q_aug.clone()
+    # Query energy per source KV head and dim: α[s, i] = Σ_{q→s} E[(q_i)²].
+    q_energy = torch.einsum("hdx,xy,hdy->hd", q_aug, c, q_aug).view(kv, layer.n_rep, d).sum(1)
+    for j in range(groups):
+        sources = list(range(j * r, (j + 1) * r))
+        ks = k_aug[sources]  # [r, d, D+1]
+        if half:
+            u = torch.complex(ks[:, :half], ks[:, half:rot]).transpose(0, 1)  # [half, r, D+1]
+            alpha = (q_energy[sources, :half] + q_energy[sources, half:rot]).mT  # [half, r]
+            v, sigma = _rank_one(u, alpha, c)
+            new_k[j, :half], new_k[j, half:rot] = v.real, v.imag
+            for i, s in enumerate(sources):
+                for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
+                    pair = torch.complex(q_aug[q, :half], q_aug[q, half:rot]) * sigma[:, i, None].conj()
+                    new_q[q, :half], new_q[q, half:rot] = pair.real, pair.imag
+        if rot < d:  # dims RoPE leaves alone: real scales
+            u = ks[:, rot:].transpose(0, 1)  # [d - rot, r, D+1]
+            v, sigma = _rank_one(u, q_energy[sources, rot:].mT, c)
+            new_k[j, rot:] = v
+            for i, s in enumerate(sources):
+                for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
+                    new_q[q, rot:] = q_aug[q, rot:] * sigma[:, i, None]
+    k_w, k_b = _split(new_k.reshape(groups * d, -1), layer.k_b is not None)
+    q_w, q_b = _split(new_q.reshape(layer.num_heads * d, -1), layer.q_b is not None)
+    return k_w, k_b, q_w, q_b
+
+
+def calibrated_merge(layer: LayerAttention, groups: int, c: torch.Tensor) -> LayerAttention:
+    """Pool a layer to `groups` KV heads with the calibrated K and V merges."""
+    c = regularised(c)
+    v_w, v_b, o_w = merge_values(layer, groups, c)
+    k_w, k_b, q_w, q_b = merge_keys(layer, groups, c)
+    return replace(layer, q_w=q_w, q_b=q_b, k_w=k_w, k_b=k_b, v_w=v_w, v_b=v_b, o_w=o_w, num_kv_heads=groups)
+
+
+def head_similarity(layer: LayerAttention, c: torch.Tensor) -> torch.Tensor:
+    """[kv, kv] similarity of source KV heads: how much their K and V read the same input
+    directions under C (1 for heads spanning the same subspace, 0 for orthogonal ones)."""
+    d, kv = layer.head_dim, layer.num_kv_heads
+    sim = torch.zeros(kv, kv, dtype=torch.float64)
+    for w in (_augment(layer.k_w, layer.k_b), _augment(layer.v_w, layer.v_b)):
+        heads = w.view(kv, d, -1)
+        cross = torch.einsum("sdx,xy,tey->stde", heads, c, heads).pow(2).sum((2, 3))  # ‖W_s C W_tᵀ‖²_F
+        norms = cross.diagonal().sqrt()
+        sim += cross / (norms[:, None] * norms[None, :]).clamp(min=1e-30)
+    return sim
+
+
+def similarity_order(sim: torch.Tensor, groups: int) -> list[int]:
+    """Order source KV heads so that contiguous groups gather similar heads.
+
+    Greedy and index-free (ties aside): seed each group with the most similar free pair, grow
+    it with the free head closest to the group. Renumbering the heads of a model therefore
+    yields the same groups.
+    """
+    kv = sim.shape[0]
+    r = kv // groups
+    if r == 1:
+        return list(range(kv))
+    free = set(range(kv))
+    chosen: list[list[int]] = []
+    while free:
+        pairs = [(sim[s, t].item(), s, t) for s in free for t in free if s < t]
+        _, s, t = max(pairs)
+        group = [s, t]
+        while len(group) < r:
+            rest = free - set(group)
+            group.append(max(rest, key=lambda u: sum(sim[u, g].item() for g in group)))
+        free -= set(group)
+        chosen.append(sorted(group))
+    chosen.sort()
+    return [s for group in chosen for s in group]
+
+
+def permute_kv_heads(layer: LayerAttention, order: list[int]) -> LayerAttention:
+    """Renumber KV heads (and the query heads that read them) — exact: Q rows, K/V rows and
+    O columns move together, so the layer computes the same function."""
+    d, n_rep = layer.head_dim, layer.n_rep
+    kv_rows = torch.tensor([s * d + i for s in order for i in range(d)])
+    q_rows = torch.tensor([(s * n_rep + k) * d + i for s in order for k in range(n_rep) for i in range(d)])
+
+    def rows(t, index):
+        return None if t is None else t[index]
+
+    return replace(layer, q_w=layer.q_w[q_rows], q_b=rows(layer.q_b, q_rows), k_w=layer.k_w[kv_rows],
+                   k_b=rows(layer.k_b, kv_rows), v_w=layer.v_w[kv_rows], v_b=rows(layer.v_b, kv_rows),
+                   o_w=layer.o_w[:, q_rows])

@@ -1,0 +1,98 @@
+"""Executes whole-layer conversions (calibrated merge, similarity grouping) while streaming.
+
+The converter asks for one output tensor at a time in file order; the first request for a
+layer reads that layer's Q, K, V and O, merges them, and keeps the results until each has
+been written. Memory: one layer's attention projections.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from uptrain import UptrainError
+from uptrain.convert.calibrated import (LayerAttention, calibrated_merge, head_similarity, permute_kv_heads,
+                                        similarity_order)
+from uptrain.convert.io import SourceCheckpoint
+from uptrain.convert.layouts import AttentionLayout
+from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
+from uptrain.model_info import AttentionGeometry
+
+GROUPINGS = ("contiguous", "similarity")
+# Tensors of one attention module that a whole-layer merge reads and rewrites.
+PARTS = ("q", "k", "v", "o")
+
+
+def layer_tensor_names(layout: AttentionLayout) -> dict[str, str]:
+    """Relative names ('q_proj.weight', …) → field of LayerAttention ('q_w', …)."""
+    modules = {"q": layout.q_proj, "k": "k_proj", "v": "v_proj", "o": layout.o_proj}
+    names = {f"{modules[p]}.weight": f"{p}_w" for p in PARTS}
+    names.update({f"{modules[p]}.bias": f"{p}_b" for p in "qkv"})
+    return names
+
+
+def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, grouping: str, model_type: str,
+                              extra_tensors: dict[str, tuple[int, ...]], head_dim: int) -> None:
+    """Refuse layouts whose extra attention tensors would break the merge's exactness."""
+    what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
+    if layout.fused_qkv or layout.per_head_kv:
+        raise UptrainError(f"{what} does not support {model_type} yet (fused or per-head attention tensors)")
+    for name, shape in extra_tensors.items():
+        # A norm shared by all heads over head_dim survives renumbering heads, not re-mixing them.
+        if strategy.whole_layer or shape != (head_dim,):
+            raise UptrainError(f"{what} cannot carry {name} through the merge ({model_type} q/k norms); "
+                               "use mean, first or random with contiguous grouping")
+
+
+class LayerMerger:
+    def __init__(self, source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
+                 num_kv_heads: int, strategy: Strategy, grouping: str, rotary_dim: int,
+                 calibration: dict[int, torch.Tensor] | None, seed: int, init_std: float):
+        self.source, self.layout, self.geometry = source, layout, geometry
+        self.num_kv_heads, self.strategy, self.grouping = num_kv_heads, strategy, grouping
+        self.rotary_dim, self.calibration, self.seed, self.init_std = rotary_dim, calibration, seed, init_std
+        self.names = layer_tensor_names(layout)
+        self.kv_orders: dict[int, list[int]] = {}  # layer → source KV heads in their new order
+        self._layer: int | None = None
+        self._outputs: dict[str, torch.Tensor] = {}
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        if layer != self._layer:
+            self._outputs = self._merge(layer)
+            self._layer = layer
+        return self._outputs.pop(name)
+
+    def _second_moment(self, layer: int) -> torch.Tensor:
+        if self.calibration is not None:
+            return self.calibration[layer].to(torch.float64)
+        return torch.eye(self.geometry.hidden_size + 1, dtype=torch.float64)  # weight-space similarity
+
+    def _merge(self, layer: int) -> dict[str, torch.Tensor]:
+        prefix = self.layout.attn_prefix.format(layer=layer) + "."
+        geo = self.geometry
+        fields, dtypes = {}, {}
+        for rel, field in self.names.items():
+            name = prefix + rel
+            if name in self.source.tensors:
+                t = self.source.read_tensor(name)
+                fields[field], dtypes[field] = t.to(torch.float64), t.dtype
+            else:
+                fields[field] = None
+        attention = LayerAttention(**fields, num_heads=geo.num_heads, num_kv_heads=geo.num_kv_heads,
+                                   head_dim=geo.head_dim, rotary_dim=self.rotary_dim)
+        c = self._second_moment(layer)
+        if self.grouping == "similarity":
+            order = similarity_order(head_similarity(attention, c), self.num_kv_heads)
+            attention = permute_kv_heads(attention, order)
+            self.kv_orders[layer] = order
+        if self.strategy.whole_layer:
+            attention = calibrated_merge(attention, self.num_kv_heads, c)
+        else:
+            for field in ("k_w", "k_b", "v_w", "v_b"):
+                t = getattr(attention, field)
+                if t is not None:
+                    role = "bias" if field.endswith("_b") else "weight"
+                    ctx = PoolingContext(role, prefix + f"{field[0]}_proj.{'bias' if role == 'bias' else 'weight'}",
+                                         self.seed, self.init_std)
+                    setattr(attention, field, pool_rows(t, self.num_kv_heads, geo.head_dim, self.strategy, ctx))
+        return {prefix + rel: getattr(attention, field).to(dtypes[field])
+                for rel, field in self.names.items() if fields[field] is not None}

@@ -61,11 +61,31 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from uptrain.demo import format_rows, run_demo
+    from uptrain.compare.report import write_report
+    from uptrain.compare.run import run_compare
+    from uptrain.demo import demo_spec, prepare_output
 
-    print(format_rows(run_demo(args.output_dir, overwrite=args.overwrite)))
-    print("Random weights: the Δ logit column shows how far pooling moves an untrained model. "
-          "G = 8 is the identity.")
+    spec = demo_spec(args.output_dir)
+    prepare_output(args.output_dir, args.overwrite)
+    files = write_report(run_compare(spec), args.output_dir)
+    print(files["markdown"].read_text())
+    print("plots:\n" + "\n".join(f"  {path}" for name, path in files.items() if path.suffix == ".png"))
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    from uptrain.compare.report import write_report
+    from uptrain.compare.run import CompareSpec, run_compare
+
+    spec = CompareSpec(
+        model=args.model, num_kv_heads=args.num_kv_heads, pooling=args.pooling, train_data=args.train_data,
+        eval_data=args.eval_data, output_dir=args.output_dir, max_tokens=args.max_tokens,
+        uptrain_fraction=args.uptrain_fraction, pretrain_tokens=args.pretrain_tokens, seq_len=args.seq_len,
+        batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+        eval_blocks=args.eval_blocks, seed=args.seed, report_to=args.report_to)
+    files = write_report(run_compare(spec), args.output_dir)
+    print(files["markdown"].read_text())
+    print("\n".join(f"{name:>22}: {path}" for name, path in files.items()))
     return 0
 
 
@@ -122,12 +142,47 @@ def _add_train(sub) -> None:
     p.set_defaults(func=train)
 
 
+def _add_compare(sub) -> None:
+    from uptrain.corpus import split_path
+
+    p = sub.add_parser("compare", help="compare pooling strategies and KV-head counts, before and after uptraining",
+                       description="For every (G, pooling): convert, evaluate at α = 0, uptrain with identical data, "
+                                   "seed and budget, evaluate along the way. The MHA model, trained with the same "
+                                   "budget, is the reference row. Writes results.csv, results.md and PNG plots; a "
+                                   "killed compare resumes where it stopped.")
+    p.add_argument("--model", required=True, help="the MHA (or GQA) checkpoint folder")
+    p.add_argument("--num-kv-heads", type=int, nargs="+", required=True, metavar="G", help="KV head counts to try")
+    p.add_argument("--pooling", nargs="+", default=["mean", "first", "random"],
+                   help="strategies to try (default: mean first random; calibrated also works)")
+    p.add_argument("--train-data", default=str(split_path("train")),
+                   help="uptraining text (default: the shipped corpus's train split)")
+    p.add_argument("--eval-data", default=str(split_path("validation")),
+                   help="evaluation text (default: the shipped corpus's validation split)")
+    p.add_argument("--output-dir", required=True, help="runs, results and plots go here")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--uptrain-fraction", type=float, help="α: share of the pretraining tokens (paper: 0.05)")
+    budget.add_argument("--max-tokens", type=int, help="uptraining tokens per run")
+    p.add_argument("--pretrain-tokens", type=float,
+                   help="tokens the model was pretrained on (default: from its card, reference.json)")
+    p.add_argument("--seq-len", type=int, default=256, help="default: 256")
+    p.add_argument("--batch-size", type=int, default=8, help="blocks per step (default: 8)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
+    p.add_argument("--warmup-steps", type=int, default=10, help="default: 10")
+    p.add_argument("--eval-every", type=int, default=10, help="evaluate (and checkpoint) every N steps (default: 10)")
+    p.add_argument("--eval-blocks", type=int, default=64, help="eval blocks of seq-len tokens (default: 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-to", nargs="+", default=["wandb", "jsonl"], help="wandb jsonl none (default: wandb jsonl)")
+    p.set_defaults(func=compare)
+
+
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="build a small MHA checkpoint and convert it to every number of KV heads",
-                       description="Build a small random-weight MHA Llama, convert it to each valid G with mean "
-                                   "pooling, load every result with transformers and show its KV cache.")
-    p.add_argument("--output-dir", default="demo-output", help="where checkpoints go (default: demo-output)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output dir")
+    p = sub.add_parser("demo", help="the pooling study on the shipped reference model (about ten minutes on 2 cores)",
+                       description="`uptrain compare` on the shipped MHA reference model and corpus: G = 2 and "
+                                   "G = 1 with mean, first and random pooling, each uptrained for α = 5%% of the "
+                                   "model's pretraining. Prints the table and where the plots are; rerunning picks "
+                                   "up finished runs.")
+    p.add_argument("--output-dir", default="demo-output", help="runs, results and plots (default: demo-output)")
+    p.add_argument("--overwrite", action="store_true", help="discard an earlier demo in the output dir")
     p.set_defaults(func=demo)
 
 
@@ -135,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uptrain", description="Convert MHA checkpoints to GQA and uptrain them.")
     parser.add_argument("--version", action="version", version=f"uptrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_convert, _add_inspect, _add_train, _add_demo):
+    for add in (_add_convert, _add_inspect, _add_train, _add_compare, _add_demo):
         add(sub)
     return parser
 

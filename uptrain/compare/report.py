@@ -1,0 +1,136 @@
+"""The comparison's table (CSV and Markdown) and its three plots, in the shapes of the GQA paper's
+Fig. 4 (strategies), Fig. 5 (quality vs uptraining) and Fig. 6 (quality and cost vs KV heads)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from uptrain.compare.run import MHA, RunResult
+
+COLUMNS = ["num_kv_heads", "pooling", "eval_loss_before", "perplexity_before", "eval_loss_after",
+           "perplexity_after", "gap_to_mha_before", "gap_to_mha_after", "kv_cache_bytes_per_token", "uptrain_tokens"]
+
+
+def table_rows(results: list[RunResult]) -> list[dict]:
+    """One row per run. Gaps are eval-loss differences to the MHA row at the same point: before
+    uptraining (the original model) and after (MHA trained with the same budget)."""
+    mha = next(r for r in results if r.pooling == MHA)
+    return [{
+        "num_kv_heads": r.num_kv_heads, "pooling": r.pooling,
+        "eval_loss_before": r.eval_loss_before, "perplexity_before": r.perplexity_before,
+        "eval_loss_after": r.eval_loss_after, "perplexity_after": r.perplexity_after,
+        "gap_to_mha_before": r.eval_loss_before - mha.eval_loss_before,
+        "gap_to_mha_after": r.eval_loss_after - mha.eval_loss_after,
+        "kv_cache_bytes_per_token": r.kv_cache_bytes_per_token, "uptrain_tokens": r.uptrain_tokens,
+    } for r in results]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
+            "| KV bytes/token | uptrain tokens |")
+    lines = [head, "|" + "---:|" * 2 + "---:|" * 8]
+    for r in rows:
+        lines.append(f"| {r['num_kv_heads']} | {r['pooling']} | {r['eval_loss_before']:.4f} | "
+                     f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
+                     f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
+                     f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    mha = next(r for r in results if r.pooling == MHA)
+    runs = [r for r in results if r.pooling != MHA]
+    strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
+    groups = sorted({r.num_kv_heads for r in runs}, reverse=True)
+    colors = {p: f"C{i}" for i, p in enumerate(strategies)}
+    paths = []
+
+    # Fig. 5 shape: eval loss along uptraining, one panel per G.
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), sharey=True, squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        for r in (r for r in runs if r.num_kv_heads == g):
+            tokens, losses = zip(*r.curve)
+            ax.plot(tokens, losses, marker="o", ms=3, color=colors[r.pooling], label=r.pooling)
+        tokens, losses = zip(*mha.curve)
+        ax.plot(tokens, losses, color="black", ls="--", label="MHA")
+        ax.set_title(f"G = {g}" + (" (MQA)" if g == 1 else ""))
+        ax.set_xlabel("uptraining tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("eval loss")
+    axes[0][-1].legend()
+    fig.tight_layout()
+    paths.append(_save(fig, folder / "loss_vs_uptraining.png"))
+
+    # Fig. 6 shape: final quality and KV-cache size against the number of KV heads.
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for p in strategies:
+        points = sorted((r.num_kv_heads, r.eval_loss_after) for r in runs if r.pooling == p)
+        ax.plot(*zip(*points), marker="o", color=colors[p], label=f"{p} (after uptraining)")
+    ax.axhline(mha.eval_loss_after, color="black", ls="--", label="MHA (same uptraining)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV heads G")
+    ax.set_ylabel("eval loss")
+    twin = ax.twinx()
+    sizes = sorted({(r.num_kv_heads, r.kv_cache_bytes_per_token) for r in runs} | {(mha.num_kv_heads,
+                                                                                   mha.kv_cache_bytes_per_token)})
+    twin.bar([g for g, _ in sizes], [b / 1024 for _, b in sizes], width=[0.25 * g for g, _ in sizes],
+             color="grey", alpha=0.25)
+    twin.set_ylabel("KV cache KiB / token (bars)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, folder / "quality_vs_kv_heads.png"))
+
+    # Fig. 4 shape: strategies side by side, before and after uptraining.
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    width = 0.8 / max(1, len(strategies))
+    for ax, when in zip(axes, ("before", "after")):
+        for i, p in enumerate(strategies):
+            xs, ys = [], []
+            for k, g in enumerate(groups):
+                r = next((r for r in runs if r.num_kv_heads == g and r.pooling == p), None)
+                if r is not None:
+                    xs.append(k + i * width)
+                    ys.append(r.eval_loss_before if when == "before" else r.eval_loss_after)
+            ax.bar(xs, ys, width=width, color=colors[p], label=p)
+        ax.axhline(mha.eval_loss_before if when == "before" else mha.eval_loss_after, color="black", ls="--")
+        ax.set_xticks([k + width * (len(strategies) - 1) / 2 for k in range(len(groups))], [f"G={g}" for g in groups])
+        ax.set_title("right after conversion (α = 0)" if when == "before"
+                     else f"after uptraining ({runs[0].uptrain_tokens:,} tokens)")
+        finite = [r.eval_loss_before for r in results] + [r.eval_loss_after for r in results]
+        ax.set_ylim(min(finite) * 0.95, max(v for v in finite if math.isfinite(v)) * 1.02)
+    axes[0].set_ylabel("eval loss (dashed: MHA)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, folder / "strategies.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: list[RunResult], folder: str | Path) -> dict[str, Path]:
+    folder = Path(folder)
+    rows = table_rows(results)
+    write_csv(rows, folder / "results.csv")
+    (folder / "results.md").write_text(markdown(rows))
+    plots = write_plots(results, folder)
+    return {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}

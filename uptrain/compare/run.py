@@ -1,0 +1,175 @@
+"""`uptrain compare`: convert one MHA model every way asked, uptrain each run identically, collect.
+
+For every (G, pooling) the model is converted, evaluated at α = 0 (the training loop's step-0
+evaluation) and uptrained with the same data, seed, schedule and token budget. The MHA model
+itself is trained with the same budget as the reference row, so that what uptraining alone buys
+an undertrained model is not credited to GQA. Each finished run leaves `result.json`; a killed
+compare picks those up and resumes the unfinished run from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from uptrain import UptrainError
+from uptrain.convert import convert_checkpoint
+from uptrain.convert.grouping import check_num_kv_heads
+from uptrain.convert.pooling import get_strategy
+from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
+
+RESULT = "result.json"
+MHA = "mha"
+
+
+@dataclass
+class CompareSpec:
+    model: str
+    num_kv_heads: list[int]
+    pooling: list[str]
+    train_data: str
+    eval_data: str
+    output_dir: str
+    max_tokens: int | None = None
+    uptrain_fraction: float | None = None
+    pretrain_tokens: float | None = None
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    eval_every: int = 10
+    eval_blocks: int = 64
+    seed: int = 0
+    calibration_tokens: int = 32768
+    report_to: list[str] = field(default_factory=lambda: ["wandb", "jsonl"])
+
+
+@dataclass
+class RunResult:
+    name: str
+    num_kv_heads: int
+    pooling: str
+    eval_loss_before: float
+    eval_loss_after: float
+    uptrain_tokens: int
+    kv_cache_bytes_per_token: int
+    curve: list[tuple[int, float]]  # (tokens seen, eval loss)
+
+    @property
+    def perplexity_before(self) -> float:
+        return float(torch.tensor(self.eval_loss_before).exp())
+
+    @property
+    def perplexity_after(self) -> float:
+        return float(torch.tensor(self.eval_loss_after).exp())
+
+
+def card_pretrain_tokens(model: str | Path) -> float | None:
+    """Pretraining tokens recorded on a model's card (uptrain's reference model has one)."""
+    card = Path(model) / "reference.json"
+    if card.is_file():
+        return json.loads(card.read_text()).get("pretrain_tokens")
+    return None
+
+
+def validate(spec: CompareSpec) -> None:
+    geometry = attention_geometry(read_config(spec.model))
+    for g in spec.num_kv_heads:
+        check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, g)
+    for p in spec.pooling:
+        get_strategy(p)
+    if spec.max_tokens is None:
+        if spec.uptrain_fraction is None:
+            raise UptrainError("give a budget: --max-tokens, or --uptrain-fraction with --pretrain-tokens")
+        if spec.pretrain_tokens is None:
+            spec.pretrain_tokens = card_pretrain_tokens(spec.model)
+            if spec.pretrain_tokens is None:
+                raise UptrainError(f"{spec.model} has no card with its pretraining tokens: pass --pretrain-tokens")
+    elif spec.uptrain_fraction is not None:
+        raise UptrainError("give either --max-tokens or --uptrain-fraction, not both")
+
+
+def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
+    """(run folder name, G or None for the MHA reference, pooling) in the order they run."""
+    runs = [(MHA, None, MHA)]
+    for g in spec.num_kv_heads:
+        runs += [(f"g{g}-{p}", g, p) for p in spec.pooling]
+    return runs
+
+
+def _train_config(spec: CompareSpec, model: Path, out: Path, name: str):
+    from uptrain.train.config import TrainConfig
+
+    budget = ({"max_tokens": spec.max_tokens} if spec.max_tokens is not None else
+              {"uptrain_fraction": spec.uptrain_fraction, "pretrain_tokens": spec.pretrain_tokens})
+    return TrainConfig(model=str(model), train_data=spec.train_data, eval_data=spec.eval_data, output_dir=str(out),
+                       seq_len=spec.seq_len, batch_size=spec.batch_size, lr=spec.lr,
+                       warmup_steps=spec.warmup_steps, eval_every=spec.eval_every, save_every=spec.eval_every,
+                       eval_blocks=spec.eval_blocks, seed=spec.seed, report_to=spec.report_to,
+                       run_name=f"{Path(spec.output_dir).name}/{name}", wandb_group=Path(spec.output_dir).name,
+                       resume=out.exists(), **budget)
+
+
+def _calibration(spec: CompareSpec, root: Path):
+    """Attention-input moments of the MHA model on the train data, computed once per compare."""
+    from safetensors.torch import load_file, save_file
+
+    from uptrain.calibration import collect_attention_moments
+
+    path = root / "calibration.safetensors"
+    if path.exists():
+        stored = load_file(path)
+        info = json.loads((root / "calibration.json").read_text())
+        return {int(k): v for k, v in stored.items()}, info
+    moments, info = collect_attention_moments(spec.model, spec.train_data, num_tokens=spec.calibration_tokens,
+                                              seq_len=spec.seq_len)
+    save_file({str(k): v.contiguous() for k, v in moments.items()}, path)
+    (root / "calibration.json").write_text(json.dumps(info))
+    return moments, info
+
+
+def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> RunResult:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    curve = [(r["train/tokens_seen"], r["eval/loss"]) for r in records if "eval/loss" in r]
+    if not curve or curve[0][0] != 0:
+        raise UptrainError(f"{run_dir}/metrics.jsonl lacks the step-0 evaluation")
+    return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], kv_bytes, curve)
+
+
+def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
+    """Run (or pick up) every run of the comparison; returns the MHA row first."""
+    from uptrain.train.loop import run_training
+
+    validate(spec)
+    root = Path(spec.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "compare.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    config = read_config(spec.model)
+    geometry = attention_geometry(config)
+    dtype_bytes = DTYPE_BYTES.get(config_dtype(config), 4)
+    results = []
+    for name, g, pooling in run_names(spec):
+        run_dir = root / "runs" / name
+        g_eff = geometry.num_kv_heads if g is None else g
+        kv_bytes = geometry.kv_cache_bytes_per_token(dtype_bytes, g_eff)
+        if (run_dir / RESULT).exists():
+            log(f"[compare] {name}: finished earlier, reusing {run_dir / RESULT}")
+            results.append(RunResult(**json.loads((run_dir / RESULT).read_text())))
+            continue
+        log(f"[compare] {name}: " + ("MHA reference" if g is None else f"G = {g}, {pooling} pooling"))
+        model = Path(spec.model)
+        if g is not None:
+            model = root / "converted" / name
+            if not model.exists():
+                model.parent.mkdir(parents=True, exist_ok=True)
+                calibration, info = (_calibration(spec, root) if get_strategy(pooling).whole_layer else (None, None))
+                convert_checkpoint(spec.model, model, g, pooling=pooling, seed=spec.seed, calibration=calibration,
+                                   calibration_info=info, progress=False)
+        run_training(_train_config(spec, model, run_dir / "train", name))
+        result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
+        (run_dir / RESULT).write_text(json.dumps(asdict(result), indent=2) + "\n")
+        results.append(result)
+    return results

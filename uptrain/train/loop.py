@@ -1,0 +1,525 @@
+"""The uptraining loop on Accelerate: one CPU, one GPU, or many processes under `accelerate launch`.
+
+setup (run folder, conversion, tokenizer, data, model, optimizer) → plan → evaluate at step 0 →
+train with evaluation and checkpoints → evaluate → save `final/`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+import uptrain
+from uptrain import UptrainError
+from uptrain.convert.run import resolve_source
+from uptrain.fsutil import atomic_directory
+from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
+from uptrain.train import metrics as M
+from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
+from uptrain.train.config import TrainConfig
+from uptrain.train.data import StreamedTrainBlocks, TokenBlocks, TrainBlocks, eval_batches, load_blocks
+from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
+
+ETA_AFTER_STEPS = 3  # the first steps include warm-up costs; estimate from a few more
+StepCallback = Callable[[int, dict], None]
+
+
+def lr_at(config: TrainConfig, step: int, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (from 0): linear warmup, then cosine to min_lr_ratio·lr."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def _mixed_precision(config: TrainConfig) -> str | None:
+    if config.mixed_precision != "auto":
+        return config.mixed_precision
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return None  # `accelerate launch --mixed_precision …` decides
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def _load_tokenizer(path: str, what: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise UptrainError(f"{what} {path} has no usable tokenizer: {type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
+    if tokenizer.eos_token_id is None:
+        raise UptrainError(f"the tokenizer of {what} {path} has no EOS token to join documents with")
+    return tokenizer
+
+
+def _check_same_tokenizer(student, teacher, teacher_path: str) -> None:
+    if student.get_vocab() != teacher.get_vocab():
+        s, t = student.get_vocab(), teacher.get_vocab()
+        only = sorted(set(t) ^ set(s))[:3]
+        detail = f"tokens in one only, e.g. {only}" if only else "the same tokens map to different ids"
+        raise UptrainError(f"teacher {teacher_path} uses another tokenizer ({len(t)} vs {len(s)} tokens; {detail}); "
+                           "distillation compares logits token by token and needs the same tokenizer")
+    if student.eos_token_id != teacher.eos_token_id:
+        raise UptrainError(f"teacher {teacher_path} uses another EOS token ({teacher.eos_token_id} vs "
+                           f"{student.eos_token_id})")
+
+
+def _model_positions(config: dict) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def _geometry(config: dict):
+    from uptrain.convert.layouts import LAYOUTS
+
+    layout = LAYOUTS.get(config.get("model_type"))
+    return attention_geometry(config, layout.head_dim_key if layout else "head_dim")
+
+
+def _human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.4g}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by `setup`."""
+    config: TrainConfig
+    accelerator: object
+    out: Path
+    start: RunStart
+    model_path: str
+    tokenizer: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    teacher: torch.nn.Module | None
+    train_blocks: TrainBlocks | StreamedTrainBlocks
+    eval_set: list
+    total_steps: int
+    start_step: int
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None
+    static_metrics: dict
+    log: M.MetricsLog | None
+    source_dtype: str
+    eval_block_count: int = 0
+    checkpoint_step: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def setup(config: TrainConfig) -> Run:
+    """Validate everything that can be validated before loading weights, then build the run."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    notes = []
+    if "wandb" in config.trackers and (note := M.ensure_wandb_never_prompts()):
+        notes.append(note)
+    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
+                              mixed_precision=_mixed_precision(config), log_with=config.trackers or None)
+    world = accelerator.num_processes
+    global_batch = config.batch_size * config.grad_accum * world
+    out = Path(config.output_dir).absolute()
+
+    # Every check that can fail on bad input runs before anything is written to output_dir, so a
+    # corrected command can simply be run again. Every process reaches the same decision.
+    start = inspect_run_dir(config, global_batch)
+    # Local folders, or Hub ids downloaded (or found in the cache) as `uptrain convert` does.
+    model_path = str(resolve_source(config.model)[0]) if config.model is not None else None
+    teacher_path = str(resolve_source(config.teacher)[0]) if config.teacher is not None else None
+    convert_later = config.source is not None and not Path(config.source).is_dir()  # a Hub id: check after
+    if not convert_later:
+        tokenizer, model_config, teacher_config = _check_models(config, model_path or config.source, teacher_path)
+        train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
+    accelerator.wait_for_everyone()
+    run_info = {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
+                "num_processes": world, "global_batch": global_batch,
+                "started": start.info.get("started") or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "uptrain_version": uptrain.__version__}
+    if accelerator.is_main_process:
+        initialise_run_dir(config, start, run_info)
+    accelerator.wait_for_everyone()
+
+    if config.source is not None:
+        model_path = str(out / "converted")
+        if accelerator.is_main_process and not (out / "converted" / "config.json").is_file():
+            from uptrain.convert import convert_checkpoint
+
+            accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
+                              f"→ {model_path}")
+            convert_checkpoint(config.source, model_path, config.num_kv_heads, pooling=config.pooling,
+                               seed=config.seed, progress=False)
+        accelerator.wait_for_everyone()
+        if convert_later:
+            tokenizer, model_config, teacher_config = _check_models(config, model_path, teacher_path)
+            train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
+        model_config = read_config(model_path)  # the converted KV heads
+
+    set_seed(config.seed)
+    model = _load_model(model_path, "model")
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    geometry = _geometry(model_config)
+    params = M.non_embedding_params(model)
+    attn_width = geometry.num_heads * geometry.head_dim
+    flops = M.train_flops_per_token(params, geometry.num_layers, attn_width, config.seq_len)
+    teacher = None
+    if config.teacher is not None:
+        teacher = _load_model(teacher_path, "teacher").requires_grad_(False).eval()
+        t_geo = _geometry(teacher_config)
+        flops += M.forward_flops_per_token(M.non_embedding_params(teacher), t_geo.num_layers,
+                                           t_geo.num_heads * t_geo.head_dim, config.seq_len)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
+                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if teacher is not None:
+        # A frozen teacher needs no fp32 master copy: under autocast it computes in bf16/fp16 anyway.
+        teacher = teacher.to(accelerator.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            accelerator.mixed_precision))
+
+    source_dtype = config_dtype(model_config)
+    static = {"model/num_kv_heads": geometry.num_kv_heads,
+              "model/kv_cache_bytes_per_token": geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4))}
+    log = M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None
+    return Run(config=config, accelerator=accelerator, out=out, start=start, model_path=model_path,
+               tokenizer=tokenizer, model=model, optimizer=optimizer, teacher=teacher, train_blocks=train_blocks,
+               eval_set=eval_set, total_steps=config.total_steps(world), start_step=0,
+               tokens_per_step=config.tokens_per_step(world), flops_per_token=flops,
+               peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device), static_metrics=static,
+               log=log, source_dtype=source_dtype, notes=notes,
+               eval_block_count=int(accelerator.reduce(torch.tensor(sum(int(c.sum()) for _, c in eval_set),
+                                                                    device=accelerator.device), reduction="sum")))
+
+
+def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None):
+    """Positions, tokenizer and teacher compatibility. Returns (tokenizer, model config, teacher config)."""
+    model_config = read_config(model_path)
+    positions = _model_positions(model_config)
+    if positions is not None and config.seq_len > positions:
+        raise UptrainError(f"seq_len {config.seq_len} is beyond the model's {positions} positions "
+                           f"(max_position_embeddings of {model_path})")
+    tokenizer = _load_tokenizer(model_path, "model")
+    teacher_config = None
+    if teacher_path is not None:
+        teacher_config = read_config(teacher_path)
+        _check_same_tokenizer(tokenizer, _load_tokenizer(teacher_path, "teacher"), config.teacher)
+        if teacher_config.get("vocab_size") != model_config.get("vocab_size"):
+            raise UptrainError(f"teacher {config.teacher} has vocab_size {teacher_config.get('vocab_size')}, the "
+                               f"model {model_config.get('vocab_size')}: their logits cannot be compared")
+    return tokenizer, model_config, teacher_config
+
+
+def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
+    """Tokenized, packed training blocks and this process's eval batches; refuses data too short."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    # Rank 0 tokenizes first so that the others read datasets' cache instead of redoing the work.
+    with accelerator.main_process_first():
+        common = dict(tokenizer=tokenizer, seq_len=config.seq_len, text_field=config.text_field,
+                      sample_by=config.sample_by, streaming=config.streaming, workers=config.data_workers)
+        train_data, train_source = load_blocks(config.train_data, "train_data", split=config.train_split,
+                                               dataset_config=config.dataset_config, **common)
+        eval_data, eval_source = load_blocks(config.eval_data, "eval_data", split=config.eval_split,
+                                             dataset_config=config.eval_dataset_config or config.dataset_config,
+                                             **common)
+    too_short = (f"give more text or a smaller seq_len / batch (global batch: batch_size {config.batch_size} × "
+                 f"grad_accum {config.grad_accum} × processes {world})")
+    if isinstance(train_data, TokenBlocks):
+        if len(train_data) < global_batch:
+            raise UptrainError(f"train_data {train_source.label} gives {len(train_data)} blocks of {config.seq_len} "
+                               f"tokens; one optimizer step needs {global_batch}: {too_short}")
+        train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
+    else:
+        train_blocks = StreamedTrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
+        available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
+        if available < global_batch:
+            raise UptrainError(f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
+                               f"tokens; one optimizer step needs {global_batch}: {too_short}")
+    eval_set = eval_batches(eval_data, config.eval_blocks, config.batch_size, rank, world)
+    if not eval_set:
+        raise UptrainError(f"eval_data {eval_source.label} gives no block of {config.seq_len} tokens: give more "
+                           "text or a smaller seq_len")
+    return train_blocks, eval_set
+
+
+def _load_model(path: str, what: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        # fp32 master weights; autocast (mixed_precision) gives bf16 speed on GPUs.
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as err:
+        raise UptrainError(f"cannot load {what} {path} with AutoModelForCausalLM: {type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    # Decay matrices only: decaying norm scales and biases towards 0 fights what they encode.
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _token_loss_sums(run: Run, input_ids: torch.Tensor, row_weight: torch.Tensor | None = None,
+                     distill: bool = False) -> dict[str, torch.Tensor]:
+    """Summed (not averaged) next-token losses of a batch, so that the caller can divide by the
+    number of target tokens of the whole step across micro-batches and processes."""
+    logits = run.model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    labels = input_ids[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    ce = ce.view(labels.shape).sum(dim=1)
+    if row_weight is not None:
+        ce = ce * row_weight
+    sums = {"ce": ce.sum()}
+    if distill and run.teacher is not None:
+        t = run.config.distill_temperature
+        with torch.no_grad(), run.accelerator.autocast():
+            teacher_logits = run.teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+        # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
+        # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
+        kl = F.kl_div(F.log_softmax(logits / t, dim=-1), F.log_softmax(teacher_logits / t, dim=-1),
+                      log_target=True, reduction="sum") * t * t
+        w = run.config.distill_weight
+        sums["kl"] = kl
+        sums["loss"] = (1 - w) * sums["ce"] + w * kl
+    else:
+        sums["loss"] = sums["ce"]
+    return sums
+
+
+def evaluate(run: Run) -> dict:
+    """Mean next-token cross-entropy over the eval blocks (the same blocks every time)."""
+    acc = run.accelerator
+    run.model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=acc.device)
+    with torch.no_grad():
+        for input_ids, counted in run.eval_set:
+            input_ids, counted = input_ids.to(acc.device), counted.to(acc.device)
+            ce = _token_loss_sums(run, input_ids, row_weight=counted.float())["ce"]
+            total += torch.stack([ce.double(), counted.sum().double() * (input_ids.shape[1] - 1)])
+    run.model.train()
+    total = acc.reduce(total, reduction="sum")
+    loss = (total[0] / total[1]).item()
+    return {"eval/loss": loss, "eval/perplexity": M.perplexity(loss)}
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step (`step` counted from 0). Returns the step's metrics; does not update the
+    weights if the loss or gradient norm is not finite."""
+    acc, config = run.accelerator, run.config
+    lr = lr_at(config, step, run.total_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    micro = run.train_blocks.micro_batches(step, acc.process_index)
+    local_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro)
+    step_tokens = acc.reduce(torch.tensor(float(local_tokens), dtype=torch.float64, device=acc.device),
+                             reduction="sum")
+    # Each process's loss is a sum over its tokens divided by the step's tokens on all processes;
+    # DDP averages gradients over processes and accelerate divides by grad_accum, hence the factor.
+    scale = acc.num_processes * config.grad_accum / step_tokens
+    sums = {"loss": 0.0, "ce": 0.0, "kl": 0.0}
+    grad_norm = None
+    for input_ids in micro:
+        with acc.accumulate(run.model):
+            parts = _token_loss_sums(run, input_ids.to(acc.device), distill=True)
+            acc.backward(parts["loss"] * scale)
+            for k, v in parts.items():
+                sums[k] = sums[k] + v.detach().double()
+            if acc.sync_gradients:
+                max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+                grad_norm = acc.clip_grad_norm_(run.model.parameters(), max_norm)
+                totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device, dtype=torch.float64)
+                                                 for k in ("loss", "ce", "kl")]), reduction="sum")
+                totals = (totals / step_tokens).tolist()
+                # fp16's loss scaler makes overflowing gradients routine (it skips those steps
+                # itself); DeepSpeed reports its norm only after its step (None before).
+                reported = grad_norm is not None
+                norm_is_judged = reported and acc.mixed_precision != "fp16"
+                grad_norm = float(grad_norm) if reported else math.nan
+                if not math.isfinite(totals[0]) or (norm_is_judged and not math.isfinite(grad_norm)):
+                    run.optimizer.zero_grad()
+                    return {"train/loss": totals[0], "train/grad_norm": grad_norm, "train/lr": lr, "finite": False}
+                run.optimizer.step()
+                if not reported:  # DeepSpeed: its own clipping ran in the step; ask for the norm it saw
+                    after = acc.clip_grad_norm_(run.model.parameters(), math.inf)
+                    grad_norm = float(after) if after is not None else math.nan
+                run.optimizer.zero_grad()
+    record = {"train/loss": totals[0], "train/lr": lr, "train/grad_norm": grad_norm, "finite": True}
+    if run.teacher is not None:
+        record.update({"train/ce_loss": totals[1], "train/distill_kl": totals[2]})
+    return record
+
+
+def _log(run: Run, step: int, record: dict) -> None:
+    record = {"step": step, **record}
+    if run.log is not None:
+        run.log.append(record)
+    run.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+
+def _print_plan(run: Run) -> None:
+    c, acc = run.config, run.accelerator
+    steps_left = run.total_steps - run.start_step
+    if c.max_steps is not None:
+        budget = f"max_steps {c.max_steps}"
+    elif c.max_tokens is not None:
+        budget = f"max_tokens {_human(c.max_tokens)}"
+    else:
+        budget = (f"uptrain_fraction {c.uptrain_fraction} × pretrain_tokens {_human(c.pretrain_tokens)} = "
+                  f"{_human(c.uptrain_fraction * c.pretrain_tokens)} tokens")
+    data = "streamed"
+    if isinstance(run.train_blocks, TrainBlocks):
+        epochs = run.total_steps / run.train_blocks.steps_per_epoch
+        data = f"{len(run.train_blocks.blocks)} blocks, {epochs:.3g} epochs over them"
+    distill = "no"
+    if c.teacher:
+        distill = f"from {c.teacher} (weight {c.distill_weight}, temperature {c.distill_temperature})"
+    total_tokens, left_tokens = run.total_steps * run.tokens_per_step, steps_left * run.tokens_per_step
+    resuming = f" (resuming after step {run.start_step}, {steps_left} left)" if run.start_step else ""
+    lines = [
+        "plan:",
+        f"  model            {run.model_path} ({run.static_metrics['model/num_kv_heads']} KV heads, "
+        f"{run.static_metrics['model/kv_cache_bytes_per_token']} KV-cache bytes/token)",
+        f"  budget           {budget}",
+        f"  steps            {run.total_steps}{resuming}",
+        f"  tokens           {_human(total_tokens)} ({_human(left_tokens)} to go)",
+        f"  tokens per step  {run.tokens_per_step} = seq_len {c.seq_len} × batch_size {c.batch_size} × grad_accum "
+        f"{c.grad_accum} × processes {acc.num_processes}",
+        f"  processes        {acc.num_processes} ({acc.device.type}, mixed precision {acc.mixed_precision})",
+        f"  train data       {data}; eval: the same {run.eval_block_count} blocks each time",
+        f"  distillation     {distill}",
+        f"  output           {run.out}",
+    ]
+    acc.print("\n".join(run.notes + lines))
+
+
+def _save_final(run: Run, final_metrics: dict) -> Path:
+    acc = run.accelerator
+    state = acc.get_state_dict(run.model)  # gathers sharded (FSDP, ZeRO-3) weights; every process calls it
+    final = run.out / "final"
+    if acc.is_main_process:
+        dtype = getattr(torch, run.source_dtype, torch.float32)
+        # Same dtype as the checkpoint we started from: a bf16 model stays bf16 on disk.
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+        model = acc.unwrap_model(run.model)
+        with atomic_directory(final, overwrite=True) as tmp:
+            model.config.dtype = dtype
+            model.save_pretrained(tmp, state_dict=state)
+            run.tokenizer.save_pretrained(tmp)
+            summary = {"uptrain_version": uptrain.__version__, "started_from": run.model_path,
+                       "steps": run.total_steps, "tokens": run.total_steps * run.tokens_per_step,
+                       **final_metrics, "config": run.config.model_dump(mode="json")}
+            (tmp / "uptrain_train.json").write_text(json.dumps(summary, indent=2) + "\n")
+    acc.wait_for_everyone()
+    return final
+
+
+def run_training(config: TrainConfig, on_step: StepCallback | None = None) -> Path:
+    """Uptrain as `config` says; returns the folder of the final model. `on_step(step, record)` is
+    called on every process after each optimizer step (recipes use it for their own logging)."""
+    run = setup(config)
+    acc = run.accelerator
+    if run.start.complete:
+        acc.print(f"{run.out} already holds a finished run (final/); nothing to do")
+        return run.out / "final"
+    if run.start.checkpoint is not None:
+        state = load_checkpoint(acc, run.start.checkpoint)
+        run.start_step = run.checkpoint_step = state["step"]
+        acc.print(f"resuming from {run.start.checkpoint} (step {run.start_step})")
+    if run.log is not None:
+        run.log.truncate_after(run.start_step if run.start_step else -1)
+    _print_plan(run)
+
+    name = config.run_name or run.out.name
+    run_id = json.loads((run.out / "run.json").read_text())["wandb_run_id"]
+    acc.init_trackers(config.wandb_project, config=config.model_dump(mode="json"),
+                      init_kwargs={"wandb": {"dir": str(run.out), "name": name, "id": run_id, "resume": "allow",
+                                           "group": config.wandb_group}})
+    try:
+        result = _train(run, on_step)
+    finally:
+        acc.end_training()
+    return result
+
+
+def _train(run: Run, on_step: StepCallback | None) -> Path:
+    acc, config = run.accelerator, run.config
+    last_eval = None
+    if run.start_step == 0:
+        last_eval = evaluate(run)
+        _log(run, 0, {**last_eval, "train/tokens_seen": 0, **run.static_metrics})
+    bar = tqdm(total=run.total_steps, initial=run.start_step, desc="uptrain", unit="step",
+               disable=not acc.is_main_process, dynamic_ncols=True)
+    timed_steps, timed_seconds = 0, 0.0
+    step = run.start_step
+    with bar:
+        while step < run.total_steps:
+            t0 = time.perf_counter()
+            record = train_step(run, step)
+            step_time = time.perf_counter() - t0
+            step += 1
+            tokens_per_second = run.tokens_per_step / step_time
+            record.update({"train/tokens_seen": step * run.tokens_per_step,
+                           "perf/tokens_per_second": tokens_per_second, "perf/step_time_s": step_time,
+                           "perf/peak_memory_bytes": M.peak_memory_bytes(acc.device)})
+            if run.peak_flops:
+                record["perf/mfu"] = M.mfu(tokens_per_second, run.flops_per_token, run.peak_flops, acc.num_processes)
+            if not record.pop("finite"):
+                _log(run, step, record)
+                where = (f"last good checkpoint: {run.out / CHECKPOINTS / checkpoint_name(run.checkpoint_step)} "
+                         f"(step {run.checkpoint_step})"
+                         if run.checkpoint_step else "no checkpoint was written before it")
+                raise UptrainError(f"non-finite loss at step {step} (loss {record['train/loss']}, grad norm "
+                                   f"{record['train/grad_norm']}); stopped without applying it; {where}; "
+                                   "a lower lr or more warmup_steps may help")
+            evaluate_now = step % config.eval_every == 0 or step == run.total_steps
+            if evaluate_now:
+                last_eval = evaluate(run)
+                record.update(last_eval)
+            if step == run.total_steps:
+                record.update(run.static_metrics)
+            if evaluate_now or step % config.log_every == 0 or step == run.total_steps:
+                _log(run, step, record)
+            if step % config.save_every == 0 and step < run.total_steps:
+                save_checkpoint(acc, run.out, step, {"step": step, "tokens_seen": step * run.tokens_per_step,
+                                                     "total_steps": run.total_steps}, config.keep_checkpoints)
+                run.checkpoint_step = step
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['train/loss']:.4f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+            if step - run.start_step > 1:  # the first step pays for warm-up; leave it out of the estimate
+                timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_time
+            if step - run.start_step == ETA_AFTER_STEPS + 1 and step < run.total_steps:
+                per_step = timed_seconds / timed_steps
+                bar.write(f"estimated remaining: {_duration(per_step * (run.total_steps - step))} "
+                          f"({per_step:.3g} s/step, {run.tokens_per_step / per_step:,.0f} tokens/s)")
+            if on_step is not None:
+                on_step(step, record)
+    final = _save_final(run, last_eval or {})
+    acc.print(f"eval/loss {last_eval['eval/loss']:.4f} after {run.total_steps} steps; uptrained model: {final}")
+    return final

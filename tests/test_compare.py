@@ -68,3 +68,19 @@ def test_compare_writes_table_plots_and_resumes(setup, tmp_path, capsys):
     assert printed.count("finished earlier") == 4 and "[compare] g1-random: G = 1" in printed
     with open(out / "results.csv") as f:
         assert list(csv.DictReader(f)) == rows
+
+
+def test_tokens_to_reach_and_gap_closed():
+    from uptrain.compare.report import against_mean, tokens_to_reach
+    from uptrain.compare.run import RunResult
+
+    assert tokens_to_reach([(0, 5.0), (100, 4.0), (200, 3.0)], 3.5) == 150.0
+    assert tokens_to_reach([(0, 3.0), (100, 2.0)], 3.5) == 0.0
+    assert tokens_to_reach([(0, 5.0), (100, 4.0)], 3.5) is None
+    mha = RunResult("mha", 8, "mha", 3.0, 2.9, 200, 64, [(0, 3.0), (200, 2.9)])
+    mean = RunResult("g2-mean", 2, "mean", 5.0, 3.3, 200, 16, [(0, 5.0), (100, 3.6), (200, 3.3)])
+    cal = RunResult("g2-calibrated", 2, "calibrated", 3.5, 3.1, 200, 16, [(0, 3.5), (100, 3.3), (200, 3.1)])
+    [row] = against_mean([mha, mean, cal])
+    assert row["gap_closed_before"] == 0.75  # (5.0 − 3.5) / (5.0 − 3.0)
+    assert abs(row["gap_closed_after"] - 0.5) < 1e-12  # (3.3 − 3.1) / (3.3 − 2.9)
+    assert row["tokens_to_mean_final"] == 100.0

@@ -19,7 +19,7 @@ from uptrain.convert.layouts import layout_for
 from uptrain.model_info import read_config
 
 
-def collect_attention_moments(model_dir: str | Path, data: str, num_tokens: int = 32768, seq_len: int = 256,
+def collect_attention_moments(model_dir: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
                               batch_size: int = 4, text_field: str = "text",
                               sample_by: str = "paragraph") -> tuple[dict[int, torch.Tensor], dict]:
     """Return ({layer: C of shape [(hidden + 1), (hidden + 1)]}, a description for provenance)."""

@@ -60,33 +60,33 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo(args: argparse.Namespace) -> int:
+def _compare_and_report(spec) -> int:
     from uptrain.compare.report import write_report
     from uptrain.compare.run import run_compare
+
+    files = write_report(run_compare(spec), spec.output_dir)
+    print(files["markdown"].read_text())
+    print("plots:\n" + "\n".join(f"  {path}" for path in files.values() if path.suffix == ".png"))
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
     from uptrain.demo import demo_spec, prepare_output
 
     spec = demo_spec(args.output_dir)
     prepare_output(args.output_dir, args.overwrite)
-    files = write_report(run_compare(spec), args.output_dir)
-    print(files["markdown"].read_text())
-    print("plots:\n" + "\n".join(f"  {path}" for name, path in files.items() if path.suffix == ".png"))
-    return 0
+    return _compare_and_report(spec)
 
 
 def compare(args: argparse.Namespace) -> int:
-    from uptrain.compare.report import write_report
-    from uptrain.compare.run import CompareSpec, run_compare
+    from uptrain.compare.run import CompareSpec
 
-    spec = CompareSpec(
+    return _compare_and_report(CompareSpec(
         model=args.model, num_kv_heads=args.num_kv_heads, pooling=args.pooling, train_data=args.train_data,
         eval_data=args.eval_data, output_dir=args.output_dir, max_tokens=args.max_tokens,
         uptrain_fraction=args.uptrain_fraction, pretrain_tokens=args.pretrain_tokens, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-        eval_blocks=args.eval_blocks, seed=args.seed, report_to=args.report_to)
-    files = write_report(run_compare(spec), args.output_dir)
-    print(files["markdown"].read_text())
-    print("\n".join(f"{name:>22}: {path}" for name, path in files.items()))
-    return 0
+        eval_blocks=args.eval_blocks, seed=args.seed, report_to=args.report_to))
 
 
 def _add_convert(sub) -> None:

@@ -143,6 +143,18 @@ def test_convert_on_the_fly(base_config, assets):
     assert json.loads((final / "config.json").read_text())["num_key_value_heads"] == 2
 
 
+def test_convert_on_the_fly_calibrated_on_train_data(base_config, assets):
+    values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "pooling": "calibrated",
+              "grouping": "similarity", "calibration_tokens": 256, "max_steps": 1, "save_every": 10}
+    del values["model"]
+    config = TrainConfig(**values)
+    run_training(config)
+    provenance = json.loads((Path(config.output_dir) / "converted" / "uptrain.json").read_text())
+    assert provenance["pooling"] == "calibrated" and provenance["grouping"] == "similarity"
+    assert provenance["calibration"]["tokens"] >= 256
+    assert records(config.output_dir)[0]["model/num_kv_heads"] == 2
+
+
 # Bad input: one clear error, nothing written over.
 
 def refuses(config: dict, message: str) -> None:

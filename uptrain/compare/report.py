@@ -46,6 +46,47 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
+    """Uptraining tokens at which an eval-loss curve first reaches `target` (linear between
+    evaluations); None if it never does."""
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if l0 <= target:
+            return float(t0)
+        if l1 <= target:
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return float(curve[0][0]) if len(curve) == 1 and curve[0][1] <= target else None
+
+
+def against_mean(results: list[RunResult]) -> list[dict]:
+    """For each strategy other than mean, per G: the share of mean pooling's loss gap to MHA it
+    closes (before and after uptraining), and the tokens it needs to reach mean's final loss."""
+    mha = next(r for r in results if r.pooling == MHA)
+    rows = []
+    for mean in (r for r in results if r.pooling == "mean"):
+        for other in (r for r in results if r.num_kv_heads == mean.num_kv_heads and r.pooling not in (MHA, "mean")):
+            def closed(loss_other: float, loss_mean: float, loss_mha: float) -> float:
+                return (loss_mean - loss_other) / (loss_mean - loss_mha) if loss_mean != loss_mha else math.nan
+            rows.append({
+                "num_kv_heads": mean.num_kv_heads, "pooling": other.pooling,
+                "gap_closed_before": closed(other.eval_loss_before, mean.eval_loss_before, mha.eval_loss_before),
+                "gap_closed_after": closed(other.eval_loss_after, mean.eval_loss_after, mha.eval_loss_after),
+                "tokens_to_mean_final": tokens_to_reach(other.curve, mean.eval_loss_after),
+                "mean_tokens": mean.uptrain_tokens,
+            })
+    return rows
+
+
+def against_mean_markdown(rows: list[dict]) -> str:
+    lines = ["| G | pooling | share of mean's gap to MHA closed, α = 0 | same, after uptraining "
+             "| tokens to reach mean's final loss |", "|---:|---|---:|---:|---:|"]
+    for r in rows:
+        reach = ("never" if r["tokens_to_mean_final"] is None else
+                 f"{r['tokens_to_mean_final']:,.0f} ({r['tokens_to_mean_final'] / r['mean_tokens']:.0%} of mean's)")
+        lines.append(f"| {r['num_kv_heads']} | {r['pooling']} | {r['gap_closed_before']:.1%} | "
+                     f"{r['gap_closed_after']:.1%} | {reach} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     import matplotlib
 
@@ -131,6 +172,11 @@ def write_report(results: list[RunResult], folder: str | Path) -> dict[str, Path
     folder = Path(folder)
     rows = table_rows(results)
     write_csv(rows, folder / "results.csv")
-    (folder / "results.md").write_text(markdown(rows))
+    text = markdown(rows)
+    comparisons = against_mean(results)
+    if comparisons:
+        text += "\nAgainst mean pooling (gap = eval loss − MHA eval loss at the same point):\n\n"
+        text += against_mean_markdown(comparisons)
+    (folder / "results.md").write_text(text)
     plots = write_plots(results, folder)
     return {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}

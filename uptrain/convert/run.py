@@ -159,6 +159,10 @@ def _plan_whole_layer(pooled: dict, tensors: dict, layout: AttentionLayout, geom
                 raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
             continue
         shape = tensors[name].shape
+        heads = geometry.num_kv_heads if field[0] in "kv" else geometry.num_heads
+        width = shape[1] if field == "o_w" else shape[0]  # o_proj's columns are per head
+        if width != heads * geometry.head_dim:
+            raise UptrainError(f"{name} has shape {tuple(shape)}, expected {heads} heads × {geometry.head_dim}")
         if field[0] in "kv":
             shape = (g * geometry.head_dim, *shape[1:])
         pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), shape), [name], "layer", layer=layer)

@@ -30,7 +30,12 @@ class TrainConfig(BaseModel):
     source: str | None = Field(None, description="MHA checkpoint to convert first (same code as `uptrain convert`); "
                                                  "the result is written to OUTPUT_DIR/converted and trained")
     num_kv_heads: int | None = Field(None, ge=1, description="KV heads after conversion; required with `source`")
-    pooling: str = Field("mean", description="pooling strategy for the conversion of `source` (mean, first, random)")
+    pooling: str = Field("mean", description="pooling strategy for the conversion of `source` (mean, first, random, "
+                                             "calibrated: calibrated on `calibration_tokens` of `train_data`)")
+    grouping: Literal["contiguous", "similarity"] = Field(
+        "contiguous", description="which heads share a KV head when converting `source` (see `uptrain convert`)")
+    calibration_tokens: int = Field(32768, ge=1, description="tokens of `train_data` the `calibrated` conversion "
+                                                             "reads through the source model")
 
     # Data.
     train_data: str | list[str] = Field(..., description="training text: local .txt/.jsonl/.json/.parquet file(s) "

@@ -171,11 +171,21 @@ def setup(config: TrainConfig) -> Run:
         model_path = str(out / "converted")
         if accelerator.is_main_process and not (out / "converted" / "config.json").is_file():
             from uptrain.convert import convert_checkpoint
+            from uptrain.convert.pooling import get_strategy
+            from uptrain.convert.run import resolve_source
 
             accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
                               f"→ {model_path}")
+            calibration = info = None
+            if get_strategy(config.pooling).whole_layer:
+                from uptrain.calibration import collect_attention_moments
+
+                calibration, info = collect_attention_moments(
+                    resolve_source(config.source)[0], config.train_data, num_tokens=config.calibration_tokens,
+                    seq_len=config.seq_len, text_field=config.text_field, sample_by=config.sample_by)
             convert_checkpoint(config.source, model_path, config.num_kv_heads, pooling=config.pooling,
-                               seed=config.seed, progress=False)
+                               seed=config.seed, progress=False, grouping=config.grouping, calibration=calibration,
+                               calibration_info=info)
         accelerator.wait_for_everyone()
         if convert_later:
             tokenizer, model_config, teacher_config = _check_models(config, model_path, teacher_path)

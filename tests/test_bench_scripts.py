@@ -57,3 +57,10 @@ def test_bench_decode_tiny():
     for row in result["settings"]:
         assert row["gqa_kv_bytes"] * heads == row["mha_kv_bytes"] * kv_heads  # measured, exactly G/h
     assert all(math.isfinite(x) and x >= 0 for x in numbers(result))
+
+
+def test_bench_train_tiny():
+    result = run_script("bench_train.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                        "--seq-len", "32", "--batch-size", "2", "--steps", "3", "--warmup", "1", "--repeats", "1")
+    assert result["tokens_per_second_ratio"] > 0 and result["mfu"] is None  # no MFU on CPU without peak_flops
+    assert all(math.isfinite(x) and x > 0 for x in numbers(result))

@@ -25,6 +25,11 @@ def convert(args: argparse.Namespace) -> int:
         folder, _ = resolve_source(args.src)
         calibration, calibration_info = collect_attention_moments(folder, args.calibration_data,
                                                                   num_tokens=args.calibration_tokens)
+    import torch
+
+    # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall
+    # when the other cores are busy (measured in BENCHMARKS.md).
+    torch.set_num_threads(1)
     out = convert_checkpoint(args.src, args.out, args.num_kv_heads, pooling=args.pooling, seed=args.seed,
                              dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                              allow_pickle=args.allow_pickle, grouping=args.grouping, calibration=calibration,

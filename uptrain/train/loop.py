@@ -172,7 +172,6 @@ def setup(config: TrainConfig) -> Run:
         if accelerator.is_main_process and not (out / "converted" / "config.json").is_file():
             from uptrain.convert import convert_checkpoint
             from uptrain.convert.pooling import get_strategy
-            from uptrain.convert.run import resolve_source
 
             accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
                               f"→ {model_path}")

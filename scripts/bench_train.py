@@ -1,0 +1,136 @@
+"""Training-loop overhead: uptrain's Accelerate loop vs a bare PyTorch loop, side by side.
+
+    python scripts/bench_train.py                      # CPU: a 7M-parameter Llama, seq 256 × batch 8
+    python scripts/bench_train.py --device cuda --hidden 2048 --layers 16 --heads 16 --batch-size 8 --seq-len 2048
+
+Both loops train the same model (built from a config, same seed) with the same batch, sequence
+length, AdamW settings, gradient clipping and thread count. uptrain's loop runs through
+`run_training` (data packing, accumulation normalised by target tokens, metrics, no
+checkpoints); the bare loop is forward → cross-entropy → backward → clip → step on random
+token blocks. Repetitions alternate between the two; each reports the median step time after
+warm-up steps. On CUDA both use bf16 autocast and uptrain also reports MFU. Prints a table,
+then one JSON line with `tokens_per_second_ratio` (uptrain / bare; target ≥ 0.97).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12, help="steps per repetition (default: 12)")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of each median (default: 3)")
+    p.add_argument("--repeats", type=int, default=2, help="repetitions of each loop, alternating (default: 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default: 1)")
+    return p.parse_args()
+
+
+def build_model(args, folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from uptrain.corpus import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=max(512, args.seq_len),
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | None]:
+    """Step times of uptrain's loop (from its own metrics) and its MFU where known."""
+    from uptrain.corpus import split_path
+    from uptrain.train.config import TrainConfig
+    from uptrain.train.loop import run_training
+
+    config = TrainConfig(model=str(model), train_data=str(split_path("validation")),
+                         eval_data=str(split_path("validation")), output_dir=str(out), seq_len=args.seq_len,
+                         batch_size=args.batch_size, lr=1e-3, warmup_steps=0, max_steps=args.steps,
+                         eval_every=10**6, save_every=10**6, eval_blocks=1, report_to=["jsonl"], overwrite=True,
+                         mixed_precision="bf16" if args.device == "cuda" else "no")
+    run_training(config)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "perf/step_time_s" in r]
+    mfu = [r["perf/mfu"] for r in steps[args.warmup:] if "perf/mfu" in r]
+    return [r["perf/step_time_s"] for r in steps[args.warmup:]], (statistics.median(mfu) if mfu else None)
+
+
+def bare_steps(args, model_dir: Path) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    vocab = model.config.vocab_size
+    times = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len), device=device)
+        start = time.perf_counter()
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times[args.warmup:]
+
+
+def main() -> int:
+    args = parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    tokens = args.seq_len * args.batch_size
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        model = build_model(args, Path(tmp) / "model")
+        ours, bare, mfus = [], [], []
+        for i in range(args.repeats):
+            steps, mfu = uptrain_steps(args, model, Path(tmp) / f"run{i}")
+            ours += steps
+            mfus += [mfu] if mfu is not None else []
+            bare += bare_steps(args, model)
+    ours_tps, bare_tps = tokens / statistics.median(ours), tokens / statistics.median(bare)
+    print(f"train: Llama h={args.heads} kv={args.kv_heads} hidden {args.hidden} × {args.layers} layers, "
+          f"seq {args.seq_len} × batch {args.batch_size}, {args.device}"
+          + (f", {args.threads} threads" if args.device == "cpu" else ", bf16 autocast"))
+    print(f"{'loop':<10} {'median step s':>14} {'tokens/s':>10} {'steps timed':>12}")
+    print(f"{'uptrain':<10} {statistics.median(ours):>14.4f} {ours_tps:>10,.0f} {len(ours):>12}")
+    print(f"{'bare':<10} {statistics.median(bare):>14.4f} {bare_tps:>10,.0f} {len(bare):>12}")
+    result = {"tokens_per_second_ratio": ours_tps / bare_tps, "uptrain_tokens_per_second": ours_tps,
+              "bare_tokens_per_second": bare_tps, "mfu": statistics.median(mfus) if mfus else None,
+              "device": args.device, "seq_len": args.seq_len, "batch_size": args.batch_size}
+    print(f"tokens/s ratio uptrain/bare: {result['tokens_per_second_ratio']:.3f} (target ≥ 0.97)")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,7 +17,6 @@ import gzip
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -83,7 +82,7 @@ def main() -> int:
     records = [json.loads(line) for line in (args.work_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/loss" in r]
     tokens = max(r.get("train/tokens_seen", 0) for r in records)
-    baseline = unigram_perplexity(load_tokenizer(), "validation")
+    baseline = unigram_perplexity(load_tokenizer()).perplexity
     card = {
         "architecture": "llama", **ARCHITECTURE, "vocab_size": len(load_tokenizer()),
         "parameters": sum(math.prod(t.shape) for t in SourceCheckpoint(Path(final)).tensors.values()),
@@ -91,7 +90,9 @@ def main() -> int:
         "seed": args.seed, "validation_loss": evals[-1]["eval/loss"],
         "validation_perplexity": math.exp(evals[-1]["eval/loss"]), "eval_blocks": 128,
         "unigram_validation_perplexity": baseline,
-        "command": "python scripts/make_reference_model.py " + " ".join(sys.argv[1:]),
+        # The arguments that shape the model (the work and output folders do not).
+        "command": (f"python scripts/make_reference_model.py --tokens {args.tokens} --seq-len {args.seq_len} "
+                    f"--batch-size {args.batch_size} --lr {args.lr} --seed {args.seed}"),
     }
     out = args.output_dir
     tmp = out.parent / (out.name + ".tmp")

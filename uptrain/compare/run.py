@@ -10,6 +10,7 @@ compare picks those up and resumes the unfinished run from its last checkpoint.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -144,6 +145,8 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
     from uptrain.train.loop import run_training
 
     validate(spec)
+    # One summary per run from wandb would bury the comparison; wandb still records everything.
+    os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "compare.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")

@@ -39,6 +39,9 @@ class RunStart:
 
 def _differences(old: dict, new: TrainConfig) -> list[str]:
     current = new.model_dump(mode="json")
+    # A key the earlier run's uptrain did not have yet held its default there.
+    defaults = {k: f.default for k, f in TrainConfig.model_fields.items() if not f.is_required()}
+    old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
     keys = [k for k in current if k not in OPERATIONAL_KEYS]
     return [f"{k}: {old.get(k)!r} → {current[k]!r}" for k in keys if old.get(k) != current[k]]
 

@@ -207,3 +207,19 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(base_config):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
     assert not (out / "final").exists()
     assert [r["step"] for r in records(out)] == [0, 1, 2]
+
+
+def test_resume_accepts_a_run_started_before_a_key_existed(base_config, tmp_path):
+    # A run started by an older uptrain has no entry for keys added since; they held their defaults.
+    config = {**base_config, "output_dir": str(tmp_path / "old"), "max_steps": 2, "save_every": 1}
+    marker = Path(config["output_dir"]) / "run_config.yaml"
+    with pytest.raises(SystemExit):
+        run_training(TrainConfig(**config), on_step=lambda step, record: step == 1 and sys.exit(0))
+    saved = yaml.safe_load(marker.read_text())
+    del saved["grouping"], saved["calibration_tokens"]
+    marker.write_text(yaml.safe_dump(saved))
+    run_training(TrainConfig(**{**config, "resume": True}))
+    assert [r["step"] for r in records(config["output_dir"])] == [0, 1, 2]
+    saved["lr"] = 1.0  # a real change is still refused
+    marker.write_text(yaml.safe_dump(saved))
+    refuses({**config, "resume": True}, r"the config changed \(lr: 1.0 → 0.003\)")

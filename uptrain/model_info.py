@@ -27,11 +27,6 @@ class AttentionGeometry:
     head_dim: int
     hidden_size: int
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_cache_bytes_per_token(self, dtype_bytes: int, num_kv_heads: int | None = None) -> int:
         """K and V for every layer: 2 × layers × kv heads × head_dim × bytes."""
         kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads

@@ -3,7 +3,8 @@
 A strategy is a pure function registered with `@strategy`. It receives one tensor holding
 every group, shaped `[G, r, head_dim, *rest]` (r = source heads per group; rest is
 `[d_model]` for weights and empty for biases and norm scales) in float32 or float64, and
-returns `[G, head_dim, *rest]`.
+returns `[G, head_dim, *rest]`. `calibrated` is registered here too but needs a whole layer
+and calibration statistics; its math lives in calibrated.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ class Strategy:
     name: str
     reference: str
     fn: Callable[[torch.Tensor, PoolingContext], torch.Tensor] | None
-    lossless_on_identical_heads: bool
     # Sees a whole layer's Q, K, V, O and calibration statistics (convert/calibrated.py).
     whole_layer: bool = False
 
@@ -38,9 +38,9 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def strategy(name: str, reference: str, lossless_on_identical_heads: bool = True):
+def strategy(name: str, reference: str):
     def register(fn):
-        STRATEGIES[name] = Strategy(name, reference, fn, lossless_on_identical_heads)
+        STRATEGIES[name] = Strategy(name, reference, fn)
         return fn
     return register
 
@@ -55,8 +55,7 @@ def pool_first(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     return heads[:, 0].clone()
 
 
-@strategy("random", "Ainslie et al. 2023, Fig. 4 ablation: fresh initialisation",
-          lossless_on_identical_heads=False)
+@strategy("random", "Ainslie et al. 2023, Fig. 4 ablation: fresh initialisation")
 def pool_random(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     # As transformers initialises a fresh layer: normal(0, initializer_range) weights,
     # zero biases, unit norm scales.
@@ -71,7 +70,7 @@ def pool_random(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
 
 STRATEGIES["calibrated"] = Strategy(
     "calibrated", "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
-    "rows (RoPE-safe complex scales) and o_proj columns", None, True, whole_layer=True)
+    "rows (RoPE-safe complex scales) and o_proj columns", None, whole_layer=True)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

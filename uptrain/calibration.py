@@ -16,10 +16,11 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.layouts import layout_for
+from uptrain.convert.run import resolve_source
 from uptrain.model_info import read_config
 
 
-def collect_attention_moments(model_dir: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
+def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
                               batch_size: int = 4, text_field: str = "text",
                               sample_by: str = "paragraph") -> tuple[dict[int, torch.Tensor], dict]:
     """Return ({layer: C of shape [(hidden + 1), (hidden + 1)]}, a description for provenance)."""
@@ -27,6 +28,7 @@ def collect_attention_moments(model_dir: str | Path, data: str | list[str], num_
 
     from uptrain.train.data import load_blocks
 
+    model_dir, _ = resolve_source(src)
     config = read_config(model_dir)
     layout = layout_for(config.get("model_type"))
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)

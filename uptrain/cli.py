@@ -11,22 +11,21 @@ from uptrain import UptrainError, __version__
 
 
 def convert(args: argparse.Namespace) -> int:
-    from uptrain.convert import convert_checkpoint
+    import torch
 
-    from uptrain.convert.run import resolve_source
+    from uptrain.convert import convert_checkpoint
+    from uptrain.convert.layer_merge import merges_whole_layers
+    from uptrain.convert.pooling import get_strategy
     from uptrain.fsutil import check_output_path
 
     _pin_malloc_mmap_threshold()
     calibration = calibration_info = None
-    if args.calibration_data:
+    if args.calibration_data and merges_whole_layers(get_strategy(args.pooling), args.grouping):
         from uptrain.calibration import collect_attention_moments
 
         check_output_path(Path(args.out).absolute(), args.overwrite)  # before minutes of calibration
-        folder, _ = resolve_source(args.src)
-        calibration, calibration_info = collect_attention_moments(folder, args.calibration_data,
+        calibration, calibration_info = collect_attention_moments(args.src, args.calibration_data,
                                                                   num_tokens=args.calibration_tokens)
-    import torch
-
     # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall
     # when the other cores are busy (measured in BENCHMARKS.md).
     torch.set_num_threads(1)

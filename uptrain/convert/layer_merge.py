@@ -30,6 +30,11 @@ def layer_tensor_names(layout: AttentionLayout) -> dict[str, str]:
     return names
 
 
+def merges_whole_layers(strategy: Strategy, grouping: str) -> bool:
+    """Whether a conversion reads each layer's Q, K, V and O together (and can use calibration)."""
+    return strategy.whole_layer or grouping != "contiguous"
+
+
 def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, grouping: str, model_type: str,
                               extra_tensors: dict[str, tuple[int, ...]], head_dim: int) -> None:
     """Refuse layouts whose extra attention tensors would break the merge's exactness."""
@@ -87,12 +92,11 @@ class LayerMerger:
         if self.strategy.whole_layer:
             attention = calibrated_merge(attention, self.num_kv_heads, c)
         else:
-            for field in ("k_w", "k_b", "v_w", "v_b"):
+            for rel, field in self.names.items():
                 t = getattr(attention, field)
-                if t is not None:
-                    role = "bias" if field.endswith("_b") else "weight"
-                    ctx = PoolingContext(role, prefix + f"{field[0]}_proj.{'bias' if role == 'bias' else 'weight'}",
-                                         self.seed, self.init_std)
+                if field[0] in "kv" and t is not None:
+                    ctx = PoolingContext("bias" if field.endswith("_b") else "weight", prefix + rel, self.seed,
+                                         self.init_std)
                     setattr(attention, field, pool_rows(t, self.num_kv_heads, geo.head_dim, self.strategy, ctx))
         return {prefix + rel: getattr(attention, field).to(dtypes[field])
                 for rel, field in self.names.items() if fields[field] is not None}

@@ -20,7 +20,7 @@ from uptrain.convert.grouping import check_num_kv_heads, kv_groups, query_to_kv
 from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, COPY_CHUNK_BYTES, OutputEntry,
                                 ShardWriter, SourceCheckpoint, tensor_bytes)
 from uptrain.convert.layer_merge import (GROUPINGS, LayerMerger, check_whole_layer_support,
-                                         layer_tensor_names)
+                                         layer_tensor_names, merges_whole_layers)
 from uptrain.convert.layouts import AttentionLayout, layout_for
 from uptrain.convert.pooling import PoolingContext, Role, Strategy, get_strategy, pool_rows
 from uptrain.fsutil import atomic_directory, check_output_path
@@ -74,12 +74,12 @@ def _role(rel_name: str) -> Role:
 
 
 def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
-                    num_kv_heads: int, cast: torch.dtype | None, whole_layer: Strategy | None = None,
+                    num_kv_heads: int, cast: torch.dtype | None, strategy: Strategy,
                     grouping: str = "contiguous") -> ConversionPlan:
     """Decide every output tensor. Raises on a K/V tensor the layout does not describe.
 
-    With `whole_layer` (a strategy that needs it, or similarity grouping) each layer's Q, K, V
-    and O tensors are planned as one unit for `LayerMerger`.
+    When the strategy or grouping merges whole layers, each layer's Q, K, V and O tensors are
+    planned as one unit for `LayerMerger`.
     """
     g, h, kv, d = num_kv_heads, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
     tensors = source.tensors
@@ -89,12 +89,13 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
         dtype = tensors[name].dtype
         return cast if cast is not None and dtype.is_floating_point else dtype
 
+    whole_layer = merges_whole_layers(strategy, grouping)
     kv_prefixes = []
     for layer in range(geometry.num_layers):
         prefix = layout.attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]
-        if whole_layer is not None:
-            _plan_whole_layer(pooled, tensors, layout, geometry, layer, g, out_dtype, whole_layer, grouping)
+        if whole_layer:
+            _plan_whole_layer(pooled, tensors, layout, geometry, layer, g, out_dtype, strategy, grouping)
             continue
         for rel in layout.kv_rows:
             name = prefix + rel
@@ -260,9 +261,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pool
     check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, num_kv_heads)
     source = SourceCheckpoint(folder, allow_pickle=allow_pickle)
     try:
-        whole_layer = strategy.whole_layer or grouping != "contiguous"
-        plan = plan_conversion(source, layout, geometry, num_kv_heads, cast,
-                               whole_layer=strategy if whole_layer else None, grouping=grouping)
+        plan = plan_conversion(source, layout, geometry, num_kv_heads, cast, strategy, grouping)
         init_std = config.get("initializer_range", 0.02)
         merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, grouping,
                              rotary_dim(config, geometry.head_dim), calibration, seed, init_std)

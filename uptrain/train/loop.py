@@ -180,7 +180,7 @@ def setup(config: TrainConfig) -> Run:
                 from uptrain.calibration import collect_attention_moments
 
                 calibration, info = collect_attention_moments(
-                    resolve_source(config.source)[0], config.train_data, num_tokens=config.calibration_tokens,
+                    config.source, config.train_data, num_tokens=config.calibration_tokens,
                     seq_len=config.seq_len, text_field=config.text_field, sample_by=config.sample_by)
             convert_checkpoint(config.source, model_path, config.num_kv_heads, pooling=config.pooling,
                                seed=config.seed, progress=False, grouping=config.grouping, calibration=calibration,

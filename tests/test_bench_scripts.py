@@ -41,6 +41,7 @@ def test_bench_convert_tiny(tmp_path):
         assert isinstance(result[key], (int, float)) and result[key] > 0, key
     assert all(math.isfinite(x) for x in numbers(result))
     assert result["largest_tensor_bytes"] <= result["largest_shard_bytes"]
+    assert set(result["time_ratio_vs_floor_by_source_hash"]) == {"blake3", "sha256", "none"}
     assert result["double_layers"]["layers"] == 2 * result["layers"]
     assert set(result["targets_met"]) >= {"time_ratio_vs_floor<=1.2", "rss_over_baseline<=3x_largest_tensor",
                                           "rss_ratio_vs_naive<=0.2", "double_layers_rss_not_higher"}

@@ -120,12 +120,10 @@ def test_pickle_only_with_allow_pickle_and_same_result(tmp_path):
     ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     provenance = json.loads((b / "uptrain.json").read_text())
-    assert list(provenance["source_files_sha256"]) == ["pytorch_model.bin"]
+    assert list(provenance["source_files"]) == ["pytorch_model.bin"]
 
 
-def test_provenance_hashes_and_side_files(tmp_path):
-    import hashlib
-
+def test_provenance_and_side_files(tmp_path):
     src = write_synthetic_llama(tmp_path / "src", hidden=128, layers=2, intermediate=64, vocab=64,
                                 max_shard_bytes=100_000)
     (src / "tokenizer.json").write_text('{"fake": "tokenizer"}')
@@ -133,8 +131,7 @@ def test_provenance_hashes_and_side_files(tmp_path):
     (src / "training_args.bin").write_bytes(b"not copied")
     out = convert_checkpoint(src, tmp_path / "out", 1, pooling="first", seed=7, progress=False)
     provenance = json.loads((out / "uptrain.json").read_text())
-    expected = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in src.glob("*.safetensors")}
-    assert provenance["source_files_sha256"] == expected
+    assert sorted(provenance["source_files"]) == sorted(f.name for f in src.glob("*.safetensors"))
     assert provenance["pooling"] == "first" and provenance["seed"] == 7
     assert provenance["num_key_value_heads"] == 1 and provenance["source_num_key_value_heads"] == 8
     assert (out / "tokenizer.json").read_text() == '{"fake": "tokenizer"}'
@@ -168,3 +165,23 @@ def test_kill_9_never_leaves_a_half_written_output(tmp_path, overwrite):
     convert_checkpoint(src, out, 2, overwrite=True, progress=False)
     assert (out / "model.safetensors").exists() and not (out / "previous.txt").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_error_while_pooling_ahead_stops_the_conversion(tmp_path, monkeypatch):
+    """Pooled tensors are computed on a second thread: its errors surface, and nothing is left."""
+    import threading
+
+    from uptrain.convert import pooling
+
+    def failing_mean(heads, ctx):
+        if ".layers.2." in ctx.tensor_name:
+            raise RuntimeError("pooling failed")
+        return heads.mean(dim=1)
+
+    monkeypatch.setitem(pooling.STRATEGIES, "failing", pooling.Strategy("failing", "test", failing_mean))
+    src = write_synthetic_llama(tmp_path / "src", hidden=128, layers=4, intermediate=64, vocab=64,
+                                max_shard_bytes=100_000)
+    with pytest.raises(RuntimeError, match="pooling failed"):
+        convert_checkpoint(src, tmp_path / "out", 2, pooling="failing", max_shard_size=50_000, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+    assert not any(t.name.startswith(("uptrain-pool", "uptrain-source-hash")) for t in threading.enumerate())

@@ -2,17 +2,17 @@
 
 Safetensors files are read with plain positioned reads (no mmap): a mapped file counts
 toward the process's resident memory as it is touched, and a converter that maps a 140 GB
-checkpoint looks, and may behave, like one that loaded it. Each source file is hashed as it
-is read, in order, so provenance costs no second pass over the weights.
+checkpoint looks, and may behave, like one that loaded it. (The provenance digests are
+computed beside the conversion, in `uptrain.convert.hashing`.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -30,7 +30,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-COPY_CHUNK_BYTES = 1024 * 1024
+COPY_CHUNK_BYTES = 256 * 1024  # fits in L2: a chunk read and written straight back never reaches DRAM
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -92,43 +92,20 @@ def read_safetensors_header(path: Path) -> tuple[dict, list[TensorInfo]]:
     return metadata, tensors
 
 
-class HashingReader:
-    """Positioned reads from one file that fold every byte, in file order, into a sha256.
-
-    Reads usually arrive in file order, so the hash comes free with the conversion; a read
-    ahead of the hashed prefix hashes the gap first, and `finish` hashes the tail.
-    """
+class PositionedReader:
+    """Positioned reads (pread) from one file: safe from several threads at once."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.file: BinaryIO = open(path, "rb")
-        self.sha256 = hashlib.sha256()
-        self.hashed = 0
-
-    def _fold(self, pos: int, view: memoryview) -> None:
-        if pos <= self.hashed < pos + len(view):
-            self.sha256.update(view[self.hashed - pos:])
-            self.hashed = pos + len(view)
-
-    def _catch_up(self, pos: int) -> None:
-        while self.hashed < pos:
-            self.file.seek(self.hashed)
-            chunk = self.file.read(min(COPY_CHUNK_BYTES, pos - self.hashed))
-            if not chunk:
-                raise UptrainError(f"{self.path}: file ended early (truncated?)")
-            self.sha256.update(chunk)
-            self.hashed += len(chunk)
+        self.file: BinaryIO = open(path, "rb", buffering=0)
 
     def read_into(self, start: int, buffer: memoryview) -> None:
         """Fill `buffer` with the bytes at [start, start + len(buffer))."""
-        self._catch_up(start)
-        self.file.seek(start)
         done = 0
         while done < len(buffer):
-            n = self.file.readinto(buffer[done:])
+            n = os.preadv(self.file.fileno(), [buffer[done:]], start + done)
             if not n:
                 raise UptrainError(f"{self.path}: file ended early (truncated?)")
-            self._fold(start + done, buffer[done:done + n])
             done += n
 
     def copy_to(self, start: int, length: int, write: Callable[[memoryview], object], chunk: bytearray) -> None:
@@ -141,11 +118,6 @@ class HashingReader:
             write(part)
             pos += len(part)
 
-    def finish(self) -> str:
-        self._catch_up(os.fstat(self.file.fileno()).st_size)
-        self.file.close()
-        return self.sha256.hexdigest()
-
 
 class SourceCheckpoint:
     """The weights of a local checkpoint folder: tensor metadata up front, data on demand."""
@@ -155,7 +127,8 @@ class SourceCheckpoint:
         self.is_pickle = False
         self.metadata: dict = {}
         self.tensors: dict[str, TensorInfo] = {}
-        self._readers: dict[Path, HashingReader] = {}
+        self._readers: dict[Path, PositionedReader] = {}
+        self._readers_lock = threading.Lock()
         self._pickled: dict[Path, dict] = {}
         if (folder / SAFETENSORS_INDEX).is_file():
             self._open_safetensors(self._index_shards(folder / SAFETENSORS_INDEX))
@@ -222,20 +195,20 @@ class SourceCheckpoint:
         """Tensors in file order: reading them in this order reads each file front to back."""
         return sorted(self.tensors.values(), key=lambda t: (str(t.file), t.start))
 
-    def _reader(self, path: Path) -> HashingReader:
-        if path not in self._readers:
-            self._readers[path] = HashingReader(path)
-        return self._readers[path]
+    def _reader(self, path: Path) -> PositionedReader:
+        with self._readers_lock:  # the conversion reads from two threads (run.py)
+            if path not in self._readers:
+                self._readers[path] = PositionedReader(path)
+            return self._readers[path]
 
     def read_tensor(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         if self.is_pickle:
             return self._pickled[info.file][name]
-        buffer = bytearray(info.nbytes)
-        self._reader(info.file).read_into(info.start, memoryview(buffer))
-        if not buffer:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return torch.frombuffer(buffer, dtype=info.dtype).reshape(info.shape)
+        # torch's allocator, not a bytearray: no zero-fill, and huge pages where enabled (cli.py).
+        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        self._reader(info.file).read_into(info.start, memoryview(raw.numpy()))
+        return raw.view(info.dtype).reshape(info.shape)
 
     def copy_raw(self, name: str, write: Callable[[memoryview], object], chunk: bytearray) -> None:
         """Send a tensor's bytes unchanged to `write`, never holding more than `chunk`."""
@@ -244,18 +217,6 @@ class SourceCheckpoint:
             write(tensor_bytes(self._pickled[info.file][name]))
         else:
             self._reader(info.file).copy_to(info.start, info.nbytes, write, chunk)
-
-    def file_hashes(self) -> dict[str, str]:
-        """sha256 of every source weight file (completes the in-order hashes)."""
-        hashes = {}
-        for path in self.files:
-            if self.is_pickle:
-                with open(path, "rb") as f:
-                    hashes[path.name] = hashlib.file_digest(f, "sha256").hexdigest()
-            else:
-                hashes[path.name] = self._reader(path).finish()
-        self._readers.clear()
-        return hashes
 
     def close(self) -> None:
         for reader in self._readers.values():
@@ -297,7 +258,10 @@ class OutputEntry:
 
 
 class ShardWriter:
-    """Writes one safetensors file whose header is known up front; tensors then stream in order."""
+    """Writes one safetensors file whose header is known up front; tensors then stream in order.
+
+    A context manager: leaving the block normally checks that every planned byte was written.
+    """
 
     def __init__(self, path: Path, entries: list[OutputEntry], metadata: dict[str, str]):
         self.path = path
@@ -328,7 +292,10 @@ class ShardWriter:
             raise RuntimeError(f"more bytes than planned for a tensor in {self.path}")
         self.file.write(data)
 
-    def close(self) -> None:
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
         self.file.close()
-        if self._next != len(self.entries) or self._remaining:
+        if exc_type is None and (self._next != len(self.entries) or self._remaining):
             raise RuntimeError(f"{self.path}: closed before every planned tensor was written")

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,6 +19,7 @@ from tqdm.auto import tqdm
 import uptrain
 from uptrain import UptrainError
 from uptrain.convert.grouping import check_num_kv_heads, kv_groups, query_to_kv
+from uptrain.convert.hashing import HASH_CHOICES, BackgroundHasher
 from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, COPY_CHUNK_BYTES, OutputEntry,
                                 ShardWriter, SourceCheckpoint, tensor_bytes)
 from uptrain.convert.layer_merge import (GROUPINGS, LayerMerger, check_whole_layer_support,
@@ -27,6 +30,9 @@ from uptrain.fsutil import atomic_directory, check_output_path
 from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Planned kinds pooled on a second thread, up to a layer's K and V ahead (see _write_weights).
+POOLED_KINDS = ("rows", "fused", "per_head")
+COMPUTE_AHEAD = 2
 # Files besides the weights that make the output a usable checkpoint.
 SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                       "merges.txt", "*.model", "chat_template.*", "generation_config.json")
@@ -232,14 +238,16 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pool
                        seed: int = 0, dtype: str | None = None, max_shard_size: int | str = "5GB",
                        overwrite: bool = False, allow_pickle: bool = False, progress: bool | None = None,
                        grouping: str = "contiguous", calibration: dict[int, torch.Tensor] | None = None,
-                       calibration_info: dict | None = None) -> Path:
+                       calibration_info: dict | None = None, source_hash: str = "blake3") -> Path:
     """Convert the checkpoint at `src` to `num_kv_heads` KV heads and write it to `out`.
 
-    Streams: holds at most one source tensor (one layer's K or V) and the tensor being
-    written — one layer's Q, K, V and O for `calibrated` pooling or `similarity` grouping.
+    Streams: holds at most one layer's K and V (pooled ahead on a second thread) and the
+    tensor being written — one layer's Q, K, V and O for `calibrated` pooling or `similarity`
+    grouping.
     `calibration` maps each layer to the second moment of its attention input, augmented with
-    a constant 1 ((hidden + 1)², see `uptrain.calibration`). `out` appears only when
-    everything succeeded. Returns the output folder.
+    a constant 1 ((hidden + 1)², see `uptrain.calibration`). `source_hash` names the digest
+    of each source file recorded in `uptrain.json` (blake3, sha256 or none). `out` appears
+    only when everything succeeded. Returns the output folder.
     """
     out = Path(out).absolute()
     strategy = get_strategy(pooling)
@@ -247,6 +255,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pool
         raise UptrainError(f"--grouping must be one of {', '.join(GROUPINGS)}, got {grouping!r}")
     if strategy.whole_layer and calibration is None:
         raise UptrainError(f"--pooling {pooling} needs calibration data (--calibration-data FILE)")
+    if source_hash not in HASH_CHOICES:
+        raise UptrainError(f"--source-hash must be one of {', '.join(HASH_CHOICES)}, got {source_hash!r}")
     cast = None
     if dtype is not None:
         if dtype not in DTYPES:
@@ -265,12 +275,12 @@ def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pool
         init_std = config.get("initializer_range", 0.02)
         merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, grouping,
                              rotary_dim(config, geometry.head_dim), calibration, seed, init_std)
-        with atomic_directory(out, overwrite) as tmp:
+        with atomic_directory(out, overwrite) as tmp, BackgroundHasher(source.files, source_hash) as hasher:
             _write_weights(plan, source, tmp, strategy, seed, init_std, max_shard_bytes, progress, merger)
-            hashes = source.file_hashes()
+            source_files = hasher.result()
             _write_config(folder, tmp, config, num_kv_heads, dtype)
             _copy_side_files(folder, tmp, config)
-            provenance = _provenance(label, hashes, strategy, seed, plan, dtype)
+            provenance = _provenance(label, source_files, strategy, seed, plan, dtype)
             provenance["grouping"] = grouping
             if merger.kv_orders:
                 provenance["kv_head_order"] = {str(k): v for k, v in merger.kv_orders.items()}
@@ -294,20 +304,38 @@ def _write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path,
     weight_map = {}
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert",
                disable=None if progress is None else not progress)
-    with bar:
-        for shard_name, shard in zip(names, shards):
-            writer = ShardWriter(folder / shard_name, [t.out for t in shard], metadata)
-            try:
-                for t in shard:
-                    writer.begin(t.out.name)
-                    if t.kind == "copy":
-                        source.copy_raw(t.sources[0], writer.write, chunk)
-                    else:
-                        writer.write(tensor_bytes(_compute(t, source, plan, strategy, seed, init_std, merger)))
-                    weight_map[t.out.name] = shard_name
-                    bar.update(t.out.nbytes)
-            finally:
-                writer.close()
+    # Pooled K/V tensors are computed, in plan order, on a second thread while this one copies
+    # the tensors between them; at most COMPUTE_AHEAD results wait in memory. Casts and
+    # whole-layer merges run here: computing them ahead would hold more than one tensor
+    # (or layer) at a time.
+    to_compute = iter([t for t in plan.tensors if t.kind in POOLED_KINDS])
+    ahead: deque[Future] = deque()
+
+    def compute_next() -> None:
+        if (t := next(to_compute, None)) is not None:
+            ahead.append(worker.submit(_compute, t, source, plan, strategy, seed, init_std, merger))
+
+    with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="uptrain-pool") as worker:
+        try:
+            for _ in range(COMPUTE_AHEAD):
+                compute_next()
+            for shard_name, shard in zip(names, shards):
+                with ShardWriter(folder / shard_name, [t.out for t in shard], metadata) as writer:
+                    for t in shard:
+                        writer.begin(t.out.name)
+                        if t.kind == "copy":
+                            source.copy_raw(t.sources[0], writer.write, chunk)
+                        elif t.kind in POOLED_KINDS:
+                            tensor = ahead.popleft().result()
+                            compute_next()
+                            writer.write(tensor_bytes(tensor))
+                        else:
+                            writer.write(tensor_bytes(_compute(t, source, plan, strategy, seed, init_std, merger)))
+                        weight_map[t.out.name] = shard_name
+                        bar.update(t.out.nbytes)
+        finally:
+            for future in ahead:
+                future.cancel()
     if len(shards) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
         (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
@@ -331,14 +359,14 @@ def _copy_side_files(src: Path, dst: Path, config: dict) -> None:
         (dst / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
 
 
-def _provenance(label: str, hashes: dict[str, str], strategy: Strategy, seed: int, plan: ConversionPlan,
+def _provenance(label: str, source_files: dict[str, dict], strategy: Strategy, seed: int, plan: ConversionPlan,
                 dtype: str | None) -> dict:
     geo = plan.geometry
     return {
         "uptrain_version": uptrain.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "source": label,
-        "source_files_sha256": hashes,
+        "source_files": source_files,
         "model_type": geo.model_type,
         "pooling": strategy.name,
         "pooling_reference": strategy.reference,
@@ -367,6 +395,6 @@ Strategy: {p['pooling_reference']}. Seed {p['seed']}.
 
 The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
 Every other tensor is copied unchanged{'' if p['dtype'] is None else f" (cast to {p['dtype']})"}.
-`uptrain.json` records the source files' sha256, the grouping and the uptrain version \
+`uptrain.json` records the source files' digests, the grouping and the uptrain version \
 ({p['uptrain_version']}).
 """

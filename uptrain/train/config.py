@@ -34,8 +34,9 @@ class TrainConfig(BaseModel):
                                              "calibrated: calibrated on `calibration_tokens` of `train_data`)")
     grouping: Literal["contiguous", "similarity"] = Field(
         "contiguous", description="which heads share a KV head when converting `source` (see `uptrain convert`)")
-    calibration_tokens: int = Field(32768, ge=1, description="tokens of `train_data` the `calibrated` conversion "
-                                                             "reads through the source model")
+    calibration_tokens: int = Field(32768, ge=1, description="tokens of `train_data` read through the source model "
+                                                             "to calibrate the conversion (`calibrated` pooling, "
+                                                             "`similarity` grouping)")
 
     # Data.
     train_data: str | list[str] = Field(..., description="training text: local .txt/.jsonl/.json/.parquet file(s) "

@@ -171,12 +171,15 @@ def setup(config: TrainConfig) -> Run:
         model_path = str(out / "converted")
         if accelerator.is_main_process and not (out / "converted" / "config.json").is_file():
             from uptrain.convert import convert_checkpoint
+            from uptrain.convert.layer_merge import merges_whole_layers
             from uptrain.convert.pooling import get_strategy
 
             accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
                               f"→ {model_path}")
             calibration = info = None
-            if get_strategy(config.pooling).whole_layer:
+            # As `uptrain convert` with --calibration-data: whatever merges whole layers
+            # (calibrated pooling, similarity grouping) reads the training data first.
+            if merges_whole_layers(get_strategy(config.pooling), config.grouping):
                 from uptrain.calibration import collect_attention_moments
 
                 calibration, info = collect_attention_moments(

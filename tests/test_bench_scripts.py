@@ -48,6 +48,14 @@ def test_bench_convert_tiny(tmp_path):
     assert list(tmp_path.iterdir()) == []  # checkpoints cleaned up
 
 
+def test_bench_copy_chunks_tiny(tmp_path):
+    result = run_script("bench_copy_chunks.py", "--size-gb", "0.02", "--repeats", "1", "--chunks", "64K,1M",
+                        "--workdir", str(tmp_path))
+    assert set(result["seconds"]) == {"chunks 64K", "chunks 1M", "copy_file_range"}
+    assert result["bytes"] > 0 and all(math.isfinite(x) and x >= 0 for x in numbers(result))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_decode_tiny():
     heads, kv_heads = 8, 2
     result = run_script("bench_decode.py", "--contexts", "8,16", "--batches", "1,2", "--new-tokens", "2",

@@ -2,9 +2,9 @@
 
 A background thread reads and hashes every source file while the conversion streams the same
 files (the page cache serves both). BLAKE3 is the default: a cryptographic hash that runs at
-about 7 GB/s on one core here, against 1.8 GB/s for sha256 even with SHA extensions, so on
-two cores the digest costs no wall time (BENCHMARKS.md). Hashing releases the GIL, which lets
-the thread run beside the conversion.
+about 7 GB/s on one core here, against 1.8 GB/s for sha256 even with SHA extensions; on two
+cores it adds about a tenth to a conversion, sha256 over a third (BENCHMARKS.md). Both
+release the GIL while hashing, which lets the thread run beside the conversion.
 
 Files in a Hugging Face cache are named by the sha256 the Hub lists for them (their LFS object
 id); that name is recorded as `hub_sha256` at no cost, and `--source-hash sha256` checks it.
@@ -20,10 +20,10 @@ from pathlib import Path
 import blake3
 
 from uptrain import UptrainError
+from uptrain.convert.io import COPY_CHUNK_BYTES
 
 SOURCE_HASHES = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 HASH_CHOICES = (*SOURCE_HASHES, "none")
-HASH_CHUNK_BYTES = 256 * 1024  # cache-sized, as COPY_CHUNK_BYTES
 
 
 def hub_sha256(path: Path) -> str | None:
@@ -60,7 +60,7 @@ class BackgroundHasher:
             self._thread.join()
 
     def _run(self) -> None:
-        view = memoryview(bytearray(HASH_CHUNK_BYTES))
+        view = memoryview(bytearray(COPY_CHUNK_BYTES))
         for path in self.paths:
             digest = SOURCE_HASHES[self.algorithm]()
             try:

@@ -283,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                                          dtype=torch.bfloat16, max_shard_bytes=args.shard_size_mb * 10**6)
             os.sync()
             warm_read(src2)
-            refill_free_memory(2 * checkpoint_facts(src2)["total_bytes"])
+            total2 = checkpoint_facts(src2)["total_bytes"]
+            refill_free_memory(2 * total2)
             seconds, peak, cpu_seconds = run_child(commands("uptrain", src2, work / "out-2x", args))
-            double = {"layers": 2 * shape["layers"], "total_bytes": checkpoint_facts(src2)["total_bytes"],
+            double = {"layers": 2 * shape["layers"], "total_bytes": total2,
                       "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3), "peak_rss_bytes": peak}
 
     report = summarize(shape, facts, results, double, args)

@@ -63,6 +63,7 @@ def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | No
     from uptrain.corpus import split_path
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
+    from uptrain.train.metrics import read_metrics
 
     config = TrainConfig(model=str(model), train_data=str(split_path("validation")),
                          eval_data=str(split_path("validation")), output_dir=str(out), seq_len=args.seq_len,
@@ -70,7 +71,7 @@ def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | No
                          eval_every=10**6, save_every=10**6, eval_blocks=1, report_to=["jsonl"], overwrite=True,
                          mixed_precision="bf16" if args.device == "cuda" else "no")
     run_training(config)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / "metrics.jsonl")
     steps = [r for r in records if "perf/step_time_s" in r]
     mfu = [r["perf/mfu"] for r in steps[args.warmup:] if "perf/mfu" in r]
     return [r["perf/step_time_s"] for r in steps[args.warmup:]], (statistics.median(mfu) if mfu else None)

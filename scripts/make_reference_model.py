@@ -63,6 +63,7 @@ def main() -> int:
     from uptrain.corpus import load_tokenizer, split_path, unigram_perplexity
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
+    from uptrain.train.metrics import read_metrics
 
     init = args.work_dir.parent / (args.work_dir.name + "-init")
     if not (init / "config.json").exists():
@@ -79,7 +80,7 @@ def main() -> int:
                          lr=args.lr, warmup_steps=100, max_tokens=args.tokens, eval_every=200, save_every=200,
                          eval_blocks=128, seed=args.seed, report_to=["jsonl"], resume=resume, weight_decay=0.1)
     final = run_training(config)
-    records = [json.loads(line) for line in (args.work_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(args.work_dir / "metrics.jsonl")
     evals = [r for r in records if "eval/loss" in r]
     tokens = max(r.get("train/tokens_seen", 0) for r in records)
     baseline = unigram_perplexity(load_tokenizer()).perplexity

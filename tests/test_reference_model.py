@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain.compare.run import validate
 from uptrain.corpus import split_path
 from uptrain.demo import REFERENCE, demo_spec
-from uptrain.train.data import eval_batches, load_blocks
+from uptrain.textdata import load_blocks
+from uptrain.train.data import eval_batches
 
 
 def test_reference_model_matches_its_card(tmp_path):

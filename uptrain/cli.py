@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from uptrain import UptrainError, __version__
 
@@ -14,30 +13,24 @@ from uptrain import UptrainError, __version__
 def convert(args: argparse.Namespace) -> int:
     import torch
 
-    from uptrain.convert import convert_checkpoint
-    from uptrain.convert.layer_merge import merges_whole_layers
-    from uptrain.convert.pooling import get_strategy
-    from uptrain.fsutil import check_output_path
+    from uptrain.convert.pipeline import calibrate, conversion_spec, execute, prepare
 
     _pin_malloc_mmap_threshold()
     # Transparent huge pages for torch's large CPU buffers: each pooled K/V tensor is a fresh
     # allocation (see above), and faulting it in 4 KiB pages cost 0.2 s per 2 GB converted.
     # Read by torch at its first allocation, which has not happened yet.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    calibration = calibration_info = None
-    if args.calibration_data and merges_whole_layers(get_strategy(args.pooling), args.grouping):
-        from uptrain.calibration import collect_attention_moments
-
-        check_output_path(Path(args.out).absolute(), args.overwrite)  # before minutes of calibration
-        calibration, calibration_info = collect_attention_moments(args.src, args.calibration_data,
-                                                                  num_tokens=args.calibration_tokens)
-    # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall
-    # when the other cores are busy (measured in BENCHMARKS.md).
-    torch.set_num_threads(1)
-    out = convert_checkpoint(args.src, args.out, args.num_kv_heads, pooling=args.pooling, seed=args.seed,
-                             dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                             allow_pickle=args.allow_pickle, grouping=args.grouping, calibration=calibration,
-                             calibration_info=calibration_info, source_hash=args.source_hash)
+    spec = conversion_spec(
+        source=args.src, num_kv_heads=args.num_kv_heads, pooling=args.pooling, seed=args.seed,
+        grouping=args.grouping, calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
+        calibration_device=args.calibration_device, calibration_dtype=args.calibration_dtype, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, allow_pickle=args.allow_pickle, source_hash=args.source_hash)
+    with prepare(spec, args.out, args.overwrite) as prepared:  # every check, before any work
+        calibration = calibrate(prepared)
+        # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall
+        # when the other cores are busy (measured in BENCHMARKS.md).
+        torch.set_num_threads(1)
+        out = execute(prepared, args.out, args.overwrite, calibration)
     print(f"wrote {out}")
     return 0
 
@@ -120,6 +113,10 @@ def _add_convert(sub) -> None:
                    help="text/jsonl/parquet file(s) or a datasets name; required by --pooling calibrated")
     p.add_argument("--calibration-tokens", type=int, default=32768,
                    help="tokens of calibration data read by the source model (default: 32768)")
+    p.add_argument("--calibration-device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where calibration runs the source model (default: auto, the first GPU when there is one)")
+    p.add_argument("--calibration-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of calibration's forward pass; moments are accumulated in float64 (default: float32)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="cast floating-point tensors (default: keep each tensor's dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB or 500MiB (default: 5GB)")

@@ -7,14 +7,15 @@ import math
 from uptrain import UptrainError
 from uptrain.convert.io import SourceCheckpoint
 from uptrain.convert.layouts import LAYOUTS
-from uptrain.convert.run import resolve_source
+from uptrain.convert.source import resolve_source
 from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
 
 TP_DEGREES = (2, 4, 8)
 
 
 def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str | None = None) -> dict:
-    folder, label = resolve_source(src)
+    resolved = resolve_source(src)
+    folder, label = resolved.folder, resolved.label
     config = read_config(folder)
     model_type = config.get("model_type")
     layout = LAYOUTS.get(model_type)

@@ -10,9 +10,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.convert.tiny_models import COMMON, EXTRA, logits
 from uptrain import UptrainError
-from uptrain.calibration import collect_attention_moments
+from uptrain.convert.calibration import collect_attention_moments
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
+from uptrain.convert.pipeline import Calibration
 from uptrain.corpus import load_tokenizer, read_documents
 
 # Layouts the whole-layer merge supports (no q/k norms): phi without its optional qk_layernorm.
@@ -56,7 +57,7 @@ def save(model, tokenizer, folder):
 
 def calibrated(src, out, g, text, **kwargs):
     moments, info = collect_attention_moments(src, str(text), num_tokens=2048, seq_len=64)
-    return convert_checkpoint(src, out, g, pooling="calibrated", calibration=moments, calibration_info=info,
+    return convert_checkpoint(src, out, g, pooling="calibrated", calibration=Calibration(moments, info),
                               progress=False, **kwargs)
 
 
@@ -159,7 +160,7 @@ def test_similarity_grouping_is_permutation_invariant(pooling, tokenizer, calibr
     for folder in (src, psrc):
         moments, info = collect_attention_moments(folder, str(calibration_text), num_tokens=2048, seq_len=64)
         out = convert_checkpoint(folder, tmp_path / f"{folder.name}-out", 2, pooling=pooling, grouping="similarity",
-                                 calibration=moments if pooling == "calibrated" else None, progress=False)
+                                 calibration=Calibration(moments) if pooling == "calibrated" else None, progress=False)
         results.append(logits(load(out)))
         provenance = json.loads((out / "uptrain.json").read_text())
         assert provenance["grouping"] == "similarity" and len(provenance["kv_head_order"]) == 2
@@ -188,5 +189,5 @@ def test_cli_calibrated_and_refusals(tokenizer, calibration_text, tmp_path, caps
     qwen3 = build("qwen3", tokenizer)
     qsrc = save(qwen3, tokenizer, tmp_path / "qwen3")
     with pytest.raises(UptrainError, match="k_norm"):
-        convert_checkpoint(qsrc, tmp_path / "y", 2, pooling="calibrated", calibration={}, progress=False)
+        convert_checkpoint(qsrc, tmp_path / "y", 2, pooling="calibrated", calibration=Calibration({}), progress=False)
     assert not (tmp_path / "y").exists()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from uptrain import UptrainError
-from uptrain.train.data import (StreamedTrainBlocks, TokenBlocks, TrainBlocks, eval_batches, load_blocks,
-                                resolve_data)
+from uptrain.textdata import TokenBlocks, load_blocks, resolve_data
+from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 
 
 @pytest.fixture(scope="module")

@@ -158,8 +158,9 @@ def test_convert_on_the_fly_calibrated_on_train_data(base_config, assets):
 def test_similarity_grouping_on_the_fly_is_calibrated_like_convert(base_config, assets, tmp_path):
     """`grouping: similarity` with mean pooling groups heads on the training data, as
     `uptrain convert --grouping similarity --calibration-data` does."""
-    from uptrain.calibration import collect_attention_moments
+    from uptrain.convert.calibration import collect_attention_moments
     from uptrain.convert import convert_checkpoint
+    from uptrain.convert.pipeline import Calibration
 
     values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "grouping": "similarity",
               "calibration_tokens": 256, "max_steps": 1, "save_every": 10}
@@ -172,7 +173,7 @@ def test_similarity_grouping_on_the_fly_is_calibrated_like_convert(base_config, 
     calibration, info = collect_attention_moments(str(assets["mha"]), config.train_data, num_tokens=256,
                                                   seq_len=config.seq_len)
     by_hand = convert_checkpoint(assets["mha"], tmp_path / "by-hand", 2, grouping="similarity",
-                                 calibration=calibration, calibration_info=info, progress=False)
+                                 calibration=Calibration(calibration, info), progress=False)
     assert json.loads((by_hand / "uptrain.json").read_text())["kv_head_order"] == provenance["kv_head_order"]
     a, b = load_file(converted / "model.safetensors"), load_file(by_hand / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -118,7 +118,7 @@ def _calibration(spec: CompareSpec, root: Path):
     """Attention-input moments of the MHA model on the train data, computed once per compare."""
     from safetensors.torch import load_file, save_file
 
-    from uptrain.calibration import collect_attention_moments
+    from uptrain.convert.calibration import collect_attention_moments
 
     path = root / "calibration.safetensors"
     if path.exists():

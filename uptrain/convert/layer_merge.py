@@ -48,6 +48,35 @@ def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, group
                                "use mean, first or random with contiguous grouping")
 
 
+def whole_layer_shapes(tensors: dict, layout: AttentionLayout, geometry: AttentionGeometry, layer: int, g: int,
+                       strategy: Strategy, grouping: str) -> dict[str, tuple[int, ...]]:
+    """Output shapes of the tensors one layer's merge rewrites; refuses what the merge cannot carry.
+
+    `tensors` maps every source tensor name to its header (anything with a `.shape`).
+    """
+    prefix = layout.attn_prefix.format(layer=layer) + "."
+    names = layer_tensor_names(layout)
+    extra = {n: tensors[n].shape for n in tensors
+             if n.startswith(prefix) and n[len(prefix):] not in names and not n.endswith(f"{layout.o_proj}.bias")}
+    check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim)
+    shapes = {}
+    for rel, field in names.items():
+        name = prefix + rel
+        if name not in tensors:
+            if field.endswith("_w"):
+                raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
+            continue
+        shape = tuple(tensors[name].shape)
+        heads = geometry.num_kv_heads if field[0] in "kv" else geometry.num_heads
+        width = shape[1] if field == "o_w" else shape[0]  # o_proj's columns are per head
+        if width != heads * geometry.head_dim:
+            raise UptrainError(f"{name} has shape {shape}, expected {heads} heads × {geometry.head_dim}")
+        if field[0] in "kv":
+            shape = (g * geometry.head_dim, *shape[1:])
+        shapes[name] = shape
+    return shapes
+
+
 class LayerMerger:
     def __init__(self, source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
                  num_kv_heads: int, strategy: Strategy, grouping: str, rotary_dim: int,

@@ -4,38 +4,27 @@ before any byte is written; then tensors stream source → output one at a time.
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-import uptrain
 from uptrain import UptrainError
-from uptrain.convert.grouping import check_num_kv_heads, kv_groups, query_to_kv
-from uptrain.convert.hashing import HASH_CHOICES, BackgroundHasher
+from uptrain.convert.grouping import kv_groups
 from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, COPY_CHUNK_BYTES, OutputEntry,
                                 ShardWriter, SourceCheckpoint, tensor_bytes)
-from uptrain.convert.layer_merge import (GROUPINGS, LayerMerger, check_whole_layer_support,
-                                         layer_tensor_names, merges_whole_layers)
-from uptrain.convert.layouts import AttentionLayout, layout_for
-from uptrain.convert.pooling import PoolingContext, Role, Strategy, get_strategy, pool_rows
-from uptrain.fsutil import atomic_directory, check_output_path
-from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
+from uptrain.convert.layer_merge import LayerMerger, merges_whole_layers, whole_layer_shapes
+from uptrain.convert.layouts import AttentionLayout
+from uptrain.convert.pooling import PoolingContext, Role, Strategy, pool_rows
+from uptrain.model_info import AttentionGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Planned kinds pooled on a second thread, up to a layer's K and V ahead (see _write_weights).
 POOLED_KINDS = ("rows", "fused", "per_head")
 COMPUTE_AHEAD = 2
-# Files besides the weights that make the output a usable checkpoint.
-SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                      "merges.txt", "*.model", "chat_template.*", "generation_config.json")
 
 
 @dataclass
@@ -58,18 +47,6 @@ class ConversionPlan:
     @property
     def total_bytes(self) -> int:
         return sum(t.out.nbytes for t in self.tensors)
-
-
-def parse_size(size: int | str) -> int:
-    """'5GB' → 5·10⁹, '500MiB' → 500·2²⁰, 1000 → 1000 (bytes)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", size, re.IGNORECASE)
-    if not m:
-        raise UptrainError(f"cannot read size {size!r}; use e.g. 5GB, 500MB or 2GiB")
-    base = 1024 if m.group(3) else 1000
-    power = " KMGT".index(m.group(2).upper() or " ")
-    return int(float(m.group(1)) * base**power)
 
 
 def _role(rel_name: str) -> Role:
@@ -101,7 +78,8 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
         prefix = layout.attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]
         if whole_layer:
-            _plan_whole_layer(pooled, tensors, layout, geometry, layer, g, out_dtype, strategy, grouping)
+            for name, shape in whole_layer_shapes(tensors, layout, geometry, layer, g, strategy, grouping).items():
+                pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), shape), [name], "layer", layer=layer)
             continue
         for rel in layout.kv_rows:
             name = prefix + rel
@@ -152,29 +130,6 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
     return plan
 
 
-def _plan_whole_layer(pooled: dict, tensors: dict, layout: AttentionLayout, geometry: AttentionGeometry,
-                      layer: int, g: int, out_dtype, strategy: Strategy, grouping: str) -> None:
-    prefix = layout.attn_prefix.format(layer=layer) + "."
-    names = layer_tensor_names(layout)
-    extra = {n: tensors[n].shape for n in tensors
-             if n.startswith(prefix) and n[len(prefix):] not in names and not n.endswith(f"{layout.o_proj}.bias")}
-    check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim)
-    for rel, field in names.items():
-        name = prefix + rel
-        if name not in tensors:
-            if field.endswith("_w"):
-                raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
-            continue
-        shape = tensors[name].shape
-        heads = geometry.num_kv_heads if field[0] in "kv" else geometry.num_heads
-        width = shape[1] if field == "o_w" else shape[0]  # o_proj's columns are per head
-        if width != heads * geometry.head_dim:
-            raise UptrainError(f"{name} has shape {tuple(shape)}, expected {heads} heads × {geometry.head_dim}")
-        if field[0] in "kv":
-            shape = (g * geometry.head_dim, *shape[1:])
-        pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), shape), [name], "layer", layer=layer)
-
-
 def shard_plan(plan: ConversionPlan, max_shard_bytes: int) -> list[list[PlannedTensor]]:
     """Split the plan, in order, into shards no larger than the limit (a bigger tensor gets its own)."""
     shards: list[list[PlannedTensor]] = [[]]
@@ -213,87 +168,7 @@ def _compute(t: PlannedTensor, source: SourceCheckpoint, plan: ConversionPlan, s
     raise AssertionError(t.kind)
 
 
-def resolve_source(src: str | Path) -> tuple[Path, str]:
-    """A local folder, or a Hub id fetched (or found in the cache when offline)."""
-    path = Path(src)
-    if path.exists():
-        if not path.is_dir():
-            raise UptrainError(f"{src} is not a checkpoint folder")
-        return path.absolute(), str(path.absolute())
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src)) and not str(src).startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-
-        try:
-            local = snapshot_download(str(src), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                                "tokenizer*", "*.jinja"])
-        except Exception as err:
-            offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-            raise UptrainError(f"{src} is not a local folder and could not be fetched from the Hub{offline}: "
-                               f"{type(err).__name__}") from None
-        return Path(local), str(src)
-    raise UptrainError(f"{src} does not exist")
-
-
-def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, pooling: str = "mean",
-                       seed: int = 0, dtype: str | None = None, max_shard_size: int | str = "5GB",
-                       overwrite: bool = False, allow_pickle: bool = False, progress: bool | None = None,
-                       grouping: str = "contiguous", calibration: dict[int, torch.Tensor] | None = None,
-                       calibration_info: dict | None = None, source_hash: str = "blake3") -> Path:
-    """Convert the checkpoint at `src` to `num_kv_heads` KV heads and write it to `out`.
-
-    Streams: holds at most one layer's K and V (pooled ahead on a second thread) and the
-    tensor being written — one layer's Q, K, V and O for `calibrated` pooling or `similarity`
-    grouping.
-    `calibration` maps each layer to the second moment of its attention input, augmented with
-    a constant 1 ((hidden + 1)², see `uptrain.calibration`). `source_hash` names the digest
-    of each source file recorded in `uptrain.json` (blake3, sha256 or none). `out` appears
-    only when everything succeeded. Returns the output folder.
-    """
-    out = Path(out).absolute()
-    strategy = get_strategy(pooling)
-    if grouping not in GROUPINGS:
-        raise UptrainError(f"--grouping must be one of {', '.join(GROUPINGS)}, got {grouping!r}")
-    if strategy.whole_layer and calibration is None:
-        raise UptrainError(f"--pooling {pooling} needs calibration data (--calibration-data FILE)")
-    if source_hash not in HASH_CHOICES:
-        raise UptrainError(f"--source-hash must be one of {', '.join(HASH_CHOICES)}, got {source_hash!r}")
-    cast = None
-    if dtype is not None:
-        if dtype not in DTYPES:
-            raise UptrainError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        cast = DTYPES[dtype]
-    max_shard_bytes = parse_size(max_shard_size)
-    check_output_path(out, overwrite)
-    folder, label = resolve_source(src)
-    config = read_config(folder)
-    layout = layout_for(config.get("model_type"))
-    geometry = attention_geometry(config, layout.head_dim_key)
-    check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, num_kv_heads)
-    source = SourceCheckpoint(folder, allow_pickle=allow_pickle)
-    try:
-        plan = plan_conversion(source, layout, geometry, num_kv_heads, cast, strategy, grouping)
-        init_std = config.get("initializer_range", 0.02)
-        merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, grouping,
-                             rotary_dim(config, geometry.head_dim), calibration, seed, init_std)
-        with atomic_directory(out, overwrite) as tmp, BackgroundHasher(source.files, source_hash) as hasher:
-            _write_weights(plan, source, tmp, strategy, seed, init_std, max_shard_bytes, progress, merger)
-            source_files = hasher.result()
-            _write_config(folder, tmp, config, num_kv_heads, dtype)
-            _copy_side_files(folder, tmp, config)
-            provenance = _provenance(label, source_files, strategy, seed, plan, dtype)
-            provenance["grouping"] = grouping
-            if merger.kv_orders:
-                provenance["kv_head_order"] = {str(k): v for k, v in merger.kv_orders.items()}
-            if calibration_info:
-                provenance["calibration"] = calibration_info
-            (tmp / "uptrain.json").write_text(json.dumps(provenance, indent=2) + "\n")
-            (tmp / "README.md").write_text(_model_card(provenance))
-    finally:
-        source.close()
-    return out
-
-
-def _write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path, strategy: Strategy,
+def write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path, strategy: Strategy,
                    seed: int, init_std: float, max_shard_bytes: int, progress: bool | None,
                    merger: LayerMerger) -> None:
     shards = shard_plan(plan, max_shard_bytes)
@@ -339,62 +214,3 @@ def _write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path,
     if len(shards) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
         (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _write_config(src: Path, dst: Path, config: dict, num_kv_heads: int, dtype: str | None) -> None:
-    # Edit the JSON itself, not a transformers config object: every other field stays as it was.
-    config = dict(config, num_key_value_heads=num_kv_heads)
-    if dtype is not None:
-        config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _copy_side_files(src: Path, dst: Path, config: dict) -> None:
-    for pattern in SIDE_FILE_PATTERNS:
-        for path in src.glob(pattern):
-            if path.is_file() and not (dst / path.name).exists():
-                shutil.copy2(path, dst / path.name)
-    if not (dst / "generation_config.json").exists():
-        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-        (dst / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
-
-
-def _provenance(label: str, source_files: dict[str, dict], strategy: Strategy, seed: int, plan: ConversionPlan,
-                dtype: str | None) -> dict:
-    geo = plan.geometry
-    return {
-        "uptrain_version": uptrain.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "source": label,
-        "source_files": source_files,
-        "model_type": geo.model_type,
-        "pooling": strategy.name,
-        "pooling_reference": strategy.reference,
-        "seed": seed,
-        "dtype": dtype,
-        "num_attention_heads": geo.num_heads,
-        "source_num_key_value_heads": geo.num_kv_heads,
-        "num_key_value_heads": plan.num_kv_heads,
-        "kv_groups": kv_groups(geo.num_kv_heads, plan.num_kv_heads),
-        "query_to_kv": query_to_kv(geo.num_heads, plan.num_kv_heads),
-    }
-
-
-def _model_card(p: dict) -> str:
-    return f"""---
-tags: [uptrain, grouped-query-attention]
----
-# {p['model_type']} with {p['num_key_value_heads']} KV heads (converted by uptrain)
-
-Converted from `{p['source']}` ({p['num_attention_heads']} query heads, \
-{p['source_num_key_value_heads']} KV heads) to grouped-query attention with \
-{p['num_key_value_heads']} KV heads by `{p['pooling']}` pooling of each contiguous group of \
-{p['source_num_key_value_heads'] // p['num_key_value_heads']} KV heads \
-(query head i reads KV head i // {p['num_attention_heads'] // p['num_key_value_heads']}).
-Strategy: {p['pooling_reference']}. Seed {p['seed']}.
-
-The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
-Every other tensor is copied unchanged{'' if p['dtype'] is None else f" (cast to {p['dtype']})"}.
-`uptrain.json` records the source files' digests, the grouping and the uptrain version \
-({p['uptrain_version']}).
-"""

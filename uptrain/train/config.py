@@ -12,15 +12,21 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from uptrain import UptrainError
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, format_validation_error
 
 Reporter = Literal["wandb", "jsonl", "none"]
 
 
-class TrainConfig(BaseModel):
-    """Everything one uptraining run needs. Field descriptions double as `--help` text."""
+class TrainConfig(ConversionOptions):
+    """Everything one uptraining run needs. Field descriptions double as `--help` text.
+
+    The conversion keys (pooling, grouping, calibration_*, source_hash) come from
+    `ConversionOptions` and apply when `source` is converted on the fly; calibration reads
+    `train_data`.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -30,14 +36,6 @@ class TrainConfig(BaseModel):
     source: str | None = Field(None, description="MHA checkpoint to convert first (same code as `uptrain convert`); "
                                                  "the result is written to OUTPUT_DIR/converted and trained")
     num_kv_heads: int | None = Field(None, ge=1, description="KV heads after conversion; required with `source`")
-    pooling: str = Field("mean", description="pooling strategy for the conversion of `source` (mean, first, random, "
-                                             "calibrated: calibrated on `calibration_tokens` of `train_data`)")
-    grouping: Literal["contiguous", "similarity"] = Field(
-        "contiguous", description="which heads share a KV head when converting `source` (see `uptrain convert`)")
-    calibration_tokens: int = Field(32768, ge=1, description="tokens of `train_data` read through the source model "
-                                                             "to calibrate the conversion (`calibrated` pooling, "
-                                                             "`similarity` grouping)")
-
     # Data.
     train_data: str | list[str] = Field(..., description="training text: local .txt/.jsonl/.json/.parquet file(s) "
                                                         "or folder, or a datasets Hub name (streamed)")
@@ -153,6 +151,13 @@ class TrainConfig(BaseModel):
             raise ValueError("`resume` and `overwrite` exclude each other")
         return self
 
+    def conversion_spec(self) -> ConversionSpec:
+        """The conversion of `source` this run starts with (calibrated on `train_data`)."""
+        shared = self.model_dump(include=set(ConversionOptions.model_fields))
+        return ConversionSpec(source=self.source, num_kv_heads=self.num_kv_heads, seed=self.seed,
+                              calibration_data=self.train_data, calibration_seq_len=self.seq_len,
+                              text_field=self.text_field, sample_by=self.sample_by, **shared)
+
     @property
     def trackers(self) -> list[str]:
         """Accelerate trackers to start (metrics.jsonl is written separately, always)."""
@@ -174,7 +179,7 @@ class TrainConfig(BaseModel):
 # (batch_size and grad_accum may change too as long as batch_size × grad_accum × processes does not.)
 OPERATIONAL_KEYS = frozenset({"resume", "overwrite", "report_to", "wandb_project", "run_name", "wandb_group",
                               "eval_every", "save_every", "keep_checkpoints", "log_every", "peak_flops",
-                              "data_workers", "batch_size", "grad_accum"})
+                              "data_workers", "batch_size", "grad_accum", "calibration_device", "source_hash"})
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -196,22 +201,6 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         return TrainConfig(**values)
     except ValidationError as err:
         raise UptrainError(format_validation_error(err, path)) from None
-
-
-def format_validation_error(err: ValidationError, path: str | Path | None) -> str:
-    """One line naming every offending key."""
-    problems = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            problems.append(f"unknown key `{key}` (see `uptrain train --help`)")
-        elif e["type"] == "missing":
-            problems.append(f"`{key}` is required")
-        else:
-            message = e["msg"].removeprefix("Value error, ")
-            problems.append(f"`{key}`: {message}" if key else message)
-    where = f"{path}: " if path else ""
-    return f"{where}invalid config: " + "; ".join(problems)
 
 
 def _is_text(annotation: Any) -> bool:

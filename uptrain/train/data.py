@@ -1,4 +1,4 @@
-"""Text → token blocks: load with `datasets`, tokenize, join documents with EOS, pack into `seq_len`.
+"""Training and evaluation batches over packed token blocks (`uptrain.textdata`).
 
 The order of training blocks is a pure function of (seed, step), so a resumed run reads exactly
 the blocks an uninterrupted run would have read, whatever the number of processes, as long as
@@ -7,156 +7,15 @@ the global batch is the same.
 
 from __future__ import annotations
 
-import glob
 import itertools
-import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from uptrain import UptrainError
+from uptrain.textdata import TokenBlocks
 
-BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-            ".parquet": "parquet"}
-# datasets decompresses these on the fly: `train.jsonl.gz` reads as jsonl.
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
-
-
-def _kind(path: str | Path) -> str | None:
-    """The datasets builder for a file, looking through a compression suffix."""
-    path = Path(path)
-    if path.suffix in COMPRESSIONS:
-        path = path.with_suffix("")
-    return BUILDERS.get(path.suffix)
-# Documents tokenized per `map` batch; each batch's last partial block is dropped.
-MAP_BATCH = 1000
 STREAM_SHUFFLE_BUFFER = 10_000
-
-
-@dataclass(frozen=True)
-class DataSource:
-    """Where text comes from: local files (with their `datasets` builder) or a Hub dataset."""
-    label: str
-    builder: str | None  # "text"/"json"/"parquet" for local files, None for a Hub name
-    files: tuple[str, ...] = ()
-
-    @property
-    def is_local(self) -> bool:
-        return self.builder is not None
-
-
-def resolve_data(spec: str | list[str], key: str) -> DataSource:
-    """Local files (paths, globs or a folder) or a Hub name. Raises UptrainError on a missing path."""
-    specs = [spec] if isinstance(spec, str) else list(spec)
-    files: list[str] = []
-    for s in specs:
-        path = Path(s).expanduser()
-        if path.is_dir():
-            found = sorted(str(p) for p in path.rglob("*") if _kind(p) and p.is_file())
-            if not found:
-                raise UptrainError(f"`{key}`: folder {s} holds no {'/'.join(sorted(BUILDERS))} files")
-            files += found
-        elif path.is_file():
-            files.append(str(path))
-        elif any(c in s for c in "*?["):
-            found = sorted(glob.glob(os.path.expanduser(s)))
-            if not found:
-                raise UptrainError(f"`{key}`: {s} matches no file")
-            files += found
-        elif len(specs) == 1 and not _looks_like_path(s):
-            return DataSource(s, None)
-        else:
-            raise UptrainError(f"`{key}`: {s} does not exist")
-    builders = {_kind(f) for f in files}
-    if None in builders:
-        bad = next(f for f in files if _kind(f) is None)
-        raise UptrainError(f"`{key}`: cannot read {bad}; use .txt, .jsonl, .json or .parquet")
-    if len(builders) > 1:
-        raise UptrainError(f"`{key}` mixes file types ({', '.join(sorted(builders))}); use one kind per key")
-    if all(os.path.getsize(f) == 0 for f in files):
-        raise UptrainError(f"`{key}`: {', '.join(specs)} is empty")
-    return DataSource(", ".join(specs), builders.pop(), tuple(files))
-
-
-def _looks_like_path(s: str) -> bool:
-    return s.startswith((".", "/", "~")) or _kind(s) is not None or s.count("/") > 1
-
-
-def _load(source: DataSource, split: str, dataset_config: str | None, sample_by: str, streaming: bool):
-    from datasets import load_dataset
-
-    try:
-        if source.is_local:
-            kwargs = {"sample_by": sample_by} if source.builder == "text" else {}
-            return load_dataset(source.builder, data_files=list(source.files), split="train",
-                                streaming=streaming, **kwargs)
-        return load_dataset(source.label, dataset_config, split=split, streaming=streaming)
-    except UptrainError:
-        raise
-    except Exception as err:  # datasets raises many types; the user needs the one line
-        offline = (" (HF_DATASETS_OFFLINE is set)"
-                   if not source.is_local and os.environ.get("HF_DATASETS_OFFLINE") == "1" else "")
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise UptrainError(f"cannot load {source.label}{offline}: {type(err).__name__}: {first}") from None
-
-
-def _column_names(ds, source: DataSource) -> list[str]:
-    names = ds.column_names
-    if names is None:  # some streamed datasets only know their columns after the first row
-        names = list(next(iter(ds)).keys())
-    return list(names)
-
-
-def pack_function(tokenizer, text_field: str, seq_len: int):
-    """A batched `map` function: tokenize documents, append EOS to each, cut into `seq_len` blocks."""
-    eos = tokenizer.eos_token_id
-
-    def pack(batch: dict) -> dict:
-        texts = [t for t in batch[text_field] if t]
-        # No BOS or other specials: documents are separated by EOS only, the same way everywhere.
-        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        stream = list(itertools.chain.from_iterable(doc + [eos] for doc in ids))
-        usable = len(stream) - len(stream) % seq_len
-        return {"input_ids": [stream[i:i + seq_len] for i in range(0, usable, seq_len)]}
-
-    return pack
-
-
-class TokenBlocks:
-    """Packed blocks of a local dataset, tokenized up front (cached by `datasets`)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset.with_format("torch")
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def take(self, indices: list[int]) -> torch.Tensor:
-        """Blocks at `indices`, shape [len(indices), seq_len]."""
-        if not indices:
-            raise ValueError("no indices")
-        return self.dataset[indices]["input_ids"]
-
-
-def load_blocks(spec, key: str, tokenizer, seq_len: int, text_field: str, split: str, dataset_config: str | None,
-                sample_by: str, streaming: bool | None, workers: int | None):
-    """Load and pack one data key. Returns (TokenBlocks or a streamed `IterableDataset`, source)."""
-    source = resolve_data(spec, key)
-    stream = (not source.is_local) if streaming is None else streaming
-    ds = _load(source, split, dataset_config, sample_by, stream)
-    columns = _column_names(ds, source)
-    if text_field not in columns:
-        raise UptrainError(f"`{key}` ({source.label}) has no column `{text_field}` (columns: {', '.join(columns)}); "
-                           "set `text_field`")
-    pack = pack_function(tokenizer, text_field, seq_len)
-    # Name the removed columns explicitly: streamed datasets do not infer them when the row count changes.
-    if stream:
-        return ds.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns), source
-    packed = ds.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns, num_proc=workers,
-                    desc=f"tokenize {key}")
-    return TokenBlocks(packed), source
 
 
 class TrainBlocks:

@@ -23,13 +23,15 @@ from tqdm.auto import tqdm
 
 import uptrain
 from uptrain import UptrainError
-from uptrain.convert.run import resolve_source
+from uptrain.convert.pipeline import calibrate, execute, prepare
+from uptrain.convert.source import resolve_source
 from uptrain.fsutil import atomic_directory
 from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
 from uptrain.train.config import TrainConfig
-from uptrain.train.data import StreamedTrainBlocks, TokenBlocks, TrainBlocks, eval_batches, load_blocks
+from uptrain.textdata import TokenBlocks, load_blocks
+from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
 
 ETA_AFTER_STEPS = 3  # the first steps include warm-up costs; estimate from a few more
@@ -152,46 +154,35 @@ def setup(config: TrainConfig) -> Run:
     # corrected command can simply be run again. Every process reaches the same decision.
     start = inspect_run_dir(config, global_batch)
     # Local folders, or Hub ids downloaded (or found in the cache) as `uptrain convert` does.
-    model_path = str(resolve_source(config.model)[0]) if config.model is not None else None
-    teacher_path = str(resolve_source(config.teacher)[0]) if config.teacher is not None else None
-    convert_later = config.source is not None and not Path(config.source).is_dir()  # a Hub id: check after
-    if not convert_later:
-        tokenizer, model_config, teacher_config = _check_models(config, model_path or config.source, teacher_path)
-        train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
-    accelerator.wait_for_everyone()
-    run_info = {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
-                "num_processes": world, "global_batch": global_batch,
-                "started": start.info.get("started") or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "uptrain_version": uptrain.__version__}
-    if accelerator.is_main_process:
-        initialise_run_dir(config, start, run_info)
-    accelerator.wait_for_everyone()
-
+    model_path = str(resolve_source(config.model).folder) if config.model is not None else None
+    teacher_path = str(resolve_source(config.teacher).folder) if config.teacher is not None else None
+    conversion = None
     if config.source is not None:
         model_path = str(out / "converted")
-        if accelerator.is_main_process and not (out / "converted" / "config.json").is_file():
-            from uptrain.convert import convert_checkpoint
-            from uptrain.convert.layer_merge import merges_whole_layers
-            from uptrain.convert.pooling import get_strategy
-
-            accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
-                              f"→ {model_path}")
-            calibration = info = None
-            # As `uptrain convert` with --calibration-data: whatever merges whole layers
-            # (calibrated pooling, similarity grouping) reads the training data first.
-            if merges_whole_layers(get_strategy(config.pooling), config.grouping):
-                from uptrain.calibration import collect_attention_moments
-
-                calibration, info = collect_attention_moments(
-                    config.source, config.train_data, num_tokens=config.calibration_tokens,
-                    seq_len=config.seq_len, text_field=config.text_field, sample_by=config.sample_by)
-            convert_checkpoint(config.source, model_path, config.num_kv_heads, pooling=config.pooling,
-                               seed=config.seed, progress=False, grouping=config.grouping, calibration=calibration,
-                               calibration_info=info)
+        if not (out / "converted" / "config.json").is_file():  # not converted by an earlier attempt
+            # The conversion's checks (headers and config only) run on every process, before any write.
+            conversion = prepare(config.conversion_spec())
+    try:
+        # The converted model's tokenizer and positions are the source's.
+        checked = model_path if conversion is None else conversion.source.folder
+        tokenizer, model_config, teacher_config = _check_models(config, str(checked), teacher_path)
+        train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
         accelerator.wait_for_everyone()
-        if convert_later:
-            tokenizer, model_config, teacher_config = _check_models(config, model_path, teacher_path)
-            train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
+        run_info = {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
+                    "num_processes": world, "global_batch": global_batch,
+                    "started": start.info.get("started") or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "uptrain_version": uptrain.__version__}
+        if accelerator.is_main_process:
+            initialise_run_dir(config, start, run_info)
+            if conversion is not None:
+                accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
+                                  f"→ {model_path}")
+                execute(conversion, model_path, calibration=calibrate(conversion), progress=False)
+    finally:
+        if conversion is not None:
+            conversion.close()
+    accelerator.wait_for_everyone()
+    if config.source is not None:
         model_config = read_config(model_path)  # the converted KV heads
 
     set_seed(config.seed)

@@ -79,6 +79,14 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl, oldest first; the one reader of that file."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class MetricsLog:
     """metrics.jsonl: one JSON object per logged step, flushed at once so a killed run keeps them."""
 
@@ -92,9 +100,7 @@ class MetricsLog:
 
     def records(self) -> list[dict]:
         """All records, oldest first."""
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path)
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (written by a run that died after its last checkpoint): the

@@ -16,28 +16,51 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.layouts import layout_for
-from uptrain.convert.run import resolve_source
+from uptrain.convert.source import resolve_source
 from uptrain.model_info import read_config
 
 
-def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
-                              batch_size: int = 4, text_field: str = "text",
-                              sample_by: str = "paragraph") -> tuple[dict[int, torch.Tensor], dict]:
-    """Return ({layer: C of shape [(hidden + 1), (hidden + 1)]}, a description for provenance)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def calibration_device(device: str = "auto", dtype: str = "float32") -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype calibration runs the source model; refuses what this machine lacks."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UptrainError(f"--calibration-device {device}: no CUDA GPU is available")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise UptrainError(f"--calibration-device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    torch_dtype = getattr(torch, dtype)
+    return torch.device(device), torch_dtype
 
-    from uptrain.train.data import load_blocks
 
-    model_dir, _ = resolve_source(src)
-    config = read_config(model_dir)
-    layout = layout_for(config.get("model_type"))
-    seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
+def load_calibration_tokenizer(model_dir: Path):
+    """The source's tokenizer, which must have an EOS token to join documents with."""
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
+    except Exception as err:
         raise UptrainError(f"calibration needs the source's tokenizer: {model_dir}: {type(err).__name__}") from None
     if tokenizer.eos_token_id is None:
         raise UptrainError(f"the tokenizer in {model_dir} has no EOS token to join documents with")
+    return tokenizer
+
+
+def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
+                              batch_size: int = 4, text_field: str = "text", sample_by: str = "paragraph",
+                              device: str = "auto", dtype: str = "float32",
+                              progress: bool | None = None) -> tuple[dict[int, torch.Tensor], dict]:
+    """Return ({layer: C of shape [(hidden + 1), (hidden + 1)]}, a description for provenance)."""
+    from transformers import AutoModelForCausalLM
+
+    from uptrain.textdata import load_blocks
+
+    model_dir = resolve_source(src).folder
+    config = read_config(model_dir)
+    layout = layout_for(config.get("model_type"))
+    seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
+    tokenizer = load_calibration_tokenizer(model_dir)
     blocks, source = load_blocks(data, "calibration_data", tokenizer, seq_len, text_field=text_field, split="train",
                                  dataset_config=None, sample_by=sample_by, streaming=False, workers=None)
     wanted = math.ceil(num_tokens / seq_len)

@@ -1,0 +1,194 @@
+"""The one conversion pipeline every entry point runs: prepare → calibrate → execute.
+
+`prepare` resolves the source, reads its geometry once and runs every check — the spec, the
+number of KV heads, the layout, the plan of every output tensor, the calibration inputs and
+the output path — before any expensive work and before anything is written. `calibrate` runs
+the source model over calibration text when the conversion needs it (minutes on a large
+model); `execute` streams the planned tensors into the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from pydantic import ValidationError
+
+from uptrain import UptrainError
+from uptrain.convert.grouping import check_num_kv_heads
+from uptrain.convert.hashing import BackgroundHasher
+from uptrain.convert.io import SourceCheckpoint
+from uptrain.convert.layer_merge import LayerMerger, merges_whole_layers
+from uptrain.convert.layouts import AttentionLayout, layout_for
+from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
+from uptrain.convert.pooling import Strategy, get_strategy
+from uptrain.convert.run import DTYPES, ConversionPlan, plan_conversion, write_weights
+from uptrain.convert.source import ResolvedSource, resolve_source
+from uptrain.convert.spec import ConversionSpec, format_validation_error, parse_size
+from uptrain.fsutil import atomic_directory, check_output_path
+from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
+
+
+@dataclass
+class Calibration:
+    """Per-layer second moments of the attention input, augmented with a constant 1
+    ((hidden + 1)², see `uptrain.convert.calibration`), and a description for provenance."""
+    moments: Mapping[int, torch.Tensor]
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class PreparedConversion:
+    """A conversion that has passed every check; holds the source checkpoint open."""
+    spec: ConversionSpec
+    source: ResolvedSource
+    config: dict
+    layout: AttentionLayout
+    geometry: AttentionGeometry
+    strategy: Strategy
+    plan: ConversionPlan
+    checkpoint: SourceCheckpoint
+    max_shard_bytes: int
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Calibrated pooling always; similarity grouping when calibration text is given
+        (without it, heads are compared in weight space)."""
+        return self.strategy.whole_layer or (merges_whole_layers(self.strategy, self.spec.grouping)
+                                             and self.spec.calibration_data is not None)
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+    def __enter__(self) -> PreparedConversion:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def conversion_spec(**values: Any) -> ConversionSpec:
+    """A validated ConversionSpec; bad values raise one UptrainError naming every offending key."""
+    try:
+        return ConversionSpec(**values)
+    except ValidationError as err:
+        raise UptrainError(format_validation_error(err, None, "convert")) from None
+
+
+def check_not_overlapping(out: Path, source: Path) -> None:
+    """OUT equal to the source, inside it, or holding it would replace or pollute the source."""
+    out, source = out.resolve(), source.resolve()
+    if out == source or source in out.parents or out in source.parents:
+        raise UptrainError(f"output {out} overlaps the source checkpoint {source}; choose another folder")
+
+
+def prepare(spec: ConversionSpec, out: str | Path | None = None, overwrite: bool = False,
+            calibration_given: bool = False) -> PreparedConversion:
+    """Every check of a conversion, cheap ones first; reads only headers and config files.
+
+    `calibration_given`: the caller brings statistics computed earlier (compare computes them
+    once for all its conversions), so calibration data is not needed.
+    """
+    max_shard_bytes = parse_size(spec.max_shard_size)
+    strategy = get_strategy(spec.pooling)
+    if strategy.whole_layer and spec.calibration_data is None and not calibration_given:
+        raise UptrainError(f"--pooling {spec.pooling} needs calibration data (--calibration-data FILE)")
+    if out is not None:
+        check_output_path(Path(out).absolute(), overwrite)
+    source = resolve_source(spec.source)
+    if out is not None:
+        check_not_overlapping(Path(out).absolute(), source.folder)
+    config = read_config(source.folder)
+    layout = layout_for(config.get("model_type"))
+    geometry = attention_geometry(config, layout.head_dim_key)
+    check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, spec.num_kv_heads)
+    checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
+    try:
+        cast = DTYPES[spec.dtype] if spec.dtype is not None else None
+        plan = plan_conversion(checkpoint, layout, geometry, spec.num_kv_heads, cast, strategy, spec.grouping)
+        prepared = PreparedConversion(spec, source, config, layout, geometry, strategy, plan, checkpoint,
+                                      max_shard_bytes)
+        if prepared.needs_calibration and not calibration_given:
+            _check_calibration_inputs(prepared)
+    except BaseException:
+        checkpoint.close()
+        raise
+    return prepared
+
+
+def _check_calibration_inputs(prepared: PreparedConversion) -> None:
+    """What calibration will read, checked before any of it runs."""
+    from uptrain.convert.calibration import calibration_device, load_calibration_tokenizer
+    from uptrain.textdata import resolve_data
+
+    resolve_data(prepared.spec.calibration_data, "calibration_data")
+    load_calibration_tokenizer(prepared.source.folder)
+    calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
+
+
+def calibrate(prepared: PreparedConversion, progress: bool | None = None) -> Calibration | None:
+    """Calibration statistics when the conversion uses them, else None."""
+    if not prepared.needs_calibration:
+        return None
+    from uptrain.convert.calibration import collect_attention_moments
+
+    spec = prepared.spec
+    moments, info = collect_attention_moments(
+        prepared.source.folder, spec.calibration_data, num_tokens=spec.calibration_tokens,
+        seq_len=spec.calibration_seq_len, text_field=spec.text_field, sample_by=spec.sample_by,
+        device=spec.calibration_device, dtype=spec.calibration_dtype, progress=progress)
+    return Calibration(moments, info)
+
+
+def execute(prepared: PreparedConversion, out: str | Path, overwrite: bool = False,
+            calibration: Calibration | None = None, progress: bool | None = None) -> Path:
+    """Stream the planned conversion into `out` (whole or not at all). Returns the output folder.
+
+    Holds at most one layer's K and V (pooled ahead on a second thread) and the tensor being
+    written — one layer's Q, K, V and O for `calibrated` pooling or `similarity` grouping.
+    """
+    spec, geometry, checkpoint = prepared.spec, prepared.geometry, prepared.checkpoint
+    if prepared.strategy.whole_layer and calibration is None:
+        raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
+    out = Path(out).absolute()
+    init_std = prepared.config.get("initializer_range", 0.02)
+    merger = LayerMerger(checkpoint, prepared.layout, geometry, spec.num_kv_heads, prepared.strategy, spec.grouping,
+                         rotary_dim(prepared.config, geometry.head_dim),
+                         calibration.moments if calibration else None, spec.seed, init_std)
+    with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
+        write_weights(prepared.plan, checkpoint, tmp, prepared.strategy, spec.seed, init_std,
+                      prepared.max_shard_bytes, progress, merger)
+        source_files = hasher.result()
+        write_config(prepared.source.folder, tmp, prepared.config, spec.num_kv_heads, spec.dtype)
+        copy_side_files(prepared.source.folder, tmp, prepared.config)
+        record = provenance(prepared.source.label, source_files, prepared.strategy, spec.seed, prepared.plan,
+                            spec.dtype)
+        record["grouping"] = spec.grouping
+        if merger.kv_orders:
+            record["kv_head_order"] = {str(k): v for k, v in merger.kv_orders.items()}
+        if calibration is not None and calibration.info:
+            record["calibration"] = calibration.info
+        (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(record))
+    return out
+
+
+def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, *, overwrite: bool = False,
+                       progress: bool | None = None, calibration: Calibration | None = None,
+                       **options: Any) -> Path:
+    """Convert the checkpoint at `src` to `num_kv_heads` KV heads and write it to `out`.
+
+    `options` are the keys of `ConversionSpec` (pooling, grouping, seed, dtype, calibration_data,
+    calibration_tokens, calibration_device, source_hash, max_shard_size, …). Pass `calibration`
+    to reuse statistics computed earlier for the same source; otherwise they are computed from
+    `calibration_data` when the conversion needs them. `out` appears only when everything
+    succeeded. Returns the output folder.
+    """
+    spec = conversion_spec(source=str(src), num_kv_heads=num_kv_heads, **options)
+    with prepare(spec, out, overwrite, calibration_given=calibration is not None) as prepared:
+        if calibration is None:
+            calibration = calibrate(prepared, progress)
+        return execute(prepared, out, overwrite, calibration, progress)

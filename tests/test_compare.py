@@ -84,3 +84,29 @@ def test_tokens_to_reach_and_gap_closed():
     assert row["gap_closed_before"] == 0.75  # (5.0 − 3.5) / (5.0 − 3.0)
     assert abs(row["gap_closed_after"] - 0.5) < 1e-12  # (3.3 − 3.1) / (3.3 − 2.9)
     assert row["tokens_to_mean_final"] == 100.0
+
+
+def test_compare_checks_every_conversion_before_any_work(setup, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert compare(setup, out, "--pooling", "mean", "meen") == 2
+    assert "unknown pooling 'meen'" in capsys.readouterr().err
+    assert main(["compare", "--model", str(setup / "mha"), "--num-kv-heads", "2", "3", "--train-data",
+                 str(setup / "train.jsonl"), "--eval-data", str(setup / "eval.jsonl"), "--output-dir", str(out),
+                 "--max-tokens", "128", "--report-to", "jsonl"]) == 2
+    assert "--num-kv-heads 3 does not divide" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
+    from uptrain.compare.run import CompareSpec
+    from uptrain.convert.spec import ConversionOptions
+
+    spec = CompareSpec(model=str(setup / "mha"), num_kv_heads=[2], pooling=["first"],
+                       train_data=str(setup / "train.jsonl"), eval_data=str(setup / "eval.jsonl"),
+                       output_dir=str(tmp_path), max_tokens=128, seq_len=32,
+                       conversion=ConversionOptions(grouping="similarity", calibration_tokens=64))
+    conversion = spec.conversion_spec(2, "first")
+    assert (conversion.pooling, conversion.grouping, conversion.num_kv_heads) == ("first", "similarity", 2)
+    assert (conversion.calibration_data, conversion.calibration_tokens, conversion.calibration_seq_len) == (
+        str(setup / "train.jsonl"), 64, 32)
+    assert json.loads(json.dumps(spec.to_json()))["conversion"]["grouping"] == "similarity"

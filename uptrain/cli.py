@@ -13,7 +13,8 @@ from uptrain import UptrainError, __version__
 def convert(args: argparse.Namespace) -> int:
     import torch
 
-    from uptrain.convert.pipeline import calibrate, conversion_spec, execute, prepare
+    from uptrain.convert.pipeline import calibrate, execute, prepare
+    from uptrain.convert.spec import conversion_spec
 
     _pin_malloc_mmap_threshold()
     # Transparent huge pages for torch's large CPU buffers: each pooled K/V tensor is a fresh
@@ -82,13 +83,17 @@ def demo(args: argparse.Namespace) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     from uptrain.compare.run import CompareSpec
+    from uptrain.convert.spec import ConversionOptions, validated
 
+    conversion = validated(ConversionOptions, "compare", grouping=args.grouping,
+                           calibration_tokens=args.calibration_tokens, calibration_device=args.calibration_device,
+                           calibration_dtype=args.calibration_dtype)
     return _compare_and_report(CompareSpec(
         model=args.model, num_kv_heads=args.num_kv_heads, pooling=args.pooling, train_data=args.train_data,
         eval_data=args.eval_data, output_dir=args.output_dir, max_tokens=args.max_tokens,
         uptrain_fraction=args.uptrain_fraction, pretrain_tokens=args.pretrain_tokens, seq_len=args.seq_len,
         batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-        eval_blocks=args.eval_blocks, seed=args.seed, report_to=args.report_to))
+        eval_blocks=args.eval_blocks, seed=args.seed, report_to=args.report_to, conversion=conversion))
 
 
 def _add_convert(sub) -> None:
@@ -105,18 +110,9 @@ def _add_convert(sub) -> None:
                    help="how each group's heads become one: " + "; ".join(
                        f"{s.name}: {s.reference}" for s in STRATEGIES.values()) + " (default: mean)")
     p.add_argument("--seed", type=int, default=0, help="seed for --pooling random (default: 0)")
-    p.add_argument("--grouping", default="contiguous", choices=["contiguous", "similarity"],
-                   help="which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or "
-                        "similarity (renumber heads exactly so that similar K/V heads are grouped; uses the "
-                        "calibration data when given) (default: contiguous)")
     p.add_argument("--calibration-data", metavar="FILE",
                    help="text/jsonl/parquet file(s) or a datasets name; required by --pooling calibrated")
-    p.add_argument("--calibration-tokens", type=int, default=32768,
-                   help="tokens of calibration data read by the source model (default: 32768)")
-    p.add_argument("--calibration-device", default="auto", metavar="auto|cpu|cuda[:N]",
-                   help="where calibration runs the source model (default: auto, the first GPU when there is one)")
-    p.add_argument("--calibration-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of calibration's forward pass; moments are accumulated in float64 (default: float32)")
+    _add_grouping_and_calibration(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="cast floating-point tensors (default: keep each tensor's dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB or 500MiB (default: 5GB)")
@@ -128,6 +124,20 @@ def _add_convert(sub) -> None:
                         "files from the Hub cache also get the Hub's sha256 for free, which sha256 checks "
                         "(default: blake3)")
     p.set_defaults(func=convert)
+
+
+def _add_grouping_and_calibration(p: argparse.ArgumentParser) -> None:
+    """Flags of the conversion's grouping and calibration, shared by convert and compare."""
+    p.add_argument("--grouping", default="contiguous", choices=["contiguous", "similarity"],
+                   help="which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or "
+                        "similarity (renumber heads exactly so that similar K/V heads are grouped; uses the "
+                        "calibration data when given) (default: contiguous)")
+    p.add_argument("--calibration-tokens", type=int, default=32768,
+                   help="tokens of calibration data read by the source model (default: 32768)")
+    p.add_argument("--calibration-device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where calibration runs the source model (default: auto, the first GPU when there is one)")
+    p.add_argument("--calibration-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of calibration's forward pass; moments are accumulated in float64 (default: float32)")
 
 
 def _add_inspect(sub) -> None:
@@ -164,7 +174,8 @@ def _add_compare(sub) -> None:
     p.add_argument("--model", required=True, help="the MHA (or GQA) checkpoint folder")
     p.add_argument("--num-kv-heads", type=int, nargs="+", required=True, metavar="G", help="KV head counts to try")
     p.add_argument("--pooling", nargs="+", default=["mean", "first", "random"],
-                   help="strategies to try (default: mean first random; calibrated also works)")
+                   help="strategies to try (default: mean first random; calibrated also works: it is "
+                        "calibrated on --train-data)")
     p.add_argument("--train-data", default=str(split_path("train")),
                    help="uptraining text (default: the shipped corpus's train split)")
     p.add_argument("--eval-data", default=str(split_path("validation")),
@@ -183,6 +194,7 @@ def _add_compare(sub) -> None:
     p.add_argument("--eval-blocks", type=int, default=64, help="eval blocks of seq-len tokens (default: 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-to", nargs="+", default=["wandb", "jsonl"], help="wandb jsonl none (default: wandb jsonl)")
+    _add_grouping_and_calibration(p)  # calibration reads --train-data
     p.set_defaults(func=compare)
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.convert import convert_checkpoint
-from uptrain.convert.grouping import check_num_kv_heads
-from uptrain.convert.pooling import get_strategy
+from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
+from uptrain.convert.layouts import layout_for
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec
 from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
+from uptrain.train.metrics import read_metrics
 
 RESULT = "result.json"
 MHA = "mha"
@@ -44,8 +45,19 @@ class CompareSpec:
     eval_every: int = 10
     eval_blocks: int = 64
     seed: int = 0
-    calibration_tokens: int = 32768
     report_to: list[str] = field(default_factory=lambda: ["wandb", "jsonl"])
+    # Grouping and calibration settings shared by every conversion; `pooling` above replaces its pooling.
+    conversion: ConversionOptions = field(default_factory=ConversionOptions)
+
+    def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
+        """The conversion of one run (calibrated on the training data, as `uptrain train` does)."""
+        shared = self.conversion.model_dump(exclude={"pooling"})
+        return conversion_spec(source=self.model, num_kv_heads=num_kv_heads, pooling=pooling, seed=self.seed,
+                               calibration_data=self.train_data, calibration_seq_len=self.seq_len, **shared)
+
+    def to_json(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "conversion"},
+                "conversion": self.conversion.model_dump()}
 
 
 @dataclass
@@ -77,11 +89,7 @@ def card_pretrain_tokens(model: str | Path) -> float | None:
 
 
 def validate(spec: CompareSpec) -> None:
-    geometry = attention_geometry(read_config(spec.model))
-    for g in spec.num_kv_heads:
-        check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, g)
-    for p in spec.pooling:
-        get_strategy(p)
+    """Every check of every run — each conversion's full `prepare` included — before any work."""
     if spec.max_tokens is None:
         if spec.uptrain_fraction is None:
             raise UptrainError("give a budget: --max-tokens, or --uptrain-fraction with --pretrain-tokens")
@@ -91,6 +99,9 @@ def validate(spec: CompareSpec) -> None:
                 raise UptrainError(f"{spec.model} has no card with its pretraining tokens: pass --pretrain-tokens")
     elif spec.uptrain_fraction is not None:
         raise UptrainError("give either --max-tokens or --uptrain-fraction, not both")
+    for _, g, pooling in run_names(spec):
+        if g is not None:
+            prepare(spec.conversion_spec(g, pooling)).close()
 
 
 def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
@@ -114,26 +125,24 @@ def _train_config(spec: CompareSpec, model: Path, out: Path, name: str):
                        resume=out.exists(), **budget)
 
 
-def _calibration(spec: CompareSpec, root: Path):
-    """Attention-input moments of the MHA model on the train data, computed once per compare."""
+def _calibration(prepared, root: Path) -> Calibration:
+    """Attention-input moments of the source model on the train data, computed once per compare:
+    every conversion of one compare reads the same model, text, tokens and block length."""
     from safetensors.torch import load_file, save_file
-
-    from uptrain.convert.calibration import collect_attention_moments
 
     path = root / "calibration.safetensors"
     if path.exists():
         stored = load_file(path)
         info = json.loads((root / "calibration.json").read_text())
-        return {int(k): v for k, v in stored.items()}, info
-    moments, info = collect_attention_moments(spec.model, spec.train_data, num_tokens=spec.calibration_tokens,
-                                              seq_len=spec.seq_len)
-    save_file({str(k): v.contiguous() for k, v in moments.items()}, path)
-    (root / "calibration.json").write_text(json.dumps(info))
-    return moments, info
+        return Calibration({int(k): v for k, v in stored.items()}, info)
+    calibration = calibrate(prepared, progress=False)
+    save_file({str(k): calibration.moments[k].contiguous() for k in calibration.moments}, path)
+    (root / "calibration.json").write_text(json.dumps(calibration.info))
+    return calibration
 
 
 def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> RunResult:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_metrics(run_dir / "metrics.jsonl")
     curve = [(r["train/tokens_seen"], r["eval/loss"]) for r in records if "eval/loss" in r]
     if not curve or curve[0][0] != 0:
         raise UptrainError(f"{run_dir}/metrics.jsonl lacks the step-0 evaluation")
@@ -149,9 +158,9 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "compare.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    (root / "compare.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
     config = read_config(spec.model)
-    geometry = attention_geometry(config)
+    geometry = attention_geometry(config, layout_for(config.get("model_type")).head_dim_key)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(config), 4)
     results = []
     for name, g, pooling in run_names(spec):
@@ -168,9 +177,9 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
             model = root / "converted" / name
             if not model.exists():
                 model.parent.mkdir(parents=True, exist_ok=True)
-                calibration, info = (_calibration(spec, root) if get_strategy(pooling).whole_layer else (None, None))
-                convert_checkpoint(spec.model, model, g, pooling=pooling, seed=spec.seed, calibration=calibration,
-                                   calibration_info=info, progress=False)
+                with prepare(spec.conversion_spec(g, pooling), model) as prepared:
+                    calibration = _calibration(prepared, root) if prepared.needs_calibration else None
+                    execute(prepared, model, calibration=calibration, progress=False)
         run_training(_train_config(spec, model, run_dir / "train", name))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         (run_dir / RESULT).write_text(json.dumps(asdict(result), indent=2) + "\n")

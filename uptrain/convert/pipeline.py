@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from pydantic import ValidationError
 
 from uptrain import UptrainError
 from uptrain.convert.grouping import check_num_kv_heads
@@ -23,11 +22,11 @@ from uptrain.convert.hashing import BackgroundHasher
 from uptrain.convert.io import SourceCheckpoint
 from uptrain.convert.layer_merge import LayerMerger, merges_whole_layers
 from uptrain.convert.layouts import AttentionLayout, layout_for
-from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
+from uptrain.convert.outputs import card_metadata, copy_side_files, model_card, provenance, write_config
 from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.run import DTYPES, ConversionPlan, plan_conversion, write_weights
 from uptrain.convert.source import ResolvedSource, resolve_source
-from uptrain.convert.spec import ConversionSpec, format_validation_error, parse_size
+from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size  # noqa: F401  (API)
 from uptrain.fsutil import atomic_directory, check_output_path
 from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
@@ -70,14 +69,6 @@ class PreparedConversion:
         self.close()
 
 
-def conversion_spec(**values: Any) -> ConversionSpec:
-    """A validated ConversionSpec; bad values raise one UptrainError naming every offending key."""
-    try:
-        return ConversionSpec(**values)
-    except ValidationError as err:
-        raise UptrainError(format_validation_error(err, None, "convert")) from None
-
-
 def check_not_overlapping(out: Path, source: Path) -> None:
     """OUT equal to the source, inside it, or holding it would replace or pollute the source."""
     out, source = out.resolve(), source.resolve()
@@ -105,6 +96,12 @@ def prepare(spec: ConversionSpec, out: str | Path | None = None, overwrite: bool
     layout = layout_for(config.get("model_type"))
     geometry = attention_geometry(config, layout.head_dim_key)
     check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, spec.num_kv_heads)
+    if strategy.whole_layer and config.get("clip_qkv") is not None:
+        # OLMo clamps q, k and v element-wise after the projections: the per-head maps the merge
+        # folds into q_proj and o_proj do not commute with a clamp (renumbering whole heads does).
+        raise UptrainError(f"--pooling {spec.pooling} cannot merge a model with clip_qkv "
+                           f"({config['clip_qkv']}): the clamp does not commute with the merge; use mean, first "
+                           "or random (with --grouping similarity if you like)")
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
@@ -164,15 +161,11 @@ def execute(prepared: PreparedConversion, out: str | Path, overwrite: bool = Fal
         source_files = hasher.result()
         write_config(prepared.source.folder, tmp, prepared.config, spec.num_kv_heads, spec.dtype)
         copy_side_files(prepared.source.folder, tmp, prepared.config)
-        record = provenance(prepared.source.label, source_files, prepared.strategy, spec.seed, prepared.plan,
-                            spec.dtype)
-        record["grouping"] = spec.grouping
-        if merger.kv_orders:
-            record["kv_head_order"] = {str(k): v for k, v in merger.kv_orders.items()}
-        if calibration is not None and calibration.info:
-            record["calibration"] = calibration.info
+        record = provenance(prepared.source, source_files, prepared.strategy, spec.seed, prepared.plan,
+                            spec.dtype, spec.grouping, merger.kv_orders,
+                            calibration.info if calibration is not None else None)
         (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(record))
+        (tmp / "README.md").write_text(model_card(record, card_metadata(prepared.source.folder)))
     return out
 
 

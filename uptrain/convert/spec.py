@@ -106,3 +106,16 @@ def format_validation_error(err: ValidationError, path: str | Path | None, comma
             problems.append(f"`{key}`: {message}" if key else message)
     where = f"{path}: " if path else ""
     return f"{where}invalid config: " + "; ".join(problems)
+
+
+def validated(schema: type[BaseModel], command: str = "convert", **values) -> BaseModel:
+    """`schema(**values)`; bad values raise one UptrainError naming every offending key."""
+    try:
+        return schema(**values)
+    except ValidationError as err:
+        raise UptrainError(format_validation_error(err, None, command)) from None
+
+
+def conversion_spec(**values) -> ConversionSpec:
+    """A validated ConversionSpec (see `validated`)."""
+    return validated(ConversionSpec, **values)

@@ -1,0 +1,100 @@
+"""`convert_model`: the conversion of a model already in memory (a notebook's `PreTrainedModel`).
+
+The same plan and the same pooling code as `uptrain convert`, reading tensors from the model's
+state dict instead of safetensors shards; the result is a new model of the same class whose
+config has `num_key_value_heads = G`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from uptrain import UptrainError
+from uptrain.convert.grouping import check_num_kv_heads
+from uptrain.convert.layer_merge import LayerMerger
+from uptrain.convert.layouts import layout_for
+from uptrain.convert.pipeline import Calibration
+from uptrain.convert.pooling import get_strategy
+from uptrain.convert.run import _compute, plan_conversion
+from uptrain.convert.spec import ConversionOptions, validated
+from uptrain.model_info import attention_geometry, rotary_dim
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What the planner reads of a tensor: its name, dtype and shape."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class StateDictSource:
+    """A state dict seen through the interface the planner and `LayerMerger` read
+    (`tensors`, `order()`, `read_tensor`): tensors stay where they are until pooled."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+        self.tensors = {name: _Header(name, t.dtype, tuple(t.shape)) for name, t in state.items()}
+        self.files: list[Path] = []
+        self.metadata: dict = {}
+
+    def order(self) -> list[_Header]:
+        return list(self.tensors.values())
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        return self.state[name].detach().cpu()
+
+
+def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: str = "contiguous", seed: int = 0,
+                  calibration: Calibration | None = None):
+    """A copy of `model` (a transformers `PreTrainedModel`) with `num_kv_heads` KV heads.
+
+    Pools exactly as `uptrain convert` does (same plan, same strategies, same seeds per tensor
+    name), so the weights equal those of a checkpoint converted from `model.save_pretrained`.
+    `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`). The original
+    model is left untouched; the copy keeps its dtype, device and train/eval mode.
+    """
+    options = validated(ConversionOptions, pooling=pooling, grouping=grouping)
+    strategy = get_strategy(options.pooling)
+    config = model.config.to_dict()
+    layout = layout_for(config.get("model_type"))
+    geometry = attention_geometry(config, layout.head_dim_key)
+    check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, num_kv_heads)
+    if strategy.whole_layer and calibration is None:
+        raise UptrainError(f"pooling {pooling!r} needs calibration statistics (calibration=Calibration(...))")
+    if strategy.whole_layer and config.get("clip_qkv") is not None:
+        raise UptrainError(f"pooling {pooling!r} cannot merge a model with clip_qkv: the clamp does not commute "
+                           "with the merge")
+    state = model.state_dict()
+    source = StateDictSource(state)
+    plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping)
+    init_std = config.get("initializer_range", 0.02)
+    merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, options.grouping,
+                         rotary_dim(config, geometry.head_dim), calibration.moments if calibration else None,
+                         seed, init_std)
+    converted = {}
+    for t in plan.tensors:
+        name = t.out.name
+        if t.kind == "copy":
+            converted[name] = state[name]
+        else:
+            converted[name] = _compute(t, source, plan, strategy, seed, init_std, merger).to(state[name].device)
+
+    new_config = copy.deepcopy(model.config)
+    new_config.num_key_value_heads = num_kv_heads
+    with torch.device("meta"):
+        new = type(model)(new_config)
+    new.load_state_dict(converted, assign=True)
+    # Buffers outside the state dict (rotary tables) do not depend on the KV heads: share them.
+    old_buffers = dict(model.named_buffers())
+    for name, buffer in list(new.named_buffers()):
+        if buffer.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            new.get_submodule(module_name).register_buffer(attr, old_buffers[name].clone(), persistent=False)
+    new.tie_weights()
+    new.generation_config = copy.deepcopy(model.generation_config)
+    return new.train(model.training)

@@ -11,6 +11,9 @@ prefill; their ratio must be exactly G/h (asserted). Decode reads the whole cach
 new token, so it is bound by memory bandwidth once the cache outgrows the weights: that is
 where GQA is faster (docs/DOMAIN.md §2). At short contexts the weights dominate each step and
 both models decode at about the same speed; prefill costs the same attention FLOPs for both.
+No decode step can beat the bytes it reads, so each setting also reports its bound: h/G once
+the cache dominates, (weights + MHA cache) / (weights + GQA cache) in general, and the measured
+speed-up as a fraction of that bandwidth bound.
 
 CPU (default): fp32, a 28M-parameter model, 8 new tokens × 3 repetitions, 1 torch thread.
     python scripts/bench_decode.py                                  # ~2 min on 2 cores
@@ -18,9 +21,12 @@ CPU (default): fp32, a 28M-parameter model, 8 new tokens × 3 repetitions, 1 tor
 GPU: bf16, SDPA attention, CUDA-synchronised timing; use a bigger model and more tokens, e.g.
     python scripts/bench_decode.py --device cuda --contexts 256,1024,4096 --batches 1,8 \\
         --hidden 2048 --heads 16 --layers 16 --new-tokens 64
+    python scripts/bench_decode.py --device cuda --contexts 1024,4096,16384 --batches 1,8 \\
+        --hidden 2048 --heads 16 --num-kv-heads 4 --layers 22 --vocab 32000 --new-tokens 32  # ~1B, 16k
 
 Prints a table, then as its last line one JSON object:
-kv_bytes_ratio (= G/h exactly), decode_speedup per setting ("ctx{C}_batch{B}"), and the
+kv_bytes_ratio (= G/h exactly), decode_speedup per setting ("ctx{C}_batch{B}"), the bounds
+(head_ratio_bound = h/G; bandwidth_bound_speedup and fraction_of_bound per setting), and the
 per-setting tokens/s, KV bytes and prefill seconds.
 """
 
@@ -88,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir or tmp)
         mha, gqa = build_models(args, workdir, max(contexts) + args.new_tokens + 8, dtype, device)
         n_params = sum(p.numel() for p in mha.parameters())
+        weight_bytes = {"mha": model_bytes(mha), "gqa": model_bytes(gqa)}
         rows = []
         for batch in batches:
             for context in contexts:
-                rows.append(measure(mha, gqa, context, batch, args, device))
+                rows.append(with_bound(measure(mha, gqa, context, batch, args, device), weight_bytes))
                 print(f"  measured context {context}, batch {batch}", file=sys.stderr, flush=True)
 
     for row in rows:
@@ -102,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
         "params": n_params, "num_heads": h, "num_kv_heads": g, "layers": args.layers,
         "head_dim": args.hidden // h, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "kv_bytes_ratio": g / h,
+        "kv_bytes_ratio": g / h, "head_ratio_bound": h / g,
+        "weight_bytes": weight_bytes,
         "decode_speedup": {key(r): r["decode_speedup"] for r in rows},
+        "bandwidth_bound_speedup": {key(r): r["bandwidth_bound_speedup"] for r in rows},
+        "fraction_of_bound": {key(r): r["fraction_of_bound"] for r in rows},
         "settings": rows,
     }
     print(json.dumps(result))
@@ -112,6 +122,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def key(row: dict) -> str:
     return f"ctx{row['context']}_batch{row['batch']}"
+
+
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def with_bound(row: dict, weight_bytes: dict[str, int]) -> dict:
+    """Add the speed-up that reading fewer bytes allows: every decode step reads all weights and
+    the whole cache, so (weights + MHA cache) / (weights + GQA cache) bounds it, below h/G."""
+    bound = (weight_bytes["mha"] + row["mha_kv_bytes"]) / (weight_bytes["gqa"] + row["gqa_kv_bytes"])
+    row["bandwidth_bound_speedup"] = round(bound, 3)
+    row["fraction_of_bound"] = round(row["decode_speedup"] / bound, 3)
+    return row
 
 
 def build_models(args, workdir: Path, max_positions: int, dtype, device):
@@ -145,7 +168,6 @@ def sync(device) -> None:
 
 def prefill(model, prompt, device):
     """Run the prompt once; return the cache, the first greedy token and the seconds it took."""
-    import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -222,6 +244,9 @@ def print_table(rows: list[dict], args, device, dtype, n_params: int) -> None:
               f"{r['mha_prefill_s']:>13.3f} {r['gqa_prefill_s']:>13.3f} {r['mha_tokens_per_s']:>9.1f} "
               f"{r['gqa_tokens_per_s']:>9.1f} {r['decode_speedup']:>6.2f}x")
     print(f"KV-cache bytes GQA/MHA = {g}/{h} = {g / h} exactly, in every setting")
+    print("bandwidth bound on the speed-up (weights + cache read per step) and the share of it measured: "
+          + ", ".join(f"{key(r)} {r['bandwidth_bound_speedup']:.2f}x ({r['fraction_of_bound']:.0%})" for r in rows)
+          + f"; h/G = {h / g:g}")
 
 
 if __name__ == "__main__":

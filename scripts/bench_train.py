@@ -2,6 +2,8 @@
 
     python scripts/bench_train.py                      # CPU: a 7M-parameter Llama, seq 256 × batch 8
     python scripts/bench_train.py --device cuda --hidden 2048 --layers 16 --heads 16 --batch-size 8 --seq-len 2048
+    python scripts/bench_train.py --device cuda --hidden 2048 --layers 22 --heads 16 --kv-heads 4 \
+        --batch-size 8 --seq-len 2048 --repeats 1        # ~1B parameters (scripts/device_check.sh)
 
 Both loops train the same model (built from a config, same seed) with the same batch, sequence
 length, AdamW settings, gradient clipping and thread count. uptrain's loop runs through
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--hidden", type=int, default=256)
@@ -38,10 +40,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of each median (default: 3)")
     p.add_argument("--repeats", type=int, default=2, help="repetitions of each loop, alternating (default: 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default: 1)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def build_model(args, folder: Path) -> Path:
+def build_model(args, folder: Path) -> tuple[Path, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from uptrain.corpus import load_tokenizer
@@ -53,9 +55,10 @@ def build_model(args, folder: Path) -> Path:
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
+    return folder, sum(p.numel() for p in model.parameters())
 
 
 def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | None]:
@@ -111,7 +114,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     tokens = args.seq_len * args.batch_size
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        model = build_model(args, Path(tmp) / "model")
+        model, n_params = build_model(args, Path(tmp) / "model")
         ours, bare, mfus = [], [], []
         for i in range(args.repeats):
             steps, mfu = uptrain_steps(args, model, Path(tmp) / f"run{i}")
@@ -119,7 +122,8 @@ def main() -> int:
             mfus += [mfu] if mfu is not None else []
             bare += bare_steps(args, model)
     ours_tps, bare_tps = tokens / statistics.median(ours), tokens / statistics.median(bare)
-    print(f"train: Llama h={args.heads} kv={args.kv_heads} hidden {args.hidden} × {args.layers} layers, "
+    print(f"train: Llama {n_params / 1e6:.1f}M params, h={args.heads} kv={args.kv_heads} hidden {args.hidden} × "
+          f"{args.layers} layers, "
           f"seq {args.seq_len} × batch {args.batch_size}, {args.device}"
           + (f", {args.threads} threads" if args.device == "cpu" else ", bf16 autocast"))
     print(f"{'loop':<10} {'median step s':>14} {'tokens/s':>10} {'steps timed':>12}")
@@ -127,7 +131,7 @@ def main() -> int:
     print(f"{'bare':<10} {statistics.median(bare):>14.4f} {bare_tps:>10,.0f} {len(bare):>12}")
     result = {"tokens_per_second_ratio": ours_tps / bare_tps, "uptrain_tokens_per_second": ours_tps,
               "bare_tokens_per_second": bare_tps, "mfu": statistics.median(mfus) if mfus else None,
-              "device": args.device, "seq_len": args.seq_len, "batch_size": args.batch_size}
+              "device": args.device, "seq_len": args.seq_len, "batch_size": args.batch_size, "params": n_params}
     print(f"tokens/s ratio uptrain/bare: {result['tokens_per_second_ratio']:.3f} (target ≥ 0.97)")
     print(json.dumps(result))
     return 0

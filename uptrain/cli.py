@@ -67,7 +67,7 @@ def _compare_and_report(spec) -> int:
     from uptrain.compare.report import write_report
     from uptrain.compare.run import run_compare
 
-    files = write_report(run_compare(spec), spec.output_dir)
+    files = write_report(run_compare(spec), spec.output_dir, spec)
     print(files["markdown"].read_text())
     print("plots:\n" + "\n".join(f"  {path}" for path in files.values() if path.suffix == ".png"))
     return 0
@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UptrainError as err:
         print(f"uptrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the machine, not the input: a full disk, a vanished mount, a permission
+        where = f": {err.filename}" if err.filename else ""
+        print(f"uptrain {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"uptrain {args.command}: interrupted", file=sys.stderr)

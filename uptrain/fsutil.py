@@ -1,7 +1,26 @@
-"""Outputs appear whole or not at all: built in a temporary sibling, renamed at the end."""
+"""Outputs appear whole or not at all, and only one run at a time writes each of them.
+
+- `atomic_directory`: an output folder is built in a hidden sibling (`.OUT.uptrain-tmp-PID`) and
+  renamed into place when complete; an existing OUT (with --overwrite) is first moved aside to
+  `.OUT.uptrain-old-PID` and deleted once the new one is in.
+- `OutputLock`: an `fcntl.flock` on a lock file, held for as long as a run writes an output. A
+  second run is refused at once, not after its work. The kernel drops a flock when its holder
+  dies, even by kill -9, so a killed run never leaves a lock that blocks the next one.
+- Under the lock, leftovers of killed runs are put right before anything else: a previous OUT
+  that a kill left moved aside comes back, temporary siblings are deleted. Only lock holders
+  create those siblings, so whatever the lock holder finds of them belongs to a dead run.
+- `parse_json` / `read_json`: JSON from files a user gave (configs, indexes, headers, run
+  files), where anything malformed is one UptrainError rather than a traceback.
+
+See docs/failure_modes.md for every case and why a lock rather than a rename that refuses an
+existing target.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import glob
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -11,55 +30,198 @@ from typing import Iterator
 from uptrain import UptrainError
 
 TMP_TAG = ".uptrain-tmp-"
+OLD_TAG = ".uptrain-old-"
+LOCK_TAG = ".uptrain-lock"
 
 
-def _alive(pid: int) -> bool:
+class OutputLock:
+    """An exclusive, non-waiting `flock` on `path`, which names what it guards as `target`.
+
+    The lock file records the holder's pid (for the refusal message) and is removed on release.
+    Two `open`s of one file conflict even within one process: release before locking again.
+    """
+
+    def __init__(self, path: Path, target: Path, what: str = "output"):
+        self.path, self.target, self.what = Path(path), Path(target), what
+        self.fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        for _ in range(100):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as err:
+                raise UptrainError(f"cannot write {self.target}: {err.strerror or err}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise UptrainError(f"{self.target} is being written by another uptrain run (pid {holder}); "
+                                   f"wait for it to finish or choose another {self.what}") from None
+            except OSError:
+                pass  # a file system without locks (ENOLCK): go on unguarded, as uptrain always did there
+            # The previous holder removes the file when it releases: if it did so between our open
+            # and our flock, we hold a lock nobody else will ever see. Start again on the new file.
+            if _same_file(fd, self.path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self.fd = fd
+                return self
+            os.close(fd)
+        raise UptrainError(f"cannot lock {self.target}: its lock file {self.path} keeps changing")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if _same_file(self.fd, self.path):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def remove_stale_locks(folder: Path) -> None:
+    """Remove the lock files in `folder` that no live process holds: a killed holder leaves its
+    file behind (the kernel dropped the lock itself). Held ones are left alone."""
+    for path in Path(folder).glob(f".*{LOCK_TAG}"):
+        try:
+            with OutputLock(path, path):
+                pass
+        except UptrainError:
+            pass
+
+
+def _same_file(fd: int, path: Path) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        st = os.stat(path)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _remove_stale_temporaries(out: Path) -> None:
-    """Clear siblings left by a run that was killed (kill -9 gives no chance to clean up)."""
-    for sibling in out.parent.glob(f".{out.name}{TMP_TAG}*"):
-        pid = sibling.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(sibling, ignore_errors=True)
+def _sibling(out: Path, tag: str) -> Path:
+    return out.parent / f".{out.name}{tag}"
 
 
-def check_output_path(out: Path, overwrite: bool) -> None:
-    """Refuse early, before any work, an OUT that exists or cannot be created."""
+def output_lock(out: Path) -> OutputLock:
+    """The lock of an output folder: a file beside it (the folder itself is replaced whole)."""
+    return OutputLock(_sibling(out, LOCK_TAG), out)
+
+
+def _recover(out: Path) -> None:
+    """Put right what killed runs left beside `out`. Call only while holding its lock."""
+    def leftovers(tag: str) -> list[Path]:
+        return [Path(p) for p in glob.glob(glob.escape(str(_sibling(out, tag))) + "*")]
+
+    olds = sorted(leftovers(OLD_TAG), key=lambda p: p.lstat().st_ctime)
+    if olds and not os.path.lexists(out):
+        # A run was killed between moving the previous OUT aside and renaming its own in: it never
+        # finished, so the previous OUT is what the user has. (The newest one, should there be more.)
+        olds.pop().rename(out)
+    for leftover in olds + leftovers(TMP_TAG):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    if out.is_symlink():
+        raise UptrainError(f"{out} is a symbolic link; give the folder itself or another output path")
+    if out.exists() and not out.is_dir():
+        raise UptrainError(f"{out} is a file, not a folder; --overwrite replaces only folders: "
+                           "choose another output path")
     if out.exists() and not overwrite:
         raise UptrainError(f"{out} already exists; pass --overwrite to replace it")
+
+
+def _check_parent(out: Path) -> None:
     if not out.parent.is_dir():
         raise UptrainError(f"cannot write {out}: {out.parent} is not an existing directory")
 
 
+def check_output_path(out: Path, overwrite: bool) -> None:
+    """Refuse early, before any work, an OUT that exists, cannot be created or that another run
+    is writing. Restores an OUT that a killed --overwrite run left moved aside."""
+    out = Path(out).absolute()
+    _check_parent(out)
+    with output_lock(out):
+        _recover(out)
+        _check_target(out, overwrite)
+
+
 @contextmanager
 def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory that replaces `out` only if the body succeeds."""
+    """Yield a fresh temporary directory that replaces `out` only if the body succeeds.
+
+    Holds `out`'s lock throughout: a second run aiming at the same `out` is refused at once
+    with one line, and the swap below can never interleave with another run's.
+    """
     out = Path(out).absolute()
-    check_output_path(out, overwrite)
-    _remove_stale_temporaries(out)
-    tmp = out.parent / f".{out.name}{TMP_TAG}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _check_parent(out)
+    with output_lock(out):
+        _recover(out)
+        _check_target(out, overwrite)
+        tmp = _sibling(out, f"{TMP_TAG}{os.getpid()}")
+        try:
+            tmp.mkdir()
+        except OSError as err:
+            raise UptrainError(f"cannot write {out}: {err.strerror or err}") from None
+        try:
+            yield tmp
+            _check_target(out, overwrite)  # something other than uptrain may have made OUT meanwhile
+            _swap_in(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`, replacing an existing `out`. A kill at any point leaves either the
+    previous `out` (in place, or aside where `_recover` brings it back) or the new one."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = _sibling(out, f"{OLD_TAG}{os.getpid()}")
+    out.rename(old)
     try:
-        tmp.mkdir()
-    except OSError as err:
-        raise UptrainError(f"cannot write {out}: {err.strerror or err}") from None
-    try:
-        yield tmp
-        if out.exists():
-            old = out.parent / f".{out.name}.uptrain-old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        tmp.rename(out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        old.rename(out)
         raise
+    shutil.rmtree(old)
+
+
+def parse_json(raw: bytes | str, what: str, unique_keys: bool = True):
+    """JSON from a file a user gave; anything malformed is one UptrainError naming `what`.
+
+    With `unique_keys`, a key given twice is refused (json keeps the last one and hides the
+    first: two tensors of one name in a safetensors header). Nesting deep enough to exhaust
+    Python's recursion limit is refused too.
+    """
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+        obj: dict = {}
+        for key, value in pairs:
+            if key in obj:
+                raise UptrainError(f"{what}: the key {key!r} appears twice")
+            obj[key] = value
+        return obj
+
+    try:
+        return json.loads(raw, object_pairs_hook=no_duplicates if unique_keys else None)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UptrainError(f"{what} is not valid JSON ({str(err).splitlines()[0]})") from None
+    except RecursionError:
+        raise UptrainError(f"{what} is not valid JSON (nested too deeply)") from None
+
+
+def read_json(path: Path, unique_keys: bool = True):
+    """`parse_json` of a file; an unreadable file is one UptrainError too."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise UptrainError(f"cannot read {path}: {err.strerror or err}") from None
+    return parse_json(raw, str(path), unique_keys)

@@ -14,6 +14,10 @@ TP_DEGREES = (2, 4, 8)
 
 
 def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str | None = None) -> dict:
+    """The report of `uptrain inspect` as a dict (the --json output)."""
+    for name, value in (("--context", context), ("--batch", batch)):
+        if value < 1:
+            raise UptrainError(f"{name} must be at least 1 (got {value})")
     resolved = resolve_source(src)
     folder, label = resolved.folder, resolved.label
     config = read_config(folder)

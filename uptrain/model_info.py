@@ -6,16 +6,21 @@ without loading any weights.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 
 from uptrain import UptrainError
+from uptrain.fsutil import read_json
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
 }
+# Layers, heads and widths beyond any real model are refused: it keeps every computation on
+# them (the divisors of the KV heads, for one) instant, whatever a config says.
+MAX_COUNT = 2 ** 40
 
 
 @dataclass(frozen=True)
@@ -34,17 +39,66 @@ class AttentionGeometry:
 
     def valid_num_kv_heads(self) -> list[int]:
         """Every G this model can be pooled to: divisors of the current KV head count."""
-        return [g for g in range(1, self.num_kv_heads + 1) if self.num_kv_heads % g == 0]
+        return divisors(self.num_kv_heads)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n ≥ 1, ascending. Factors n by trial division up to the square root of
+    what is left, so n ≤ MAX_COUNT takes milliseconds (looping over 1…n would take hours)."""
+    factors: dict[int, int] = {}
+    rest, p = n, 2
+    while p * p <= rest:
+        while rest % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            rest //= p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    found = [1]
+    for p, k in factors.items():
+        found = [d * p ** e for d in found for e in range(k + 1)]
+    return sorted(found)
 
 
 def read_config(folder: str | Path) -> dict:
+    """config.json of a checkpoint folder, with the shape of every field uptrain reads checked:
+    a malformed config is one UptrainError, not a traceback somewhere later."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise UptrainError(f"{folder} is not a checkpoint: config.json is missing")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UptrainError(f"{path} is not valid JSON: {err}") from None
+    config = read_json(path, unique_keys=False)  # as transformers reads it: the last of a repeated key
+    if not isinstance(config, dict):
+        raise UptrainError(f"{path} is not a config: it holds a JSON {type(config).__name__}, not an object")
+    if not isinstance(config.get("model_type", ""), str):
+        raise UptrainError(f"{path}: model_type is {show(config['model_type'])}, not a name")
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise UptrainError(f"{path}: {key} is {show(config[key])}, not a mapping")
+    for where in (config, config.get("rope_parameters") or {}):
+        _check_real(where, "partial_rotary_factor", path, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    _check_real(config, "initializer_range", path, lambda v: 0 <= v < math.inf, "a finite number ≥ 0")
+    return config
+
+
+def show(value, limit: int = 60) -> str:
+    """A value from a user's file for a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _check_real(mapping: dict, key: str, path: Path, valid, expected: str) -> None:
+    """`mapping[key]`, when present, is a real number for which `valid` holds."""
+    value = mapping.get(key)
+    if value is not None and (not isinstance(value, Real) or isinstance(value, bool) or not valid(value)):
+        raise UptrainError(f"{path}: {key} is {show(value)}; it must be {expected}")
+
+
+def _count(config: dict, key: str, model_type: str) -> int:
+    value = config[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT:
+        raise UptrainError(f"config ({model_type}): {key} is {show(value)}; it must be a whole number from 1 to "
+                           f"2**{MAX_COUNT.bit_length() - 1}")
+    return value
 
 
 def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> AttentionGeometry:
@@ -53,23 +107,27 @@ def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> A
     `head_dim_key` names the config field that overrides `hidden_size // heads`; None for
     architectures whose modeling code ignores such a field (StableLM).
     """
+    from uptrain.convert.layouts import standard_config_names
+
+    config = standard_config_names(config)  # GPT-2, GPT-J, BLOOM spell them n_head, n_layer, …
     model_type = config.get("model_type", "?")
-    heads = config.get("num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
+    if config.get("num_attention_heads") is None:
         raise UptrainError(f"config ({model_type}) has no num_attention_heads: not an attention model uptrain can convert")
-    layers = config.get("num_hidden_layers")
-    hidden = config.get("hidden_size")
-    if not isinstance(layers, int) or not isinstance(hidden, int):
+    if config.get("num_hidden_layers") is None or config.get("hidden_size") is None:
         raise UptrainError(f"config ({model_type}) lacks num_hidden_layers or hidden_size")
-    kv = config.get("num_key_value_heads") or heads
+    heads = _count(config, "num_attention_heads", model_type)
+    layers = _count(config, "num_hidden_layers", model_type)
+    hidden = _count(config, "hidden_size", model_type)
+    kv = heads if config.get("num_key_value_heads") is None else _count(config, "num_key_value_heads", model_type)
     if heads % kv:
         raise UptrainError(f"config has {heads} heads and {kv} KV heads, which do not divide")
-    head_dim = config.get(head_dim_key) if head_dim_key else None
-    if not head_dim:
+    if head_dim_key and config.get(head_dim_key) is not None:
+        head_dim = _count(config, head_dim_key, model_type)
+    else:
         if hidden % heads:
             raise UptrainError(f"hidden_size {hidden} is not divisible by {heads} heads")
         head_dim = hidden // heads
-    return AttentionGeometry(model_type, layers, heads, kv, int(head_dim), hidden)
+    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
 
 
 def config_dtype(config: dict) -> str:

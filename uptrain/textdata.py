@@ -7,8 +7,11 @@ the uptraining loop read text the same way.
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import itertools
+import lzma
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +78,27 @@ def resolve_data(spec: str | list[str], key: str) -> DataSource:
         raise UptrainError(f"`{key}` mixes file types ({', '.join(sorted(builders))}); use one kind per key")
     if all(os.path.getsize(f) == 0 for f in files):
         raise UptrainError(f"`{key}`: {', '.join(specs)} is empty")
+    if all(_only_whitespace(f) for f in files):
+        raise UptrainError(f"`{key}`: {', '.join(specs)} holds only whitespace: no text to read")
     return DataSource(", ".join(specs), builders.pop(), tuple(files))
+
+
+def _only_whitespace(path: str) -> bool:
+    """A text or JSON-lines file (plain or compressed) holding nothing but whitespace. Reads up
+    to the first other byte, which for real data is in the first chunk."""
+    if _kind(path) not in ("text", "json"):
+        return False  # parquet is binary: datasets judges it
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(Path(path).suffix, open)
+    if Path(path).suffix == ".zst":
+        return False  # needs the zstandard package to look inside: datasets judges it
+    try:
+        with opener(path, "rb") as f:
+            while chunk := f.read(1 << 16):
+                if chunk.strip():
+                    return False
+    except (OSError, EOFError, lzma.LZMAError):
+        return False  # unreadable or not really compressed: datasets reports it in its own words
+    return True
 
 
 def _looks_like_path(s: str) -> bool:

@@ -16,8 +16,10 @@ from uptrain.convert import convert_checkpoint
 from uptrain.convert.pipeline import Calibration
 from uptrain.corpus import load_tokenizer, read_documents
 
-# Layouts the whole-layer merge supports (no q/k norms): phi without its optional qk_layernorm.
-CALIBRATED = ["gemma", "granite", "llama", "mistral", "olmo", "phi", "qwen2", "starcoder2"]
+# Layouts the whole-layer merge supports (no q/k norms): phi and stablelm without their optional
+# qk_layernorm (support follows the checkpoint's tensors, not its model_type).
+CALIBRATED = ["gemma", "granite", "llama", "mistral", "olmo", "phi", "qwen2", "stablelm", "starcoder2"]
+WITHOUT_QK_NORMS = {"phi": dict(qk_layernorm=False), "stablelm": dict(qk_layernorm=False)}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,11 @@ def calibration_text(tmp_path_factory):
     return path
 
 
-def build(model_type: str, tokenizer, num_kv_heads: int = 8, seed: int = 0):
-    extra = dict(EXTRA[model_type], qk_layernorm=False) if model_type == "phi" else EXTRA[model_type]
+def build(model_type: str, tokenizer, num_kv_heads: int = 8, seed: int = 0, **overrides):
+    extra = {**EXTRA[model_type], **WITHOUT_QK_NORMS.get(model_type, {}), **overrides}
     common = dict(COMMON, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = AutoConfig.for_model(model_type, num_key_value_heads=num_kv_heads, **common, **extra)
+    config = AutoConfig.for_model(model_type, num_key_value_heads=num_kv_heads, **{**common, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -191,3 +193,73 @@ def test_cli_calibrated_and_refusals(tokenizer, calibration_text, tmp_path, caps
     with pytest.raises(UptrainError, match="k_norm"):
         convert_checkpoint(qsrc, tmp_path / "y", 2, pooling="calibrated", calibration=Calibration({}), progress=False)
     assert not (tmp_path / "y").exists()
+
+
+# Issue #10 §3: decide support from what the checkpoint holds and how the model computes.
+
+def test_stablelm_without_qk_layernorm_is_a_plain_layout(tokenizer, calibration_text, tmp_path):
+    """No per-head norms in the checkpoint: calibrated and similarity work (G = h is exact)."""
+    model = build("stablelm", tokenizer)
+    src = save(model, tokenizer, tmp_path / "src")
+    assert not any("layernorm.norms" in name for name in model.state_dict())
+    similarity = convert_checkpoint(src, tmp_path / "similarity", 8, grouping="similarity", progress=False)
+    assert torch.equal(logits(load(similarity)), logits(model))
+    merged = calibrated(src, tmp_path / "calibrated", 8, calibration_text)
+    torch.testing.assert_close(logits(load(merged)), logits(model), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [dict(pooling="calibrated", calibration=Calibration({})),
+                                     dict(grouping="similarity")], ids=["calibrated", "similarity"])
+def test_stablelm_with_qk_layernorm_is_refused_in_one_line(options, tokenizer, tmp_path):
+    src = save(build("stablelm", tokenizer, qk_layernorm=True), tokenizer, tmp_path / "src")
+    with pytest.raises(UptrainError, match=r"k_layernorm\.norms\.0\.weight .*per-head") as err:
+        convert_checkpoint(src, tmp_path / "out", 2, progress=False, **options)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+CLIP_QKV = 0.5  # small enough that the tiny model's q, k and v are clamped (checked below)
+
+
+def olmo_with_clip_qkv(tokenizer):
+    model = build("olmo", tokenizer, clip_qkv=CLIP_QKV)
+    unclipped = build("olmo", tokenizer)
+    assert not torch.allclose(logits(model), logits(unclipped), atol=1e-3)  # the clamp acts
+    return model
+
+
+def tie_kv_heads(model, pairs: list[tuple[int, int]]) -> None:
+    """Give head t the K and V of head s for each (s, t): non-contiguous duplicate heads."""
+    d = model.config.hidden_size // model.config.num_attention_heads
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for s, t in pairs:
+                    proj.weight[t * d:(t + 1) * d] = proj.weight[s * d:(s + 1) * d]
+
+
+def test_similarity_grouping_commutes_with_clip_qkv(tokenizer, tmp_path):
+    """Renumbering whole heads commutes with OLMo's element-wise clamp: G = h is exact, and so is
+    grouping duplicate heads that sit apart — which contiguous grouping cannot do."""
+    model = olmo_with_clip_qkv(tokenizer)
+    tie_kv_heads(model, [(0, 5), (1, 3), (2, 7), (4, 6)])
+    src = save(model, tokenizer, tmp_path / "src")
+    reference = logits(model)
+    same = convert_checkpoint(src, tmp_path / "g8", 8, grouping="similarity", progress=False)
+    assert json.loads((same / "config.json").read_text())["clip_qkv"] == CLIP_QKV
+    assert torch.equal(logits(load(same)), reference)
+    grouped = convert_checkpoint(src, tmp_path / "g4", 4, grouping="similarity", progress=False)
+    assert json.loads((grouped / "uptrain.json").read_text())["kv_head_order"]["0"] == [0, 5, 1, 3, 2, 7, 4, 6]
+    torch.testing.assert_close(logits(load(grouped)), reference, rtol=1e-5, atol=1e-5)
+    contiguous = convert_checkpoint(src, tmp_path / "c4", 4, progress=False)
+    assert (logits(load(contiguous)) - reference).abs().max() > 1e-2
+
+
+def test_calibrated_refuses_clip_qkv_in_one_line(tokenizer, calibration_text, tmp_path, capsys):
+    src = save(olmo_with_clip_qkv(tokenizer), tokenizer, tmp_path / "src")
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "out"), "-g", "8", "--pooling", "calibrated",
+                 "--calibration-data", str(calibration_text)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "clip_qkv" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

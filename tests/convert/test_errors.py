@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.convert.tiny_models import build_model, save
+from tests.robustness.opened_files import files_opened
 from uptrain.cli import main
 from uptrain.convert.layouts import LAYOUTS
 
@@ -87,9 +89,9 @@ def test_config_without_attention_heads(capsys, tmp_path, mha):
 def test_unsupported_model_type_lists_supported(capsys, tmp_path, mha):
     src = copy_of(mha, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
-    config["model_type"] = "gpt2"
+    config["model_type"] = "t5"
     (src / "config.json").write_text(json.dumps(config))
-    err = fails(capsys, tmp_path, [src, "-g", 2], "unsupported model_type 'gpt2'")
+    err = fails(capsys, tmp_path, [src, "-g", 2], "unsupported model_type 't5'")
     assert all(name in err for name in LAYOUTS)
 
 
@@ -183,3 +185,207 @@ def test_hub_id_offline_says_so(capsys, tmp_path):
     # conftest sets HF_HUB_OFFLINE=1: an uncached Hub id must fail at once, naming the reason.
     err = fails(capsys, tmp_path, ["some-org/some-model", "-g", 2], "could not be fetched from the Hub")
     assert "HF_HUB_OFFLINE is set" in err
+
+
+# Hostile input (issue #12): every case one line, exit 2, nothing written; the source untouched.
+
+def one_line_error(capsys, argv: list, expected: str) -> str:
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    return err
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes: equal trees mean nothing was touched."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def raw_header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_raw(path: Path, header: dict | bytes, data: bytes) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_out_overlapping_src_is_refused_whatever_the_flags(capsys, tmp_path, mha):
+    src = copy_of(mha, tmp_path / "src")
+    before = tree(tmp_path)
+    for out in (src, src / "inside", tmp_path):  # equal, inside, holding it
+        one_line_error(capsys, ["convert", src, out, "-g", 2, "--overwrite"], "overlaps the source checkpoint")
+        one_line_error(capsys, ["convert", src, out, "-g", 2],
+                       "already exists" if out.exists() else "overlaps the source checkpoint")
+    assert tree(tmp_path) == before
+    assert not (src / "inside").exists()
+
+
+def test_out_that_is_a_file_is_kept(capsys, tmp_path, mha):
+    out = tmp_path / "out"
+    out.write_text("precious")
+    for flags in ([], ["--overwrite"]):
+        one_line_error(capsys, ["convert", mha, out, "-g", 2, *flags], str(out))
+    assert out.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    link = tmp_path / "link"
+    link.symlink_to(mha)
+    one_line_error(capsys, ["convert", mha, link, "-g", 2, "--overwrite"], "is a symbolic link")
+    assert link.resolve() == mha.resolve() and (mha / "config.json").is_file()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--max-shard-size", "0"], "less than one byte"),
+    (["--max-shard-size", "0GB"], "less than one byte"),
+    (["--calibration-tokens", "0"], "calibration_tokens"),
+    (["--calibration-tokens", "-5"], "calibration_tokens"),
+])
+def test_sizes_below_one_are_refused(capsys, tmp_path, mha, flags, expected):
+    fails(capsys, tmp_path, [mha, "-g", 2, "--pooling", "calibrated", "--calibration-data", mha / "config.json",
+                             *flags], expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda c: [c], "holds a JSON list, not an object"),
+    (lambda c: {**c, "model_type": ["llama"]}, "model_type is ['llama'], not a name"),
+    (lambda c: {**c, "num_key_value_heads": "8"}, "num_key_value_heads is '8'; it must be a whole number"),
+    (lambda c: {**c, "num_key_value_heads": -8}, "num_key_value_heads is -8"),
+    (lambda c: {**c, "head_dim": "x"}, "head_dim is 'x'"),
+    (lambda c: {**c, "num_hidden_layers": 0}, "num_hidden_layers is 0"),
+    (lambda c: {**c, "hidden_size": 0}, "hidden_size is 0"),
+    (lambda c: {**c, "num_attention_heads": True}, "num_attention_heads is True"),
+    (lambda c: {**c, "rope_parameters": [10000.0]}, "rope_parameters is [10000.0], not a mapping"),
+    (lambda c: {**c, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": "half"}},
+     "partial_rotary_factor is 'half'"),
+    (lambda c: {**c, "initializer_range": "small"}, "initializer_range is 'small'"),
+])
+def test_hostile_config(capsys, tmp_path, mha, edit, expected):
+    src = copy_of(mha, tmp_path / "src")
+    (src / "config.json").write_text(json.dumps(edit(json.loads((mha / "config.json").read_text()))))
+    fails(capsys, tmp_path, [src, "-g", 2], expected)
+    capsys.readouterr()
+    assert main(["inspect", str(src)]) == 2
+
+
+def test_config_not_json(capsys, tmp_path, mha):
+    src = copy_of(mha, tmp_path / "src")
+    (src / "config.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    fails(capsys, tmp_path, [src, "-g", 2], "nested too deeply")
+    (src / "config.json").write_bytes(b"\xff\xfe{")
+    fails(capsys, tmp_path, [src, "-g", 2], "config.json is not valid JSON")
+
+
+def hostile_header(mha: Path, src: Path, edit) -> None:
+    header, data = raw_header(mha / "model.safetensors")
+    write_raw(src / "model.safetensors", edit(header), data)
+
+
+K0, V0 = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda h: b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (lambda h: {**h, K0: {**h[K0], "data_offsets": [-8, h[K0]["data_offsets"][1] - h[K0]["data_offsets"][0] - 8]}},
+     f"corrupt safetensors entry for '{K0}'"),
+    (lambda h: {**h, "__metadata__": ["pt"]}, "__metadata__ must map strings to strings"),
+    (lambda h: {**h, "__metadata__": {"format": 1}}, "__metadata__ must map strings to strings"),
+    (lambda h: {**h, K0: {**h[K0], "dtype": "F7"}}, f"corrupt safetensors entry for '{K0}'"),
+    (lambda h: {**h, K0: {**h[K0], "shape": [64.0, 64]}}, f"corrupt safetensors entry for '{K0}'"),
+    (lambda h: {**h, K0: {**h[K0], "shape": [1e999, 64]}}, f"corrupt safetensors entry for '{K0}'"),
+    (lambda h: {**h, K0: [1, 2, 3]}, f"corrupt safetensors entry for '{K0}'"),
+    (lambda h: {**h, V0: {**h[V0], "data_offsets": h[K0]["data_offsets"]}}, "share bytes"),
+    (lambda h: json.dumps(h)[:-1].encode() + b', "' + K0.encode() + b'": ' + json.dumps(h[K0]).encode() + b"}",
+     f"the key '{K0}' appears twice"),
+])
+def test_hostile_safetensors_header(capsys, tmp_path, mha, edit, expected):
+    src = copy_of(mha, tmp_path / "src")
+    hostile_header(mha, src, edit)
+    fails(capsys, tmp_path, [src, "-g", 2], expected)
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda wm, outside: list(wm), "weight_map must map tensor names to shard files"),
+    (lambda wm, outside: {k: 1 for k in wm}, "weight_map must map tensor names to shard files"),
+    (lambda wm, outside: {**wm, K0: str(outside)}, "is not a file inside"),
+    (lambda wm, outside: {**wm, K0: "../outside.safetensors"}, "is not a file inside"),
+    (lambda wm, outside: {**wm, K0: "sub/../../outside.safetensors"}, "is not a file inside"),
+])
+def test_hostile_index_reads_nothing_outside_src(capsys, tmp_path, sharded, edit, expected):
+    src = copy_of(sharded, tmp_path / "src")
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((src / sorted(p.name for p in src.glob("model-*.safetensors"))[0]).read_bytes())
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = edit(index["weight_map"], outside)
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with files_opened() as opened:
+        fails(capsys, tmp_path, [src, "-g", 2], expected)
+    assert any(f.path.parent == src for f in opened)  # the recording works: it saw the source being read
+    assert not [f for f in opened if f.path == outside]
+
+
+def test_every_safetensors_dtype_is_known_and_copied_byte_for_byte(tmp_path, mha):
+    """U32, U64, F8_E8M0, C64, F4, F6… (issue #10): valid files, copied exactly, header and bytes."""
+    from uptrain.convert.io import ST_DTYPES, dtype_bits, read_safetensors_header
+
+    header, data = raw_header(mha / "model.safetensors")
+    src = copy_of(mha, tmp_path / "src")
+    extra = {}
+    for i, code in enumerate(sorted(ST_DTYPES)):
+        bits = dtype_bits(ST_DTYPES[code])
+        shape = [2, 8]  # 16 elements: a whole number of bytes for 4- and 6-bit types too
+        payload = bytes((i * 37 + j) % 256 for j in range(16 * bits // 8))
+        extra[f"extra.{code.lower()}"] = ({"dtype": code, "shape": shape,
+                                          "data_offsets": [len(data), len(data) + len(payload)]}, payload)
+        data += payload
+    write_raw(src / "model.safetensors", {**header, **{k: v for k, (v, _) in extra.items()}}, data)
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "-g", "2"]) == 0
+    _, converted = read_safetensors_header(out / "model.safetensors")
+    by_name = {t.name: t for t in converted}
+    raw = (out / "model.safetensors").read_bytes()
+    header_out, _ = raw_header(out / "model.safetensors")
+    for name, (entry, payload) in extra.items():
+        t = by_name[name]
+        assert raw[t.start:t.end] == payload, name
+        assert header_out[name]["dtype"] == entry["dtype"] and header_out[name]["shape"] == entry["shape"]
+
+
+def test_inspect_refuses_impossible_numbers(capsys, tmp_path, mha):
+    one_line_error(capsys, ["inspect", mha, "--context", -1], "--context must be at least 1")
+    one_line_error(capsys, ["inspect", mha, "--batch", 0], "--batch must be at least 1")
+    src = copy_of(mha, tmp_path / "src")
+    config = json.loads((mha / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_key_value_heads": -8}))
+    one_line_error(capsys, ["inspect", src], "num_key_value_heads is -8")
+
+
+def test_inspect_answers_at_once_for_huge_head_counts(capsys, tmp_path, mha):
+    import time
+
+    src = copy_of(mha, tmp_path / "src")
+    config = json.loads((mha / "config.json").read_text())
+    n = 10 ** 12
+    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": n, "num_key_value_heads": n,
+                                                 "hidden_size": n, "head_dim": None}))
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    assert main(["inspect", str(src), "--json"]) == 0
+    elapsed = time.perf_counter() - t0
+    info = json.loads(capsys.readouterr().out)
+    assert len(info["options"]) == 13 * 13  # 10**12 = 2**12 · 5**12
+    assert [o["num_kv_heads"] for o in info["options"]][:6] == [1, 2, 4, 5, 8, 10]
+    assert elapsed < 0.5, elapsed
+    # A prime near the limit: the slowest factorisation there is, still well under a second.
+    p = 1_099_511_627_689  # the largest prime below 2**40
+    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": p, "num_key_value_heads": p,
+                                                 "hidden_size": p, "head_dim": None}))
+    t0 = time.perf_counter()
+    assert main(["inspect", str(src), "--json"]) == 0
+    assert [o["num_kv_heads"] for o in json.loads(capsys.readouterr().out)["options"]] == [1, p]
+    assert time.perf_counter() - t0 < 0.5
+    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": 2 ** 41}))
+    one_line_error(capsys, ["inspect", src], "num_attention_heads is 2199023255552")

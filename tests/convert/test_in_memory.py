@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint, convert_model
 from tests.convert.tiny_models import ARCHITECTURES, build_model
+from tests.modeling.classic_models import ARCHITECTURES as CLASSIC
+from tests.modeling.classic_models import build as build_classic
 
 TOKENS = torch.tensor([[1, 5, 9, 3, 7, 11, 4, 2]])
 
@@ -45,3 +47,19 @@ def test_in_memory_identity_and_refusals():
         convert_model(model, 2, pooling="calibrated")
     with pytest.raises(UptrainError, match="unknown pooling"):
         convert_model(model, 2, pooling="median")
+
+
+@pytest.mark.parametrize("model_type", CLASSIC)
+def test_in_memory_classic_architectures_equal_checkpoint_conversion(model_type, tmp_path):
+    model = build_classic(model_type)
+    model.save_pretrained(tmp_path / "src")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 2, progress=False)
+    converted = convert_model(model, 2).eval()
+    assert converted.config.model_type == f"{model_type}_gqa" and converted.config.num_key_value_heads == 2
+    in_memory = converted.state_dict()
+    for name, tensor in load_file(out / "model.safetensors").items():
+        if name in in_memory:  # old checkpoints also carry buffers the GQA classes do not (GPT-2's attn.bias)
+            assert torch.equal(in_memory[name], tensor), name
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(converted(TOKENS).logits, loaded(TOKENS).logits)

@@ -67,7 +67,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize("change, message", [
     ({"max_steps": None}, "exactly one budget"),
     ({"max_tokens": 100}, "exactly one budget"),
-    ({"max_steps": None, "uptrain_fraction": 0.05}, "go together"),
+    ({"pretrain_tokens": 1e6}, "only applies with `uptrain_fraction`"),
     ({"model": None}, "exactly one of `model`"),
     ({"source": "s"}, "exactly one of `model`"),
     ({"model": None, "source": "s"}, "needs `num_kv_heads`"),

@@ -54,7 +54,7 @@ def test_uptrain_a_converted_checkpoint(base_config, capsys):
     assert model.config.num_key_value_heads == 2
     assert (final / "tokenizer.json").is_file()
     # The saved weights are the trained ones: they give the logged final eval loss.
-    assert json.loads((final / "uptrain_train.json").read_text())["eval/loss"] == recs[-1]["eval/loss"]
+    assert json.loads((final / "uptrain.json").read_text())["uptraining"]["eval_after"]["eval/loss"] == recs[-1]["eval/loss"]
     # Saved after steps 1…5 (the last step goes to final/), the last two kept.
     assert sorted(p.name for p in (Path(config.output_dir) / "checkpoints").iterdir()) == ["step_00000004",
                                                                                           "step_00000005"]
@@ -198,9 +198,11 @@ def test_refuses_empty_and_short_data(base_config, tmp_path):
     refuses({**base_config, "train_data": str(tmp_path / "short.txt")},
             r"gives 3 blocks of 32 tokens; one optimizer step needs 4")
     (tmp_path / "blank.txt").write_text("\n\n\n")
-    refuses({**base_config, "train_data": str(tmp_path / "blank.txt")}, "gives 0 blocks of 32 tokens")
+    refuses({**base_config, "train_data": str(tmp_path / "blank.txt")}, "`train_data`: .*blank.txt holds only whitespace")
     refuses({**base_config, "eval_data": str(tmp_path / "empty.txt")}, "`eval_data`: .*empty.txt is empty")
-    refuses({**base_config, "eval_data": str(tmp_path / "blank.txt")}, "eval_data .* gives no block")
+    refuses({**base_config, "eval_data": str(tmp_path / "blank.txt")}, "`eval_data`: .*blank.txt holds only whitespace")
+    (tmp_path / "tiny.txt").write_text("The cat.\n")
+    refuses({**base_config, "eval_data": str(tmp_path / "tiny.txt")}, "eval_data .* gives no block")
 
 
 def test_refuses_teacher_with_another_tokenizer(base_config, assets):
@@ -247,3 +249,21 @@ def test_resume_accepts_a_run_started_before_a_key_existed(base_config, tmp_path
     saved["lr"] = 1.0  # a real change is still refused
     marker.write_text(yaml.safe_dump(saved))
     refuses({**config, "resume": True}, r"the config changed \(lr: 1.0 → 0.003\)")
+
+
+def test_uptrain_fraction_alone_takes_a_known_family_budget(base_config, assets, tmp_path):
+    import shutil
+
+    # A Llama-2-7B-named folder (model_type llama): α × 2T tokens. 1e-12 × 2e12 = 2 tokens → one step.
+    named = tmp_path / "Llama-2-7b-toy"
+    shutil.copytree(assets["gqa"], named)
+    values = {**base_config, "model": str(named), "uptrain_fraction": 1e-12}
+    del values["max_steps"]
+    run_training(TrainConfig(**values))
+    recorded = yaml.safe_load((Path(values["output_dir"]) / "run_config.yaml").read_text())
+    assert recorded["pretrain_tokens"] == 2e12
+    assert [r["step"] for r in records(Path(values["output_dir"]))][-1] == 1
+    # An unknown family needs pretrain_tokens, and nothing is written before that is said.
+    unknown = {**values, "model": str(assets["gqa"]), "output_dir": str(tmp_path / "unknown")}
+    refuses(unknown, "`uptrain_fraction` needs `pretrain_tokens`: .* is not recognised")
+    assert not (tmp_path / "unknown").exists()

@@ -12,6 +12,7 @@ from uptrain.train import metrics as M
 from uptrain.train.checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import lr_at
+from uptrain.train.tracking import ensure_wandb_never_prompts
 
 
 def test_flops_and_mfu_by_hand():
@@ -58,11 +59,11 @@ def test_wandb_goes_offline_without_credentials(tmp_path, monkeypatch):
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    note = M.ensure_wandb_never_prompts()
+    note = ensure_wandb_never_prompts()
     assert os.environ["WANDB_MODE"] == "offline" and "offline" in note
 
     monkeypatch.delenv("WANDB_MODE")
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
-    assert M.ensure_wandb_never_prompts() is None and "WANDB_MODE" not in os.environ
+    assert ensure_wandb_never_prompts() is None and "WANDB_MODE" not in os.environ
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert M.ensure_wandb_never_prompts() is None and os.environ["WANDB_MODE"] == "disabled"
+    assert ensure_wandb_never_prompts() is None and os.environ["WANDB_MODE"] == "disabled"

@@ -69,7 +69,9 @@ CURVE = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "eval
 
 
 def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    from uptrain.train.metrics import read_metrics
+
+    return read_metrics(Path(run_dir) / "metrics.jsonl")
 
 
 def curve(run_dir) -> dict[int, dict]:

@@ -4,6 +4,7 @@ Fig. 4 (strategies), Fig. 5 (quality vs uptraining) and Fig. 6 (quality and cost
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 from pathlib import Path
 
@@ -172,7 +173,42 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_report(results: list[RunResult], folder: str | Path) -> dict[str, Path]:
+def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path:
+    """Log the comparison to wandb as one more run of the compare's group (the group its
+    training runs share): the results table (`wandb.Table`, the rows of results.csv), the
+    comparison against mean pooling when there is one, and the three plots. Offline without
+    credentials, like the training runs. Returns the wandb run's folder."""
+    import wandb
+
+    from uptrain.train.tracking import ensure_wandb_never_prompts
+
+    ensure_wandb_never_prompts()
+    root = Path(spec.output_dir).absolute()
+    group = root.name
+    # One id per compare folder: a rerun (every run reused) updates this run instead of adding one.
+    run_id = "compare-" + hashlib.sha1(str(root).encode()).hexdigest()[:12]
+    config = spec.to_json() if hasattr(spec, "to_json") else {"output_dir": spec.output_dir}
+    run = wandb.init(project="uptrain", group=group, name=f"{group}/results", job_type="compare", id=run_id,
+                     resume="allow", dir=str(root), config=config, reinit="create_new")
+    try:
+        rows = table_rows(results)
+        logged = {"results": wandb.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows])}
+        comparisons = against_mean(results)
+        if comparisons:
+            columns = list(comparisons[0])
+            logged["against_mean"] = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in comparisons])
+        for name, path in files.items():
+            if path.suffix == ".png":
+                logged[name] = wandb.Image(str(path))
+        run.log(logged)
+    finally:
+        run.finish()
+    return Path(run.dir).parent
+
+
+def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dict[str, Path]:
+    """results.csv, results.md and the three plots in `folder`; with a CompareSpec whose
+    `report_to` includes wandb, also logged to wandb (`log_to_wandb`)."""
     folder = Path(folder)
     rows = table_rows(results)
     write_csv(rows, folder / "results.csv")
@@ -183,4 +219,7 @@ def write_report(results: list[RunResult], folder: str | Path) -> dict[str, Path
         text += against_mean_markdown(comparisons)
     (folder / "results.md").write_text(text)
     plots = write_plots(results, folder)
-    return {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}
+    files = {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}
+    if spec is not None and "wandb" in spec.report_to:
+        files["wandb"] = log_to_wandb(results, files, spec)
+    return files

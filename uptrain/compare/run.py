@@ -81,22 +81,30 @@ class RunResult:
 
 
 def card_pretrain_tokens(model: str | Path) -> float | None:
-    """Pretraining tokens recorded on a model's card (uptrain's reference model has one)."""
+    """Pretraining tokens recorded on a model's card (uptrain's reference model has one), else the
+    published budget of its family when its name identifies one (Pythia, OPT, Llama-2, …)."""
+    from uptrain.budgets import known_pretrain_tokens
+
     card = Path(model) / "reference.json"
     if card.is_file():
         return json.loads(card.read_text()).get("pretrain_tokens")
-    return None
+    return known_pretrain_tokens(read_config(model), str(model))
 
 
 def validate(spec: CompareSpec) -> None:
     """Every check of every run — each conversion's full `prepare` included — before any work."""
+    if "wandb" in spec.report_to:
+        from uptrain.train.tracking import ensure_wandb_never_prompts
+
+        ensure_wandb_never_prompts()  # WANDB_MODE=online without a key: refused before compare.json
     if spec.max_tokens is None:
         if spec.uptrain_fraction is None:
             raise UptrainError("give a budget: --max-tokens, or --uptrain-fraction with --pretrain-tokens")
         if spec.pretrain_tokens is None:
             spec.pretrain_tokens = card_pretrain_tokens(spec.model)
             if spec.pretrain_tokens is None:
-                raise UptrainError(f"{spec.model} has no card with its pretraining tokens: pass --pretrain-tokens")
+                raise UptrainError(f"{spec.model} has no card with its pretraining tokens and is not a family "
+                                   "with a published budget: pass --pretrain-tokens")
     elif spec.uptrain_fraction is not None:
         raise UptrainError("give either --max-tokens or --uptrain-fraction, not both")
     for _, g, pooling in run_names(spec):

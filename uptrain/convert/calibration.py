@@ -2,22 +2,43 @@
 
 The source model reads calibration text through the same datasets pipeline as training
 (tokenize, join documents with EOS, pack into blocks; the first blocks in file order, so the
-result is deterministic). Forward hooks fold every token's attention input x, augmented with a
-constant 1 so that biases are merged too, into C = E[x xᵀ] — statistics, never activations:
-memory is layers × (hidden + 1)² float64 values whatever the number of tokens.
+result is deterministic). Every token's attention input x, augmented with a constant 1 so that
+biases are merged too, is folded into C = E[x xᵀ] — statistics, never activations.
+
+The model runs one decoder layer at a time, so memory is the calibration hidden states
+(tokens × hidden) + one layer's weights + one moment — or, before the first layer, the
+embedding — whatever the number of layers:
+- the transformers model is built on the meta device (no weights), so its own code computes
+  what precedes the first layer — embedding, Gemma's embedding scale, Granite's multiplier,
+  rotary tables, causal masks — once per batch, with only the non-layer weights loaded;
+- each decoder layer's weights are then read from the safetensors shards by the converter's
+  reader, every batch's hidden states pass through it, its attention input is folded into its
+  moment, and the layer goes back to the meta device before the next one is read;
+- each finished moment (float64) is spilled to a temporary file: `moments[layer]` reads it back.
+Running transformers' own layer modules (rather than re-implementing each architecture's
+block) keeps every architecture's quirks — partial rotary, parallel residuals, biases, q/k
+norms — exactly as in the model users load, and gives the same moments as running the whole
+model (tests/convert/test_calibration_layerwise.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from uptrain import UptrainError
+from uptrain.convert.io import SourceCheckpoint
 from uptrain.convert.layouts import layout_for
 from uptrain.convert.source import resolve_source
 from uptrain.model_info import read_config
+from uptrain.textdata import TokenBlocks, load_blocks
 
 
 def calibration_device(device: str = "auto", dtype: str = "float32") -> tuple[torch.device, torch.dtype]:
@@ -47,47 +68,216 @@ def load_calibration_tokenizer(model_dir: Path):
     return tokenizer
 
 
+def fold_attention_input(moment: torch.Tensor, x: torch.Tensor) -> None:
+    """Add Σ x̃ x̃ᵀ over the tokens of `x` ([..., hidden]) to `moment`, x̃ = [x, 1], in float64."""
+    x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+    moment.addmm_(x.mT, x)
+
+
+def attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states an attention module was called with (positional or keyword)."""
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+class SpilledMoments(Mapping):
+    """{layer: C} kept in a temporary folder, one safetensors file per layer; reading a layer
+    loads only that layer. The folder is removed when this object is garbage-collected."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="uptrain-moments-")
+        self._layers: list[int] = []
+
+    def _path(self, layer: int) -> Path:
+        return Path(self._folder.name) / f"layer-{layer:05d}.safetensors"
+
+    def add(self, layer: int, moment: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"moment": moment.detach().to("cpu").contiguous()}, self._path(layer))
+        self._layers.append(layer)
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        if layer not in self._layers:
+            raise KeyError(layer)
+        return load_file(self._path(layer))["moment"]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed inside glibc's heap back to the OS (malloc_trim), once per layer.
+
+    glibc serves buffers below its (self-raising) mmap threshold from the heap, and freed heap
+    memory below a live buffer stays resident: without this, part of each freed layer stays
+    behind and the peak grows with the number of layers (BENCHMARKS.md, calibration). A one-off
+    trim changes no allocator setting, so a training process that calibrates first is left as
+    it was.
+    """
+    import ctypes
+    import ctypes.util
+
+    libc_name = ctypes.util.find_library("c")
+    if sys.platform.startswith("linux") and libc_name:
+        try:
+            ctypes.CDLL(libc_name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
+class _LayerInputsRecorded(Exception):
+    """Raised by the last decoder layer's stand-in: nothing after the layers needs to run."""
+
+
+def _materialise(module: torch.nn.Module, prefix: str, checkpoint: SourceCheckpoint, device: torch.device,
+                 dtype: torch.dtype) -> None:
+    """Give a meta-device module its weights from the checkpoint (floating point ones cast to `dtype`)."""
+    state = {}
+    for name, meta in module.state_dict().items():
+        key = prefix + name
+        if key not in checkpoint.tensors:
+            raise UptrainError(f"calibration: {key} is missing from {checkpoint.folder}")
+        tensor = checkpoint.read_tensor(key)
+        if tuple(tensor.shape) != tuple(meta.shape):
+            raise UptrainError(f"calibration: {key} has shape {tuple(tensor.shape)}, the config implies "
+                               f"{tuple(meta.shape)}")
+        state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    module.load_state_dict(state, assign=True)
+    module.to(device)  # buffers that are not in the state dict (rotary inv_freq)
+    del state
+    _release_freed_memory()  # the stored-dtype copies read before each cast
+
+
+def _empty_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The source's transformers model with every parameter on the meta device (buffers are real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def _record_layer_inputs(base: torch.nn.Module, layers: torch.nn.ModuleList,
+                         ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+    """Run the model's own code up to the first layer; return the first layer's hidden states
+    and the other arguments each layer is called with (masks may differ per layer type)."""
+    calls: list[tuple[tuple, dict]] = []
+    first: list[torch.Tensor] = []
+
+    def stand_in(hidden_states, *args, **kwargs):
+        if not calls:
+            first.append(hidden_states)
+        calls.append((args, kwargs))
+        if len(calls) == len(layers):
+            raise _LayerInputsRecorded
+        return hidden_states
+
+    for layer in layers:
+        layer.forward = stand_in  # an instance attribute shadows the class's forward
+    try:
+        base(input_ids=ids, use_cache=False)
+    except _LayerInputsRecorded:
+        pass
+    finally:
+        for layer in layers:
+            del layer.forward
+    if len(calls) != len(layers):
+        raise UptrainError(f"calibration: the model called {len(calls)} of its {len(layers)} decoder layers")
+    return first[0], calls
+
+
+def _first_blocks(blocks, wanted: int) -> torch.Tensor:
+    """The first `wanted` blocks in data order, [count, seq_len]: of a local dataset tokenized
+    up front, or the head of a streamed one (a Hub dataset is never read in full)."""
+    if isinstance(blocks, TokenBlocks):
+        count = min(wanted, len(blocks))
+        return blocks.take(list(range(count))) if count else torch.empty(0, dtype=torch.long)
+    rows = [torch.as_tensor(row["input_ids"]) for row in itertools.islice(iter(blocks), wanted)]
+    return torch.stack(rows) if rows else torch.empty(0, dtype=torch.long)
+
+
 def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
                               batch_size: int = 4, text_field: str = "text", sample_by: str = "paragraph",
-                              device: str = "auto", dtype: str = "float32",
-                              progress: bool | None = None) -> tuple[dict[int, torch.Tensor], dict]:
-    """Return ({layer: C of shape [(hidden + 1), (hidden + 1)]}, a description for provenance)."""
-    from transformers import AutoModelForCausalLM
+                              device: str = "auto", dtype: str = "float32", progress: bool | None = None,
+                              dataset_config: str | None = None,
+                              split: str = "train") -> tuple[Mapping[int, torch.Tensor], dict]:
+    """Return ({layer: C of shape [(hidden + 1), (hidden + 1)], float64}, a description for provenance).
 
-    from uptrain.textdata import load_blocks
+    The forward pass runs in `dtype` on `device` (auto: the first GPU when there is one), one
+    decoder layer at a time; moments are accumulated in float64 and read back from disk on
+    access. `progress`: None shows a bar on terminals, False never, True always. A Hub dataset
+    (`dataset_config`, `split`) is streamed: only its first blocks are read.
+    """
 
     model_dir = resolve_source(src).folder
     config = read_config(model_dir)
     layout = layout_for(config.get("model_type"))
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
+    run_device, run_dtype = calibration_device(device, dtype)
     tokenizer = load_calibration_tokenizer(model_dir)
-    blocks, source = load_blocks(data, "calibration_data", tokenizer, seq_len, text_field=text_field, split="train",
-                                 dataset_config=None, sample_by=sample_by, streaming=False, workers=None)
-    wanted = math.ceil(num_tokens / seq_len)
-    if len(blocks) == 0:
+    blocks, source = load_blocks(data, "calibration_data", tokenizer, seq_len, text_field=text_field, split=split,
+                                 dataset_config=dataset_config, sample_by=sample_by, streaming=None, workers=None)
+    all_ids = _first_blocks(blocks, math.ceil(num_tokens / seq_len))
+    if len(all_ids) == 0:
         raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
-    count = min(wanted, len(blocks))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hidden = config["hidden_size"]
-    moments = {i: torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64) for i in range(config["num_hidden_layers"])}
-
-    def hook_for(layer: int):
-        def hook(module, args, kwargs):
-            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
-            moments[layer].addmm_(x.mT, x)
-        return hook
-
-    handles = [model.get_submodule(layout.attn_prefix.format(layer=i)).register_forward_pre_hook(
-        hook_for(i), with_kwargs=True) for i in moments]
+    count = len(all_ids)
+    tokens = count * seq_len
+    # "model.layers.{layer}.self_attn" → layers at "model.layers", their parent "model".
+    layer_template, attn_name = layout.attn_prefix.rsplit(".", 1)
+    layers_path = layer_template.removesuffix(".{layer}")
+    base_path = layers_path.rsplit(".", 1)[0]
+    # Weights only (weights_only=True for pickles); whether a pickle source may be converted
+    # at all is decided by the conversion's own checks (pipeline.prepare, --allow-pickle).
+    checkpoint = SourceCheckpoint(model_dir, allow_pickle=True)
+    moments = SpilledMoments()
     try:
+        model = _empty_model(model_dir, run_dtype)
+        base, layers = model.get_submodule(base_path), model.get_submodule(layers_path)
+        outside = [(name, child) for name, child in base.named_children() if child is not layers]
+        for name, child in outside:
+            _materialise(child, f"{base_path}.{name}.", checkpoint, run_device, run_dtype)
+        hidden, calls = [], []
         with torch.no_grad():
             for start in range(0, count, batch_size):
-                model(blocks.take(list(range(start, min(start + batch_size, count)))), use_cache=False)
+                ids = all_ids[start:start + batch_size].to(run_device)
+                h, c = _record_layer_inputs(base, layers, ids)
+                hidden.append(h)
+                calls.append(c)
+        for _, child in outside:
+            child.to("meta")  # the embedding is no longer needed: free it before the layers
+        _release_freed_memory()
+        bar = tqdm(total=len(layers), desc="calibrate", unit="layer",
+                   disable=None if progress is None else not progress)
+        with bar, torch.no_grad():
+            for i, layer in enumerate(layers):
+                _materialise(layer, f"{layer_template.format(layer=i)}.", checkpoint, run_device, run_dtype)
+                moment = torch.zeros(hidden[0].shape[-1] + 1, hidden[0].shape[-1] + 1, dtype=torch.float64,
+                                     device=run_device)
+                hook = layer.get_submodule(attn_name).register_forward_pre_hook(
+                    lambda module, args, kwargs, moment=moment: fold_attention_input(moment,
+                                                                                     attention_input(args, kwargs)),
+                    with_kwargs=True)
+                try:
+                    for b, (args, kwargs) in enumerate(c[i] for c in calls):
+                        out = layer(hidden[b], *args, **kwargs)
+                        # In place: the hidden states, allocated once before any layer, stay below
+                        # the layers' short-lived buffers in the heap, which can then be returned.
+                        hidden[b].copy_(out[0] if isinstance(out, tuple) else out)
+                finally:
+                    hook.remove()
+                layer.to("meta")  # frees this layer's weights before the next layer is read
+                moments.add(i, moment / tokens)
+                del moment
+                _release_freed_memory()
+                bar.update(1)
     finally:
-        for h in handles:
-            h.remove()
-    tokens = count * seq_len
-    info = {"data": source.label, "tokens": tokens, "seq_len": seq_len, "blocks": count}
-    return {i: m / tokens for i, m in moments.items()}, info
+        checkpoint.close()
+    info = {"data": source.label, "tokens": tokens, "seq_len": seq_len, "blocks": count, "dtype": dtype}
+    return moments, info

@@ -22,6 +22,7 @@ from uptrain.convert.pooling import get_strategy
 from uptrain.convert.run import _compute, plan_conversion
 from uptrain.convert.spec import ConversionOptions, validated
 from uptrain.model_info import attention_geometry, rotary_dim
+from uptrain.modeling import gqa_counterpart
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
     init_std = config.get("initializer_range", 0.02)
     merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, options.grouping,
                          rotary_dim(config, geometry.head_dim), calibration.moments if calibration else None,
-                         seed, init_std)
+                         seed, init_std, progress=False)
     converted = {}
     for t in plan.tensors:
         name = t.out.name
@@ -84,10 +85,10 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
         else:
             converted[name] = _compute(t, source, plan, strategy, seed, init_std, merger).to(state[name].device)
 
-    new_config = copy.deepcopy(model.config)
-    new_config.num_key_value_heads = num_kv_heads
+    # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, ….
+    new_class, new_config = gqa_counterpart(model, num_kv_heads)
     with torch.device("meta"):
-        new = type(model)(new_config)
+        new = new_class(new_config)
     new.load_state_dict(converted, assign=True)
     # Buffers outside the state dict (rotary tables) do not depend on the KV heads: share them.
     old_buffers = dict(model.named_buffers())

@@ -20,15 +20,49 @@ from typing import BinaryIO, Callable
 import torch
 
 from uptrain import UptrainError
+from uptrain.fsutil import parse_json, read_json
 
-# safetensors dtype codes ↔ torch dtypes.
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+
+
+@dataclass(frozen=True)
+class RawDtype:
+    """A safetensors dtype this torch cannot hold (sub-byte floats, or types newer than the
+    installed torch): such tensors are copied byte for byte and never computed on."""
+    code: str
+    bits: int
+    is_floating_point = False  # never cast by --dtype
+    is_complex = False
+
+    def __repr__(self) -> str:
+        return f"safetensors {self.code}"
+
+
+# Every dtype of the safetensors format (as of safetensors 0.8), with its bits per element and
+# the torch dtype holding it where this torch has one.
+_FORMAT_DTYPES = {
+    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "U16": (16, "uint16"), "I16": (16, "int16"),
+    "U32": (32, "uint32"), "I32": (32, "int32"), "U64": (64, "uint64"), "I64": (64, "int64"),
+    "F16": (16, "float16"), "BF16": (16, "bfloat16"), "F32": (32, "float32"), "F64": (64, "float64"),
+    "C64": (64, "complex64"), "F8_E4M3": (8, "float8_e4m3fn"), "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"), "F8_E8M0": (8, "float8_e8m0fnu"),
+    "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),  # packed: no torch dtype per element
+}
+ST_DTYPES: dict[str, torch.dtype | RawDtype] = {
+    code: getattr(torch, name) if name and hasattr(torch, name) else RawDtype(code, bits)
+    for code, (bits, name) in _FORMAT_DTYPES.items()
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+def dtype_bits(dtype: torch.dtype | RawDtype) -> int:
+    return dtype.bits if isinstance(dtype, RawDtype) else dtype.itemsize * 8
+
+
+def tensor_nbytes(dtype: torch.dtype | RawDtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor's data; sub-byte dtypes pack their elements (safetensors rounds up)."""
+    return (math.prod(shape) * dtype_bits(dtype) + 7) // 8
+
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 COPY_CHUNK_BYTES = 1024 * 1024  # 1–2 MiB copy fastest here, 4 MiB 4× slower: scripts/bench_copy_chunks.py
 
@@ -41,7 +75,7 @@ PICKLE_SINGLE = "pytorch_model.bin"
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | RawDtype
     shape: tuple[int, ...]
     file: Path
     start: int = 0  # absolute byte offsets in `file` (safetensors only)
@@ -49,11 +83,20 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+def _whole_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, list[TensorInfo]]:
-    """Parse and validate a safetensors header without touching tensor data."""
+    """Parse and validate a safetensors header without touching tensor data.
+
+    Checked as the safetensors library checks: every entry has a known dtype, a shape of
+    whole numbers and offsets that match it; names are unique; the tensors tile the data
+    exactly; `__metadata__` maps strings to strings.
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -66,29 +109,44 @@ def read_safetensors_header(path: Path) -> tuple[dict, list[TensorInfo]]:
             raw = f.read(header_len)
     except OSError as err:
         raise UptrainError(f"cannot read {path}: {err.strerror}") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UptrainError(f"{path}: corrupt safetensors header (not JSON)") from None
+    header = parse_json(raw, f"{path}: safetensors header")
     if not isinstance(header, dict):
-        raise UptrainError(f"{path}: corrupt safetensors header")
-    metadata = header.pop("__metadata__", None) or {}
+        raise UptrainError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise UptrainError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
     data_start = 8 + header_len
     tensors = []
     for name, entry in header.items():
-        try:
-            dtype = ST_DTYPES[entry["dtype"]]
-            shape = tuple(int(n) for n in entry["shape"])
-            begin, end = (int(n) for n in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise UptrainError(f"{path}: corrupt safetensors entry for {name!r}") from None
-        info = TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
-        if end < begin or end - begin != info.nbytes or any(n < 0 for n in shape):
+        dtype = ST_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) and isinstance(entry.get("dtype"), str) \
+            else None
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
+        if dtype is None or not isinstance(shape, list) or not all(map(_whole_number, shape)) \
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_whole_number, offsets)):
+            raise UptrainError(f"{path}: corrupt safetensors entry for {name!r} (needs a known dtype, a shape and "
+                               "two data_offsets, all whole numbers)")
+        begin, end = offsets
+        info = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+        if end < begin or end - begin != info.nbytes or math.prod(shape) * dtype_bits(dtype) % 8:
             raise UptrainError(f"{path}: corrupt safetensors entry for {name!r} (size does not match shape)")
         if info.end > size:
             raise UptrainError(f"{path}: truncated: {name!r} ends at byte {info.end} but the file has {size}")
         tensors.append(info)
-    tensors.sort(key=lambda t: t.start)
+    # Tensors tile the data exactly, as the safetensors library requires (transformers could not
+    # load the file otherwise): no shared bytes, no gaps, nothing after the last one.
+    tensors.sort(key=lambda t: (t.start, t.end))
+    position, before = data_start, None
+    for t in tensors:
+        if t.start < position:
+            raise UptrainError(f"{path}: corrupt safetensors header ({before.name!r} and {t.name!r} share bytes)")
+        if t.start > position:
+            raise UptrainError(f"{path}: corrupt safetensors header ({t.start - position} bytes before {t.name!r} "
+                               "belong to no tensor)")
+        position, before = t.end, t
+    if position != size:
+        raise UptrainError(f"{path}: corrupt safetensors file ({size - position} bytes after its last tensor)")
     return metadata, tensors
 
 
@@ -148,12 +206,17 @@ class SourceCheckpoint:
         return sorted({t.file for t in self.tensors.values()})
 
     def _index_shards(self, index_path: Path) -> dict[str, set[str]]:
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise UptrainError(f"{index_path}: not a valid index (no weight_map)") from None
+        """Shard file → the tensors the index places in it. A shard must be a file of this
+        folder: an index naming `/etc/…` or `../…` is refused before anything is opened."""
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise UptrainError(f"{index_path}: not a valid index (weight_map must map tensor names to shard files)")
         shards: dict[str, set[str]] = {}
         for name, shard in weight_map.items():
+            parts = Path(shard).parts
+            if not parts or Path(shard).is_absolute() or ".." in parts or "\0" in shard:
+                raise UptrainError(f"{index_path}: shard {shard!r} of {name!r} is not a file inside {self.folder}")
             shards.setdefault(shard, set()).add(name)
         return shards
 
@@ -205,6 +268,9 @@ class SourceCheckpoint:
         info = self.tensors[name]
         if self.is_pickle:
             return self._pickled[info.file][name]
+        if isinstance(info.dtype, RawDtype):
+            raise UptrainError(f"{name} is stored as {info.dtype.code}, which this torch cannot compute on; "
+                               "uptrain can copy such tensors but not pool or cast them")
         # torch's allocator, not a bytearray: no zero-fill, and huge pages where enabled (cli.py).
         raw = torch.empty(info.nbytes, dtype=torch.uint8)
         self._reader(info.file).read_into(info.start, memoryview(raw.numpy()))
@@ -249,12 +315,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 @dataclass(frozen=True)
 class OutputEntry:
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | RawDtype
     shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 class ShardWriter:

@@ -7,7 +7,10 @@ been written. Memory: one layer's attention projections.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+from tqdm.auto import tqdm
 
 from uptrain import UptrainError
 from uptrain.convert.calibrated import (LayerAttention, calibrated_merge, head_similarity, permute_kv_heads,
@@ -35,16 +38,31 @@ def merges_whole_layers(strategy: Strategy, grouping: str) -> bool:
     return strategy.whole_layer or grouping != "contiguous"
 
 
+def _per_head_module(rel: str) -> bool:
+    """Whether a tensor belongs to one module per head (StableLM's `k_layernorm.norms.3.weight`):
+    a path component that is a head index."""
+    return any(part.isdigit() for part in rel.split("."))
+
+
 def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, grouping: str, model_type: str,
-                              extra_tensors: dict[str, tuple[int, ...]], head_dim: int) -> None:
-    """Refuse layouts whose extra attention tensors would break the merge's exactness."""
+                              extra_tensors: dict[str, tuple[int, ...]], head_dim: int, prefix: str = "") -> None:
+    """Refuse a layer whose attention tensors would break the merge's exactness.
+
+    Decided from the checkpoint's tensors (`extra_tensors`: the layer's attention tensors besides
+    Q, K, V, O and their biases, names relative to `prefix` → shapes), not from `model_type`:
+    StableLM without qk-layernorm is a plain layout, with it one norm per head.
+    """
     what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
-    if layout.fused_qkv or layout.per_head_kv:
-        raise UptrainError(f"{what} does not support {model_type} yet (fused or per-head attention tensors)")
+    if layout.fused_qkv:
+        raise UptrainError(f"{what} does not support {model_type} yet (fused {layout.fused_qkv})")
     for name, shape in extra_tensors.items():
+        if _per_head_module(name):
+            # Each head's own norm would have to follow its head through renumbering and merging.
+            raise UptrainError(f"{what} cannot carry {prefix}{name} through the merge "
+                               f"({model_type} per-head q/k norms); use mean, first or random with contiguous grouping")
         # A norm shared by all heads over head_dim survives renumbering heads, not re-mixing them.
         if strategy.whole_layer or shape != (head_dim,):
-            raise UptrainError(f"{what} cannot carry {name} through the merge ({model_type} q/k norms); "
+            raise UptrainError(f"{what} cannot carry {prefix}{name} through the merge ({model_type} q/k norms); "
                                "use mean, first or random with contiguous grouping")
 
 
@@ -56,9 +74,9 @@ def whole_layer_shapes(tensors: dict, layout: AttentionLayout, geometry: Attenti
     """
     prefix = layout.attn_prefix.format(layer=layer) + "."
     names = layer_tensor_names(layout)
-    extra = {n: tensors[n].shape for n in tensors
+    extra = {n[len(prefix):]: tuple(tensors[n].shape) for n in tensors
              if n.startswith(prefix) and n[len(prefix):] not in names and not n.endswith(f"{layout.o_proj}.bias")}
-    check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim)
+    check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim, prefix)
     shapes = {}
     for rel, field in names.items():
         name = prefix + rel
@@ -78,9 +96,16 @@ def whole_layer_shapes(tensors: dict, layout: AttentionLayout, geometry: Attenti
 
 
 class LayerMerger:
+    """Merges one layer at a time, when the converter first asks for one of its tensors.
+
+    `calibration` maps a layer to its moment C (a lazy mapping is read one layer at a time);
+    None compares heads in weight space. `progress`: a bar over layers (None: on terminals).
+    """
+
     def __init__(self, source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
                  num_kv_heads: int, strategy: Strategy, grouping: str, rotary_dim: int,
-                 calibration: dict[int, torch.Tensor] | None, seed: int, init_std: float):
+                 calibration: Mapping[int, torch.Tensor] | None, seed: int, init_std: float,
+                 progress: bool | None = None):
         self.source, self.layout, self.geometry = source, layout, geometry
         self.num_kv_heads, self.strategy, self.grouping = num_kv_heads, strategy, grouping
         self.rotary_dim, self.calibration, self.seed, self.init_std = rotary_dim, calibration, seed, init_std
@@ -88,11 +113,19 @@ class LayerMerger:
         self.kv_orders: dict[int, list[int]] = {}  # layer → source KV heads in their new order
         self._layer: int | None = None
         self._outputs: dict[str, torch.Tensor] = {}
+        self._progress = progress
+        self._bar: tqdm | None = None  # made at the first merge: plain conversions never show it
 
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         if layer != self._layer:
+            if self._bar is None:
+                self._bar = tqdm(total=self.geometry.num_layers, desc="merge", unit="layer",
+                                 disable=None if self._progress is None else not self._progress)
             self._outputs = self._merge(layer)
             self._layer = layer
+            self._bar.update(1)
+            if self._bar.n >= self._bar.total:
+                self._bar.close()
         return self._outputs.pop(name)
 
     def _second_moment(self, layer: int) -> torch.Tensor:

@@ -1,5 +1,10 @@
 """The files of a converted checkpoint besides its weights: config.json, tokenizer and
-generation files, provenance (`uptrain.json`) and the model card (`README.md`)."""
+generation files, licence files, provenance (`uptrain.json`) and the model card (`README.md`).
+
+Provenance is a chain: a converted checkpoint's `uptrain.json` records the conversion; the
+`final/` of `uptrain train` records the uptraining and embeds the `uptrain.json` of the
+checkpoint it started from (see `uptrain.train.final`).
+"""
 
 from __future__ import annotations
 
@@ -8,70 +13,193 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 import uptrain
 from uptrain.convert.grouping import kv_groups, query_to_kv
 from uptrain.convert.pooling import Strategy
 from uptrain.convert.run import ConversionPlan
+from uptrain.convert.source import ResolvedSource
+from uptrain.modeling import copy_modeling_files, gqa_config
 
-# Files besides the weights that make the output a usable checkpoint.
+PROVENANCE = "uptrain.json"
+CARD = "README.md"
+# Files besides the weights that make the output a usable checkpoint, and the licence terms
+# the source was published under (they bind the converted model too).
 SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                      "merges.txt", "*.model", "chat_template.*", "generation_config.json")
+                      "merges.txt", "*.model", "chat_template.*", "generation_config.json",
+                      "LICENSE*", "LICENCE*", "USE_POLICY*", "NOTICE*")
+# Card metadata that follows the weights from source to output: the licence terms.
+CARRIED_CARD_KEYS = ("license", "license_name", "license_link")
+CARD_TAGS = ["uptrain", "grouped-query-attention", "gqa"]
 
 
 def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int, dtype: str | None) -> None:
+    """config.json of the output: the source's, with `num_key_value_heads` (and the dtype when
+    cast) edited in place."""
     # Edit the JSON itself, not a transformers config object: every other field stays as it was.
-    config = dict(config, num_key_value_heads=num_kv_heads)
+    config = gqa_config(config, num_kv_heads)  # + model_type/auto_map for uptrain's modeling (gpt2_gqa, …)
     if dtype is not None:
         config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def copy_side_files(src: Path, dst: Path, config: dict) -> None:
+    """Tokenizer, generation and licence files of `src`, byte for byte; a generation_config.json
+    made of the config's special token ids when `src` has none."""
     for pattern in SIDE_FILE_PATTERNS:
         for path in src.glob(pattern):
             if path.is_file() and not (dst / path.name).exists():
                 shutil.copy2(path, dst / path.name)
+    copy_modeling_files(config.get("model_type"), dst)  # the modeling file of gpt2_gqa, … (none otherwise)
     if not (dst / "generation_config.json").exists():
         ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
         (dst / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
 
 
-def provenance(label: str, source_files: dict[str, dict], strategy: Strategy, seed: int, plan: ConversionPlan,
-                dtype: str | None) -> dict:
+def groups_used(source_kv_heads: int, num_kv_heads: int,
+                kv_orders: dict[int, list[int]] | None = None) -> list[list[int]] | dict[str, list[list[int]]]:
+    """Source KV heads merged into each new KV head: one list of groups (contiguous grouping),
+    or per layer when `similarity` grouping renumbered the heads (`kv_orders`: layer → source
+    KV heads in their new order, consecutive runs of which form the groups)."""
+    if not kv_orders:
+        return kv_groups(source_kv_heads, num_kv_heads)
+    r = source_kv_heads // num_kv_heads
+    return {str(layer): [order[j * r:(j + 1) * r] for j in range(num_kv_heads)]
+            for layer, order in sorted(kv_orders.items())}
+
+
+def provenance(source: ResolvedSource, source_files: dict[str, dict], strategy: Strategy, seed: int,
+               plan: ConversionPlan, dtype: str | None, grouping: str = "contiguous",
+               kv_orders: dict[int, list[int]] | None = None, calibration: dict | None = None) -> dict:
+    """The `uptrain.json` record of a conversion: where from (with the Hub commit), how, and the
+    groups actually merged."""
     geo = plan.geometry
-    return {
+    record = {
         "uptrain_version": uptrain.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "source": label,
+        "source": source.label,
+        "source_revision": source.revision,
         "source_files": source_files,
         "model_type": geo.model_type,
         "pooling": strategy.name,
         "pooling_reference": strategy.reference,
+        "grouping": grouping,
         "seed": seed,
         "dtype": dtype,
         "num_attention_heads": geo.num_heads,
         "source_num_key_value_heads": geo.num_kv_heads,
         "num_key_value_heads": plan.num_kv_heads,
-        "kv_groups": kv_groups(geo.num_kv_heads, plan.num_kv_heads),
+        "kv_groups": groups_used(geo.num_kv_heads, plan.num_kv_heads, kv_orders),
         "query_to_kv": query_to_kv(geo.num_heads, plan.num_kv_heads),
     }
+    if kv_orders:
+        record["kv_head_order"] = {str(k): v for k, v in sorted(kv_orders.items())}
+    if calibration:
+        record["calibration"] = calibration
+    return record
 
 
-def model_card(p: dict) -> str:
-    return f"""---
-tags: [uptrain, grouped-query-attention]
----
-# {p['model_type']} with {p['num_key_value_heads']} KV heads (converted by uptrain)
+def read_provenance(folder: str | Path) -> dict | None:
+    """A checkpoint's `uptrain.json`, or None when it has none (or an unreadable one)."""
+    path = Path(folder) / PROVENANCE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
-Converted from `{p['source']}` ({p['num_attention_heads']} query heads, \
-{p['source_num_key_value_heads']} KV heads) to grouped-query attention with \
-{p['num_key_value_heads']} KV heads by `{p['pooling']}` pooling of each contiguous group of \
-{p['source_num_key_value_heads'] // p['num_key_value_heads']} KV heads \
-(query head i reads KV head i // {p['num_attention_heads'] // p['num_key_value_heads']}).
-Strategy: {p['pooling_reference']}. Seed {p['seed']}.
+
+def conversion_record(record: dict | None) -> dict | None:
+    """The conversion at the root of a provenance chain: the record itself for a converted
+    checkpoint, the one its uptraining started from for a `final/` (followed back through
+    uptrainings of uptrained models)."""
+    while record is not None:
+        if "pooling" in record:
+            return record
+        record = (record.get("started_from") or {}).get("provenance")
+    return None
+
+
+def card_metadata(folder: str | Path) -> dict:
+    """The YAML front matter of a checkpoint's model card ({} without a card or front matter)."""
+    path = Path(folder) / CARD
+    if not path.is_file():
+        return {}
+    try:
+        from huggingface_hub import metadata_load
+
+        return metadata_load(path) or {}
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError):
+        return {}  # a card we cannot parse carries nothing; the weights are still worth converting
+
+
+def hub_id(source: str) -> str:
+    """The Hub id of a source: itself for an id, `org/name` for a folder inside a Hugging Face
+    cache (…/models--org--name/snapshots/<commit>), else the path unchanged."""
+    path = Path(source)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+    return source
+
+
+def front_matter(base_model: str, source_card: dict, extra_tags: list[str]) -> str:
+    """Hub metadata: base model, library, task, the source's licence terms, tags."""
+    meta = {"base_model": hub_id(base_model), "library_name": "transformers", "pipeline_tag": "text-generation"}
+    meta.update({k: source_card[k] for k in CARRIED_CARD_KEYS if source_card.get(k) is not None})
+    meta["tags"] = list(dict.fromkeys(CARD_TAGS + extra_tags))
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
+
+
+def _grouping_text(p: dict) -> str:
+    h, kv, g = p["num_attention_heads"], p["source_num_key_value_heads"], p["num_key_value_heads"]
+    if p.get("grouping", "contiguous") == "similarity":
+        return (f"Heads were first renumbered in each layer (query rows and biases, K/V rows and o_proj columns "
+                f"permuted together, which leaves the model's function unchanged) so that KV heads whose "
+                f"projections read similar input directions share a group; then each group of {kv // g} KV heads "
+                f"became one. The groups differ per layer: `kv_groups` in `uptrain.json` lists, per layer, the "
+                f"source KV heads merged into each new KV head. After renumbering, query head i reads KV head "
+                f"i // {h // g}.")
+    return (f"Each contiguous group of {kv // g} source KV heads became one (groups: {p['kv_groups']}); "
+            f"query head i reads KV head i // {h // g}.")
+
+
+def _pooling_text(p: dict) -> str:
+    cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
+    renumbered = p.get("grouping") == "similarity"
+    moved = " except for the renumbering of heads" if renumbered else ""
+    if p["pooling"] == "calibrated":
+        calibration = p.get("calibration") or {}
+        data = (f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
+                if calibration.get("tokens") else "calibration text")
+        return (f"`calibrated` merge: the source model was run over {data} and the second "
+                "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
+                "with a per-head d×d map folded into that head's `o_proj` columns, and one shared K projection, "
+                "with a per-head scale for each RoPE frequency pair folded into that head's `q_proj` rows. So "
+                "`q_proj`, `k_proj`, `v_proj` and `o_proj` (weights and biases) of every layer are rewritten; "
+                f"every other tensor is copied unchanged{cast}.")
+    how = {
+        "mean": "each group's K and V head projections (and biases and per-head key norms) are averaged",
+        "first": "each group keeps the K and V head projections (and biases and key norms) of its first head",
+        "random": "K and V projections are freshly initialised (normal(0, initializer_range), zero biases)",
+    }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
+    return (f"`{p['pooling']}` pooling: {how}. `q_proj`, `o_proj` and every other tensor are copied "
+            f"unchanged{moved}{cast}.")
+
+
+def model_card(p: dict, source_card: dict | None = None) -> str:
+    """README.md of a converted checkpoint: Hub metadata and what the conversion did."""
+    source = f"`{p['source']}`" + (f" (revision `{p['source_revision']}`)" if p.get("source_revision") else "")
+    body = f"""# {p['model_type']} with {p['num_key_value_heads']} KV heads (converted by uptrain)
+
+Converted from {source} ({p['num_attention_heads']} query heads, {p['source_num_key_value_heads']} KV heads) \
+to grouped-query attention with {p['num_key_value_heads']} KV heads.
+
+{_grouping_text(p)}
+
+{_pooling_text(p)} Strategy: {p['pooling_reference']}. Seed {p['seed']}.
 
 The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
-Every other tensor is copied unchanged{'' if p['dtype'] is None else f" (cast to {p['dtype']})"}.
-`uptrain.json` records the source files' digests, the grouping and the uptrain version \
-({p['uptrain_version']}).
+`uptrain.json` records the source files' digests, the groups and the uptrain version ({p['uptrain_version']}).
 """
+    return front_matter(p["source"], source_card or {}, [p["model_type"]]) + "\n" + body

@@ -136,7 +136,8 @@ def calibrate(prepared: PreparedConversion, progress: bool | None = None) -> Cal
     moments, info = collect_attention_moments(
         prepared.source.folder, spec.calibration_data, num_tokens=spec.calibration_tokens,
         seq_len=spec.calibration_seq_len, text_field=spec.text_field, sample_by=spec.sample_by,
-        device=spec.calibration_device, dtype=spec.calibration_dtype, progress=progress)
+        device=spec.calibration_device, dtype=spec.calibration_dtype, progress=progress,
+        dataset_config=spec.calibration_dataset_config, split=spec.calibration_split)
     return Calibration(moments, info)
 
 
@@ -154,7 +155,7 @@ def execute(prepared: PreparedConversion, out: str | Path, overwrite: bool = Fal
     init_std = prepared.config.get("initializer_range", 0.02)
     merger = LayerMerger(checkpoint, prepared.layout, geometry, spec.num_kv_heads, prepared.strategy, spec.grouping,
                          rotary_dim(prepared.config, geometry.head_dim),
-                         calibration.moments if calibration else None, spec.seed, init_std)
+                         calibration.moments if calibration else None, spec.seed, init_std, progress)
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
         write_weights(prepared.plan, checkpoint, tmp, prepared.strategy, spec.seed, init_std,
                       prepared.max_shard_bytes, progress, merger)

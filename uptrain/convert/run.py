@@ -20,6 +20,7 @@ from uptrain.convert.layer_merge import LayerMerger, merges_whole_layers, whole_
 from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Role, Strategy, pool_rows
 from uptrain.model_info import AttentionGeometry
+from uptrain.modeling import MODELING
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Planned kinds pooled on a second thread, up to a layer's K and V ahead (see _write_weights).
@@ -36,6 +37,9 @@ class PlannedTensor:
     kind: str
     role: Role = "weight"
     layer: int | None = None
+    # "fused" only: where Q, K and V sit in the tensor (see AttentionLayout.fused_order).
+    axis: int = 0
+    order: str = "blocks"
 
 
 @dataclass
@@ -73,9 +77,14 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
         return cast if cast is not None and dtype.is_floating_point else dtype
 
     whole_layer = merges_whole_layers(strategy, grouping)
+    if whole_layer and geometry.model_type in MODELING:
+        what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
+        raise UptrainError(f"{what} does not support {geometry.model_type} yet; use mean, first or random "
+                           "with contiguous grouping")
+    attn_prefix = layout.attn_prefix_in(tensors)
     kv_prefixes = []
     for layer in range(geometry.num_layers):
-        prefix = layout.attn_prefix.format(layer=layer) + "."
+        prefix = attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]
         if whole_layer:
             for name, shape in whole_layer_shapes(tensors, layout, geometry, layer, g, strategy, grouping).items():
@@ -92,15 +101,22 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
                 raise UptrainError(f"{name} has {rows} rows, expected {kv} KV heads × {d} = {kv * d}")
             pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), (g * d, *rest)),
                                          [name], "rows", _role(rel))
-        if layout.fused_qkv:
-            name = prefix + layout.fused_qkv
+        for rel, role in ((layout.fused_qkv, "weight"), (layout.fused_qkv_bias, "bias")):
+            if rel is None:
+                continue
+            name = prefix + rel
             if name not in tensors:
+                if role == "bias":
+                    continue
                 raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
-            rows, *rest = tensors[name].shape
-            if rows != (h + 2 * kv) * d:
-                raise UptrainError(f"{name} has {rows} rows, expected (Q {h} + K {kv} + V {kv}) × {d}")
-            pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), ((h + 2 * g) * d, *rest)),
-                                         [name], "fused", _role(layout.fused_qkv))
+            shape = list(tensors[name].shape)
+            axis = layout.fused_axis if role == "weight" else 0
+            if len(shape) <= axis or shape[axis] != (h + 2 * kv) * d:
+                raise UptrainError(f"{name} has shape {tuple(shape)}, expected (Q {h} + K {kv} + V {kv}) × {d} = "
+                                   f"{(h + 2 * kv) * d} along dim {axis}")
+            shape[axis] = (h + 2 * g) * d
+            pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), tuple(shape)), [name], "fused", role,
+                                         axis=axis, order=layout.fused_order)
         for template in layout.per_head_kv:
             heads = [prefix + template.format(head=i) for i in range(kv)]
             present = [n in tensors for n in heads]
@@ -126,7 +142,8 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
         elif info.name not in consumed:
             dtype = out_dtype(info.name)
             kind = "copy" if dtype == info.dtype else "cast"
-            plan.tensors.append(PlannedTensor(OutputEntry(info.name, dtype, info.shape), [info.name], kind))
+            plan.tensors.append(PlannedTensor(OutputEntry(layout.output_name(info.name), dtype, info.shape),
+                                              [info.name], kind))
     return plan
 
 
@@ -154,18 +171,38 @@ def _compute(t: PlannedTensor, source: SourceCheckpoint, plan: ConversionPlan, s
     if t.kind == "rows":
         return pool_rows(source.read_tensor(t.sources[0]), g, geo.head_dim, strategy, ctx).to(t.out.dtype)
     if t.kind == "fused":
-        qkv = source.read_tensor(t.sources[0])
-        q_rows, kv_rows = geo.num_heads * geo.head_dim, geo.num_kv_heads * geo.head_dim
-        q, k, v = qkv.split([q_rows, kv_rows, kv_rows])
-        k = pool_rows(k, g, geo.head_dim, strategy, PoolingContext(t.role, t.out.name + ":k", seed, init_std))
-        v = pool_rows(v, g, geo.head_dim, strategy, PoolingContext(t.role, t.out.name + ":v", seed, init_std))
-        return torch.cat([q, k, v]).to(t.out.dtype)
+        return pool_fused(source.read_tensor(t.sources[0]), geo, g, t.order, t.axis, strategy,
+                          PoolingContext(t.role, t.out.name, seed, init_std)).to(t.out.dtype)
     if t.kind == "per_head":
         heads = torch.stack([source.read_tensor(n) for n in t.sources])  # [r, *shape]
         stacked = heads.unsqueeze(0).unsqueeze(2)  # one group, head_dim axis of size 1
         compute = torch.float64 if heads.dtype == torch.float64 else torch.float32
         return strategy.fn(stacked.to(compute), ctx).reshape(t.out.shape).to(t.out.dtype)
     raise AssertionError(t.kind)
+
+
+def pool_fused(qkv: torch.Tensor, geo: AttentionGeometry, g: int, order: str, axis: int, strategy: Strategy,
+               ctx: PoolingContext) -> torch.Tensor:
+    """Pool the K and V heads of a fused Q/K/V tensor to `g` heads; Q keeps its bits.
+
+    `order` "blocks": `[Q | K | V]` along `axis`; "per_group": `[kv, r + 2, d]` along `axis`
+    (each KV head's r query heads, its K, its V), written back as `[g, h/g + 2, d]`.
+    """
+    h, kv, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
+    x = qkv.movedim(axis, 0)
+    rest = x.shape[1:]
+    if order == "blocks":
+        q, k, v = x.split([h * d, kv * d, kv * d])
+    else:
+        heads = x.reshape(kv, h // kv + 2, d, *rest)
+        q, k, v = (part.reshape(-1, *rest) for part in (heads[:, :-2], heads[:, -2], heads[:, -1]))
+    k = pool_rows(k, g, d, strategy, PoolingContext(ctx.role, ctx.tensor_name + ":k", ctx.seed, ctx.init_std))
+    v = pool_rows(v, g, d, strategy, PoolingContext(ctx.role, ctx.tensor_name + ":v", ctx.seed, ctx.init_std))
+    if order == "blocks":
+        out = torch.cat([q, k, v])
+    else:
+        out = torch.cat([q.reshape(g, h // g, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    return out.reshape((h + 2 * g) * d, *rest).movedim(0, axis)
 
 
 def write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path, strategy: Strategy,

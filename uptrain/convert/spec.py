@@ -76,6 +76,8 @@ class ConversionSpec(ConversionOptions):
     seed: int = Field(0, description="seed of `random` pooling")
     dtype: DType | None = Field(None, description="cast floating-point tensors (default: keep each tensor's dtype)")
     calibration_data: str | list[str] | None = Field(None, description="calibration text (files or a datasets name)")
+    calibration_dataset_config: str | None = Field(None, description="configuration of a Hub calibration dataset")
+    calibration_split: str = Field("train", description="split of a Hub calibration dataset (streamed)")
     calibration_seq_len: int = Field(256, ge=2, description="tokens per calibration block")
     text_field: str = Field("text", description="column holding the text in jsonl/parquet/Hub data")
     sample_by: Literal["line", "paragraph", "document"] = Field("paragraph", description="one document in .txt")

@@ -1,7 +1,10 @@
 """Checkpoints: `accelerator.save_state` into a temporary sibling, renamed when every process is done.
 
 A checkpoint folder without `trainer_state.json` never exists under its final name, so the
-latest folder named `step_*` is always complete, even after a kill in the middle of a save.
+latest folder named `step_*` is always complete, even after a kill in the middle of a save. A
+checkpoint is deleted by renaming it to a hidden name first, so a kill during the deletion
+never leaves a half-deleted folder under a `step_*` name either; hidden leftovers are cleared
+by the next save.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ import json
 import re
 import shutil
 from pathlib import Path
+
+from uptrain import UptrainError
+from uptrain.fsutil import read_json
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -48,10 +54,9 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep:
     tmp = root / f".{final.name}.tmp"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.tmp"):  # left by a run killed while saving
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_partial_checkpoints(output_dir)
         if final.exists():  # a resumed run passing the step again: replace it
-            shutil.rmtree(final)
+            _discard(final)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
@@ -59,12 +64,45 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         tmp.rename(final)
         for _, old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old)
+            _discard(old)
     accelerator.wait_for_everyone()
     return final
 
 
+def remove_partial_checkpoints(output_dir: Path) -> None:
+    """Delete what a run killed while saving or deleting a checkpoint left (hidden folders).
+    Main process only, while no checkpoint is being saved."""
+    for stale in (Path(output_dir) / CHECKPOINTS).glob(".step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _discard(folder: Path) -> None:
+    hidden = folder.with_name(f".{folder.name}.deleting")
+    folder.rename(hidden)
+    shutil.rmtree(hidden)
+
+
+def read_trainer_state(folder: Path) -> dict:
+    """The trainer state of a complete checkpoint; one UptrainError if it is damaged."""
+    folder = Path(folder)
+    try:
+        state = read_json(folder / STATE_FILE)
+        step = state.get("step") if isinstance(state, dict) else None
+        named = _NAME.fullmatch(folder.name)
+        if not isinstance(step, int) or isinstance(step, bool) or (named and step != int(named.group(1))):
+            raise UptrainError(f"{folder / STATE_FILE} does not hold the step of {folder.name}")
+    except UptrainError as err:
+        raise UptrainError(f"cannot resume: {err}; delete {folder} to resume from the checkpoint before it") from None
+    return state
+
+
 def load_checkpoint(accelerator, folder: Path) -> dict:
     """Restore model, optimizer and RNG states from `folder`; return its trainer state."""
-    accelerator.load_state(str(folder))
-    return json.loads((Path(folder) / STATE_FILE).read_text())
+    state = read_trainer_state(folder)
+    try:
+        accelerator.load_state(str(folder))
+    except Exception as err:  # a damaged weight or optimizer file: torch and safetensors raise many types
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise UptrainError(f"cannot resume from {folder}: {type(err).__name__}: {first}; delete that folder to "
+                           "resume from the checkpoint before it") from None
+    return state

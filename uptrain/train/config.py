@@ -77,7 +77,9 @@ class TrainConfig(ConversionOptions):
     uptrain_fraction: float | None = Field(None, gt=0, le=1, description="α: share of the original pretraining "
                                                                          "tokens to uptrain for (paper: 0.05)")
     pretrain_tokens: float | None = Field(None, gt=0, description="tokens the source model was pretrained on "
-                                                                 "(e.g. 2e12 for Llama-2); with uptrain_fraction")
+                                                                 "(e.g. 2e12 for Llama-2); with uptrain_fraction; "
+                                                                 "default: the published budget of a known family "
+                                                                 "(Pythia, OPT, GPT-J, BLOOM, Llama-1/2)")
 
     # Distillation from the original MHA model.
     teacher: str | None = Field(None, description="frozen teacher checkpoint (same tokenizer) for distillation")
@@ -141,10 +143,10 @@ class TrainConfig(ConversionOptions):
                                             ("uptrain_fraction", self.uptrain_fraction is not None))
                    if given]
         if len(budgets) != 1:
-            raise ValueError("give exactly one budget: `max_steps`, `max_tokens`, or `uptrain_fraction` with "
-                             f"`pretrain_tokens` (got {', '.join(budgets) or 'none'})")
-        if (self.uptrain_fraction is None) != (self.pretrain_tokens is None):
-            raise ValueError("`uptrain_fraction` and `pretrain_tokens` go together")
+            raise ValueError("give exactly one budget: `max_steps`, `max_tokens`, or `uptrain_fraction` (with "
+                             f"`pretrain_tokens` unless the model's family is known) (got {', '.join(budgets) or 'none'})")
+        if self.pretrain_tokens is not None and self.uptrain_fraction is None:
+            raise ValueError("`pretrain_tokens` only applies with `uptrain_fraction`")
         if "none" in self.report_to and len(self.report_to) > 1:
             raise ValueError("`report_to: none` cannot be combined with other reporters")
         if self.resume and self.overwrite:
@@ -155,7 +157,8 @@ class TrainConfig(ConversionOptions):
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
         shared = self.model_dump(include=set(ConversionOptions.model_fields))
         return ConversionSpec(source=self.source, num_kv_heads=self.num_kv_heads, seed=self.seed,
-                              calibration_data=self.train_data, calibration_seq_len=self.seq_len,
+                              calibration_data=self.train_data, calibration_dataset_config=self.dataset_config,
+                              calibration_split=self.train_split, calibration_seq_len=self.seq_len,
                               text_field=self.text_field, sample_by=self.sample_by, **shared)
 
     @property

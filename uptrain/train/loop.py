@@ -25,14 +25,15 @@ import uptrain
 from uptrain import UptrainError
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.convert.source import resolve_source
-from uptrain.fsutil import atomic_directory
 from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
-from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
+from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
+from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
+from uptrain.train.tracking import ensure_wandb_never_prompts, run_config, start_trackers
 
 ETA_AFTER_STEPS = 3  # the first steps include warm-up costs; estimate from a few more
 StepCallback = Callable[[int, dict], None]
@@ -138,24 +139,29 @@ class Run:
 
 def setup(config: TrainConfig) -> Run:
     """Validate everything that can be validated before loading weights, then build the run."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     notes = []
-    if "wandb" in config.trackers and (note := M.ensure_wandb_never_prompts()):
+    if "wandb" in config.trackers and (note := ensure_wandb_never_prompts()):
         notes.append(note)
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
-                              mixed_precision=_mixed_precision(config), log_with=config.trackers or None)
+    # Refuses a launch that cannot do what it says (processes that did not join one run, FSDP or
+    # DeepSpeed asked for where accelerate falls back) before anything is written.
+    accelerator = make_accelerator(gradient_accumulation_steps=config.grad_accum,
+                                   mixed_precision=_mixed_precision(config), log_with=config.trackers or None)
     world = accelerator.num_processes
     global_batch = config.batch_size * config.grad_accum * world
     out = Path(config.output_dir).absolute()
 
     # Every check that can fail on bad input runs before anything is written to output_dir, so a
     # corrected command can simply be run again. Every process reaches the same decision.
-    start = inspect_run_dir(config, global_batch)
     # Local folders, or Hub ids downloaded (or found in the cache) as `uptrain convert` does.
     model_path = str(resolve_source(config.model).folder) if config.model is not None else None
     teacher_path = str(resolve_source(config.teacher).folder) if config.teacher is not None else None
+    if config.source is not None:
+        _fill_known_budget(config, resolve_source(config.source).folder, config.source)
+    else:
+        _fill_known_budget(config, Path(model_path), config.model)
+    start = inspect_run_dir(config, global_batch)
     conversion = None
     if config.source is not None:
         model_path = str(out / "converted")
@@ -195,7 +201,8 @@ def setup(config: TrainConfig) -> Run:
     flops = M.train_flops_per_token(params, geometry.num_layers, attn_width, config.seq_len)
     teacher = None
     if config.teacher is not None:
-        teacher = _load_model(teacher_path, "teacher").requires_grad_(False).eval()
+        # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
+        teacher = _load_model(teacher_path, "teacher", teacher_dtype(accelerator)).requires_grad_(False).eval()
         t_geo = _geometry(teacher_config)
         flops += M.forward_flops_per_token(M.non_embedding_params(teacher), t_geo.num_layers,
                                            t_geo.num_heads * t_geo.head_dim, config.seq_len)
@@ -204,8 +211,8 @@ def setup(config: TrainConfig) -> Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
         # A frozen teacher needs no fp32 master copy: under autocast it computes in bf16/fp16 anyway.
-        teacher = teacher.to(accelerator.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-            accelerator.mixed_precision))
+        # Under FSDP2 it is sharded like the student rather than copied whole to every GPU.
+        teacher = place_teacher(accelerator, teacher)
 
     source_dtype = config_dtype(model_config)
     static = {"model/num_kv_heads": geometry.num_kv_heads,
@@ -219,6 +226,25 @@ def setup(config: TrainConfig) -> Run:
                log=log, source_dtype=source_dtype, notes=notes,
                eval_block_count=int(accelerator.reduce(torch.tensor(sum(int(c.sum()) for _, c in eval_set),
                                                                     device=accelerator.device), reduction="sum")))
+
+
+def _fill_known_budget(config: TrainConfig, model_dir: Path, name: str) -> None:
+    """`uptrain_fraction` without `pretrain_tokens`: take the published pretraining budget of the
+    model's family, recognised by its name (or, for a converted model, its source's name)."""
+    if config.uptrain_fraction is None or config.pretrain_tokens is not None:
+        return
+    from uptrain.budgets import BUDGETS, known_pretrain_tokens
+    from uptrain.convert.outputs import conversion_record, read_provenance
+
+    model_config = read_config(model_dir)
+    conversion = conversion_record(read_provenance(model_dir))
+    names = [name] + ([conversion["source"]] if conversion and conversion.get("source") else [])
+    tokens = next((t for n in names if (t := known_pretrain_tokens(model_config, str(n))) is not None), None)
+    if tokens is None:
+        families = ", ".join(b.family for b in BUDGETS)
+        raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {name} is not recognised as a family "
+                           f"with a published pretraining budget ({families})")
+    config.pretrain_tokens = tokens
 
 
 def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None):
@@ -271,12 +297,12 @@ def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
     return train_blocks, eval_set
 
 
-def _load_model(path: str, what: str) -> torch.nn.Module:
+def _load_model(path: str, what: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         # fp32 master weights; autocast (mixed_precision) gives bf16 speed on GPUs.
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as err:
         raise UptrainError(f"cannot load {what} {path} with AutoModelForCausalLM: {type(err).__name__}: "
                            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
@@ -423,22 +449,25 @@ def _print_plan(run: Run) -> None:
 
 
 def _save_final(run: Run, final_metrics: dict) -> Path:
+    """Write `final/` as `uptrain convert` writes its output (see `uptrain.train.final`)."""
+    from uptrain.train.final import uptrained_card, uptraining_record, write_final
+
     acc = run.accelerator
     state = acc.get_state_dict(run.model)  # gathers sharded (FSDP, ZeRO-3) weights; every process calls it
     final = run.out / "final"
     if acc.is_main_process:
-        dtype = getattr(torch, run.source_dtype, torch.float32)
-        # Same dtype as the checkpoint we started from: a bf16 model stays bf16 on disk.
-        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-        model = acc.unwrap_model(run.model)
-        with atomic_directory(final, overwrite=True) as tmp:
-            model.config.dtype = dtype
-            model.save_pretrained(tmp, state_dict=state)
-            run.tokenizer.save_pretrained(tmp)
-            summary = {"uptrain_version": uptrain.__version__, "started_from": run.model_path,
-                       "steps": run.total_steps, "tokens": run.total_steps * run.tokens_per_step,
-                       **final_metrics, "config": run.config.model_dump(mode="json")}
-            (tmp / "uptrain_train.json").write_text(json.dumps(summary, indent=2) + "\n")
+        step0 = next((r for r in M.read_metrics(run.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r), {})
+        record = uptraining_record(
+            Path(run.model_path), run.config.model_dump(mode="json"), steps=run.total_steps,
+            tokens=run.total_steps * run.tokens_per_step, num_processes=acc.num_processes,
+            global_batch=run.tokens_per_step // run.config.seq_len,
+            eval_before={k: v for k, v in step0.items() if k.startswith("eval/")} or None,
+            eval_after={k: v for k, v in final_metrics.items() if k.startswith("eval/")},
+            start_label=run.config.model)
+        # Tensors the starting checkpoint lacked are written in its declared dtype.
+        write_final(final, Path(run.model_path), acc.unwrap_model(run.model), state, record,
+                    uptrained_card(record, Path(run.model_path)),
+                    default_dtype=getattr(torch, run.source_dtype, torch.float32))
     acc.wait_for_everyone()
     return final
 
@@ -446,6 +475,11 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
 def run_training(config: TrainConfig, on_step: StepCallback | None = None) -> Path:
     """Uptrain as `config` says; returns the folder of the final model. `on_step(step, record)` is
     called on every process after each optimizer step (recipes use it for their own logging)."""
+    with hold_run_dir(config.output_dir):  # one run at a time per output_dir; a second is refused at once
+        return _run_training(config, on_step)
+
+
+def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
     run = setup(config)
     acc = run.accelerator
     if run.start.complete:
@@ -459,11 +493,11 @@ def run_training(config: TrainConfig, on_step: StepCallback | None = None) -> Pa
         run.log.truncate_after(run.start_step if run.start_step else -1)
     _print_plan(run)
 
-    name = config.run_name or run.out.name
     run_id = json.loads((run.out / "run.json").read_text())["wandb_run_id"]
-    acc.init_trackers(config.wandb_project, config=config.model_dump(mode="json"),
-                      init_kwargs={"wandb": {"dir": str(run.out), "name": name, "id": run_id, "resume": "allow",
-                                           "group": config.wandb_group}})
+    # The conversion actually done (from the model's uptrain.json), processes and global batch.
+    values = run_config(config, run.model_path, run.static_metrics["model/num_kv_heads"], acc.num_processes,
+                        run.tokens_per_step // config.seq_len)
+    start_trackers(acc, config, values, run_id, run.out)
     try:
         result = _train(run, on_step)
     finally:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import netrc
-import os
 import resource
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import torch
+
+from uptrain import UptrainError
+
 
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
 # first, so "H100 PCIe" is not read as "H100" and "L40S" not as "L4".
@@ -80,11 +80,33 @@ def perplexity(loss: float) -> float:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl, oldest first; the one reader of that file."""
+    """The records of a metrics.jsonl, oldest first; the one reader of that file.
+
+    A kill can cut the last line short (each record is appended by one write): a last line
+    that is not JSON is left out, and `MetricsLog.truncate_after` rewrites the file without
+    it. Any other damage is one UptrainError.
+    """
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text().split("\n")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UptrainError(f"cannot read {path}: {type(err).__name__}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            if number == len(lines):  # no newline after it: the torn end of a killed write
+                break
+            raise UptrainError(f"{path}, line {number}: not a JSON record; the file is damaged") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise UptrainError(f"{path}, line {number}: not a metrics record (no step); the file is damaged")
+        records.append(record)
+    return records
 
 
 class MetricsLog:
@@ -109,23 +131,3 @@ class MetricsLog:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in keep))
         tmp.replace(self.path)
-
-
-def _wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def ensure_wandb_never_prompts() -> str | None:
-    """Without credentials and without WANDB_MODE, make wandb run offline instead of failing or
-    asking for a key. Returns a note for the user when it did so."""
-    if os.environ.get("WANDB_MODE") or _wandb_has_credentials():
-        return None
-    os.environ["WANDB_MODE"] = "offline"
-    return "wandb: no credentials configured, logging offline (sync later with `wandb sync`)"

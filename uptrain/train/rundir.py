@@ -8,23 +8,29 @@
       checkpoints/      step_XXXXXXXX/ from accelerator.save_state, the last K kept
       wandb/            the wandb run (offline without credentials)
       final/            the uptrained model: save_pretrained + tokenizer
+      .uptrain-lock     while a run uses the folder (see `hold_run_dir`)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
 from uptrain import UptrainError
-from uptrain.train.checkpoint import latest_checkpoint
+from uptrain.fsutil import OutputLock, read_json, remove_stale_locks
+from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
 
 RUN_CONFIG = "run_config.yaml"
 RUN_INFO = "run.json"
+LOCK_FILE = ".uptrain-lock"
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,74 @@ def _differences(old: dict, new: TrainConfig) -> list[str]:
     return [f"{k}: {old.get(k)!r} → {current[k]!r}" for k in keys if old.get(k) != current[k]]
 
 
+@contextmanager
+def hold_run_dir(output_dir: str | Path) -> Iterator[None]:
+    """Keep every other run out of `output_dir` while this one uses it; refuse at once (one
+    line) when another live run holds it.
+
+    The main process holds an `fcntl.flock` on `output_dir/.uptrain-lock`: the kernel releases
+    it when the process dies, however it dies, so a killed run never blocks `--resume`. The
+    other processes of a distributed run rely on the main one. Folders created only to hold
+    the lock are removed again if the run stops before writing anything into them.
+    """
+    if _process_rank() != 0:
+        yield
+        return
+    out = Path(output_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise UptrainError(f"output_dir {out} is a file")
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UptrainError(f"cannot create output_dir {out}: {err.strerror or err}") from None
+    lock = OutputLock(out / LOCK_FILE, out, "output_dir")
+    try:
+        with lock:
+            yield
+    finally:
+        for folder in created:  # deepest first; stops at the first that holds something
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _process_rank() -> int:
+    """This process's rank in a launch, read as accelerate reads it (torchrun, accelerate launch
+    and MPI launchers set these), without setting up accelerate's state before the run does."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _contents(out: Path) -> list[Path]:
+    """What a folder holds, but for a run's lock and the temporaries of its first writes (a
+    run killed before run_config.yaml was in place has not started: its folder counts as empty)."""
+    ours = {LOCK_FILE, RUN_CONFIG + ".tmp", RUN_INFO + ".tmp"}
+    return [p for p in out.iterdir() if p.name not in ours]
+
+
+def _read_run_config(marker: Path) -> dict:
+    try:
+        old = yaml.safe_load(marker.read_text())
+    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as err:
+        raise UptrainError(f"cannot resume: {marker} is damaged ({type(err).__name__}); use another output_dir "
+                           "or --overwrite") from None
+    if not isinstance(old, dict):
+        raise UptrainError(f"cannot resume: {marker} is damaged (not a mapping of config keys); use another "
+                           "output_dir or --overwrite")
+    return old
+
+
 def inspect_run_dir(config: TrainConfig, global_batch: int) -> RunStart:
     """Decide how to start, reading only (every process calls this). Raises UptrainError when the
-    folder holds something this run must not touch."""
+    folder holds something this run must not touch, or something damaged it cannot continue."""
     out = Path(config.output_dir)
     if out.exists() and not out.is_dir():
         raise UptrainError(f"output_dir {out} is a file")
-    if not out.exists() or not any(out.iterdir()) or config.overwrite:
+    if not out.exists() or not _contents(out) or config.overwrite:
         return RunStart(True, None, 0, {}, False)
     marker = out / RUN_CONFIG
     if not config.resume:
@@ -61,12 +128,13 @@ def inspect_run_dir(config: TrainConfig, global_batch: int) -> RunStart:
                            "to delete it and start over")
     if not marker.is_file():
         raise UptrainError(f"cannot resume: {out} is not an uptrain run ({RUN_CONFIG} is missing)")
-    old = yaml.safe_load(marker.read_text()) or {}
-    changed = _differences(old, config)
+    changed = _differences(_read_run_config(marker), config)
     if changed:
         raise UptrainError(f"cannot resume {out}: the config changed ({'; '.join(changed)}); "
                            "use another output_dir or --overwrite")
-    info = json.loads((out / RUN_INFO).read_text()) if (out / RUN_INFO).is_file() else {}
+    info = read_json(out / RUN_INFO) if (out / RUN_INFO).is_file() else {}
+    if not isinstance(info, dict):
+        raise UptrainError(f"cannot resume: {out / RUN_INFO} is damaged (not a JSON object)")
     if info.get("global_batch", global_batch) != global_batch:
         raise UptrainError(f"cannot resume {out}: its global batch was {info['global_batch']} blocks, now "
                            f"{global_batch} (batch_size × grad_accum × processes must stay the same)")
@@ -74,15 +142,24 @@ def inspect_run_dir(config: TrainConfig, global_batch: int) -> RunStart:
     latest = latest_checkpoint(out)
     if latest is None:
         return RunStart(True, None, 0, info, complete)
+    if not complete:
+        read_trainer_state(latest[1])  # a damaged state is refused now, before anything is written
     return RunStart(False, latest[1], latest[0], info, complete)
 
 
 def initialise_run_dir(config: TrainConfig, start: RunStart, info: dict) -> None:
-    """Main process only: empty the folder for --overwrite, write run_config.yaml and run.json."""
+    """Main process only: empty the folder for --overwrite, clear what a killed run left half
+    done, write run_config.yaml and run.json."""
     out = Path(config.output_dir)
     if config.overwrite and out.exists():
-        shutil.rmtree(out)
+        for entry in _contents(out):  # the lock stays: this run holds it
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    remove_partial_checkpoints(out)
+    remove_stale_locks(out)  # of final/ or converted/, whose writer was killed
     if start.fresh:
         # Written once per run: a resumed run keeps the record of how it was started.
         _write(out / RUN_CONFIG, config_to_yaml(config))

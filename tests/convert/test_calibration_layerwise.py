@@ -1,0 +1,166 @@
+"""Layer-by-layer calibration against the whole-model reference, on every layout `calibrated` supports."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.convert.test_calibrated import (CALIBRATED, build, calibration_text, save,  # noqa: F401 (fixtures)
+                                           tokenizer)
+from uptrain import UptrainError
+from uptrain.convert import convert_checkpoint
+from uptrain.convert.calibration import (SpilledMoments, attention_input, collect_attention_moments,
+                                         fold_attention_input, load_calibration_tokenizer)
+from uptrain.convert.pipeline import Calibration
+
+NUM_TOKENS, SEQ_LEN, BATCH = 640, 64, 4  # 10 blocks: the last batch is a short one
+
+
+def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch_size=BATCH) -> dict:
+    """The reference (uptrain's first implementation): the whole model in float32, forward
+    pre-hooks on every attention module, blocks read exactly as calibration reads them."""
+    from transformers import AutoModelForCausalLM
+
+    from uptrain.textdata import load_blocks
+
+    blocks, _ = load_blocks(str(text), "calibration_data", load_calibration_tokenizer(src), seq_len,
+                            text_field="text", split="train", dataset_config=None, sample_by="paragraph",
+                            streaming=False, workers=None)
+    count = min(math.ceil(num_tokens / seq_len), len(blocks))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    layers = model.model.layers
+    hidden = model.config.hidden_size
+    moments = {i: torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64) for i in range(len(layers))}
+    handles = [layer.self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs, i=i: fold_attention_input(moments[i], attention_input(args, kwargs)),
+        with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for start in range(0, count, batch_size):
+            model(blocks.take(list(range(start, min(start + batch_size, count)))), use_cache=False)
+    for h in handles:
+        h.remove()
+    return {i: m / (count * seq_len) for i, m in moments.items()}
+
+
+@pytest.mark.parametrize("model_type", CALIBRATED)
+def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type, tokenizer, calibration_text,
+                                                                      tmp_path):
+    src = save(build(model_type, tokenizer), tokenizer, tmp_path / "src")
+    moments, info = collect_attention_moments(src, str(calibration_text), num_tokens=NUM_TOKENS, seq_len=SEQ_LEN,
+                                              batch_size=BATCH, device="cpu", progress=False)
+    reference = whole_model_moments(src, calibration_text)
+    assert isinstance(moments, SpilledMoments) and sorted(moments) == sorted(reference) == [0, 1]
+    assert info["tokens"] == 10 * SEQ_LEN
+    for layer in reference:
+        assert moments[layer].dtype == torch.float64
+        torch.testing.assert_close(moments[layer], reference[layer], rtol=1e-12, atol=1e-12)
+        assert moments[layer][-1, -1] == 1  # the constant input: E[1·1]
+    outputs = []
+    for name, stats in (("layerwise", moments), ("reference", reference)):
+        out = convert_checkpoint(src, tmp_path / name, 2, pooling="calibrated",
+                                 calibration=Calibration(stats, info), progress=False)
+        outputs.append(load_file(out / "model.safetensors"))
+    assert outputs[0].keys() == outputs[1].keys()
+    assert all(torch.equal(outputs[0][k], outputs[1][k]) for k in outputs[0])
+
+
+def test_layerwise_moments_in_bfloat16_stay_close(tokenizer, calibration_text, tmp_path):
+    """A bf16 forward pass (for GPUs) changes the moments by bf16 rounding, not more."""
+    src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
+    full, _ = collect_attention_moments(src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu",
+                                        progress=False)
+    half, info = collect_attention_moments(src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN,
+                                           device="cpu", dtype="bfloat16", progress=False)
+    assert info["dtype"] == "bfloat16" and half[0].dtype == torch.float64
+    for layer in full:
+        error = (half[layer] - full[layer]).norm() / full[layer].norm()
+        assert 0 < error < 0.05, (layer, error)
+
+
+def test_missing_layer_weight_is_one_line_error(tokenizer, calibration_text, tmp_path):
+    """A checkpoint that lacks a tensor its config implies: refused by name, before any moment."""
+    from safetensors.torch import save_file
+
+    src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
+    state = load_file(src / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UptrainError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+        collect_attention_moments(src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN, device="cpu",
+                                  progress=False)
+
+
+def test_spilled_moments_read_one_layer_at_a_time():
+    moments = SpilledMoments()
+    a, b = torch.randn(5, 5, dtype=torch.float64), torch.randn(5, 5, dtype=torch.float64)
+    moments.add(0, a)
+    moments.add(1, b)
+    assert len(moments) == 2 and list(moments) == [0, 1] and 2 not in moments
+    assert torch.equal(moments[0], a) and torch.equal(moments[1], b)
+    folder = moments._folder.name
+    del moments
+    gc.collect()
+    assert not os.path.exists(folder)  # the temporary files go with the mapping
+
+
+def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tmp_path, capsys):
+    from contextlib import closing
+
+    from uptrain.convert.io import SourceCheckpoint
+    from uptrain.convert.layer_merge import LayerMerger
+    from uptrain.convert.layouts import layout_for
+    from uptrain.convert.pooling import get_strategy
+    from uptrain.model_info import attention_geometry, read_config
+
+    src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
+    capsys.readouterr()
+    for progress in (False, True):
+        moments, _ = collect_attention_moments(src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN,
+                                               device="cpu", progress=progress)
+        assert ("calibrate" in capsys.readouterr().err) == progress
+    geometry = attention_geometry(read_config(src))
+    for progress in (False, True):
+        with closing(SourceCheckpoint(src)) as checkpoint:
+            merger = LayerMerger(checkpoint, layout_for("llama"), geometry, 2, get_strategy("mean"), "similarity",
+                                 8, moments, seed=0, init_std=0.02, progress=progress)
+            for layer in range(geometry.num_layers):
+                merger.tensor(layer, f"model.layers.{layer}.self_attn.k_proj.weight")
+        err = capsys.readouterr().err
+        assert ("merge" in err and "2/2" in err) == progress
+
+
+def test_layers_with_different_masks_get_their_own(tokenizer, calibration_text, tmp_path):
+    """Qwen2 with sliding-window attention from layer 1 on: each layer is called with its own
+    mask, which the layer-by-layer path must record per layer, not once for all."""
+    sliding = dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model = build("qwen2", tokenizer, **sliding)
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    src = save(model, tokenizer, tmp_path / "src")
+    moments, _ = collect_attention_moments(src, str(calibration_text), num_tokens=NUM_TOKENS, seq_len=SEQ_LEN,
+                                           batch_size=BATCH, device="cpu", progress=False)
+    reference = whole_model_moments(src, calibration_text)
+    # The same weights with full attention everywhere: layer 2's input differs, so the masks matter.
+    full = build("qwen2", tokenizer, **dict(sliding, use_sliding_window=False))
+    full_moments = whole_model_moments(save(full, tokenizer, tmp_path / "full"), calibration_text)
+    assert (full_moments[2] - reference[2]).abs().max() > 1e-3
+    for layer in reference:
+        torch.testing.assert_close(moments[layer], reference[layer], rtol=1e-12, atol=1e-12)
+
+
+def test_streamed_calibration_data_reads_the_same_first_blocks(tokenizer, calibration_text):
+    """A Hub dataset is streamed (never downloaded whole); its first blocks are those of the same
+    text tokenized up front. Streaming a local file stands in for the Hub here."""
+    from uptrain.convert.calibration import _first_blocks
+    from uptrain.textdata import load_blocks
+
+    common = dict(text_field="text", split="train", dataset_config=None, sample_by="paragraph", workers=None)
+    local, _ = load_blocks(str(calibration_text), "calibration_data", tokenizer, 32, streaming=False, **common)
+    streamed, _ = load_blocks(str(calibration_text), "calibration_data", tokenizer, 32, streaming=True, **common)
+    assert len(local) > 5
+    assert torch.equal(_first_blocks(streamed, 5), _first_blocks(local, 5))
+    assert torch.equal(_first_blocks(streamed, 10**6), _first_blocks(local, 10**6))

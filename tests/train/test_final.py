@@ -1,0 +1,217 @@
+"""`final/` is the starting checkpoint with its weights replaced: config and tokenizer files
+byte for byte (so transformers 4.x reads it as it read the start), weights under the start's
+names and dtypes, loading with the trained model's logits; provenance as a chain; a card."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors import safe_open
+
+from train_helpers import records
+from uptrain.train.config import TrainConfig
+from uptrain.train.final import uptrained_card, uptraining_record, write_final
+from uptrain.train.loop import run_training
+
+SOURCE_CARD = "---\nlicense: apache-2.0\n---\n# tiny\n"
+
+
+def stored(folder: Path) -> dict[str, tuple[torch.dtype, torch.Tensor]]:
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})
+    return tensors
+
+
+def v4_checkpoint(src: Path, dst: Path) -> Path:
+    """`src` as transformers 4.x writes a Llama: rope_theta/rope_scaling and torch_dtype in
+    config.json, a tokenizer_config.json naming PreTrainedTokenizerFast."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key in ("rope_parameters", "dtype", "transformers_version"):
+        config.pop(key, None)
+    config.update({"rope_theta": 500000.0, "rope_scaling": None, "torch_dtype": "float32",
+                   "transformers_version": "4.57.1"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tokenizer_config = json.loads((dst / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (dst / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (dst / "LICENSE").write_text("Apache License\n")
+    return dst
+
+
+def test_final_of_a_transformers_4_checkpoint_keeps_its_files(base_config, assets, tmp_path):
+    start = v4_checkpoint(assets["gqa"], tmp_path / "v4")
+    config = TrainConfig(**{**base_config, "model": str(start), "max_steps": 2, "save_every": 10})
+    final = run_training(config)
+    carried = [p.name for p in start.iterdir() if p.suffix != ".safetensors" and p.name not in ("uptrain.json",
+                                                                                                 "README.md")]
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "LICENSE"} <= set(
+        carried)
+    for name in carried:
+        assert (final / name).read_bytes() == (start / name).read_bytes(), name
+    written = json.loads((final / "config.json").read_text())
+    assert written["rope_theta"] == 500000.0 and "rope_parameters" not in written and "dtype" not in written
+
+    before, after = stored(start), stored(final)
+    assert list(after) == list(before)
+    assert all(after[k].dtype == before[k].dtype and after[k].shape == before[k].shape for k in before)
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # trained
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.rope_parameters["rope_theta"] == 500000.0
+    assert AutoTokenizer.from_pretrained(final).get_vocab() == AutoTokenizer.from_pretrained(start).get_vocab()
+    record = json.loads((final / "uptrain.json").read_text())
+    assert record["uptraining"]["eval_after"]["eval/loss"] == records(config.output_dir)[-1]["eval/loss"]
+
+
+def train_a_little(model: torch.nn.Module, steps: int = 3) -> torch.nn.Module:
+    """A few real optimizer steps, so that every weight moves away from the saved one."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def write_trained_final(start: Path, out: Path, model: torch.nn.Module, **kwargs) -> Path:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(model)
+    state = accelerator.get_state_dict(prepared)
+    record = uptraining_record(start, {"train_data": "t", "eval_data": "e", "seq_len": 16, "lr": 1e-2,
+                                       "warmup_steps": 0, "seed": 0}, steps=3, tokens=96, num_processes=1,
+                               global_batch=2, eval_before=None, eval_after={})
+    return write_final(out, start, accelerator.unwrap_model(prepared), state, record, uptrained_card(record, start),
+                       **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_embeddings_are_written_once_and_the_model_loads_with_the_trained_logits(dtype, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    start = tmp_path / "start"
+    LlamaForCausalLM(config).to(dtype).save_pretrained(start)
+    assert "lm_head.weight" not in stored(start)  # what transformers writes for tied weights
+
+    # Trained as the loop trains: fp32 master weights loaded from the checkpoint.
+    model = train_a_little(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32))
+    final = write_trained_final(start, tmp_path / "final", model)
+    written = stored(final)
+    assert list(written) == list(stored(start)) and all(t.dtype == dtype for t in written.values())
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    # The trained model in the checkpoint's dtype (loaded as transformers loads that dtype: a
+    # plain `.to(bfloat16)` would also round the rotary frequencies, which loading does not).
+    reference = AutoModelForCausalLM.from_pretrained(start, dtype=dtype).eval()
+    reference.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
+    assert torch.equal(logits_of(loaded), logits_of(reference))
+    assert not torch.equal(logits_of(loaded), logits_of(AutoModelForCausalLM.from_pretrained(start, dtype=dtype)))
+
+
+def test_large_models_are_sharded_with_an_index(assets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    start = assets["gqa"]
+    model = train_a_little(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32))
+    final = write_trained_final(start, tmp_path / "final", model, max_shard_bytes=40_000)
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    shards = sorted(final.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+    assert not (final / "model.safetensors").exists()
+    assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(final).eval()), logits_of(model))
+
+
+def test_provenance_chain_and_card_from_source_to_final(base_config, assets, tmp_path):
+    source = tmp_path / "mha"
+    shutil.copytree(assets["mha"], source)
+    (source / "README.md").write_text(SOURCE_CARD)
+    (source / "LICENSE").write_text("Apache License\n")
+    values = {**base_config, "source": str(source), "num_kv_heads": 2, "pooling": "first", "max_steps": None,
+              "uptrain_fraction": 0.01, "pretrain_tokens": 25600, "save_every": 10}
+    del values["model"]
+    config = TrainConfig(**values)
+    final = run_training(config)
+    converted = Path(config.output_dir) / "converted"
+
+    record = json.loads((final / "uptrain.json").read_text())
+    assert record["started_from"] == {"path": str(converted), "name": str(converted), "revision": None,
+                                      "provenance": json.loads((converted / "uptrain.json").read_text())}
+    assert record["started_from"]["provenance"]["pooling"] == "first"
+    run = record["uptraining"]
+    logged = records(config.output_dir)
+    assert run["steps"] == 2 and run["tokens"] == 256 and run["num_processes"] == 1 and run["global_batch"] == 4
+    assert run["eval_before"]["eval/loss"] == logged[0]["eval/loss"]
+    assert run["eval_after"]["eval/loss"] == logged[-1]["eval/loss"]
+    assert run["config"]["uptrain_fraction"] == 0.01 and record["uptrain_version"]
+
+    for folder in (converted, final):
+        card = ModelCard.load(folder / "README.md")
+        assert card.data.base_model == str(source) and card.data.license == "apache-2.0"
+        assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+        assert (folder / "LICENSE").read_bytes() == (source / "LICENSE").read_bytes()
+    text = (final / "README.md").read_text()
+    assert "α = 0.01" in text and "256 tokens in 2 optimizer steps" in text and "`first` pooling" in text
+    assert f"Eval loss before uptraining: {logged[0]['eval/loss']:.4f}" in text
+    assert f"Eval loss after uptraining: {logged[-1]['eval/loss']:.4f}" in text
+
+
+def test_a_hub_model_is_named_by_its_id_and_commit(base_config, assets):
+    """A model given as a Hub id (found in the local cache, offline) and not converted by uptrain."""
+    import os
+
+    from huggingface_hub import constants
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = Path(constants.HF_HUB_CACHE) / "models--tiny-org--tiny-mha"
+    shutil.copytree(assets["mha"], repo / "snapshots" / commit)
+    (repo / "snapshots" / commit / "README.md").write_text(SOURCE_CARD)
+    os.makedirs(repo / "refs", exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    config = TrainConfig(**{**base_config, "model": "tiny-org/tiny-mha", "max_steps": 1, "save_every": 10})
+    final = run_training(config)
+    started = json.loads((final / "uptrain.json").read_text())["started_from"]
+    assert (started["name"], started["revision"], started["provenance"]) == ("tiny-org/tiny-mha", commit, None)
+    card = ModelCard.load(final / "README.md")
+    assert card.data.base_model == "tiny-org/tiny-mha" and card.data.license == "apache-2.0"
+    assert f"`tiny-org/tiny-mha` (revision `{commit}`) uptrained (it was not converted by uptrain)" in card.text
+
+
+def test_tensors_renamed_on_load_are_written_back_under_the_checkpoint_names(tmp_path):
+    """transformers 5 fuses Mixtral's experts on load (`experts.0.w1` … → `experts.gate_up_proj`):
+    final/ still holds the checkpoint's own names, as transformers writes them back."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+                           max_position_embeddings=64)
+    start = tmp_path / "start"
+    AutoModelForCausalLM.from_config(config).save_pretrained(start)
+    model = train_a_little(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32))
+    assert set(model.state_dict()) != set(stored(start))  # the renaming this test is about
+    final = write_trained_final(start, tmp_path / "final", model)
+    assert sorted(stored(final)) == sorted(stored(start))
+    assert (final / "config.json").read_bytes() == (start / "config.json").read_bytes()
+    assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(final).eval()), logits_of(model))

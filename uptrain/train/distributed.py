@@ -1,0 +1,161 @@
+"""Launch checks and FSDP plumbing: what `accelerate launch` was asked for against what it started.
+
+accelerate falls back silently when it cannot do what its config says: an FSDP or DeepSpeed config
+on a machine without GPUs becomes N independent single-process runs (or, with
+`ACCELERATE_USE_CPU=1`, DDP). `check_launch` turns each such mismatch into one line before
+anything is written. `place_teacher` shards the distillation teacher under FSDP2 instead of
+copying it whole to every GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from uptrain import UptrainError
+
+# Developer switch for CI: run accelerate's own FSDP2 code paths (sharded save_state / load_state,
+# the gathered state dict, DTensor-aware clipping) on CPU processes over gloo. accelerate routes
+# CPU runs to DDP even when FSDP is configured, but torch's `fully_shard` trains on CPU.
+FSDP_ON_CPU_ENV = "UPTRAIN_FSDP_ON_CPU"
+_TRUE = ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher asked for (environment) and what accelerate set up (its state)."""
+    launched: int  # processes the launcher started: WORLD_SIZE (torchrun, accelerate launch), else 1
+    joined: int  # processes in the run accelerate set up (accelerator.num_processes)
+    asked: str | None  # the sharding engine the accelerate config asks for: "FSDP", "DEEPSPEED" or None
+    got: str  # accelerate's distributed type: "NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", …
+    device: str  # "cpu", "cuda", …
+    gpus: int  # GPUs visible to this process
+    gpus_in_use: int | None = None  # distinct GPUs the run's processes landed on (None off GPUs)
+
+
+def _flag(name: str, env) -> bool:
+    return env.get(name, "").strip().lower() in _TRUE
+
+
+def asked_engine(env=os.environ) -> str | None:
+    """The sharding engine `accelerate launch --config_file …` asked for, read from the variables it sets."""
+    if _flag("ACCELERATE_USE_FSDP", env):
+        return "FSDP"
+    if _flag("ACCELERATE_USE_DEEPSPEED", env):
+        return "DEEPSPEED"
+    return None
+
+
+def launch_problem(launch: Launch) -> str | None:
+    """Why this launch cannot do what it says, in one line, or None when it can."""
+    if launch.launched != launch.joined:
+        why = ("this machine has no GPU, and without one accelerate starts each process on its own; for CPU "
+               "processes launch with ACCELERATE_USE_CPU=1 and --multi_gpu --num_processes N"
+               if launch.gpus == 0 else f"accelerate set up {launch.got} with {launch.joined} process(es)")
+        return (f"the launcher started {launch.launched} processes but they did not join one run (each would train "
+                f"alone and race on output_dir): {why}")
+    if launch.asked is not None and launch.got != launch.asked:
+        name = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[launch.asked]
+        why = ("accelerate runs it on GPUs only and this machine has none" if launch.gpus == 0
+               else f"it fell back on this machine's {launch.gpus} GPU(s)")
+        return (f"the accelerate config asks for {name}, but accelerate set up {launch.got} with {launch.joined} "
+                f"process(es) on {launch.device} ({why}); use a launch config without {name} "
+                f"(e.g. configs/accelerate/multi_gpu.yaml) or run on GPUs")
+    if launch.gpus_in_use is not None and launch.gpus_in_use < launch.joined:
+        return (f"the run's {launch.joined} processes landed on {launch.gpus_in_use} GPU(s) ({launch.gpus} visible "
+                f"here): each process needs a GPU of its own; pass --num_processes {launch.gpus_in_use}")
+    return None
+
+
+def _gpus_in_use(accelerator) -> int | None:
+    """How many distinct GPUs the processes of the run use (None off GPUs).
+
+    Compared by (host, GPU UUID) across all processes, because some schedulers show each process
+    only its own GPU (CUDA_VISIBLE_DEVICES per rank), so counting visible GPUs would mislead."""
+    if accelerator.device.type != "cuda":
+        return None
+    if accelerator.num_processes == 1:
+        return 1
+    import socket
+
+    props = torch.cuda.get_device_properties(accelerator.device)
+    mine = (socket.gethostname(), str(getattr(props, "uuid", accelerator.device.index)))
+    everyone = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(everyone, mine)
+    return len(set(everyone))
+
+
+def _fsdp_on_cpu(accelerator) -> bool:
+    """Under the developer switch, turn accelerate's DDP-on-CPU into its FSDP2 path. Returns whether it did."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not (_flag(FSDP_ON_CPU_ENV, os.environ) and asked_engine() == "FSDP"
+            and accelerator.distributed_type == DistributedType.MULTI_CPU):
+        return False
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch set
+    if plugin.fsdp_version != 2:
+        raise UptrainError(f"{FSDP_ON_CPU_ENV}=1 needs fsdp_version 2 in the accelerate config (FSDP1 needs GPUs)")
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    # accelerate keeps the type twice and refreshes AcceleratorState's copy from PartialState's
+    # whenever an AcceleratorState is built; on GPUs it sets both the same way.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    return True
+
+
+def make_accelerator(**kwargs):
+    """`Accelerator(**kwargs)`, refused with one line when the launch cannot do what it says.
+
+    Builds nothing on disk: call it before the first write to output_dir."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(**kwargs)
+    forced = _fsdp_on_cpu(accelerator)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    launch = Launch(launched=int(os.environ.get("WORLD_SIZE", "1")),
+                    joined=accelerator.num_processes, asked=asked_engine(),
+                    got=str(accelerator.distributed_type).rsplit(".", 1)[-1].upper(),
+                    device=accelerator.device.type, gpus=gpus)
+    if launch.launched == launch.joined:  # a collective needs every process in the run
+        launch = dataclasses.replace(launch, gpus_in_use=_gpus_in_use(accelerator))
+    if problem := launch_problem(launch):
+        raise UptrainError(problem)
+    if forced:
+        accelerator.print(f"FSDP2 on CPU over gloo ({FSDP_ON_CPU_ENV}=1): a test of the sharded code paths")
+    return accelerator
+
+
+def teacher_dtype(accelerator) -> torch.dtype:
+    """The dtype the frozen teacher is held in: the autocast dtype, as it computes in it anyway."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def place_teacher(accelerator, teacher: torch.nn.Module) -> torch.nn.Module:
+    """Put the frozen teacher where the student runs, in `teacher_dtype`, outside the optimizer.
+
+    Under FSDP2 it is sharded like the student (one unit per decoder layer), so each GPU holds
+    1/N of it plus the layers being gathered; with `cpu_ram_efficient_loading` only rank 0 holds
+    real weights before this call and they are broadcast into the shards."""
+    teacher = teacher.requires_grad_(False).eval().to(dtype=teacher_dtype(accelerator))
+    if not getattr(accelerator, "is_fsdp2", False):
+        return teacher.to(accelerator.device)
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = accelerator.state.fsdp_plugin
+    student_layers = plugin.transformer_cls_names_to_wrap
+    # The wrap policy names the student's decoder layer classes; a teacher of another
+    # architecture has its own (accelerate would refuse it for lacking the student's).
+    plugin.transformer_cls_names_to_wrap = list(getattr(teacher, "_no_split_modules", None) or []) or student_layers
+    try:
+        # accelerate's own FSDP2 preparation, as for the student; frozen parameters are not upcast
+        # to fp32 (it upcasts trainable ones only), and the teacher is in no optimizer and not in
+        # accelerator._models, so save_state neither saves nor restores it.
+        return fsdp2_prepare_model(accelerator, teacher)
+    finally:
+        plugin.transformer_cls_names_to_wrap = student_layers

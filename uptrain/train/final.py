@@ -1,0 +1,234 @@
+"""`final/`: the uptrained model, written the way `uptrain convert` writes its output.
+
+Not with `save_pretrained`: transformers 5 re-serialises config.json (`rope_theta` and
+`rope_scaling` become `rope_parameters`, `torch_dtype` becomes `dtype`) and names a tokenizer
+class in tokenizer_config.json that transformers 4.x cannot load; a 4.x user would load the
+uptrained model with the wrong RoPE base and no error. Training changes only the weights, so
+`final/` is the starting checkpoint with its weights replaced:
+- config.json, tokenizer, generation, licence and modeling files copied byte for byte;
+- the weights under the starting checkpoint's tensor names, each in its dtype there (a bf16
+  model stays bf16), as safetensors, sharded with an index like transformers when large;
+  a weight tied to another one (lm_head to the embeddings) is written only where the
+  starting checkpoint had it, which is what transformers expects on load;
+- `uptrain.json`: this uptraining, with the starting checkpoint's `uptrain.json` embedded
+  (provenance as a chain), and a model card.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import uptrain
+from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, OutputEntry, ShardWriter, SourceCheckpoint,
+                                tensor_bytes)
+from uptrain.convert.outputs import (CARD, PROVENANCE, card_metadata, conversion_record, front_matter,
+                                     read_provenance)
+from uptrain.fsutil import atomic_directory
+
+# Shards as `uptrain convert` writes them by default.
+MAX_SHARD_BYTES = 5 * 10**9
+# Files of the starting checkpoint that final/ replaces rather than copies: weights (any
+# format), the card and the provenance (written anew), and the summary of older uptrain versions.
+REPLACED = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt",
+            "*.h5", "*.msgpack", "*.gguf", CARD, PROVENANCE, "uptrain_train.json")
+
+
+def _replaced(path: Path) -> bool:
+    return any(path.match(pattern) for pattern in REPLACED)
+
+
+def _tied_duplicates(model: torch.nn.Module, keep: set[str]) -> set[str]:
+    """State-dict names of parameters that are the same tensor as a parameter named in `keep`."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    duplicates = set()
+    for names in names_of.values():
+        if len(names) > 1 and any(n in keep for n in names):
+            duplicates.update(n for n in names if n not in keep)
+    return duplicates
+
+
+def final_tensors(state: dict[str, torch.Tensor], model: torch.nn.Module, start: SourceCheckpoint,
+                  default_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """The tensors to write, in the starting checkpoint's order, names and dtypes; a trained
+    tensor the starting checkpoint lacked (initialised at load) follows in `default_dtype`.
+
+    None when the model's names are not the checkpoint's: transformers renamed or fused some
+    tensors on load (its conversion mappings), and only `save_pretrained` can map them back.
+    """
+    stored = start.tensors
+    if any(name not in state or tuple(state[name].shape) != info.shape for name, info in stored.items()):
+        return None
+    tied = _tied_duplicates(model, set(stored))
+    out = {}
+    for info in start.order():
+        out[info.name] = _cast(state[info.name], info.dtype)
+    for name, tensor in state.items():
+        if name not in stored and name not in tied:
+            out[name] = _cast(tensor, default_dtype)
+    return out
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensor.detach().cpu()
+    return tensor.to(dtype) if tensor.is_floating_point() and dtype.is_floating_point else tensor
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES,
+                      metadata: dict[str, str] | None = None) -> list[str]:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most
+    `max_shard_bytes` (a larger tensor gets its own) and `model.safetensors.index.json`, as
+    transformers names them. Returns the file names."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = ([SAFETENSORS_SINGLE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    metadata = {**(metadata or {}), "format": "pt"}
+    weight_map = {}
+    for file, names in zip(files, shards):
+        entries = [OutputEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names]
+        with ShardWriter(folder / file, entries, metadata) as writer:
+            for n in names:
+                writer.begin(n)
+                writer.write(tensor_bytes(tensors[n]))
+                weight_map[n] = file
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def carry_files(start: Path, folder: Path) -> list[str]:
+    """Copy every file of the starting checkpoint that training does not change (config.json,
+    tokenizer, generation config, chat template, licences, modeling code), byte for byte."""
+    carried = []
+    for path in sorted(start.iterdir()):
+        if path.is_file() and not path.name.startswith(".") and not _replaced(path):
+            shutil.copy2(path, folder / path.name)
+            carried.append(path.name)
+    return carried
+
+
+def _save_with_transformers(model, state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    """Weights only, through transformers' own name mapping (its config and tokenizer files are
+    discarded: the starting checkpoint's are kept)."""
+    scratch = folder / ".weights"
+    model.save_pretrained(scratch, state_dict=state, max_shard_size=max_shard_bytes)
+    for path in scratch.iterdir():
+        if path.name.endswith((".safetensors", SAFETENSORS_INDEX)):
+            path.rename(folder / path.name)
+    shutil.rmtree(scratch)
+
+
+def write_final(out: Path, start: Path, model: torch.nn.Module, state: dict[str, torch.Tensor],
+                record: dict, card: str, default_dtype: torch.dtype = torch.float32,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write `final/` (whole or not at all; main process only). `state` is the full state dict
+    gathered from every process (`accelerator.get_state_dict`, which every process must call),
+    `model` the unwrapped model it came from."""
+    checkpoint = SourceCheckpoint(start, allow_pickle=True)  # loaded by from_pretrained already: trusted
+    try:
+        tensors = final_tensors(state, model, checkpoint, default_dtype)
+        metadata = {k: str(v) for k, v in checkpoint.metadata.items()}
+    finally:
+        checkpoint.close()
+    with atomic_directory(out, overwrite=True) as tmp:
+        carry_files(start, tmp)
+        if tensors is not None:
+            write_safetensors(tensors, tmp, max_shard_bytes, metadata)
+        else:
+            _save_with_transformers(model, {k: _cast(v, checkpoint.tensors[k].dtype if k in checkpoint.tensors
+                                                     else default_dtype) for k, v in state.items()},
+                                    tmp, max_shard_bytes)
+        (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / CARD).write_text(card)
+    return out
+
+
+def _hub_revision(folder: Path) -> str | None:
+    """The commit of a Hub snapshot folder (huggingface_hub lays them out as …/snapshots/<sha>/)."""
+    name = folder.name
+    is_commit = len(name) == 40 and all(c in "0123456789abcdef" for c in name)
+    return name if is_commit and folder.parent.name == "snapshots" else None
+
+
+def uptraining_record(start: Path, config: dict, *, steps: int, tokens: int, num_processes: int,
+                      global_batch: int, eval_before: dict | None, eval_after: dict, start_label: str | None = None
+                      ) -> dict:
+    """`uptrain.json` of `final/`: the uptraining run and where it started from (`start_label`:
+    what the user named, e.g. a Hub id, when not the folder itself)."""
+    return {
+        "uptrain_version": uptrain.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "uptraining": {
+            "config": config, "steps": steps, "tokens": tokens, "num_processes": num_processes,
+            "global_batch": global_batch, "eval_before": eval_before, "eval_after": eval_after,
+        },
+        "started_from": {"path": str(start), "name": start_label or str(start), "revision": _hub_revision(start),
+                         "provenance": read_provenance(start)},
+    }
+
+
+def _loss(metrics: dict | None) -> str:
+    if not metrics or "eval/loss" not in metrics:
+        return "not measured"
+    return f"{metrics['eval/loss']:.4f} (perplexity {metrics.get('eval/perplexity', float('nan')):.1f})"
+
+
+def uptrained_card(record: dict, start: Path) -> str:
+    """README.md of `final/`: Hub metadata (base model and licence from the conversion, when
+    uptrain did it) and what was done: conversion, then uptraining."""
+    run = record["uptraining"]
+    c = run["config"]
+    conversion = conversion_record(record["started_from"]["provenance"])
+    start_card = card_metadata(start)
+    base_model = conversion["source"] if conversion else record["started_from"]["name"]
+    tags = [conversion["model_type"]] if conversion else []
+    if conversion:
+        what = (f"`{conversion['source']}` converted by uptrain to {conversion['num_key_value_heads']} KV heads "
+                f"(from {conversion['source_num_key_value_heads']}; `{conversion['pooling']}` pooling, "
+                f"`{conversion.get('grouping', 'contiguous')}` grouping; details in the starting checkpoint's "
+                "record, embedded in `uptrain.json`), then uptrained.")
+    else:
+        revision = record["started_from"]["revision"]
+        what = (f"`{base_model}`" + (f" (revision `{revision}`)" if revision else "")
+                + " uptrained (it was not converted by uptrain).")
+    budget = f"{run['tokens']:,} tokens in {run['steps']:,} optimizer steps"
+    if c.get("uptrain_fraction") is not None:
+        budget += (f": α = {c['uptrain_fraction']} of the {c['pretrain_tokens']:,.0f} tokens the model was "
+                   "pretrained on")
+    train_data, eval_data = (v if isinstance(v, str) else ", ".join(v) for v in (c["train_data"], c["eval_data"]))
+    distill = (f"\n- Distillation from `{c['teacher']}` (weight {c['distill_weight']}, temperature "
+               f"{c['distill_temperature']})" if c.get("teacher") else "")
+    processes = f"{run['num_processes']} process" + ("es" if run["num_processes"] > 1 else "")
+    body = f"""# Uptrained grouped-query-attention model (uptrain)
+
+{what}
+
+## Uptraining
+
+- Budget: {budget} (global batch {run['global_batch']} blocks of {c['seq_len']} tokens, {processes})
+- Data: `{train_data}`; evaluation on `{eval_data}`{distill}
+- Optimizer: AdamW, peak lr {c['lr']}, {c['warmup_steps']} warmup steps then cosine, seed {c['seed']}
+- Eval loss before uptraining: {_loss(run['eval_before'])}
+- Eval loss after uptraining: {_loss(run['eval_after'])}
+
+`config.json`, tokenizer and generation files are the starting checkpoint's, byte for byte; only the weights \
+changed (each tensor in its dtype there). `uptrain.json` records the run's full config and the provenance chain \
+(uptrain {record['uptrain_version']}).
+"""
+    return front_matter(base_model, start_card, tags + ["uptrained"]) + "\n" + body

@@ -107,7 +107,8 @@ def format_validation_error(err: ValidationError, path: str | Path | None, comma
             message = e["msg"].removeprefix("Value error, ")
             problems.append(f"`{key}`: {message}" if key else message)
     where = f"{path}: " if path else ""
-    return f"{where}invalid config: " + "; ".join(problems)
+    what = "config" if command == "train" else "option"  # train reads YAML keys; the others flags
+    return f"{where}invalid {what}: " + "; ".join(problems)
 
 
 def validated(schema: type[BaseModel], command: str = "convert", **values) -> BaseModel:

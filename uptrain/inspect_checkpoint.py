@@ -6,9 +6,9 @@ import math
 
 from uptrain import UptrainError
 from uptrain.convert.io import SourceCheckpoint
-from uptrain.convert.layouts import LAYOUTS
+from uptrain.convert.layouts import LAYOUTS, config_geometry
 from uptrain.convert.source import resolve_source
-from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
+from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 
 TP_DEGREES = (2, 4, 8)
 
@@ -22,8 +22,7 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     folder, label = resolved.folder, resolved.label
     config = read_config(folder)
     model_type = config.get("model_type")
-    layout = LAYOUTS.get(model_type)
-    geo = attention_geometry(config, layout.head_dim_key if layout else "head_dim")
+    geo = config_geometry(config)
     dtype = dtype or config_dtype(config)
     if dtype not in DTYPE_BYTES:
         raise UptrainError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
@@ -49,7 +48,7 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     return {
         "source": label,
         "model_type": model_type,
-        "convertible": layout is not None,
+        "convertible": model_type in LAYOUTS,
         "num_layers": geo.num_layers,
         "num_attention_heads": geo.num_heads,
         "num_key_value_heads": geo.num_kv_heads,

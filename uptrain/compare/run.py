@@ -18,9 +18,9 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
-from uptrain.convert.layouts import layout_for
+from uptrain.convert.layouts import config_geometry
 from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec
-from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
+from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.train.metrics import read_metrics
 
 RESULT = "result.json"
@@ -168,7 +168,7 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
     root.mkdir(parents=True, exist_ok=True)
     (root / "compare.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
     config = read_config(spec.model)
-    geometry = attention_geometry(config, layout_for(config.get("model_type")).head_dim_key)
+    geometry = config_geometry(config)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(config), 4)
     results = []
     for name, g, pooling in run_names(spec):

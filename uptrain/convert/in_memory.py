@@ -15,7 +15,7 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.grouping import check_num_kv_heads
-from uptrain.convert.layer_merge import LayerMerger
+from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
 from uptrain.convert.layouts import layout_for
 from uptrain.convert.pipeline import Calibration
 from uptrain.convert.pooling import get_strategy
@@ -67,9 +67,7 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
     check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, num_kv_heads)
     if strategy.whole_layer and calibration is None:
         raise UptrainError(f"pooling {pooling!r} needs calibration statistics (calibration=Calibration(...))")
-    if strategy.whole_layer and config.get("clip_qkv") is not None:
-        raise UptrainError(f"pooling {pooling!r} cannot merge a model with clip_qkv: the clamp does not commute "
-                           "with the merge")
+    check_no_clamp(strategy, config)
     state = model.state_dict()
     source = StateDictSource(state)
     plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping)

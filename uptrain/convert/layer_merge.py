@@ -66,6 +66,15 @@ def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, group
                                "use mean, first or random with contiguous grouping")
 
 
+def check_no_clamp(strategy: Strategy, config: dict) -> None:
+    """OLMo clamps q, k and v element-wise after the projections (`clip_qkv`): the per-head maps
+    a calibrated merge folds into q_proj and o_proj do not commute with a clamp (renumbering
+    whole heads, as similarity grouping does, does)."""
+    if strategy.whole_layer and config.get("clip_qkv") is not None:
+        raise UptrainError(f"--pooling {strategy.name} cannot merge a model with clip_qkv ({config['clip_qkv']}): "
+                           "the clamp does not commute with the merge; use mean, first or random (with "
+                           "--grouping similarity if you like)")
+
 def whole_layer_shapes(tensors: dict, layout: AttentionLayout, geometry: AttentionGeometry, layer: int, g: int,
                        strategy: Strategy, grouping: str) -> dict[str, tuple[int, ...]]:
     """Output shapes of the tensors one layer's merge rewrites; refuses what the merge cannot carry.

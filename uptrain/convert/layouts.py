@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from uptrain import UptrainError
+from uptrain.model_info import AttentionGeometry, attention_geometry
 
 
 @dataclass(frozen=True)
@@ -144,3 +145,9 @@ def standard_config_names(config: dict) -> dict:
                     filled[name] = config[alias]
                     break
     return filled
+
+
+def config_geometry(config: dict) -> AttentionGeometry:
+    """The attention geometry of a config, with its layout's `head_dim_key` (transformers' own
+    reading of `head_dim` for a model_type uptrain has no layout for)."""
+    return attention_geometry(config, LAYOUTS.get(config.get("model_type"), STANDARD).head_dim_key)

@@ -20,13 +20,13 @@ from uptrain import UptrainError
 from uptrain.convert.grouping import check_num_kv_heads
 from uptrain.convert.hashing import BackgroundHasher
 from uptrain.convert.io import SourceCheckpoint
-from uptrain.convert.layer_merge import LayerMerger, merges_whole_layers
+from uptrain.convert.layer_merge import LayerMerger, check_no_clamp, merges_whole_layers
 from uptrain.convert.layouts import AttentionLayout, layout_for
 from uptrain.convert.outputs import card_metadata, copy_side_files, model_card, provenance, write_config
 from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.run import DTYPES, ConversionPlan, plan_conversion, write_weights
 from uptrain.convert.source import ResolvedSource, resolve_source
-from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size  # noqa: F401  (API)
+from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
 from uptrain.fsutil import atomic_directory, check_output_path
 from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
@@ -96,12 +96,7 @@ def prepare(spec: ConversionSpec, out: str | Path | None = None, overwrite: bool
     layout = layout_for(config.get("model_type"))
     geometry = attention_geometry(config, layout.head_dim_key)
     check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, spec.num_kv_heads)
-    if strategy.whole_layer and config.get("clip_qkv") is not None:
-        # OLMo clamps q, k and v element-wise after the projections: the per-head maps the merge
-        # folds into q_proj and o_proj do not commute with a clamp (renumbering whole heads does).
-        raise UptrainError(f"--pooling {spec.pooling} cannot merge a model with clip_qkv "
-                           f"({config['clip_qkv']}): the clamp does not commute with the merge; use mean, first "
-                           "or random (with --grouping similarity if you like)")
+    check_no_clamp(strategy, config)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None

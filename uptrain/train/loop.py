@@ -25,7 +25,8 @@ import uptrain
 from uptrain import UptrainError
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.convert.source import resolve_source
-from uptrain.model_info import DTYPE_BYTES, attention_geometry, config_dtype, read_config
+from uptrain.convert.layouts import config_geometry
+from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
 from uptrain.train.config import TrainConfig
@@ -90,13 +91,6 @@ def _model_positions(config: dict) -> int | None:
     return None
 
 
-def _geometry(config: dict):
-    from uptrain.convert.layouts import LAYOUTS
-
-    layout = LAYOUTS.get(config.get("model_type"))
-    return attention_geometry(config, layout.head_dim_key if layout else "head_dim")
-
-
 def _human(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
@@ -157,10 +151,7 @@ def setup(config: TrainConfig) -> Run:
     # Local folders, or Hub ids downloaded (or found in the cache) as `uptrain convert` does.
     model_path = str(resolve_source(config.model).folder) if config.model is not None else None
     teacher_path = str(resolve_source(config.teacher).folder) if config.teacher is not None else None
-    if config.source is not None:
-        _fill_known_budget(config, resolve_source(config.source).folder, config.source)
-    else:
-        _fill_known_budget(config, Path(model_path), config.model)
+    _fill_known_budget(config)
     start = inspect_run_dir(config, global_batch)
     conversion = None
     if config.source is not None:
@@ -195,7 +186,7 @@ def setup(config: TrainConfig) -> Run:
     model = _load_model(model_path, "model")
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    geometry = _geometry(model_config)
+    geometry = config_geometry(model_config)
     params = M.non_embedding_params(model)
     attn_width = geometry.num_heads * geometry.head_dim
     flops = M.train_flops_per_token(params, geometry.num_layers, attn_width, config.seq_len)
@@ -203,7 +194,7 @@ def setup(config: TrainConfig) -> Run:
     if config.teacher is not None:
         # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
         teacher = _load_model(teacher_path, "teacher", teacher_dtype(accelerator)).requires_grad_(False).eval()
-        t_geo = _geometry(teacher_config)
+        t_geo = config_geometry(teacher_config)
         flops += M.forward_flops_per_token(M.non_embedding_params(teacher), t_geo.num_layers,
                                            t_geo.num_heads * t_geo.head_dim, config.seq_len)
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
@@ -228,7 +219,7 @@ def setup(config: TrainConfig) -> Run:
                                                                     device=accelerator.device), reduction="sum")))
 
 
-def _fill_known_budget(config: TrainConfig, model_dir: Path, name: str) -> None:
+def _fill_known_budget(config: TrainConfig) -> None:
     """`uptrain_fraction` without `pretrain_tokens`: take the published pretraining budget of the
     model's family, recognised by its name (or, for a converted model, its source's name)."""
     if config.uptrain_fraction is None or config.pretrain_tokens is not None:
@@ -236,6 +227,8 @@ def _fill_known_budget(config: TrainConfig, model_dir: Path, name: str) -> None:
     from uptrain.budgets import BUDGETS, known_pretrain_tokens
     from uptrain.convert.outputs import conversion_record, read_provenance
 
+    name = config.source if config.source is not None else config.model
+    model_dir = resolve_source(name).folder
     model_config = read_config(model_dir)
     conversion = conversion_record(read_provenance(model_dir))
     names = [name] + ([conversion["source"]] if conversion and conversion.get("source") else [])

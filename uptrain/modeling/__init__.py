@@ -132,4 +132,5 @@ def gqa_counterpart(model, num_kv_heads: int):
     causal_lm = getattr(module, modeling.causal_lm_class)
     base = getattr(module, modeling.model_class)
     # The task head decides the class: a causal LM stays a causal LM, a base model a base model.
-    return (causal_lm if isinstance(model, causal_lm.__mro__[1]) else base), config
+    # The transformers class each GQA class extends is its last base (after uptrain's mixin).
+    return (causal_lm if isinstance(model, causal_lm.__bases__[-1]) else base), config

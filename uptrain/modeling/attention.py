@@ -10,6 +10,14 @@ import torch
 import torch.nn.functional as F
 
 
+
+class GroupedAttentionOnly:
+    """Mixin for the GQA model classes: SDPA and eager attention only. Flash/flex kernels and
+    pluggable attention backends would bypass `grouped_query_attention`."""
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+
 def _bottom_right_causal(t: int, s: int, device: torch.device) -> torch.Tensor:
     """Query i (of the last t positions) sees keys 0 … s − t + i: aligned to the end, as with a cache."""
     return torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=s - t)

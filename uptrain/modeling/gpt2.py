@@ -12,7 +12,7 @@ from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2LMHeadModel, GPT2Model
 from transformers.pytorch_utils import Conv1D
 
-from .attention import grouped_query_attention
+from .attention import GroupedAttentionOnly, grouped_query_attention
 
 
 class GPT2GQAConfig(GPT2Config):
@@ -58,12 +58,8 @@ def _use_gqa_attention(model: GPT2Model, config: GPT2GQAConfig) -> None:
         block.attn = GPT2GQAAttention(config, layer_idx=i)
 
 
-class GPT2GQAModel(GPT2Model):
+class GPT2GQAModel(GroupedAttentionOnly, GPT2Model):
     config_class = GPT2GQAConfig
-    # SDPA and eager only: flash/flex kernels would bypass grouped_query_attention.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: GPT2GQAConfig):
         super().__init__(config)
@@ -71,11 +67,8 @@ class GPT2GQAModel(GPT2Model):
         self.post_init()
 
 
-class GPT2GQAForCausalLM(GPT2LMHeadModel):
+class GPT2GQAForCausalLM(GroupedAttentionOnly, GPT2LMHeadModel):
     config_class = GPT2GQAConfig
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: GPT2GQAConfig):
         super().__init__(config)

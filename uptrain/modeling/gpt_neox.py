@@ -16,7 +16,7 @@ from transformers import GPTNeoXConfig
 from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GPTNeoXForCausalLM, GPTNeoXModel,
                                                             apply_rotary_pos_emb)
 
-from .attention import grouped_query_attention
+from .attention import GroupedAttentionOnly, grouped_query_attention
 
 
 class GPTNeoXGQAConfig(GPTNeoXConfig):
@@ -66,12 +66,8 @@ def _use_gqa_attention(model: GPTNeoXModel, config: GPTNeoXGQAConfig) -> None:
         layer.attention = GPTNeoXGQAAttention(config, layer_idx=i)
 
 
-class GPTNeoXGQAModel(GPTNeoXModel):
+class GPTNeoXGQAModel(GroupedAttentionOnly, GPTNeoXModel):
     config_class = GPTNeoXGQAConfig
-    # SDPA and eager only: flash/flex kernels would bypass grouped_query_attention.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: GPTNeoXGQAConfig):
         super().__init__(config)
@@ -79,11 +75,8 @@ class GPTNeoXGQAModel(GPTNeoXModel):
         self.post_init()
 
 
-class GPTNeoXGQAForCausalLM(GPTNeoXForCausalLM):
+class GPTNeoXGQAForCausalLM(GroupedAttentionOnly, GPTNeoXForCausalLM):
     config_class = GPTNeoXGQAConfig
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: GPTNeoXGQAConfig):
         super().__init__(config)

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GPTJConfig
 from transformers.models.gptj.modeling_gptj import GPTJAttention, GPTJForCausalLM, GPTJModel, apply_rotary_pos_emb
 
-from .attention import grouped_query_attention
+from .attention import GroupedAttentionOnly, grouped_query_attention
 
 
 class GPTJGQAConfig(GPTJConfig):
@@ -68,12 +68,8 @@ def _use_gqa_attention(model: GPTJModel, config: GPTJGQAConfig) -> None:
         block.attn = GPTJGQAAttention(config, i)
 
 
-class GPTJGQAModel(GPTJModel):
+class GPTJGQAModel(GroupedAttentionOnly, GPTJModel):
     config_class = GPTJGQAConfig
-    # SDPA and eager only: flash/flex kernels would bypass grouped_query_attention.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: GPTJGQAConfig):
         super().__init__(config)
@@ -81,11 +77,8 @@ class GPTJGQAModel(GPTJModel):
         self.post_init()
 
 
-class GPTJGQAForCausalLM(GPTJForCausalLM):
+class GPTJGQAForCausalLM(GroupedAttentionOnly, GPTJForCausalLM):
     config_class = GPTJGQAConfig
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: GPTJGQAConfig):
         super().__init__(config)

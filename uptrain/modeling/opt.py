@@ -12,7 +12,7 @@ from torch import nn
 from transformers import OPTConfig
 from transformers.models.opt.modeling_opt import OPTAttention, OPTForCausalLM, OPTModel
 
-from .attention import grouped_query_attention
+from .attention import GroupedAttentionOnly, grouped_query_attention
 
 
 class OPTGQAConfig(OPTConfig):
@@ -59,12 +59,8 @@ def _use_gqa_attention(model: OPTModel, config: OPTGQAConfig) -> None:
         layer.self_attn = OPTGQAAttention(config, layer_idx=i)
 
 
-class OPTGQAModel(OPTModel):
+class OPTGQAModel(GroupedAttentionOnly, OPTModel):
     config_class = OPTGQAConfig
-    # SDPA and eager only: flash/flex kernels would bypass grouped_query_attention.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: OPTGQAConfig):
         super().__init__(config)
@@ -72,11 +68,8 @@ class OPTGQAModel(OPTModel):
         self.post_init()
 
 
-class OPTGQAForCausalLM(OPTForCausalLM):
+class OPTGQAForCausalLM(GroupedAttentionOnly, OPTForCausalLM):
     config_class = OPTGQAConfig
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
 
     def __init__(self, config: OPTGQAConfig):
         super().__init__(config)

@@ -40,6 +40,8 @@ def test_import_uptrain_imports_neither_torch_nor_transformers():
     # modeling file imports: registration must wait until that import is complete.
     "from transformers import GPT2LMHeadModel",
     "import transformers.models.gpt_neox.modeling_gpt_neox",
+    # Our own modeling file, imported directly, pulls in the auto classes half-way through itself.
+    "from uptrain.modeling.gpt2 import GPT2GQAForCausalLM",
 ])
 def test_registered_once_the_auto_classes_are_imported(first):
     result = run(f"import uptrain\n{first}\n{CHECK}")

@@ -16,19 +16,24 @@ import warnings
 AUTO_MODULE = "transformers.models.auto.modeling_auto"
 
 
+# Registration imports uptrain's modeling files, which import transformers' modeling modules:
+# it must wait until no module of either is half-imported, and be retried as each completes.
+WATCHED = ("transformers", "uptrain.modeling")
+
+
 def _half_imported() -> bool:
     # importlib marks a module's spec `_initializing` while its body runs.
     return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
-               for name, m in list(sys.modules.items()) if name.startswith("transformers"))
+               for name, m in list(sys.modules.items()) if name.startswith(WATCHED))
 
 
 class _RegisterOnImport:
     """A meta path finder (duck-typed: importlib.abc alone costs 7 ms at start-up) that watches
-    transformers' imports and registers after the first one that leaves the auto classes
-    fully imported."""
+    transformers' and uptrain's modeling imports and registers after the first one that leaves
+    the auto classes fully imported."""
 
     def find_spec(self, name, path, target=None):
-        if not name.startswith("transformers."):
+        if not name.startswith(tuple(prefix + "." for prefix in WATCHED)):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

@@ -218,7 +218,7 @@ def run_as_child(argv: list[str]) -> int:
 # ---- the benchmark -----------------------------------------------------------------------
 
 def checkpoint_facts(folder: Path) -> dict:
-    from uptrain.convert.io import SourceCheckpoint
+    from uptrain.checkpoint.reader import SourceCheckpoint
 
     source = SourceCheckpoint(folder)
     try:

@@ -40,7 +40,7 @@ def parse_chunk(text: str) -> int:
 
 
 def copy_with_chunks(ranges, out: Path, chunk_bytes: int) -> None:
-    from uptrain.convert.io import PositionedReader
+    from uptrain.checkpoint.reader import PositionedReader
 
     readers: dict[Path, PositionedReader] = {}
     chunk = bytearray(chunk_bytes)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from uptrain.convert.io import SourceCheckpoint
+    from uptrain.checkpoint.reader import SourceCheckpoint
     from uptrain.convert.synthetic import write_synthetic_llama
 
     chunks = {f"chunks {c}": parse_chunk(c) for c in args.chunks.split(",")}

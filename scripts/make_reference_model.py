@@ -59,7 +59,7 @@ def initial_checkpoint(folder: Path, seed: int) -> Path:
 
 def main() -> int:
     args = parse_args()
-    from uptrain.convert.io import SourceCheckpoint
+    from uptrain.checkpoint.reader import SourceCheckpoint
     from uptrain.corpus import load_tokenizer, split_path, unigram_perplexity
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training

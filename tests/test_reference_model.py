@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from uptrain.compare.run import validate
+from uptrain.compare.study import validate
 from uptrain.corpus import split_path
 from uptrain.demo import REFERENCE, demo_spec
 from uptrain.textdata import load_blocks

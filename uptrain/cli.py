@@ -65,7 +65,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 def _compare_and_report(spec) -> int:
     from uptrain.compare.report import write_report
-    from uptrain.compare.run import run_compare
+    from uptrain.compare.study import run_compare
 
     files = write_report(run_compare(spec), spec.output_dir, spec)
     print(files["markdown"].read_text())
@@ -82,7 +82,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    from uptrain.compare.run import CompareSpec
+    from uptrain.compare.study import CompareSpec
     from uptrain.convert.spec import ConversionOptions, validated
 
     conversion = validated(ConversionOptions, "compare", grouping=args.grouping,

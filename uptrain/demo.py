@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.compare.run import CompareSpec
+from uptrain.compare.study import CompareSpec
 from uptrain.corpus import split_path
 
 REFERENCE = Path(__file__).parent / "data" / "reference"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 from uptrain import UptrainError
-from uptrain.convert.io import SourceCheckpoint
+from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.layouts import LAYOUTS, config_geometry
-from uptrain.convert.source import resolve_source
+from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 
 TP_DEGREES = (2, 4, 8)

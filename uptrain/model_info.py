@@ -12,7 +12,7 @@ from numbers import Real
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.fsutil import read_json
+from uptrain.strict_json import read_json
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,

@@ -111,7 +111,7 @@ def test_spilled_moments_read_one_layer_at_a_time():
 def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tmp_path, capsys):
     from contextlib import closing
 
-    from uptrain.convert.io import SourceCheckpoint
+    from uptrain.checkpoint.reader import SourceCheckpoint
     from uptrain.convert.layer_merge import LayerMerger
     from uptrain.convert.layouts import layout_for
     from uptrain.convert.pooling import get_strategy

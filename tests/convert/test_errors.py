@@ -329,7 +329,7 @@ def test_hostile_index_reads_nothing_outside_src(capsys, tmp_path, sharded, edit
 
 def test_every_safetensors_dtype_is_known_and_copied_byte_for_byte(tmp_path, mha):
     """U32, U64, F8_E8M0, C64, F4, F6… (issue #10): valid files, copied exactly, header and bytes."""
-    from uptrain.convert.io import ST_DTYPES, dtype_bits, read_safetensors_header
+    from uptrain.checkpoint.reader import ST_DTYPES, dtype_bits, read_safetensors_header
 
     header, data = raw_header(mha / "model.safetensors")
     src = copy_of(mha, tmp_path / "src")

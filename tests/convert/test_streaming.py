@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.convert.tiny_models import build_model, save
 from uptrain.convert import convert_checkpoint
-from uptrain.convert.io import read_safetensors_header
+from uptrain.checkpoint.reader import read_safetensors_header
 from uptrain.convert.synthetic import write_synthetic_llama
 
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from tests.convert.tiny_models import build_model, save
 from tests.robustness.opened_files import files_opened
 from uptrain import UptrainError
-from uptrain.convert.io import ST_DTYPES, dtype_bits
+from uptrain.checkpoint.reader import ST_DTYPES, dtype_bits
 from uptrain.convert.pipeline import convert_checkpoint
 from uptrain.inspect_checkpoint import inspect_checkpoint
 
@@ -216,7 +216,7 @@ def safetensors_library_accepts(path: Path) -> bool:
 
 def check_conversion(src: Path, out: Path) -> None:
     """Every tensor but K/V copied byte for byte with its dtype and shape; K/V pooled to G heads."""
-    from uptrain.convert.io import SourceCheckpoint
+    from uptrain.checkpoint.reader import SourceCheckpoint
 
     config = json.loads((out / "config.json").read_text())
     assert config["num_key_value_heads"] == G

@@ -20,7 +20,7 @@ from tests.robustness.test_kill_anywhere import leftovers, snapshot
 from uptrain import UptrainError
 from uptrain.convert.pipeline import convert_checkpoint, execute, prepare
 from uptrain.convert.spec import conversion_spec
-from uptrain.fsutil import output_lock
+from uptrain.checkpoint.atomic import output_lock
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import run_training
 from uptrain.train.metrics import read_metrics

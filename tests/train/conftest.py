@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from train_helpers import build_llama, build_tokenizer, make_text  # noqa: E402
+from tests.train.train_helpers import build_llama, build_tokenizer, make_text  # noqa: E402
 
 
 @pytest.fixture(scope="session")

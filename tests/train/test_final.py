@@ -13,7 +13,7 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 
-from train_helpers import records
+from tests.train.train_helpers import records
 from uptrain.train.config import TrainConfig
 from uptrain.train.final import uptrained_card, uptraining_record, write_final
 from uptrain.train.loop import run_training

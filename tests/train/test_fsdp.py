@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from train_helpers import CURVE, KILLER, curve, python_env, records
+from tests.train.train_helpers import CURVE, KILLER, curve, python_env, records
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP_YAML = REPO / "configs" / "accelerate" / "fsdp.yaml"

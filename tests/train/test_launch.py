@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from train_helpers import python_env
+from tests.train.train_helpers import python_env
 from uptrain.train.distributed import Launch, launch_problem
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from train_helpers import python_env, wandb_records
+from tests.train.train_helpers import python_env, wandb_records
 from uptrain.convert import convert_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import run_training
@@ -72,7 +72,7 @@ def test_online_without_a_key_stops_in_one_line_before_writing(base_config, tmp_
 
 def test_compare_logs_its_table_and_plots(tmp_path):
     from uptrain.compare.report import COLUMNS, write_report
-    from uptrain.compare.run import CompareSpec, RunResult
+    from uptrain.compare.study import CompareSpec, RunResult
 
     curve = [(0, 5.0), (100, 4.5), (200, 4.2)]
     results = [RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)]),

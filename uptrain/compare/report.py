@@ -8,7 +8,7 @@ import hashlib
 import math
 from pathlib import Path
 
-from uptrain.compare.run import MHA, RunResult
+from uptrain.compare.study import MHA, RunResult
 
 COLUMNS = ["num_kv_heads", "pooling", "eval_loss_before", "perplexity_before", "eval_loss_after",
            "perplexity_after", "gap_to_mha_before", "gap_to_mha_after", "kv_cache_bytes_per_token", "uptrain_tokens"]

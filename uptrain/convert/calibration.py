@@ -34,9 +34,9 @@ import torch
 from tqdm.auto import tqdm
 
 from uptrain import UptrainError
-from uptrain.convert.io import SourceCheckpoint
+from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.layouts import layout_for
-from uptrain.convert.source import resolve_source
+from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 

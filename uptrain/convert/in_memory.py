@@ -19,7 +19,7 @@ from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
 from uptrain.convert.layouts import layout_for
 from uptrain.convert.pipeline import Calibration
 from uptrain.convert.pooling import get_strategy
-from uptrain.convert.run import _compute, plan_conversion
+from uptrain.convert.plan import _compute, plan_conversion
 from uptrain.convert.spec import ConversionOptions, validated
 from uptrain.model_info import attention_geometry, rotary_dim
 from uptrain.modeling import gqa_counterpart

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from uptrain import UptrainError
 from uptrain.convert.calibrated import (LayerAttention, calibrated_merge, head_similarity, permute_kv_heads,
                                         similarity_order)
-from uptrain.convert.io import SourceCheckpoint
+from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
 from uptrain.model_info import AttentionGeometry

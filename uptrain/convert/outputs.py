@@ -18,8 +18,8 @@ import yaml
 import uptrain
 from uptrain.convert.grouping import kv_groups, query_to_kv
 from uptrain.convert.pooling import Strategy
-from uptrain.convert.run import ConversionPlan
-from uptrain.convert.source import ResolvedSource
+from uptrain.convert.plan import ConversionPlan
+from uptrain.checkpoint.source import ResolvedSource
 from uptrain.modeling import copy_modeling_files, gqa_config
 
 PROVENANCE = "uptrain.json"

@@ -18,16 +18,16 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.grouping import check_num_kv_heads
-from uptrain.convert.hashing import BackgroundHasher
-from uptrain.convert.io import SourceCheckpoint
+from uptrain.checkpoint.hashing import BackgroundHasher
+from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.layer_merge import LayerMerger, check_no_clamp, merges_whole_layers
 from uptrain.convert.layouts import AttentionLayout, layout_for
 from uptrain.convert.outputs import card_metadata, copy_side_files, model_card, provenance, write_config
 from uptrain.convert.pooling import Strategy, get_strategy
-from uptrain.convert.run import DTYPES, ConversionPlan, plan_conversion, write_weights
-from uptrain.convert.source import ResolvedSource, resolve_source
+from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion, write_weights
+from uptrain.checkpoint.source import ResolvedSource, resolve_source
 from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
-from uptrain.fsutil import atomic_directory, check_output_path
+from uptrain.checkpoint.atomic import atomic_directory, check_output_path
 from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
 

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.fsutil import read_json
+from uptrain.strict_json import read_json
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"

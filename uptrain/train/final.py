@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import uptrain
-from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, OutputEntry, ShardWriter, SourceCheckpoint,
-                                tensor_bytes)
+from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SourceCheckpoint
+from uptrain.checkpoint.writer import OutputEntry, ShardWriter, tensor_bytes
 from uptrain.convert.outputs import (CARD, PROVENANCE, card_metadata, conversion_record, front_matter,
                                      read_provenance)
-from uptrain.fsutil import atomic_directory
+from uptrain.checkpoint.atomic import atomic_directory
 
 # Shards as `uptrain convert` writes them by default.
 MAX_SHARD_BYTES = 5 * 10**9

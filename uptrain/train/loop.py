@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 import uptrain
 from uptrain import UptrainError
 from uptrain.convert.pipeline import calibrate, execute, prepare
-from uptrain.convert.source import resolve_source
+from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.train import metrics as M

@@ -24,7 +24,8 @@ from typing import Iterator
 import yaml
 
 from uptrain import UptrainError
-from uptrain.fsutil import OutputLock, read_json, remove_stale_locks
+from uptrain.checkpoint.atomic import OutputLock, remove_stale_locks
+from uptrain.strict_json import read_json
 from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from train_helpers import KILLER, METRICS, curve, python_env, records, wandb_records
+from tests.train.train_helpers import KILLER, METRICS, curve, python_env, records, wandb_records
 from uptrain import UptrainError
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import lr_at, run_training

@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 
 from uptrain import UptrainError
 from uptrain.convert.grouping import kv_groups
-from uptrain.convert.io import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, COPY_CHUNK_BYTES, OutputEntry,
-                                ShardWriter, SourceCheckpoint, tensor_bytes)
+from uptrain.checkpoint.reader import COPY_CHUNK_BYTES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SourceCheckpoint
+from uptrain.checkpoint.writer import OutputEntry, ShardWriter, tensor_bytes
 from uptrain.convert.layer_merge import LayerMerger, merges_whole_layers, whole_layer_shapes
 from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Role, Strategy, pool_rows

@@ -20,7 +20,7 @@ from pathlib import Path
 import blake3
 
 from uptrain import UptrainError
-from uptrain.convert.io import COPY_CHUNK_BYTES
+from uptrain.checkpoint.reader import COPY_CHUNK_BYTES
 
 SOURCE_HASHES = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 HASH_CHOICES = (*SOURCE_HASHES, "none")

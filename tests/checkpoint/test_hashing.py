@@ -15,7 +15,7 @@ import pytest
 
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
-from uptrain.convert.hashing import BackgroundHasher
+from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.convert.synthetic import write_synthetic_llama
 
 

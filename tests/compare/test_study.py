@@ -72,7 +72,7 @@ def test_compare_writes_table_plots_and_resumes(setup, tmp_path, capsys):
 
 def test_tokens_to_reach_and_gap_closed():
     from uptrain.compare.report import against_mean, tokens_to_reach
-    from uptrain.compare.run import RunResult
+    from uptrain.compare.study import RunResult
 
     assert tokens_to_reach([(0, 5.0), (100, 4.0), (200, 3.0)], 3.5) == 150.0
     assert tokens_to_reach([(0, 3.0), (100, 2.0)], 3.5) == 0.0
@@ -98,7 +98,7 @@ def test_compare_checks_every_conversion_before_any_work(setup, tmp_path, capsys
 
 
 def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
-    from uptrain.compare.run import CompareSpec
+    from uptrain.compare.study import CompareSpec
     from uptrain.convert.spec import ConversionOptions
 
     spec = CompareSpec(model=str(setup / "mha"), num_kv_heads=[2], pooling=["first"],

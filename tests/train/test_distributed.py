@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from train_helpers import CURVE, KILLER, curve, python_env, records, wandb_records
+from tests.train.train_helpers import CURVE, KILLER, curve, python_env, records, wandb_records
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import run_training
 

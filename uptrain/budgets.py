@@ -13,6 +13,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from uptrain import UptrainError
+from uptrain.checkpoint.provenance import conversion_record, read_provenance
+from uptrain.checkpoint.source import resolve_source
+from uptrain.model_info import read_config
+from uptrain.strict_json import read_json
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -53,3 +59,31 @@ def known_pretrain_tokens(config: dict, name: str) -> float | None:
     """
     budget = find_budget(config, name)
     return None if budget is None else budget.tokens
+
+
+# A model uptrain pretrained itself (the shipped reference model) records its budget here.
+REFERENCE_CARD = "reference.json"
+
+
+def pretrain_tokens(model: str) -> float:
+    """The pretraining tokens of `model` (a checkpoint folder or Hub id), for `uptrain_fraction`:
+    its `reference.json` card when it has one, else the published budget of its family,
+    recognised by its name or, for a checkpoint uptrain converted, by its source's name.
+    `uptrain train` and `uptrain compare` both ask this; one UptrainError when it cannot tell."""
+    folder = resolve_source(model).folder
+    card = folder / REFERENCE_CARD
+    if card.is_file():
+        tokens = read_json(card)
+        tokens = tokens.get("pretrain_tokens") if isinstance(tokens, dict) else None
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not 0 < tokens < float("inf"):
+            raise UptrainError(f"{card}: `pretrain_tokens` must be a positive number of tokens")
+        return float(tokens)
+    config = read_config(folder)
+    conversion = conversion_record(read_provenance(folder))
+    names = [model] + ([conversion["source"]] if conversion and isinstance(conversion.get("source"), str) else [])
+    for name in names:
+        if (tokens := known_pretrain_tokens(config, name)) is not None:
+            return tokens
+    families = ", ".join(b.family for b in BUDGETS)
+    raise UptrainError(f"{model} has no {REFERENCE_CARD} card and is not recognised as a family with a published "
+                       f"pretraining budget ({families}): give `pretrain_tokens`")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
+from uptrain.budgets import pretrain_tokens
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.layouts import config_geometry
 from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec
@@ -80,17 +81,6 @@ class RunResult:
         return float(torch.tensor(self.eval_loss_after).exp())
 
 
-def card_pretrain_tokens(model: str | Path) -> float | None:
-    """Pretraining tokens recorded on a model's card (uptrain's reference model has one), else the
-    published budget of its family when its name identifies one (Pythia, OPT, Llama-2, …)."""
-    from uptrain.budgets import known_pretrain_tokens
-
-    card = Path(model) / "reference.json"
-    if card.is_file():
-        return json.loads(card.read_text()).get("pretrain_tokens")
-    return known_pretrain_tokens(read_config(model), str(model))
-
-
 def validate(spec: CompareSpec) -> None:
     """Every check of every run — each conversion's full `prepare` included — before any work."""
     if "wandb" in spec.report_to:
@@ -101,10 +91,7 @@ def validate(spec: CompareSpec) -> None:
         if spec.uptrain_fraction is None:
             raise UptrainError("give a budget: --max-tokens, or --uptrain-fraction with --pretrain-tokens")
         if spec.pretrain_tokens is None:
-            spec.pretrain_tokens = card_pretrain_tokens(spec.model)
-            if spec.pretrain_tokens is None:
-                raise UptrainError(f"{spec.model} has no card with its pretraining tokens and is not a family "
-                                   "with a published budget: pass --pretrain-tokens")
+            spec.pretrain_tokens = pretrain_tokens(spec.model)
     elif spec.uptrain_fraction is not None:
         raise UptrainError("give either --max-tokens or --uptrain-fraction, not both")
     for _, g, pooling in run_names(spec):

@@ -13,25 +13,19 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-import yaml
-
 import uptrain
 from uptrain.convert.grouping import kv_groups, query_to_kv
 from uptrain.convert.pooling import Strategy
 from uptrain.convert.plan import ConversionPlan
+from uptrain.checkpoint.card import front_matter
 from uptrain.checkpoint.source import ResolvedSource
 from uptrain.modeling import copy_modeling_files, gqa_config
 
-PROVENANCE = "uptrain.json"
-CARD = "README.md"
 # Files besides the weights that make the output a usable checkpoint, and the licence terms
 # the source was published under (they bind the converted model too).
 SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                       "merges.txt", "*.model", "chat_template.*", "generation_config.json",
                       "LICENSE*", "LICENCE*", "USE_POLICY*", "NOTICE*")
-# Card metadata that follows the weights from source to output: the licence terms.
-CARRIED_CARD_KEYS = ("license", "license_name", "license_link")
-CARD_TAGS = ["uptrain", "grouped-query-attention", "gqa"]
 
 
 def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int, dtype: str | None) -> None:
@@ -98,57 +92,6 @@ def provenance(source: ResolvedSource, source_files: dict[str, dict], strategy: 
     if calibration:
         record["calibration"] = calibration
     return record
-
-
-def read_provenance(folder: str | Path) -> dict | None:
-    """A checkpoint's `uptrain.json`, or None when it has none (or an unreadable one)."""
-    path = Path(folder) / PROVENANCE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def conversion_record(record: dict | None) -> dict | None:
-    """The conversion at the root of a provenance chain: the record itself for a converted
-    checkpoint, the one its uptraining started from for a `final/` (followed back through
-    uptrainings of uptrained models)."""
-    while record is not None:
-        if "pooling" in record:
-            return record
-        record = (record.get("started_from") or {}).get("provenance")
-    return None
-
-
-def card_metadata(folder: str | Path) -> dict:
-    """The YAML front matter of a checkpoint's model card ({} without a card or front matter)."""
-    path = Path(folder) / CARD
-    if not path.is_file():
-        return {}
-    try:
-        from huggingface_hub import metadata_load
-
-        return metadata_load(path) or {}
-    except (ValueError, yaml.YAMLError, UnicodeDecodeError):
-        return {}  # a card we cannot parse carries nothing; the weights are still worth converting
-
-
-def hub_id(source: str) -> str:
-    """The Hub id of a source: itself for an id, `org/name` for a folder inside a Hugging Face
-    cache (…/models--org--name/snapshots/<commit>), else the path unchanged."""
-    path = Path(source)
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
-    return source
-
-
-def front_matter(base_model: str, source_card: dict, extra_tags: list[str]) -> str:
-    """Hub metadata: base model, library, task, the source's licence terms, tags."""
-    meta = {"base_model": hub_id(base_model), "library_name": "transformers", "pipeline_tag": "text-generation"}
-    meta.update({k: source_card[k] for k in CARRIED_CARD_KEYS if source_card.get(k) is not None})
-    meta["tags"] = list(dict.fromkeys(CARD_TAGS + extra_tags))
-    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
 
 
 def _grouping_text(p: dict) -> str:

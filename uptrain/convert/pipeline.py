@@ -22,7 +22,8 @@ from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.layer_merge import LayerMerger, check_no_clamp, merges_whole_layers
 from uptrain.convert.layouts import AttentionLayout, layout_for
-from uptrain.convert.outputs import card_metadata, copy_side_files, model_card, provenance, write_config
+from uptrain.checkpoint.card import card_metadata
+from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion, write_weights
 from uptrain.checkpoint.source import ResolvedSource, resolve_source

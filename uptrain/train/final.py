@@ -26,8 +26,8 @@ import torch
 import uptrain
 from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry, ShardWriter, tensor_bytes
-from uptrain.convert.outputs import (CARD, PROVENANCE, card_metadata, conversion_record, front_matter,
-                                     read_provenance)
+from uptrain.checkpoint.card import CARD, card_metadata, front_matter
+from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, read_provenance
 from uptrain.checkpoint.atomic import atomic_directory
 
 # Shards as `uptrain convert` writes them by default.

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import uptrain
 from uptrain import UptrainError
+from uptrain.budgets import pretrain_tokens
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
@@ -220,24 +221,9 @@ def setup(config: TrainConfig) -> Run:
 
 
 def _fill_known_budget(config: TrainConfig) -> None:
-    """`uptrain_fraction` without `pretrain_tokens`: take the published pretraining budget of the
-    model's family, recognised by its name (or, for a converted model, its source's name)."""
-    if config.uptrain_fraction is None or config.pretrain_tokens is not None:
-        return
-    from uptrain.budgets import BUDGETS, known_pretrain_tokens
-    from uptrain.convert.outputs import conversion_record, read_provenance
-
-    name = config.source if config.source is not None else config.model
-    model_dir = resolve_source(name).folder
-    model_config = read_config(model_dir)
-    conversion = conversion_record(read_provenance(model_dir))
-    names = [name] + ([conversion["source"]] if conversion and conversion.get("source") else [])
-    tokens = next((t for n in names if (t := known_pretrain_tokens(model_config, str(n))) is not None), None)
-    if tokens is None:
-        families = ", ".join(b.family for b in BUDGETS)
-        raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {name} is not recognised as a family "
-                           f"with a published pretraining budget ({families})")
-    config.pretrain_tokens = tokens
+    """`uptrain_fraction` without `pretrain_tokens`: the model's own budget (`budgets.pretrain_tokens`)."""
+    if config.uptrain_fraction is not None and config.pretrain_tokens is None:
+        config.pretrain_tokens = pretrain_tokens(config.source if config.source is not None else config.model)
 
 
 def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None):

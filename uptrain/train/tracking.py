@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import uptrain
 from uptrain import UptrainError
-from uptrain.convert.outputs import conversion_record, read_provenance
+from uptrain.checkpoint.provenance import conversion_record, read_provenance
 
 TOKENS_SEEN = "train/tokens_seen"
 # Modes in which wandb talks to the server and so needs an API key.

@@ -9,15 +9,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain.checkpoint.reader import TORCH_TO_ST, RawDtype, tensor_nbytes
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The little-endian bytes of a tensor, as safetensors stores them."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+from uptrain.checkpoint.reader import TORCH_TO_ST, RawDtype, tensor_bytes, tensor_nbytes
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,12 @@ def calibration_must_not_run(monkeypatch):
 ])
 def test_every_check_runs_before_calibration(checkpoints, calibration_must_not_run, tmp_path, capsys, source, extra,
                                              expected):
-    out = tmp_path / "out"
+    out, before = tmp_path / "out", folder_bytes(checkpoints / source)
     code = main(["convert", str(checkpoints / source), str(out), "--pooling", "calibrated",
                  "--calibration-data", str(checkpoints / "text.jsonl"), *extra])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and folder_bytes(checkpoints / source) == before
 
 
 def test_calibration_runs_after_the_checks_pass(checkpoints, calibration_must_not_run, tmp_path):

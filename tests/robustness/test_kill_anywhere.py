@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from tests.convert.tiny_models import build_model, save
 from tests.robustness.faults import EVERY_STEP, NEVER, RENAMES, run_and_kill_at
+from tests.train.train_helpers import reset_accelerate
 from uptrain import UptrainError
 from uptrain.cli import main
 from uptrain.convert.pipeline import convert_checkpoint
@@ -73,13 +74,6 @@ def train_values(base_config: dict, **changes) -> dict:
 def run_dir_leftovers(out: Path) -> list[str]:
     """Hidden entries and temporaries of a run folder (a finished run has none)."""
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp")
-
-
-def reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def kill_training_everywhere(base_config: dict, tmp_path: Path, events: frozenset[str]) -> None:

@@ -10,8 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.convert.test_calibrated import (CALIBRATED, build, calibration_text, save,  # noqa: F401 (fixtures)
-                                           tokenizer)
+from tests.convert.test_calibrated import CALIBRATED, build, save
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.calibration import (SpilledMoments, attention_input, collect_attention_moments,

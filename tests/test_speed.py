@@ -115,10 +115,27 @@ def test_timed_decoding_is_greedy_decoding(model_type, tmp_path):
     assert sample.tokens.tolist() == no_cache_greedy(model, prompt, 4).tolist()
 
 
+def test_static_cache_decoding_is_greedy_decoding(llama):
+    """The --compile path's decoding (a static cache, reset between samples; a compiled decode step)
+    gives the same tokens as the dynamic cache's. TorchDynamo with its eager backend stands in for
+    inductor and CUDA graphs here: it traces the same graph, in seconds."""
+    from transformers import StaticCache
+
+    cpu = torch.device("cpu")
+    model = load_model(llama[2], "float32", cpu)
+    prompt = random_prompt(model, batch=2, context=6, device=cpu)
+    cache = StaticCache(config=model.config, max_cache_len=6 + 4)
+    decode = torch.compile(model.forward, backend="eager")
+    with torch.inference_mode():
+        expected = greedy_sample(model, prompt, 4, cpu).tokens.tolist()
+        for _ in range(2):
+            cache.reset()
+            assert greedy_sample(model, prompt, 4, cpu, cache=cache, decode=decode).tokens.tolist() == expected
+
+
 def assert_one_line_refusal(call, pattern: str) -> None:
-    with PeakMemory(torch.device("cpu")) as peak:
-        with pytest.raises(UptrainError, match=pattern) as err:
-            call()
+    with PeakMemory(torch.device("cpu")) as peak, pytest.raises(UptrainError, match=pattern) as err:
+        call()
     assert "\n" not in str(err.value)
     # Refused before the cache (or any model) is allocated: a refusal costs next to no memory.
     assert peak.bytes is None or peak.bytes < 64 * 2**20, peak.bytes
@@ -126,8 +143,8 @@ def assert_one_line_refusal(call, pattern: str) -> None:
 
 def test_refuses_a_context_beyond_the_positions(llama, gpt2):
     # Llama's max_position_embeddings and GPT-2's n_positions are both 64 in the tiny configs.
-    for paths in (llama, gpt2):
-        assert_one_line_refusal(lambda: measure_speed([paths[2]], context=60, new_tokens=8),
+    for folder in (llama[2], gpt2[2]):
+        assert_one_line_refusal(lambda folder=folder: measure_speed([folder], context=60, new_tokens=8),
                                 r"context 60 \+ new tokens 8 = 68 is beyond the model's 64 positions")
     measure_speed([llama[2]], context=60, new_tokens=4, repeats=1)  # exactly the positions: runs
 
@@ -140,14 +157,18 @@ def test_refuses_a_cache_beyond_free_memory(tmp_path):
 
 
 @pytest.mark.parametrize("options, pattern", [
-    (dict(compile=True), "--compile needs a CUDA device"),
-    (dict(device="tpu"), "--device 'tpu': use cpu, cuda or cuda:N"),
-    (dict(new_tokens=1), "--new-tokens must be a whole number ≥ 2"),
-    (dict(batch=0), "--batch must be a whole number ≥ 1"),
-    (dict(dtype="int8"), "--dtype 'int8' is not one of"),
+    ({"compile": True}, "--compile needs a CUDA device"),
+    ({"device": "tpu"}, "--device 'tpu': use cpu, cuda or cuda:N"),
+    ({"new_tokens": 1}, "--new-tokens must be a whole number ≥ 2"),
+    ({"batch": 0}, "--batch must be a whole number ≥ 1"),
+    ({"dtype": "int8"}, "--dtype 'int8' is not one of"),
 ])
 def test_refuses_bad_options(llama, options, pattern):
     assert_one_line_refusal(lambda: measure_speed([llama[2]], **{"context": 8, **options}), re.escape(pattern))
+
+
+def test_refuses_a_checkpoint_given_twice(llama):
+    assert_one_line_refusal(lambda: measure_speed([llama[2], llama[4], llama[2]], context=8), "given twice")
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resident-peak reset is Linux-only")

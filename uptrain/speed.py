@@ -73,6 +73,10 @@ def measure_speed(models: list[str | Path], *, context: int = 1024, new_tokens: 
     if not models:
         raise UptrainError("give at least one checkpoint to measure")
     sources = [resolve_source(m) for m in models]
+    labels = [s.label for s in sources]
+    if len(set(labels)) < len(labels):
+        twice = next(label for label in labels if labels.count(label) > 1)
+        raise UptrainError(f"{twice} is given twice: measure each checkpoint once (--repeats samples it again)")
     shapes = [model_shape(s.folder, s.label) for s in sources]
     for shape in shapes:  # cheap refusals first: nothing is loaded yet
         shape.check(context, new_tokens, batch, dtype, torch_device)
@@ -155,16 +159,16 @@ def free_memory_bytes(device) -> int | None:
         meminfo = Path("/proc/meminfo").read_text()
     except OSError:
         return None
-    found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
+    found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
     return int(found.group(1)) * 1024 if found else None
 
 
 def load_model(folder: str | Path, dtype: str, device):
     """A checkpoint as transformers loads it, on `device`, in eval mode."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     import uptrain.modeling  # noqa: F401  registers the *_gqa architectures with the Auto classes
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=str(device))
     return model.eval()
@@ -177,6 +181,7 @@ def measure_models(models: dict, *, context: int, new_tokens: int, batch: int, r
     name, the measurement keys of `measure_speed`'s results."""
     import torch
 
+    check_counts(context=context, new_tokens=new_tokens, batch=batch, repeats=repeats)
     device = torch.device(device)
     samples: dict[str, list[Sample]] = {name: [] for name in models}
     peaks: dict[str, int | None] = {}
@@ -343,7 +348,7 @@ class PeakMemory:
 
 
 def _status_kib(field: str) -> int:
-    found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     if found is None:
         raise AttributeError(field)
     return int(found.group(1))
@@ -363,11 +368,11 @@ def format_speed_table(results: list[dict]) -> str:
     if not results:
         return ""
     first = results[0]
-    lines = [f"greedy decoding: context {first['context']}, {first['new_tokens']} new tokens, batch {first['batch']}, "
-             f"{first['device']} {first['dtype']}, median of {first['repeats']} (min–max)"]
+    title = (f"greedy decoding: context {first['context']}, {first['new_tokens']} new tokens, batch {first['batch']}, "
+             f"{first['device']} {first['dtype']}, median of {first['repeats']} (min–max)")
     header = (f"{'model':<32} {'G':>3} {'prefill s':>9} {'decode ms/token':>21} {'tokens/s':>9} "
               f"{'time/sample s':>22} {'KV cache MiB':>12} {'peak MiB':>9}")
-    lines += [header, "-" * len(header)]
+    lines = [title, header, "-" * len(header)]
     for r in results:
         rows = [(r["model"], r)] + ([(r["model"] + " (compiled)", r["compiled"])] if r.get("compiled") else [])
         for name, m in rows:

@@ -91,16 +91,18 @@ def test_save_pretrained_of_a_loaded_model_carries_its_code(tmp_path):
 
     # A model made from a config of its own (no `auto_map` to inherit): both classes' markings
     # write theirs.
-    config = uptrain.modeling.GPT2GQAConfig(n_embd=64, n_head=8, n_layer=1, num_key_value_heads=4, vocab_size=128)
+    def bare_config():
+        return uptrain.modeling.GPT2GQAConfig(n_embd=64, n_head=8, n_layer=1, num_key_value_heads=4, vocab_size=128)
+
     torch.manual_seed(0)
-    bare = uptrain.modeling.GPT2GQAForCausalLM(config).eval()
+    bare = uptrain.modeling.GPT2GQAForCausalLM(bare_config()).eval()
     bare.save_pretrained(tmp_path / "bare")
     resaved["bare"] = str(tmp_path / "bare")
     with torch.no_grad():
         expected["bare"] = bare(token_ids()).logits
     assert set(json.loads((tmp_path / "bare" / "config.json").read_text())["auto_map"]) == \
         {"AutoConfig", "AutoModelForCausalLM"}
-    uptrain.modeling.GPT2GQAModel(config).save_pretrained(tmp_path / "bare_base")
+    uptrain.modeling.GPT2GQAModel(bare_config()).save_pretrained(tmp_path / "bare_base")
     assert set(json.loads((tmp_path / "bare_base" / "config.json").read_text())["auto_map"]) == \
         {"AutoConfig", "AutoModel"}
 

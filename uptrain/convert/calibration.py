@@ -170,6 +170,8 @@ def _empty_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: every model uptrain writes loads here
+
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

@@ -29,6 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("modeling", ("uptrain.modeling.*",)),
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),
+    # Inference speed and KV-cache memory of a checkpoint (`uptrain speed`; compare reports it).
+    ("speed", ("uptrain.speed",)),
     ("compare", ("uptrain.compare.*",)),
     # The commands.
     ("commands", ("uptrain.cli", "uptrain.__main__", "uptrain.demo", "uptrain.inspect_checkpoint")),

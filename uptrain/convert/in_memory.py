@@ -72,7 +72,7 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
     state = model.state_dict()
     source = StateDictSource(state)
     plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping)
-    init_std = config.get("initializer_range", 0.02)
+    init_std = config.get(layout.init_std_key, 0.02)
     merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, options.grouping,
                          rotary_dim(config, geometry.head_dim), calibration.moments if calibration else None,
                          seed, init_std, progress=False)

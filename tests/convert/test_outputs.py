@@ -16,6 +16,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import load_file
 
 from tests.convert.tiny_models import build_model, save
+from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.pipeline import Calibration
 
@@ -241,3 +242,8 @@ def test_random_pooling_draws_with_the_layouts_own_init_key(tmp_path):
         weight = after[f"model.decoder.layers.0.self_attn.{proj}.weight"]  # 2 heads × 8 rows × 64: 1024 draws
         assert abs(weight.std().item() - 0.5) < 0.05, proj
     assert "normal(0, `init_std` of config.json)" in (out / "README.md").read_text()
+
+    (src / "config.json").write_text(json.dumps({**config, "init_std": "small"}))
+    with pytest.raises(UptrainError, match="init_std is 'small'; it must be a finite number"):
+        convert_checkpoint(src, tmp_path / "refused", 2, pooling="random", progress=False)
+    assert not (tmp_path / "refused").exists()

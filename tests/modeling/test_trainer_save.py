@@ -73,7 +73,8 @@ def test_a_trainer_checkpoint_loads_without_uptrain(model_type, tmp_path):
     empty.mkdir()
     logits = tmp_path / "logits.pt"
     script = RELOAD_WITHOUT_UPTRAIN.format(folder=str(checkpoint), ids=token_ids().tolist(), logits=str(logits))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(empty))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=empty,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(empty)))
+                            env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert torch.equal(torch.load(logits), expected)

@@ -143,6 +143,18 @@ def test_convert_on_the_fly(base_config, assets):
     assert json.loads((final / "config.json").read_text())["num_key_value_heads"] == 2
 
 
+
+def test_convert_on_the_fly_again_under_overwrite(base_config, assets):
+    # --overwrite empties the folder, converted/ included: the conversion runs again rather than
+    # trusting the converted/ it is about to delete.
+    values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "max_steps": 1, "save_every": 10}
+    del values["model"]
+    run_training(TrainConfig(**values))
+    run_training(TrainConfig(**{**values, "overwrite": True, "num_kv_heads": 4}))
+    converted = Path(values["output_dir"]) / "converted"
+    assert json.loads((converted / "config.json").read_text())["num_key_value_heads"] == 4
+    assert [r["step"] for r in records(values["output_dir"])] == [0, 1]
+
 def test_convert_on_the_fly_calibrated_on_train_data(base_config, assets):
     values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "pooling": "calibrated",
               "grouping": "similarity", "calibration_tokens": 256, "max_steps": 1, "save_every": 10}
@@ -265,5 +277,5 @@ def test_uptrain_fraction_alone_takes_a_known_family_budget(base_config, assets,
     assert [r["step"] for r in records(Path(values["output_dir"]))][-1] == 1
     # An unknown family needs pretrain_tokens, and nothing is written before that is said.
     unknown = {**values, "model": str(assets["gqa"]), "output_dir": str(tmp_path / "unknown")}
-    refuses(unknown, "`uptrain_fraction` needs `pretrain_tokens`: .* is not recognised")
+    refuses(unknown, "is not recognised as a family with a published pretraining budget .*: give `pretrain_tokens`")
     assert not (tmp_path / "unknown").exists()

@@ -208,6 +208,7 @@ def setup(config: TrainConfig) -> Run:
     start = inspect_run_dir(config, global_batch)
     conversion = SourceConversion(config, out) if config.source is not None else None
     with conversion if conversion is not None else contextlib.nullcontext():
+        # The converted model's tokenizer and positions are the source's.
         checked = model_path if conversion is None else str(conversion.checked_folder)
         tokenizer, model_config, teacher_config = _check_models(config, checked, teacher_path)
         train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
@@ -222,20 +223,26 @@ def setup(config: TrainConfig) -> Run:
 
     model, optimizer, teacher, flops = _build_models(config, accelerator, model_path, model_config, teacher_path,
                                                      teacher_config)
+    plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes)
+    return Run(plan=plan, start=start, accelerator=accelerator, model=model, optimizer=optimizer, teacher=teacher,
+               train_blocks=train_blocks, eval_set=eval_set,
+               log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None)
+
+
+def _make_plan(config: TrainConfig, accelerator, out: Path, model_path: str, model_config: dict,
+               flops_per_token: float, eval_set: list, notes: list[str]) -> Plan:
+    world = accelerator.num_processes
     geometry = config_geometry(model_config)
     source_dtype = config_dtype(model_config)
     local_eval_blocks = torch.tensor(sum(int(c.sum()) for _, c in eval_set), device=accelerator.device)
-    plan = Plan(config=config, out=out, model_path=model_path, total_steps=config.total_steps(world),
-                tokens_per_step=config.tokens_per_step(world), flops_per_token=flops,
+    return Plan(config=config, out=out, model_path=model_path, total_steps=config.total_steps(world),
+                tokens_per_step=config.tokens_per_step(world), flops_per_token=flops_per_token,
                 peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
                 static_metrics={"model/num_kv_heads": geometry.num_kv_heads,
                                 "model/kv_cache_bytes_per_token":
                                     geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4))},
                 source_dtype=source_dtype, notes=tuple(notes),
                 eval_block_count=int(accelerator.reduce(local_eval_blocks, reduction="sum")))
-    return Run(plan=plan, start=start, accelerator=accelerator, model=model, optimizer=optimizer, teacher=teacher,
-               train_blocks=train_blocks, eval_set=eval_set,
-               log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None)
 
 
 def _run_info(start: RunStart, world: int, global_batch: int) -> dict:

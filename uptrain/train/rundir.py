@@ -36,7 +36,7 @@ LOCK_FILE = ".uptrain-lock"
 
 @dataclass(frozen=True)
 class RunStart:
-    """What `prepare_run_dir` decided."""
+    """What `inspect_run_dir` decided."""
     fresh: bool  # no earlier run to continue (the folder is new, emptied, or never checkpointed)
     checkpoint: Path | None  # continue from here
     checkpoint_step: int

@@ -277,5 +277,5 @@ def test_uptrain_fraction_alone_takes_a_known_family_budget(base_config, assets,
     assert [r["step"] for r in records(Path(values["output_dir"]))][-1] == 1
     # An unknown family needs pretrain_tokens, and nothing is written before that is said.
     unknown = {**values, "model": str(assets["gqa"]), "output_dir": str(tmp_path / "unknown")}
-    refuses(unknown, "is not recognised as a family with a published pretraining budget .*: give `pretrain_tokens`")
+    refuses(unknown, "`uptrain_fraction` needs `pretrain_tokens`: .* is not recognised")
     assert not (tmp_path / "unknown").exists()

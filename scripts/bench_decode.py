@@ -2,12 +2,14 @@
 
 The MHA model is built from a config with random weights (decode speed does not depend on
 weight values), saved, and converted with `uptrain.convert.convert_checkpoint` to G KV heads,
-so the GQA side is exactly what `uptrain convert` produces. For every context length and
-batch size both models prefill the same prompt (timed on its own), then decode greedily
-with the cache; MHA and GQA repetitions alternate so machine noise hits both alike.
+so the GQA side is exactly what `uptrain convert` produces. Every measurement is
+`uptrain.speed`'s (the one behind `uptrain speed`): for every context length and batch size
+both models generate greedily from the same prompt with the cache, one warm-up sample each,
+then the timed samples with MHA and GQA alternating so machine noise hits both alike. Each
+sample times the prompt's pass (prefill) and every decode step on its own.
 
-KV-cache bytes are summed from the real cache tensors (`cache.layers[i].keys/values`) after
-prefill; their ratio must be exactly G/h (asserted). Decode reads the whole cache for every
+KV-cache bytes are summed from the real cache tensors (`cache.layers[i].keys/values`) after a
+sample; their ratio must be exactly G/h (asserted). Decode reads the whole cache for every
 new token, so it is bound by memory bandwidth once the cache outgrows the weights: that is
 where GQA is faster (docs/DOMAIN.md §2). At short contexts the weights dominate each step and
 both models decode at about the same speed; prefill costs the same attention FLOPs for both.
@@ -15,8 +17,8 @@ No decode step can beat the bytes it reads, so each setting also reports its bou
 the cache dominates, (weights + MHA cache) / (weights + GQA cache) in general, and the measured
 speed-up as a fraction of that bandwidth bound.
 
-CPU (default): fp32, a 28M-parameter model, 8 new tokens × 3 repetitions, 1 torch thread.
-    python scripts/bench_decode.py                                  # ~2 min on 2 cores
+CPU (default): fp32, a 28M-parameter model, 8 new tokens × 3 samples, 1 torch thread.
+    python scripts/bench_decode.py                                  # minutes: each sample prefills again
     python scripts/bench_decode.py --contexts 256,1024 --batches 1,8  # quick
 GPU: bf16, SDPA attention, CUDA-synchronised timing; use a bigger model and more tokens, e.g.
     python scripts/bench_decode.py --device cuda --contexts 256,1024,4096 --batches 1,8 \\
@@ -27,7 +29,7 @@ GPU: bf16, SDPA attention, CUDA-synchronised timing; use a bigger model and more
 Prints a table, then as its last line one JSON object:
 kv_bytes_ratio (= G/h exactly), decode_speedup per setting ("ctx{C}_batch{B}"), the bounds
 (head_ratio_bound = h/G; bandwidth_bound_speedup and fraction_of_bound per setting), and the
-per-setting tokens/s, KV bytes and prefill seconds.
+per-setting tokens/s, KV bytes, prefill and time-per-sample seconds (medians).
 """
 
 from __future__ import annotations
@@ -35,10 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -60,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lengths, comma-separated (default: 256,1024,4096; on 2 CPU cores the 4096 × 8 "
                         "prefill takes ~30 s, pass 256,1024 for a quick run)")
     p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated (default: 1,8)")
-    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens decoded per repetition (default: 8)")
+    p.add_argument("--new-tokens", type=int, default=8,
+                   help="greedy tokens generated per sample, at least 2: the prompt's pass gives the first, one "
+                        "decode step each other one (default: 8)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed repetitions per model, alternating; the median step time is reported (default: 3)")
+                   help="timed samples per model after a warm-up, alternating; medians are reported (default: 3)")
     p.add_argument("--num-kv-heads", "-g", type=int, default=2, metavar="G", help="KV heads after conversion (default: 2)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default: 512)")
     p.add_argument("--heads", type=int, default=8, help="attention heads h (default: 8)")
@@ -82,9 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # keep the output to the table
     import torch
 
+    from uptrain import UptrainError
+    from uptrain.speed import parse_device
+
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    try:
+        device = parse_device(args.device)
+    except UptrainError as err:
+        raise SystemExit(str(err)) from None
+    dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     contexts, batches = parse_ints(args.contexts), parse_ints(args.batches)
     h, g = args.heads, args.num_kv_heads
     if h % g:
@@ -92,13 +100,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
         workdir = Path(args.workdir or tmp)
-        mha, gqa = build_models(args, workdir, max(contexts) + args.new_tokens + 8, dtype, device)
-        n_params = sum(p.numel() for p in mha.parameters())
-        weight_bytes = {"mha": model_bytes(mha), "gqa": model_bytes(gqa)}
+        models = build_models(args, workdir, max(contexts) + args.new_tokens, dtype, device)
+        n_params = sum(p.numel() for p in models["mha"].parameters())
+        weight_bytes = {name: model_bytes(model) for name, model in models.items()}
         rows = []
         for batch in batches:
             for context in contexts:
-                rows.append(with_bound(measure(mha, gqa, context, batch, args, device), weight_bytes))
+                try:
+                    row = measure(models, workdir, context, batch, args, dtype, device)
+                except UptrainError as err:
+                    raise SystemExit(str(err)) from None
+                rows.append(with_bound(row, weight_bytes))
                 print(f"  measured context {context}, batch {batch}", file=sys.stderr, flush=True)
 
     for row in rows:
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         assert Fraction(row["gqa_kv_bytes"], row["mha_kv_bytes"]) == Fraction(g, h), row
     print_table(rows, args, device, dtype, n_params)
     result = {
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+        "device": str(device), "dtype": dtype, "threads": args.threads,
         "params": n_params, "num_heads": h, "num_kv_heads": g, "layers": args.layers,
         "head_dim": args.hidden // h, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "kv_bytes_ratio": g / h, "head_ratio_bound": h / g,
@@ -137,95 +149,42 @@ def with_bound(row: dict, weight_bytes: dict[str, int]) -> dict:
     return row
 
 
-def build_models(args, workdir: Path, max_positions: int, dtype, device):
-    """The MHA model with random weights, and the same checkpoint converted by uptrain."""
+def build_models(args, workdir: Path, max_positions: int, dtype: str, device) -> dict:
+    """The MHA model with random weights, and the same checkpoint converted by uptrain, loaded
+    as `uptrain speed` loads them."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from uptrain.convert import convert_checkpoint
+    from uptrain.speed import load_model
 
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate or int(2.75 * args.hidden),
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.heads, vocab_size=args.vocab,
                          max_position_embeddings=max_positions, tie_word_embeddings=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(dtype).save_pretrained(workdir / "mha")
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(workdir / "mha")
     convert_checkpoint(workdir / "mha", workdir / "gqa", args.num_kv_heads, overwrite=True, progress=False)
-    models = []
-    for name in ("mha", "gqa"):
-        model = AutoModelForCausalLM.from_pretrained(workdir / name, dtype=dtype, attn_implementation="sdpa")
-        models.append(model.to(device).eval())
-    assert models[1].config.num_key_value_heads == args.num_kv_heads
+    models = {name: load_model(workdir / name, dtype, device) for name in ("mha", "gqa")}
+    assert models["gqa"].config.num_key_value_heads == args.num_kv_heads
     return models
 
 
-def sync(device) -> None:
-    import torch
+def measure(models: dict, workdir: Path, context: int, batch: int, args, dtype: str, device) -> dict:
+    """One setting, measured by uptrain.speed with MHA and GQA samples alternating; refused with
+    one line (UptrainError) where the cache would not fit in free memory."""
+    from uptrain.speed import measure_models, model_shape
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prefill(model, prompt, device):
-    """Run the prompt once; return the cache, the first greedy token and the seconds it took."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    sync(device)
-    start = time.perf_counter()
-    # logits_to_keep=1: the full [batch, context, vocab] logits would cost more memory than the cache.
-    out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    sync(device)
-    seconds = time.perf_counter() - start
-    assert out.cache is cache
-    return cache, token, seconds
-
-
-def kv_cache_bytes(cache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
-
-def decode(model, cache, token, steps: int, device) -> list[float]:
-    """Greedy decode `steps` tokens with the cache; return each step's seconds.
-
-    Leaves the cache as it found it, so every repetition decodes at the same context.
-    """
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        out = model(input_ids=token, cache=cache, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    cache.crop(-steps)
-    return times
-
-
-def measure(mha, gqa, context: int, batch: int, args, device) -> dict:
-    import torch
-
-    generator = torch.Generator().manual_seed(context * 1000 + batch)
-    prompt = torch.randint(0, args.vocab, (batch, context), generator=generator).to(device)
+    for name in models:
+        model_shape(workdir / name, name).check(context, args.new_tokens, batch, dtype, device)
+    measured = measure_models(models, context=context, new_tokens=args.new_tokens, batch=batch,
+                              repeats=args.repeats, device=device)
     row: dict = {"context": context, "batch": batch}
-    with torch.inference_mode():
-        states = {}
-        for name, model in (("mha", mha), ("gqa", gqa)):
-            cache, token, seconds = prefill(model, prompt, device)
-            row[f"{name}_prefill_s"] = round(seconds, 4)
-            row[f"{name}_kv_bytes"] = kv_cache_bytes(cache)
-            decode(model, cache, token, 1, device)  # warm-up: first-step allocations, kernel choice
-            states[name] = (model, cache, token)
-        steps: dict[str, list[float]] = {"mha": [], "gqa": []}
-        for _ in range(args.repeats):
-            for name in ("mha", "gqa"):  # alternate, so a noisy moment hits both models
-                model, cache, token = states[name]
-                steps[name] += decode(model, cache, token, args.new_tokens, device)
-        del states
-    for name in ("mha", "gqa"):
-        # The median step: a step that another process preempted is an outlier, not a trend.
-        row[f"{name}_tokens_per_s"] = round(batch / statistics.median(steps[name]), 2)
+    for name, m in measured.items():
+        row[f"{name}_prefill_s"] = round(m["prefill_s"], 4)
+        row[f"{name}_time_per_sample_s"] = round(m["time_per_sample_s"], 4)
+        row[f"{name}_kv_bytes"] = m["kv_cache_bytes"]
+        row[f"{name}_tokens_per_s"] = round(m["decode_tokens_per_s"], 2)
     row["decode_speedup"] = round(row["gqa_tokens_per_s"] / row["mha_tokens_per_s"], 3)
     return row
 
@@ -233,8 +192,8 @@ def measure(mha, gqa, context: int, batch: int, args, device) -> dict:
 def print_table(rows: list[dict], args, device, dtype, n_params: int) -> None:
     h, g = args.heads, args.num_kv_heads
     print(f"decode: Llama {n_params / 1e6:.1f}M params, {args.layers} layers, h={h} → G={g} KV heads, "
-          f"{device} {str(dtype).removeprefix('torch.')}, {args.threads} threads, "
-          f"median of {args.repeats} × {args.new_tokens} decode steps")
+          f"{device} {dtype}, {args.threads} threads, "
+          f"median of {args.repeats} samples of {args.new_tokens} new tokens")
     header = (f"{'context':>7} {'batch':>5} {'MHA KV MiB':>10} {'GQA KV MiB':>10} {'prefill MHA s':>13} "
               f"{'prefill GQA s':>13} {'MHA tok/s':>9} {'GQA tok/s':>9} {'speedup':>7}")
     print(header)

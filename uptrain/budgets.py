@@ -85,5 +85,5 @@ def pretrain_tokens(model: str) -> float:
         if (tokens := known_pretrain_tokens(config, name)) is not None:
             return tokens
     families = ", ".join(b.family for b in BUDGETS)
-    raise UptrainError(f"{model} has no {REFERENCE_CARD} card and is not recognised as a family with a published "
-                       f"pretraining budget ({families}): give `pretrain_tokens`")
+    raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {model} is not recognised as a family with a "
+                       f"published pretraining budget ({families}) and has no {REFERENCE_CARD} card")

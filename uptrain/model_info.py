@@ -101,14 +101,34 @@ def _count(config: dict, key: str, model_type: str) -> int:
     return value
 
 
+# Older configs name the geometry as their transformers class's `attribute_map` does:
+# GPT-2 and GPT-J (n_head, n_layer, n_embd), BLOOM (n_head, n_layer, n_embed, hidden_size).
+CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_attention_heads": ("n_head",),
+    "num_hidden_layers": ("n_layer",),
+    "hidden_size": ("n_embd", "n_embed"),
+}
+
+
+def standard_config_names(config: dict) -> dict:
+    """`config` with num_attention_heads, num_hidden_layers and hidden_size filled in from
+    their older spellings where they are missing; every other field as it was."""
+    filled = dict(config)
+    for name, aliases in CONFIG_ALIASES.items():
+        if filled.get(name) is None:
+            for alias in aliases:
+                if config.get(alias) is not None:
+                    filled[name] = config[alias]
+                    break
+    return filled
+
+
 def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> AttentionGeometry:
     """Read layers, heads, KV heads and head_dim from a config dict.
 
     `head_dim_key` names the config field that overrides `hidden_size // heads`; None for
     architectures whose modeling code ignores such a field (StableLM).
     """
-    from uptrain.convert.layouts import standard_config_names
-
     config = standard_config_names(config)  # GPT-2, GPT-J, BLOOM spell them n_head, n_layer, …
     model_type = config.get("model_type", "?")
     if config.get("num_attention_heads") is None:

@@ -4,6 +4,7 @@ malformed is one UptrainError rather than a traceback."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from uptrain import UptrainError
@@ -26,7 +27,10 @@ def parse_json(raw: bytes | str, what: str, unique_keys: bool = True):
 
     try:
         return json.loads(raw, object_pairs_hook=no_duplicates if unique_keys else None)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4300 digits
+        if "integer string conversion" in str(err):
+            raise UptrainError(f"{what}: a number has more digits than Python reads "
+                               f"({sys.get_int_max_str_digits()})") from None
         raise UptrainError(f"{what} is not valid JSON ({str(err).splitlines()[0]})") from None
     except RecursionError:
         raise UptrainError(f"{what} is not valid JSON (nested too deeply)") from None

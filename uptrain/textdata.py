@@ -130,12 +130,16 @@ def _column_names(ds, source: DataSource) -> list[str]:
     return list(names)
 
 
-def pack_function(tokenizer, text_field: str, seq_len: int):
-    """A batched `map` function: tokenize documents, append EOS to each, cut into `seq_len` blocks."""
+def pack_function(tokenizer, text_field: str, seq_len: int, what: str):
+    """A batched `map` function: tokenize documents, append EOS to each, cut into `seq_len` blocks.
+    A value that is not text (a number, a list: the tokenizer would read a list as pre-split
+    words) is refused in one line naming `what`."""
     eos = tokenizer.eos_token_id
 
     def pack(batch: dict) -> dict:
-        texts = [t for t in batch[text_field] if t]
+        texts = [t for t in batch[text_field] if t is not None and t != ""]
+        if bad := next((t for t in texts if not isinstance(t, str)), None):
+            raise UptrainError(f"{what}: a `{text_field}` value is {type(bad).__name__} ({str(bad)[:40]!r}), not text")
         # No BOS or other specials: documents are separated by EOS only, the same way everywhere.
         ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         stream = list(itertools.chain.from_iterable(doc + [eos] for doc in ids))
@@ -171,7 +175,7 @@ def load_blocks(spec, key: str, tokenizer, seq_len: int, text_field: str, split:
     if text_field not in columns:
         raise UptrainError(f"`{key}` ({source.label}) has no column `{text_field}` (columns: {', '.join(columns)}); "
                            "set `text_field`")
-    pack = pack_function(tokenizer, text_field, seq_len)
+    pack = pack_function(tokenizer, text_field, seq_len, f"`{key}` ({source.label})")
     # Name the removed columns explicitly: streamed datasets do not infer them when the row count changes.
     if stream:
         return ds.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns), source

@@ -14,25 +14,11 @@ from uptrain.convert.calibration import collect_attention_moments
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.pipeline import Calibration
-from uptrain.corpus import load_tokenizer, read_documents
 
 # Layouts the whole-layer merge supports (no q/k norms): phi and stablelm without their optional
 # qk_layernorm (support follows the checkpoint's tensors, not its model_type).
 CALIBRATED = ["gemma", "granite", "llama", "mistral", "olmo", "phi", "qwen2", "stablelm", "starcoder2"]
 WITHOUT_QK_NORMS = {"phi": dict(qk_layernorm=False), "stablelm": dict(qk_layernorm=False)}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def calibration_text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calibration") / "text.jsonl"
-    docs = [d["text"][:3000] for _, d in zip(range(6), read_documents("validation"))]
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    return path
 
 
 def build(model_type: str, tokenizer, num_kv_heads: int = 8, seed: int = 0, **overrides):

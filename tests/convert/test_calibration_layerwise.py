@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.convert.test_calibrated import (CALIBRATED, build, calibration_text, save,  # noqa: F401 (fixtures)
-                                           tokenizer)
+from tests.convert.test_calibrated import CALIBRATED, build, save
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.calibration import (SpilledMoments, attention_input, collect_attention_moments,
@@ -102,10 +102,20 @@ def test_spilled_moments_read_one_layer_at_a_time():
     moments.add(1, b)
     assert len(moments) == 2 and list(moments) == [0, 1] and 2 not in moments
     assert torch.equal(moments[0], a) and torch.equal(moments[1], b)
-    folder = moments._folder.name
-    del moments
-    gc.collect()
-    assert not os.path.exists(folder)  # the temporary files go with the mapping
+    with pytest.raises(KeyError):
+        moments[2]
+
+
+def test_spilled_moments_leave_nothing_behind_a_kill(tmp_path):
+    """The spill has no name in TMPDIR at any moment, so a SIGKILL leaves nothing to clean up."""
+    code = ("import os, signal, torch; from uptrain.convert.calibration import SpilledMoments; m = SpilledMoments(); "
+            "m.add(0, torch.ones(64, 64, dtype=torch.float64)); assert torch.equal(m[0], torch.ones(64, 64)); "
+            "print(sorted(os.listdir(os.environ['TMPDIR'])), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert proc.stdout.strip() == "[]"  # nothing named while it ran
+    assert list(tmp_path.iterdir()) == []  # nor after the kill
 
 
 def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tmp_path, capsys):

@@ -1,64 +1,138 @@
-"""`import uptrain` registers gpt2_gqa, gpt_neox_gqa, … with transformers' Auto classes when
-those are first imported, without importing transformers itself. Each case runs in a fresh
-process: registration is about import order."""
+"""Importing `uptrain.modeling` registers gpt2_gqa, gpt_neox_gqa, … with transformers the way
+transformers documents for custom models; nothing else does. Saves of a loaded model carry
+the modeling code, so they load without uptrain as a converted checkpoint does."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
-from uptrain.modeling import MODELING, gqa_config, modeling_files
+import uptrain.modeling
+from tests.modeling.classic_models import ARCHITECTURES, build, token_ids
+from uptrain.convert import convert_checkpoint
+from uptrain.modeling import CLASSES, gqa_counterpart
+from uptrain.modeling_table import MODELING, gqa_config, modeling_files
 
 GQA_TYPES = sorted({m.model_type for m in MODELING.values()})
-CHECK = f"""
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-for model_type in {GQA_TYPES!r}:
-    config_class = CONFIG_MAPPING[model_type]
-    assert MODEL_FOR_CAUSAL_LM_MAPPING[config_class].__name__.endswith('GQAForCausalLM'), model_type
-print('registered')
+
+
+def run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", **env))
+
+
+def test_the_table_names_the_classes_the_package_registers():
+    """`uptrain.modeling_table` (read by the converter) and the classes (registered here) agree:
+    config.json's `auto_map` names the file and classes that `save_pretrained` writes."""
+    assert sorted(CLASSES) == GQA_TYPES
+    for model_type in GQA_TYPES:
+        entry = MODELING[model_type]
+        config, model, causal_lm = CLASSES[model_type]
+        assert (config.__name__, model.__name__, causal_lm.__name__) == \
+            (entry.config_class, entry.model_class, entry.causal_lm_class)
+        assert {c.__module__ for c in (config, model, causal_lm)} == {f"uptrain.modeling.{entry.module}"}
+        assert config.model_type == model_type
+        assert CONFIG_MAPPING[model_type] is config
+        assert MODEL_MAPPING[config] is model and MODEL_FOR_CAUSAL_LM_MAPPING[config] is causal_lm
+
+
+def test_a_converted_checkpoint_loads_with_plain_auto_classes(tmp_path):
+    source = build("gpt2")
+    source.save_pretrained(tmp_path / "src")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 8, progress=False)  # G = h: lossless
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model) is uptrain.modeling.GPT2GQAForCausalLM
+    with torch.no_grad():
+        assert torch.equal(model(token_ids()).logits, source(token_ids()).logits)
+
+
+RELOAD_WITHOUT_UPTRAIN = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+for name, folder in {folders!r}.items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith('transformers_modules.'), type(model).__module__
+    with torch.no_grad():
+        torch.save(model(torch.tensor({ids!r})).logits, f'{{folder}}/logits.pt')
+assert not [m for m in sys.modules if m.split('.')[0] == 'uptrain'], 'uptrain was imported'
 """
 
 
-def run(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+def test_save_pretrained_of_a_loaded_model_carries_its_code(tmp_path):
+    """A converted checkpoint loaded through uptrain's registered classes and saved again (the
+    usual fine-tune-and-save) carries the modeling file and attention.py and an `auto_map` that
+    names them: a fresh process without uptrain loads it with trust_remote_code and computes
+    the same logits."""
+    resaved = {}
+    expected = {}
+    for model_type in ARCHITECTURES:
+        build(model_type).save_pretrained(tmp_path / model_type / "src")
+        converted = convert_checkpoint(tmp_path / model_type / "src", tmp_path / model_type / "converted", 2,
+                                       progress=False)
+        model = AutoModelForCausalLM.from_pretrained(converted).eval()
+        assert not model.__module__.startswith("transformers_modules.")  # uptrain's class, not the file's
+        model.save_pretrained(tmp_path / model_type / "resaved")
+        resaved[model_type] = str(tmp_path / model_type / "resaved")
+        with torch.no_grad():
+            expected[model_type] = model(token_ids()).logits
+
+        files = modeling_files(model_type)
+        for name, path in files.items():
+            assert (tmp_path / model_type / "resaved" / name).read_bytes() == path.read_bytes(), name
+        config = json.loads((tmp_path / model_type / "resaved" / "config.json").read_text())
+        assert config["auto_map"] == json.loads((converted / "config.json").read_text())["auto_map"]
+
+    # A model made from a config of its own (no `auto_map` to inherit): both classes' markings
+    # write theirs.
+    def bare_config():
+        return uptrain.modeling.GPT2GQAConfig(n_embd=64, n_head=8, n_layer=1, num_key_value_heads=4, vocab_size=128)
+
+    torch.manual_seed(0)
+    bare = uptrain.modeling.GPT2GQAForCausalLM(bare_config()).eval()
+    bare.save_pretrained(tmp_path / "bare")
+    resaved["bare"] = str(tmp_path / "bare")
+    with torch.no_grad():
+        expected["bare"] = bare(token_ids()).logits
+    assert set(json.loads((tmp_path / "bare" / "config.json").read_text())["auto_map"]) == \
+        {"AutoConfig", "AutoModelForCausalLM"}
+    uptrain.modeling.GPT2GQAModel(bare_config()).save_pretrained(tmp_path / "bare_base")
+    assert set(json.loads((tmp_path / "bare_base" / "config.json").read_text())["auto_map"]) == \
+        {"AutoConfig", "AutoModel"}
+
+    script = RELOAD_WITHOUT_UPTRAIN.format(folders=resaved, ids=token_ids().tolist())
+    result = run(script, HF_HOME=str(tmp_path / "hf"), PYTHONPATH="")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for model_type, folder in resaved.items():
+        assert torch.equal(torch.load(f"{folder}/logits.pt"), expected[model_type]), model_type
 
 
-def test_import_uptrain_imports_neither_torch_nor_transformers():
-    result = run("import sys, uptrain; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+NOT_TOUCHED = """
+import sys
+from uptrain.cli import main
+assert main(['convert', {src!r}, {out!r}, '-g', '2']) == 0
+print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'transformers'}}),
+      sorted(m for m in sys.modules if m.split('.')[:2] == ['uptrain', 'modeling']))
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+print(sorted(t for t in {types!r} if t in CONFIG_MAPPING))
+"""
 
 
-@pytest.mark.parametrize("first", [
-    "from transformers import AutoModelForCausalLM",
-    # The auto classes are pulled in half-way through importing GPT-2's modeling, which our
-    # modeling file imports: registration must wait until that import is complete.
-    "from transformers import GPT2LMHeadModel",
-    "import transformers.models.gpt_neox.modeling_gpt_neox",
-    # Our own modeling file, imported directly, pulls in the auto classes half-way through itself.
-    "from uptrain.modeling.gpt2 import GPT2GQAForCausalLM",
-])
-def test_registered_once_the_auto_classes_are_imported(first):
-    result = run(f"import uptrain\n{first}\n{CHECK}")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "registered"
-
-
-def test_registered_when_transformers_came_first():
-    result = run(f"from transformers import AutoModelForCausalLM\nimport uptrain\n{CHECK}")
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
-def test_not_registered_without_uptrain():
-    """The hook is what registers: without `import uptrain` the types are unknown (so the
-    remote-code test in tests/convert/test_classic.py really loads the file beside the weights)."""
-    result = run(CHECK)
-    assert result.returncode != 0 and "KeyError" in result.stderr
+def test_uptrain_convert_neither_imports_transformers_nor_registers(tmp_path):
+    """`uptrain convert` of a GPT-2 checkpoint (start-up sensitive: benchmarks) imports neither
+    transformers nor uptrain's modeling, and a process that never imports `uptrain.modeling`
+    finds transformers' Auto classes as transformers left them."""
+    build("gpt2").save_pretrained(tmp_path / "src")
+    result = run(NOT_TOUCHED.format(src=str(tmp_path / "src"), out=str(tmp_path / "out"), types=GQA_TYPES))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["[] []", "[]"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt2_gqa"
 
 
 def test_gqa_config_edits_only_what_the_modeling_needs():
@@ -94,11 +168,6 @@ def test_modeling_files_import_only_torch_and_transformers():
 def test_gqa_counterpart_of_a_model_in_memory(model_type):
     """The class and config an in-memory conversion builds: at G = h, the original's state dict
     loads into it and gives the same logits, bit for bit."""
-    import torch
-
-    from tests.modeling.classic_models import build, token_ids
-    from uptrain.modeling import gqa_counterpart
-
     model = build(model_type)
     cls, config = gqa_counterpart(model, 8)
     assert cls.__name__.endswith("GQAForCausalLM") and config.model_type == f"{model_type}_gqa"

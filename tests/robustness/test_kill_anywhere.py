@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from tests.convert.tiny_models import build_model, save
 from tests.robustness.faults import EVERY_STEP, NEVER, RENAMES, run_and_kill_at
+from tests.train.train_helpers import reset_accelerate
 from uptrain import UptrainError
+from uptrain.checkpoint.atomic import _exchange
 from uptrain.cli import main
 from uptrain.convert.pipeline import convert_checkpoint
 
@@ -32,6 +34,18 @@ def leftovers(folder: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
     return save(build_model("llama"), tmp_path_factory.mktemp("kill") / "src", max_shard_size="40KB")
+
+
+def exchange_supported(folder: Path) -> bool:
+    """Whether renameat2(RENAME_EXCHANGE) swaps two folders here (ext4, xfs, btrfs, tmpfs do)."""
+    a, b = folder / ".probe-a", folder / ".probe-b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        return _exchange(a, b)
+    finally:
+        a.rmdir()
+        b.rmdir()
 
 
 @pytest.mark.parametrize("had_output", [True, False])
@@ -55,6 +69,9 @@ def test_convert_killed_at_every_step(tmp_path, src, had_output):
         start_state()
         code, _ = run_and_kill_at(n, root, lambda: main(argv))
         assert code == -9, f"step {n} of {steps}: the child was not killed ({code})"
+        if had_output and exchange_supported(root):
+            # --overwrite exchanges the new OUT with the old one in one step: never a moment without OUT.
+            assert (out / "config.json").is_file(), f"killed at step {n} of {steps}: no OUT"
         # Whatever the kill left, the next run puts it right before it looks at OUT: here one
         # without --overwrite, which must find the previous OUT (or the finished new one) and refuse.
         if had_output or out.exists():
@@ -73,13 +90,6 @@ def train_values(base_config: dict, **changes) -> dict:
 def run_dir_leftovers(out: Path) -> list[str]:
     """Hidden entries and temporaries of a run folder (a finished run has none)."""
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp")
-
-
-def reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def kill_training_everywhere(base_config: dict, tmp_path: Path, events: frozenset[str]) -> None:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from tests.train.train_helpers import build_llama, build_tokenizer, make_text  # noqa: E402
+from tests.train.train_helpers import build_llama, build_tokenizer, make_text, reset_accelerate  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +60,4 @@ def base_config(assets, tmp_path) -> dict:
 def fresh_accelerate_state():
     """Accelerate keeps process-wide singletons; each in-process run starts from a clean one."""
     yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()

@@ -62,6 +62,15 @@ def build_llama(folder: Path, tokenizer, num_kv_heads: int, seed: int = 0, max_p
     return folder
 
 
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons (the accelerator's and the gradient state); an
+    in-process run after another one must start from fresh ones, as a new process would."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 METRICS = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "eval/loss", "eval/perplexity",
            "perf/tokens_per_second", "perf/step_time_s", "perf/mfu", "perf/peak_memory_bytes",
            "model/num_kv_heads", "model/kv_cache_bytes_per_token"]

@@ -1,8 +1,9 @@
 """Outputs appear whole or not at all, and only one run at a time writes each of them.
 
 - `atomic_directory`: an output folder is built in a hidden sibling (`.OUT.uptrain-tmp-PID`) and
-  renamed into place when complete; an existing OUT (with --overwrite) is first moved aside to
-  `.OUT.uptrain-old-PID` and deleted once the new one is in.
+  renamed into place when complete; an existing OUT (with --overwrite) is exchanged with it in
+  one step where the file system can (`renameat2(RENAME_EXCHANGE)`), else first moved aside to
+  `.OUT.uptrain-old-PID`, and deleted once the new one is in.
 - `OutputLock`: an `fcntl.flock` on a lock file, held for as long as a run writes an output. A
   second run is refused at once, not after its work. The kernel drops a flock when its holder
   dies, even by kill -9, so a killed run never leaves a lock that blocks the next one.
@@ -16,10 +17,14 @@ existing target.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
+import functools
 import glob
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -45,8 +50,13 @@ class OutputLock:
     def acquire(self) -> OutputLock:
         for _ in range(100):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # O_NOFOLLOW: a symbolic link planted at the lock's name must not make uptrain
+                # truncate (or create) whatever it points to.
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as err:
+                if err.errno == errno.ELOOP:
+                    raise UptrainError(f"cannot lock {self.target}: its lock file {self.path} is a symbolic link; "
+                                       "remove it") from None
                 raise UptrainError(f"cannot write {self.target}: {err.strerror or err}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,7 +105,7 @@ def remove_stale_locks(folder: Path) -> None:
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
@@ -182,6 +192,11 @@ def _swap_in(tmp: Path, out: Path) -> None:
     if not out.exists():
         tmp.rename(out)
         return
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp)  # the previous OUT, now; a kill before this leaves a leftover `_recover` deletes
+        return
+    # No atomic exchange here: move OUT aside first. A kill between the two renames leaves no OUT
+    # until the next run to it puts the previous one back (`_recover`).
     old = _sibling(out, f"{OLD_TAG}{os.getpid()}")
     out.rename(old)
     try:
@@ -190,3 +205,31 @@ def _swap_in(tmp: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old)
+
+
+RENAME_EXCHANGE = 2  # <linux/fs.h>
+AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2():
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2  # glibc ≥ 2.28
+    except (OSError, AttributeError):
+        return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing directory entries in one step (Linux `renameat2(RENAME_EXCHANGE)`), so
+    that no moment exists without either. False, with nothing changed, where the kernel, the
+    C library or the file system cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    sys.audit("os.rename", a, b, -1, -1)  # a rename: report it as os.rename reports its own
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))

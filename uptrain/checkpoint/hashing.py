@@ -23,7 +23,6 @@ from uptrain import UptrainError
 from uptrain.checkpoint.reader import COPY_CHUNK_BYTES
 
 SOURCE_HASHES = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
-HASH_CHOICES = (*SOURCE_HASHES, "none")
 
 
 def hub_sha256(path: Path) -> str | None:

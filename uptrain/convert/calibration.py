@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -34,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from uptrain import UptrainError
-from uptrain.checkpoint.reader import SourceCheckpoint
+from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.convert.layouts import layout_for
 from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import read_config
@@ -81,34 +82,44 @@ def attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 class SpilledMoments(Mapping):
-    """{layer: C} kept in a temporary folder, one safetensors file per layer; reading a layer
-    loads only that layer. The folder is removed when this object is garbage-collected."""
+    """{layer: C} spilled to one anonymous temporary file in TMPDIR; reading a layer loads only
+    that layer.
+
+    The file never has a name (O_TMPFILE on Linux; elsewhere created and unlinked at once), so the
+    kernel frees its space when the process ends, however it ends: SIGTERM and kill -9 leave
+    nothing behind (a named spill of a 7B model's moments is 4.3 GB).
+    """
 
     def __init__(self) -> None:
-        self._folder = tempfile.TemporaryDirectory(prefix="uptrain-moments-")
-        self._layers: list[int] = []
-
-    def _path(self, layer: int) -> Path:
-        return Path(self._folder.name) / f"layer-{layer:05d}.safetensors"
+        self._file = tempfile.TemporaryFile(prefix="uptrain-moments-")
+        self._where: dict[int, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        self._end = 0
 
     def add(self, layer: int, moment: torch.Tensor) -> None:
-        from safetensors.torch import save_file
-
-        save_file({"moment": moment.detach().to("cpu").contiguous()}, self._path(layer))
-        self._layers.append(layer)
+        moment = moment.detach().to("cpu").contiguous()
+        data, offset = tensor_bytes(moment), self._end
+        while data:  # pwrite may write less than asked (at most ~2 GiB per call on Linux)
+            written = os.pwrite(self._file.fileno(), data, offset)
+            data, offset = data[written:], offset + written
+        self._where[layer] = (self._end, moment.dtype, tuple(moment.shape))
+        self._end = offset
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        from safetensors.torch import load_file
-
-        if layer not in self._layers:
-            raise KeyError(layer)
-        return load_file(self._path(layer))["moment"]
+        start, dtype, shape = self._where[layer]
+        out = torch.empty(shape, dtype=dtype)
+        view = tensor_bytes(out)  # the buffer of `out` itself: reading into it fills the tensor
+        while view:
+            n = os.preadv(self._file.fileno(), [view], start)
+            if n == 0:
+                raise RuntimeError(f"the spilled moments of layer {layer} are truncated")
+            view, start = view[n:], start + n
+        return out
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._layers)
+        return iter(self._where)
 
     def __len__(self) -> int:
-        return len(self._layers)
+        return len(self._where)
 
 
 def _release_freed_memory() -> None:
@@ -158,6 +169,8 @@ def _empty_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The source's transformers model with every parameter on the meta device (buffers are real)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: every model uptrain writes loads here
 
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights():

@@ -19,7 +19,8 @@ from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
 from uptrain.convert.layouts import layout_for
 from uptrain.convert.pipeline import Calibration
 from uptrain.convert.pooling import get_strategy
-from uptrain.convert.plan import _compute, plan_conversion
+from uptrain.convert.plan import plan_conversion
+from uptrain.convert.stream import compute_tensor
 from uptrain.convert.spec import ConversionOptions, validated
 from uptrain.model_info import attention_geometry, rotary_dim
 from uptrain.modeling import gqa_counterpart
@@ -81,7 +82,7 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
         if t.kind == "copy":
             converted[name] = state[name]
         else:
-            converted[name] = _compute(t, source, plan, strategy, seed, init_std, merger).to(state[name].device)
+            converted[name] = compute_tensor(t, source, plan, strategy, seed, init_std, merger).to(state[name].device)
 
     # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, ….
     new_class, new_config = gqa_counterpart(model, num_kv_heads)

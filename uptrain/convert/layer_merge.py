@@ -20,7 +20,6 @@ from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
 from uptrain.model_info import AttentionGeometry
 
-GROUPINGS = ("contiguous", "similarity")
 # Tensors of one attention module that a whole-layer merge reads and rewrites.
 PARTS = ("q", "k", "v", "o")
 

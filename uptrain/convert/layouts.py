@@ -125,28 +125,6 @@ def layout_for(model_type: str | None) -> AttentionLayout:
         raise UptrainError(f"unsupported model_type {model_type!r}; supported: {supported}") from None
 
 
-# Older configs name the geometry as their transformers class's `attribute_map` does:
-# GPT-2 and GPT-J (n_head, n_layer, n_embd), BLOOM (n_head, n_layer, n_embed, hidden_size).
-CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
-    "num_attention_heads": ("n_head",),
-    "num_hidden_layers": ("n_layer",),
-    "hidden_size": ("n_embd", "n_embed"),
-}
-
-
-def standard_config_names(config: dict) -> dict:
-    """`config` with num_attention_heads, num_hidden_layers and hidden_size filled in from
-    their older spellings where they are missing; every other field as it was."""
-    filled = dict(config)
-    for name, aliases in CONFIG_ALIASES.items():
-        if filled.get(name) is None:
-            for alias in aliases:
-                if config.get(alias) is not None:
-                    filled[name] = config[alias]
-                    break
-    return filled
-
-
 def config_geometry(config: dict) -> AttentionGeometry:
     """The attention geometry of a config, with its layout's `head_dim_key` (transformers' own
     reading of `head_dim` for a model_type uptrain has no layout for)."""

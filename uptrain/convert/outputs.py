@@ -14,12 +14,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import uptrain
-from uptrain.convert.grouping import kv_groups, query_to_kv
-from uptrain.convert.pooling import Strategy
-from uptrain.convert.plan import ConversionPlan
 from uptrain.checkpoint.card import front_matter
 from uptrain.checkpoint.source import ResolvedSource
-from uptrain.modeling import copy_modeling_files, gqa_config
+from uptrain.convert.grouping import kv_groups, query_to_kv
+from uptrain.convert.plan import ConversionPlan
+from uptrain.convert.pooling import Strategy
+from uptrain.modeling_table import copy_modeling_files, gqa_config
 
 # Files besides the weights that make the output a usable checkpoint, and the licence terms
 # the source was published under (they bind the converted model too).

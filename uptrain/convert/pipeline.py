@@ -25,7 +25,8 @@ from uptrain.convert.layouts import AttentionLayout, layout_for
 from uptrain.checkpoint.card import card_metadata
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.pooling import Strategy, get_strategy
-from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion, write_weights
+from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion
+from uptrain.convert.stream import write_weights
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
 from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
 from uptrain.checkpoint.atomic import atomic_directory, check_output_path

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import uptrain
-from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, SourceCheckpoint
-from uptrain.checkpoint.writer import OutputEntry, ShardWriter, tensor_bytes
+from uptrain.checkpoint.atomic import atomic_directory
 from uptrain.checkpoint.card import CARD, card_metadata, front_matter
 from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, read_provenance
-from uptrain.checkpoint.atomic import atomic_directory
+from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SourceCheckpoint
+from uptrain.checkpoint.writer import write_tensors
 
 # Shards as `uptrain convert` writes them by default.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -80,38 +80,6 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() and dtype.is_floating_point else tensor
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES,
-                      metadata: dict[str, str] | None = None) -> list[str]:
-    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most
-    `max_shard_bytes` (a larger tensor gets its own) and `model.safetensors.index.json`, as
-    transformers names them. Returns the file names."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    files = ([SAFETENSORS_SINGLE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    metadata = {**(metadata or {}), "format": "pt"}
-    weight_map = {}
-    for file, names in zip(files, shards):
-        entries = [OutputEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names]
-        with ShardWriter(folder / file, entries, metadata) as writer:
-            for n in names:
-                writer.begin(n)
-                writer.write(tensor_bytes(tensors[n]))
-                weight_map[n] = file
-    if len(files) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return files
-
-
 def carry_files(start: Path, folder: Path) -> list[str]:
     """Copy every file of the starting checkpoint that training does not change (config.json,
     tokenizer, generation config, chat template, licences, modeling code), byte for byte."""
@@ -149,7 +117,7 @@ def write_final(out: Path, start: Path, model: torch.nn.Module, state: dict[str,
     with atomic_directory(out, overwrite=True) as tmp:
         carry_files(start, tmp)
         if tensors is not None:
-            write_safetensors(tensors, tmp, max_shard_bytes, metadata)
+            write_tensors(tensors, tmp, max_shard_bytes, metadata)
         else:
             _save_with_transformers(model, {k: _cast(v, checkpoint.tensors[k].dtype if k in checkpoint.tensors
                                                      else default_dtype) for k, v in state.items()},

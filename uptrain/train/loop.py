@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import uptrain
+import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.convert.pipeline import calibrate, execute, prepare

@@ -4,7 +4,7 @@ Stored form: `query_key_value` stays one Linear whose output rows are grouped pe
 `[G, r + 2, d]` with r = h / G: the group's r query heads, then its K head, then its V head.
 At G = h that is BLOOM's own per-head `[h, 3, d]` interleaving. ALiBi slopes belong to the
 query heads and are unchanged. Everything else is transformers' BLOOM unchanged. Copied beside
-converted weights as `modeling_bloom_gqa.py`: imports only torch, transformers and the
+converted weights under this name: imports only torch, transformers and the
 attention file next to it.
 """
 

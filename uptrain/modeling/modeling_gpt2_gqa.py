@@ -2,7 +2,7 @@
 
 Stored form: `c_attn` stays one Conv1D (weight `[in, out]`) whose output columns are
 `[Q (h·d) | K (G·d) | V (G·d)]`; at G = h that is GPT-2's own layout. Everything else is
-transformers' GPT-2 unchanged. Copied beside converted weights as `modeling_gpt2_gqa.py`:
+transformers' GPT-2 unchanged. Copied beside converted weights under this name:
 imports only torch, transformers and the attention file next to it.
 """
 

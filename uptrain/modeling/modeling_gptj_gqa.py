@@ -3,7 +3,7 @@
 Stored form: separate `q_proj`, `k_proj`, `v_proj`, `out_proj` (no biases) as in GPT-J, with
 `k_proj` and `v_proj` of G·d rows. Rotary embedding acts inside each head (adjacent pairs of
 the first `rotary_dim` dims), so pooling whole heads needs no un-permuting. Everything else
-is transformers' GPT-J unchanged. Copied beside converted weights as `modeling_gptj_gqa.py`:
+is transformers' GPT-J unchanged. Copied beside converted weights under this name:
 imports only torch, transformers and the attention file next to it.
 """
 

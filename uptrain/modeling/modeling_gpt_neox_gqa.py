@@ -5,7 +5,7 @@ Stored form: `query_key_value` stays one Linear whose output rows are grouped pe
 `[G, r + 2, d]` with r = h / G: the group's r query heads, then its K head, then its V head.
 At G = h that is NeoX's own per-head `[h, 3, d]` interleaving. Everything else (partial
 rotary, parallel residual) is transformers' GPT-NeoX unchanged. Copied beside converted
-weights as `modeling_gpt_neox_gqa.py`: imports only torch, transformers and the attention
+weights under this name: imports only torch, transformers and the attention
 file next to it.
 """
 

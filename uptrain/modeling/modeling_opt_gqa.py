@@ -2,7 +2,7 @@
 
 Stored form: separate `q_proj`, `k_proj`, `v_proj`, `out_proj` as in OPT, with `k_proj` and
 `v_proj` (weights and biases) of G·d rows. Everything else is transformers' OPT unchanged.
-Copied beside converted weights as `modeling_opt_gqa.py`: imports only torch, transformers and
+Copied beside converted weights under this name: imports only torch, transformers and
 the attention file next to it.
 """
 

@@ -1,0 +1,89 @@
+"""The GQA modeling uptrain ships (`uptrain/modeling/`), as data: which model_types get it, the
+classes a converted checkpoint's `auto_map` names, and the files copied beside its weights.
+
+Data only: `uptrain convert` reads this without importing torch's modeling or transformers
+(importing `uptrain.modeling` itself registers the classes with transformers, see there).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from uptrain.model_info import standard_config_names
+
+# The package holding the modeling files; found by path so that this module need not import it.
+MODELING_DIR = Path(__file__).parent / "modeling"
+ATTENTION_FILE = "attention.py"
+
+
+@dataclass(frozen=True)
+class GQAModeling:
+    """Where uptrain's modeling of one architecture lives and what its classes are called."""
+
+    model_type: str  # of the converted checkpoint
+    config_class: str
+    model_class: str
+    causal_lm_class: str
+
+    @property
+    def module(self) -> str:
+        """The modeling file's module name, in `uptrain/modeling/` and beside the weights alike
+        (`auto_map` refers to it)."""
+        return f"modeling_{self.model_type}"
+
+
+# Source model_type → GQA modeling. A converted checkpoint's own model_type maps to the same
+# entry, so it can be pooled further.
+MODELING: dict[str, GQAModeling] = {
+    "gpt2": GQAModeling("gpt2_gqa", "GPT2GQAConfig", "GPT2GQAModel", "GPT2GQAForCausalLM"),
+    "gpt_neox": GQAModeling("gpt_neox_gqa", "GPTNeoXGQAConfig", "GPTNeoXGQAModel", "GPTNeoXGQAForCausalLM"),
+    "opt": GQAModeling("opt_gqa", "OPTGQAConfig", "OPTGQAModel", "OPTGQAForCausalLM"),
+    "gptj": GQAModeling("gptj_gqa", "GPTJGQAConfig", "GPTJGQAModel", "GPTJGQAForCausalLM"),
+    "bloom": GQAModeling("bloom_gqa", "BloomGQAConfig", "BloomGQAModel", "BloomGQAForCausalLM"),
+}
+MODELING.update({m.model_type: m for m in list(MODELING.values())})
+
+
+def modeling_for(model_type: str | None) -> GQAModeling | None:
+    """The GQA modeling uptrain ships for this model_type; None where transformers has native GQA."""
+    return MODELING.get(model_type)
+
+
+def gqa_config(config: dict, num_kv_heads: int) -> dict:
+    """The converted checkpoint's config.json: `num_key_value_heads`, and for architectures
+    without native GQA also `model_type`, `architectures` and `auto_map` naming uptrain's modeling
+    (and the standard names of n_head, n_layer, n_embd where the source spells them so). Every
+    other field stays as it was."""
+    config = dict(config, num_key_value_heads=num_kv_heads)
+    modeling = modeling_for(config.get("model_type"))
+    if modeling is not None:
+        # GPT-2, GPT-J and BLOOM configs spell the geometry n_head, n_layer, n_embd: add the
+        # standard names too (the config class maps them to the same fields), so uptrain's
+        # readers of config.json (inspect, train) understand the converted checkpoint.
+        config = standard_config_names(config)
+        module = modeling.module
+        config.update(model_type=modeling.model_type, architectures=[modeling.causal_lm_class], auto_map={
+            "AutoConfig": f"{module}.{modeling.config_class}",
+            "AutoModel": f"{module}.{modeling.model_class}",
+            "AutoModelForCausalLM": f"{module}.{modeling.causal_lm_class}",
+        })
+    return config
+
+
+def modeling_files(model_type: str | None) -> dict[str, Path]:
+    """Files to save beside a converted checkpoint's weights: name there → source file.
+    Empty where transformers' own modeling reads the checkpoint."""
+    modeling = modeling_for(model_type)
+    if modeling is None:
+        return {}
+    return {f"{modeling.module}.py": MODELING_DIR / f"{modeling.module}.py",
+            ATTENTION_FILE: MODELING_DIR / ATTENTION_FILE}
+
+
+def copy_modeling_files(model_type: str | None, folder: Path) -> None:
+    """Save the modeling files a converted checkpoint of `model_type` loads with (none where
+    transformers has native GQA) into `folder`."""
+    for name, path in modeling_files(model_type).items():
+        shutil.copyfile(path, folder / name)

@@ -8,7 +8,7 @@ the global batch is the same.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -14,10 +14,10 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +27,14 @@ import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
-from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
+from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
 from uptrain.train.config import TrainConfig
-from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
@@ -250,7 +250,7 @@ def _run_info(start: RunStart, world: int, global_batch: int) -> dict:
     """run.json of a fresh run (a resumed one keeps its own): the facts fixed at its start."""
     return {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
             "num_processes": world, "global_batch": global_batch,
-            "started": start.info.get("started") or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "started": start.info.get("started") or datetime.now(UTC).isoformat(timespec="seconds"),
             "uptrain_version": uptrain.__version__}
 
 

@@ -27,6 +27,7 @@ import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
+from uptrain.checkpoint.atomic import check_apart
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
 from uptrain.convert.pipeline import calibrate, execute, prepare
@@ -522,8 +523,19 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
 def run_training(config: TrainConfig, on_step: StepCallback | None = None) -> Path:
     """Uptrain as `config` says; returns the folder of the final model. `on_step(step, record)` is
     called on every process after each optimizer step (recipes use it for their own logging)."""
+    # Before the lock folder is made: an output_dir inside the model would already pollute it.
+    check_apart(Path(config.output_dir), run_inputs(config), "output_dir")
     with hold_run_dir(config.output_dir):  # one run at a time per output_dir; a second is refused at once
         return _run_training(config, on_step)
+
+
+def run_inputs(config: TrainConfig) -> list[tuple[str, Path]]:
+    """Every local path the run reads: output_dir may be none of them, nor inside or around one."""
+    named = [("model", config.model), ("source checkpoint", config.source), ("teacher", config.teacher)]
+    for key in ("train_data", "eval_data"):
+        value = getattr(config, key)
+        named += [(f"`{key}`", v) for v in ([value] if isinstance(value, str) else value)]
+    return [(what, Path(value)) for what, value in named if value]
 
 
 def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:

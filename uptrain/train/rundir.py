@@ -49,7 +49,8 @@ def _differences(old: dict, new: TrainConfig) -> list[str]:
     # A key the earlier run's uptrain did not have yet held its default there.
     defaults = {k: f.default for k, f in TrainConfig.model_fields.items() if not f.is_required()}
     old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
-    keys = [k for k in current if k not in OPERATIONAL_KEYS]
+    # output_dir names the folder being resumed, however it is spelled (run, run/, /abs/run).
+    keys = [k for k in current if k not in OPERATIONAL_KEYS and k != "output_dir"]
     return [f"{k}: {old.get(k)!r} → {current[k]!r}" for k in keys if old.get(k) != current[k]]
 
 

@@ -43,7 +43,8 @@ def test_compressed_jsonl_reads_like_plain(tmp_path, tokenizer):
     (tmp_path / "plain.jsonl").write_text(lines)
     with gzip.open(tmp_path / "packed.jsonl.gz", "wt") as f:
         f.write(lines)
-    plain, packed = load(str(tmp_path / "plain.jsonl"), tokenizer, 4), load(str(tmp_path / "packed.jsonl.gz"), tokenizer, 4)
+    plain = load(str(tmp_path / "plain.jsonl"), tokenizer, 4)
+    packed = load(str(tmp_path / "packed.jsonl.gz"), tokenizer, 4)
     assert len(plain) == len(packed) > 0
     assert torch.equal(plain.take(list(range(len(plain)))), packed.take(list(range(len(packed)))))
 

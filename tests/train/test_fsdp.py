@@ -1,11 +1,12 @@
 """uptrain's FSDP path on 2 CPU processes, compared with the DDP run of the same config.
 
-accelerate routes CPU runs to DDP even under an FSDP config; `UPTRAIN_FSDP_ON_CPU=1` turns that
-into accelerate's FSDP2 path (torch's `fully_shard` over gloo), so the shipped
-configs/accelerate/fsdp.yaml runs here with every FSDP-specific part of the loop: sharded
-parameters and gradients, DTensor-aware clipping, the token-normalised loss reduced by
-reduce-scatter, the sharded teacher, sharded save_state / load_state, and the full state dict
-gathered for final/.
+accelerate routes CPU runs to DDP even under an FSDP config; the test-only launcher
+`fsdp_on_cpu.py` beside this file turns that into accelerate's FSDP2 path (torch's `fully_shard`
+over gloo), so the shipped configs/accelerate/fsdp.yaml runs here with every FSDP-specific part
+of the loop: sharded parameters and gradients, DTensor-aware clipping, the token-normalised loss
+reduced by reduce-scatter, the sharded teacher, sharded save_state / load_state, and the full
+state dict gathered for final/. The tests check each of those where it shows (the parameters
+each process holds, the files each process wrote), not that the launcher did what it does.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from tests.train.train_helpers import CURVE, KILLER, curve, python_env, records
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP_YAML = REPO / "configs" / "accelerate" / "fsdp.yaml"
+FSDP_ON_CPU = Path(__file__).with_name("fsdp_on_cpu.py")
+SHARD_FILES = {"__0_0.distcp", "__1_0.distcp"}  # torch.distributed.checkpoint: one file per process
 
 # Runs a config with loop.setup wrapped: after the real setup, each process writes what it holds
-# (is the teacher sharded, in bf16/fp32, in the optimizer?) to argv[2].rank{N}.json.
+# (how much of each parameter, in which dtype, trainable or not) to argv[2].rank{N}.json.
 INSPECT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
@@ -39,16 +42,21 @@ INSPECT = textwrap.dedent("""
 
     real_setup = loop.setup
 
+    def held(params):
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        return {"count": len(params), "not_dtensor": len(params) - len(dtensors),
+                "numel": sum(p.numel() for p in params),  # a DTensor's numel is the whole parameter's
+                "local_numel": sum(p.to_local().numel() for p in dtensors),
+                "mesh_sizes": sorted({p.device_mesh.size() for p in dtensors}),
+                "placements": sorted({str(p.placements) for p in dtensors})}
+
     def setup(config):
         run = real_setup(config)
         teacher = list(run.teacher.parameters())
         in_optimizer = {id(p) for group in run.optimizer.param_groups for p in group["params"]}
         facts = {
-            "distributed_type": str(run.accelerator.distributed_type),
-            "model_sharded": all(isinstance(p, DTensor) for p in run.model.parameters()),
-            "teacher_sharded": all(isinstance(p, DTensor) for p in teacher),
-            "teacher_numel": sum(p.numel() for p in teacher),
-            "teacher_local_numel": sum(p.to_local().numel() for p in teacher if isinstance(p, DTensor)),
+            "model": held(list(run.model.parameters())),
+            "teacher": held(teacher),
             "teacher_dtypes": sorted({str(p.dtype) for p in teacher}),
             "teacher_in_optimizer": any(id(p) in in_optimizer for p in teacher),
             "teacher_trainable": any(p.requires_grad for p in teacher),
@@ -87,11 +95,40 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 
 
 def launch_fsdp(args: list[str], home: Path, mixed_precision: str = "no") -> subprocess.CompletedProcess:
-    return launch(["--config_file", str(FSDP_YAML)], args, home, mixed_precision, UPTRAIN_FSDP_ON_CPU="1")
+    """configs/accelerate/fsdp.yaml on 2 CPU processes, through the test-only FSDP2-on-CPU launcher."""
+    return launch(["--config_file", str(FSDP_YAML)], [str(FSDP_ON_CPU), *args], home, mixed_precision)
 
 
 def launch_ddp(args: list[str], home: Path) -> subprocess.CompletedProcess:
     return launch(["--multi_gpu"], args, home)
+
+
+def read_facts(prefix: Path) -> list[dict]:
+    return [json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def assert_sharded_over_two(facts: list[dict], part: str) -> None:
+    """Every parameter of `part` (model, teacher) is a DTensor split along its first dimension over a
+    mesh of both processes, and each process holds about half of it: together exactly all of it."""
+    held = [f[part] for f in facts]
+    for h in held:
+        assert h["count"] > 0 and h["not_dtensor"] == 0, (part, h)
+        assert h["mesh_sizes"] == [2] and h["placements"] == ["(Shard(dim=0),)"], (part, h)
+    total = held[0]["numel"]
+    assert sum(h["local_numel"] for h in held) == total, (part, held)
+    assert max(h["local_numel"] for h in held) < 0.6 * total, (part, held)
+
+
+def chunk_files(checkpoint_folder: Path) -> dict[str, list[str]]:
+    """For each tensor of a torch.distributed.checkpoint folder, the files its chunks are in, read from
+    its .metadata (one entry per chunk each process wrote)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint_folder)).read_metadata()
+    files: dict[str, list[str]] = {}
+    for index, info in metadata.storage_data.items():
+        files.setdefault(index.fqn, []).append(info.relative_path)
+    return {fqn: sorted(paths) for fqn, paths in files.items()}
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +158,7 @@ def test_fsdp_matches_ddp(fsdp_and_ddp):
     fsdp, ddp, root = fsdp_and_ddp["fsdp"], fsdp_and_ddp["ddp"], fsdp_and_ddp["root"]
     assert fsdp.returncode == 0, explain(fsdp)
     assert ddp.returncode == 0, explain(ddp)
-    assert fsdp.stdout.count("FSDP2 on CPU over gloo") == 1 and "FSDP2" not in ddp.stdout
+    assert_sharded_over_two(read_facts(root / "facts"), "model")  # the curve compared is a sharded run's
 
     a, b = curve(root / "ddp"), curve(root / "fsdp")
     assert a.keys() == b.keys() == {0, 1, 2, 3, 4}
@@ -133,8 +170,9 @@ def test_fsdp_matches_ddp(fsdp_and_ddp):
                 # sums under FSDP, which moves the clipping factor in the last bits.
                 assert b[step][k] == pytest.approx(a[step][k], rel=1e-5, abs=1e-7), (step, k)
     losses = [r for r in records(root / "fsdp") if "train/ce_loss" in r]
-    assert losses and all(r["train/distill_kl"] > 0 for r in losses)  # the teacher ran
-    assert all(r["train/grad_norm"] > fsdp_and_ddp["values"]["max_grad_norm"] for r in losses)  # clipping ran
+    assert [r["step"] for r in losses] == [1, 2, 3, 4]  # every step
+    assert min(r["train/distill_kl"] for r in losses) > 0  # the teacher ran
+    assert min(r["train/grad_norm"] for r in losses) > fsdp_and_ddp["values"]["max_grad_norm"]  # clipping ran
 
     # final/: a normal checkpoint gathered from the shards, equal to the DDP run's.
     ddp_final, fsdp_final = root / "ddp" / "final", root / "fsdp" / "final"
@@ -151,16 +189,13 @@ def test_fsdp_matches_ddp(fsdp_and_ddp):
 def test_fsdp_run_holds_shards(fsdp_and_ddp):
     fsdp, root = fsdp_and_ddp["fsdp"], fsdp_and_ddp["root"]
     assert fsdp.returncode == 0, explain(fsdp)
-    facts = [json.loads(Path(f"{root / 'facts'}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    facts = read_facts(root / "facts")
+    assert_sharded_over_two(facts, "model")
+    assert_sharded_over_two(facts, "teacher")
     for f in facts:
-        assert f["distributed_type"] == "DistributedType.FSDP"
-        assert f["model_sharded"] and f["teacher_sharded"]
         assert not f["teacher_in_optimizer"] and not f["teacher_trainable"]
         assert f["teacher_sharded_layers"] == 2  # one FSDP unit per decoder layer
         assert f["teacher_dtypes"] == ["torch.float32"]  # mixed_precision no; bf16 under bf16
-    # Each process holds about half of the teacher; together exactly all of it.
-    assert sum(f["teacher_local_numel"] for f in facts) == facts[0]["teacher_numel"]
-    assert max(f["teacher_local_numel"] for f in facts) < 0.6 * facts[0]["teacher_numel"]
 
     # The checkpoint is sharded: torch.distributed.checkpoint folders with one file per process.
     [checkpoint] = list((root / "fsdp" / "checkpoints").iterdir())
@@ -169,8 +204,14 @@ def test_fsdp_run_holds_shards(fsdp_and_ddp):
                                                             "random_states_0.pkl", "random_states_1.pkl",
                                                             "trainer_state.json"]
     for folder in ("optimizer_0", "pytorch_model_fsdp_0"):
-        assert sorted(p.name for p in (checkpoint / folder).iterdir()) == [".metadata", "__0_0.distcp",
-                                                                          "__1_0.distcp"]
+        assert sorted(p.name for p in (checkpoint / folder).iterdir()) == [".metadata", *sorted(SHARD_FILES)]
+    # Each process wrote its own half of every weight and of its AdamW moments (only the step
+    # counters, scalars, are whole in one file).
+    weights = chunk_files(checkpoint / "pytorch_model_fsdp_0")
+    moments = {k: v for k, v in chunk_files(checkpoint / "optimizer_0").items()
+               if k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert len(weights) == facts[0]["model"]["count"] and len(moments) == 2 * len(weights)
+    assert {k: v for k, v in {**weights, **moments}.items() if v != sorted(SHARD_FILES)} == {}
 
 
 @pytest.mark.slow
@@ -193,7 +234,8 @@ def test_fsdp_killed_and_resumed_give_the_same_curve(fsdp_and_ddp, tmp_path):
     # Exactly: the sharded model, optimizer and RNG states come back bit for bit.
     assert curve(out) == curve(root / "fsdp")
     x, y = load_file(root / "fsdp" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
-    assert all(torch.equal(x[k], y[k]) for k in x) and x.keys() == y.keys()
+    assert x.keys() == y.keys() and len(x) > 0
+    assert [k for k in x if not torch.equal(x[k], y[k])] == []
 
 
 @pytest.mark.slow
@@ -218,14 +260,15 @@ def test_fsdp_bf16_teacher_of_another_architecture(fsdp_and_ddp, assets, tmp_pat
     (tmp_path / "home").mkdir()
     proc = launch_fsdp([str(script), str(path), str(tmp_path / "facts")], tmp_path / "home", mixed_precision="bf16")
     assert proc.returncode == 0, explain(proc)
-    for rank in (0, 1):
-        facts = json.loads((tmp_path / f"facts.rank{rank}.json").read_text())
-        assert facts["teacher_sharded"] and facts["teacher_dtypes"] == ["torch.bfloat16"]
-        assert not facts["teacher_in_optimizer"]
-        assert facts["teacher_local_numel"] < 0.6 * facts["teacher_numel"]
-        assert facts["teacher_sharded_layers"] == 2  # its own layer class, one unit each
-    assert all(r["train/distill_kl"] > 0 for r in records(tmp_path / "bf16") if "train/distill_kl" in r)
+    facts = read_facts(tmp_path / "facts")
+    assert_sharded_over_two(facts, "teacher")
+    for f in facts:
+        assert f["teacher_dtypes"] == ["torch.bfloat16"]
+        assert not f["teacher_in_optimizer"]
+        assert f["teacher_sharded_layers"] == 2  # its own layer class, one unit each
+    kl = [r["train/distill_kl"] for r in records(tmp_path / "bf16") if "train/distill_kl" in r]
+    assert len(kl) == values["max_steps"] and min(kl) > 0  # the teacher ran at every step
     final = load_file(tmp_path / "bf16" / "final" / "model.safetensors")
     reference = load_file(root / "ddp" / "final" / "model.safetensors")
-    assert final.keys() == reference.keys()
-    assert all(final[k].dtype == reference[k].dtype for k in final)  # the source's dtype, not bf16
+    assert final.keys() == reference.keys() and len(final) > 0
+    assert {k: final[k].dtype for k in final} == {k: reference[k].dtype for k in final}  # the source's, not bf16

@@ -37,7 +37,7 @@ def launch_fsdp_config(base_config: dict, tmp_path: Path, **env) -> tuple[subpro
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(FSDP_YAML),
            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
            "-m", "uptrain", "train", "--config", str(path)]
-    full_env = {k: v for k, v in python_env().items() if k not in ("ACCELERATE_USE_CPU", "UPTRAIN_FSDP_ON_CPU")}
+    full_env = {k: v for k, v in python_env().items() if k != "ACCELERATE_USE_CPU"}
     full_env.update(env)
     proc = subprocess.run(cmd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     return proc, out

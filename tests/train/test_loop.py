@@ -17,6 +17,7 @@ from uptrain import UptrainError
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import lr_at, run_training
 
+
 def test_uptrain_a_converted_checkpoint(base_config, capsys):
     config = TrainConfig(**{**base_config, "report_to": ["wandb", "jsonl"], "peak_flops": 1e12, "save_every": 1,
                             "keep_checkpoints": 2})
@@ -54,7 +55,8 @@ def test_uptrain_a_converted_checkpoint(base_config, capsys):
     assert model.config.num_key_value_heads == 2
     assert (final / "tokenizer.json").is_file()
     # The saved weights are the trained ones: they give the logged final eval loss.
-    assert json.loads((final / "uptrain.json").read_text())["uptraining"]["eval_after"]["eval/loss"] == recs[-1]["eval/loss"]
+    uptraining = json.loads((final / "uptrain.json").read_text())["uptraining"]
+    assert uptraining["eval_after"]["eval/loss"] == recs[-1]["eval/loss"]
     # Saved after steps 1…5 (the last step goes to final/), the last two kept.
     assert sorted(p.name for p in (Path(config.output_dir) / "checkpoints").iterdir()) == ["step_00000004",
                                                                                           "step_00000005"]
@@ -143,6 +145,18 @@ def test_convert_on_the_fly(base_config, assets):
     assert json.loads((final / "config.json").read_text())["num_key_value_heads"] == 2
 
 
+
+def test_convert_on_the_fly_again_under_overwrite(base_config, assets):
+    # --overwrite empties the folder, converted/ included: the conversion runs again rather than
+    # trusting the converted/ it is about to delete.
+    values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "max_steps": 1, "save_every": 10}
+    del values["model"]
+    run_training(TrainConfig(**values))
+    run_training(TrainConfig(**{**values, "overwrite": True, "num_kv_heads": 4}))
+    converted = Path(values["output_dir"]) / "converted"
+    assert json.loads((converted / "config.json").read_text())["num_key_value_heads"] == 4
+    assert [r["step"] for r in records(values["output_dir"])] == [0, 1]
+
 def test_convert_on_the_fly_calibrated_on_train_data(base_config, assets):
     values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "pooling": "calibrated",
               "grouping": "similarity", "calibration_tokens": 256, "max_steps": 1, "save_every": 10}
@@ -158,8 +172,8 @@ def test_convert_on_the_fly_calibrated_on_train_data(base_config, assets):
 def test_similarity_grouping_on_the_fly_is_calibrated_like_convert(base_config, assets, tmp_path):
     """`grouping: similarity` with mean pooling groups heads on the training data, as
     `uptrain convert --grouping similarity --calibration-data` does."""
-    from uptrain.convert.calibration import collect_attention_moments
     from uptrain.convert import convert_checkpoint
+    from uptrain.convert.calibration import collect_attention_moments
     from uptrain.convert.pipeline import Calibration
 
     values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "grouping": "similarity",
@@ -198,7 +212,8 @@ def test_refuses_empty_and_short_data(base_config, tmp_path):
     refuses({**base_config, "train_data": str(tmp_path / "short.txt")},
             r"gives 3 blocks of 32 tokens; one optimizer step needs 4")
     (tmp_path / "blank.txt").write_text("\n\n\n")
-    refuses({**base_config, "train_data": str(tmp_path / "blank.txt")}, "`train_data`: .*blank.txt holds only whitespace")
+    refuses({**base_config, "train_data": str(tmp_path / "blank.txt")},
+            "`train_data`: .*blank.txt holds only whitespace")
     refuses({**base_config, "eval_data": str(tmp_path / "empty.txt")}, "`eval_data`: .*empty.txt is empty")
     refuses({**base_config, "eval_data": str(tmp_path / "blank.txt")}, "`eval_data`: .*blank.txt holds only whitespace")
     (tmp_path / "tiny.txt").write_text("The cat.\n")

@@ -27,7 +27,7 @@ import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from uptrain import UptrainError
 
@@ -148,6 +148,19 @@ def _check_target(out: Path, overwrite: bool) -> None:
 def _check_parent(out: Path) -> None:
     if not out.parent.is_dir():
         raise UptrainError(f"cannot write {out}: {out.parent} is not an existing directory")
+
+
+def check_apart(out: Path, inputs: Iterable[tuple[str, Path]], what: str = "output") -> None:
+    """Refuse an output folder that is one of the run's inputs, lies inside one, or holds one:
+    writing it (or emptying it for --overwrite) would replace or pollute that input. `inputs`
+    are (what it is, path) pairs; paths that do not exist here (Hub ids) are skipped."""
+    out = Path(out).resolve()
+    for name, path in inputs:
+        if not Path(path).exists():
+            continue
+        path = Path(path).resolve()
+        if out == path or path in out.parents or out in path.parents:
+            raise UptrainError(f"{what} {out} overlaps the {name} {path}; choose another folder")
 
 
 def check_output_path(out: Path, overwrite: bool) -> None:

@@ -29,7 +29,7 @@ from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion
 from uptrain.convert.stream import write_weights
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
 from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
-from uptrain.checkpoint.atomic import atomic_directory, check_output_path
+from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
 
@@ -73,9 +73,7 @@ class PreparedConversion:
 
 def check_not_overlapping(out: Path, source: Path) -> None:
     """OUT equal to the source, inside it, or holding it would replace or pollute the source."""
-    out, source = out.resolve(), source.resolve()
-    if out == source or source in out.parents or out in source.parents:
-        raise UptrainError(f"output {out} overlaps the source checkpoint {source}; choose another folder")
+    check_apart(out, [("source checkpoint", source)])
 
 
 def prepare(spec: ConversionSpec, out: str | Path | None = None, overwrite: bool = False,

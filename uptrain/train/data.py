@@ -8,7 +8,7 @@ the global batch is the same.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -118,9 +118,3 @@ def eval_batches(blocks, eval_blocks: int, batch_size: int, rank: int,
     return [(rows[mine[i:i + batch_size]], torch.tensor(counted[i:i + batch_size]))
             for i in range(0, per_process, batch_size)]
 
-
-def count_eval_blocks(blocks, eval_blocks: int) -> int:
-    """How many blocks evaluation will use (0 means the eval data is too short)."""
-    if isinstance(blocks, TokenBlocks):
-        return min(eval_blocks, len(blocks))
-    return sum(1 for _ in itertools.islice(iter(blocks), eval_blocks))

@@ -2,7 +2,7 @@
 
 accelerate falls back silently when it cannot do what its config says: an FSDP or DeepSpeed config
 on a machine without GPUs becomes N independent single-process runs (or, with
-`ACCELERATE_USE_CPU=1`, DDP). `check_launch` turns each such mismatch into one line before
+`ACCELERATE_USE_CPU=1`, DDP). `make_accelerator` turns each such mismatch into one line before
 anything is written. `place_teacher` shards the distillation teacher under FSDP2 instead of
 copying it whole to every GPU.
 """
@@ -17,10 +17,6 @@ import torch
 
 from uptrain import UptrainError
 
-# Developer switch for CI: run accelerate's own FSDP2 code paths (sharded save_state / load_state,
-# the gathered state dict, DTensor-aware clipping) on CPU processes over gloo. accelerate routes
-# CPU runs to DDP even when FSDP is configured, but torch's `fully_shard` trains on CPU.
-FSDP_ON_CPU_ENV = "UPTRAIN_FSDP_ON_CPU"
 _TRUE = ("1", "true", "yes")
 
 
@@ -88,27 +84,6 @@ def _gpus_in_use(accelerator) -> int | None:
     return len(set(everyone))
 
 
-def _fsdp_on_cpu(accelerator) -> bool:
-    """Under the developer switch, turn accelerate's DDP-on-CPU into its FSDP2 path. Returns whether it did."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    if not (_flag(FSDP_ON_CPU_ENV, os.environ) and asked_engine() == "FSDP"
-            and accelerator.distributed_type == DistributedType.MULTI_CPU):
-        return False
-    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch set
-    if plugin.fsdp_version != 2:
-        raise UptrainError(f"{FSDP_ON_CPU_ENV}=1 needs fsdp_version 2 in the accelerate config (FSDP1 needs GPUs)")
-    if accelerator.mixed_precision != "no":
-        plugin.set_mixed_precision(accelerator.mixed_precision)
-    accelerator.state.fsdp_plugin = plugin
-    # accelerate keeps the type twice and refreshes AcceleratorState's copy from PartialState's
-    # whenever an AcceleratorState is built; on GPUs it sets both the same way.
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    accelerator.state.distributed_type = DistributedType.FSDP
-    return True
-
-
 def make_accelerator(**kwargs):
     """`Accelerator(**kwargs)`, refused with one line when the launch cannot do what it says.
 
@@ -116,7 +91,6 @@ def make_accelerator(**kwargs):
     from accelerate import Accelerator
 
     accelerator = Accelerator(**kwargs)
-    forced = _fsdp_on_cpu(accelerator)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     launch = Launch(launched=int(os.environ.get("WORLD_SIZE", "1")),
                     joined=accelerator.num_processes, asked=asked_engine(),
@@ -126,8 +100,6 @@ def make_accelerator(**kwargs):
         launch = dataclasses.replace(launch, gpus_in_use=_gpus_in_use(accelerator))
     if problem := launch_problem(launch):
         raise UptrainError(problem)
-    if forced:
-        accelerator.print(f"FSDP2 on CPU over gloo ({FSDP_ON_CPU_ENV}=1): a test of the sharded code paths")
     return accelerator
 
 

@@ -1,21 +1,23 @@
 """The uptraining loop on Accelerate: one CPU, one GPU, or many processes under `accelerate launch`.
 
-setup (run folder, conversion, tokenizer, data, model, optimizer) → plan → evaluate at step 0 →
-train with evaluation and checkpoints → evaluate → save `final/`.
+setup: check the models and data, start the run folder (converting `source` into it, see
+`SourceConversion`), load and prepare the models, fix the `Plan` → resume the `Progress` of a
+checkpoint → evaluate at step 0 → train with evaluation and checkpoints → evaluate → save `final/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +27,15 @@ import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
-from uptrain.convert.pipeline import calibrate, execute, prepare
+from uptrain.checkpoint.atomic import check_apart
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
+from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
 from uptrain.train.config import TrainConfig
-from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
@@ -106,37 +109,87 @@ def _duration(seconds: float) -> str:
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the run is, decided by `setup` before the first step and fixed to the end. A resumed
+    attempt makes the same plan: `inspect_run_dir` refuses a changed config or global batch."""
+    config: TrainConfig
+    out: Path
+    model_path: str  # the model trained: `model`, or OUTPUT_DIR/converted under `source`
+    total_steps: int
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None
+    static_metrics: dict  # model/… metrics, logged at step 0 and at the end
+    source_dtype: str  # the dtype final/ writes tensors the starting checkpoint lacked in
+    eval_block_count: int  # over all processes
+    notes: tuple[str, ...] = ()  # printed above the plan
+
+
+@dataclass
+class Progress:
+    """How far the run has come: the only part of a run that changes as it trains."""
+    start_step: int = 0  # where this attempt began: 0, or the step of the checkpoint it resumed from
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0
+    checkpoint_step: int | None = None  # the last checkpoint written or resumed from
+
+
 @dataclass
 class Run:
-    """Everything the loop needs, built by `setup`."""
-    config: TrainConfig
-    accelerator: object
-    out: Path
+    """A run being trained: its plan, what it trains with, and its progress."""
+    plan: Plan
     start: RunStart
-    model_path: str
-    tokenizer: object
+    accelerator: object
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     teacher: torch.nn.Module | None
     train_blocks: TrainBlocks | StreamedTrainBlocks
     eval_set: list
-    total_steps: int
-    start_step: int
-    tokens_per_step: int
-    flops_per_token: float
-    peak_flops: float | None
-    static_metrics: dict
-    log: M.MetricsLog | None
-    source_dtype: str
-    eval_block_count: int = 0
-    checkpoint_step: int | None = None
-    notes: list[str] = field(default_factory=list)
+    log: M.MetricsLog | None  # main process only
+    progress: Progress = field(default_factory=Progress)
+
+
+class SourceConversion:
+    """`source` + `num_kv_heads`: the run converts its starting model into OUTPUT_DIR/converted,
+    with the pipeline of `uptrain convert` (calibrated on train_data when the conversion needs it).
+
+    Two halves, because the run folder is started between them: building this runs `prepare`
+    (headers and config only) on every process, before anything is written; `execute`
+    calibrates and writes, on the main process, after `initialise_run_dir` (which empties the
+    folder under --overwrite). converted/ is written whole or not at all, so an attempt that
+    finds converted/config.json and keeps the folder (a resume) converts nothing again."""
+
+    def __init__(self, config: TrainConfig, out: Path):
+        self.config = config
+        self.folder = out / "converted"
+        reuse = (self.folder / "config.json").is_file() and not config.overwrite
+        self.prepared = None if reuse else prepare(config.conversion_spec())
+
+    @property
+    def checked_folder(self) -> Path:
+        """Where the model's tokenizer and positions are checked before converted/ exists: the source's."""
+        return self.folder if self.prepared is None else Path(self.prepared.source.folder)
+
+    def execute(self, accelerator) -> None:
+        """Main process only, once the run folder is initialised."""
+        if self.prepared is None:
+            return
+        accelerator.print(f"converting {self.config.source} to {self.config.num_kv_heads} KV heads "
+                          f"({self.config.pooling}) → {self.folder}")
+        execute(self.prepared, str(self.folder), calibration=calibrate(self.prepared), progress=False)
+
+    def __enter__(self) -> SourceConversion:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prepared is not None:
+            self.prepared.close()  # the source checkpoint, held open since `prepare`
 
 
 def setup(config: TrainConfig) -> Run:
-    """Validate everything that can be validated before loading weights, then build the run."""
-    from accelerate.utils import set_seed
-
+    """Check everything that can be checked before a write, start the run folder (converting
+    `source` into it), then load the models and fix the plan."""
     notes = []
     if "wandb" in config.trackers and (note := ensure_wandb_never_prompts()):
         notes.append(note)
@@ -155,43 +208,67 @@ def setup(config: TrainConfig) -> Run:
     teacher_path = str(resolve_source(config.teacher).folder) if config.teacher is not None else None
     _fill_known_budget(config)
     start = inspect_run_dir(config, global_batch)
-    conversion = None
-    if config.source is not None:
-        model_path = str(out / "converted")
-        if not (out / "converted" / "config.json").is_file():  # not converted by an earlier attempt
-            # The conversion's checks (headers and config only) run on every process, before any write.
-            conversion = prepare(config.conversion_spec())
-    try:
+    conversion = SourceConversion(config, out) if config.source is not None else None
+    with conversion if conversion is not None else contextlib.nullcontext():
         # The converted model's tokenizer and positions are the source's.
-        checked = model_path if conversion is None else conversion.source.folder
-        tokenizer, model_config, teacher_config = _check_models(config, str(checked), teacher_path)
+        checked = model_path if conversion is None else str(conversion.checked_folder)
+        tokenizer, model_config, teacher_config = _check_models(config, checked, teacher_path)
         train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
         accelerator.wait_for_everyone()
-        run_info = {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
-                    "num_processes": world, "global_batch": global_batch,
-                    "started": start.info.get("started") or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "uptrain_version": uptrain.__version__}
         if accelerator.is_main_process:
-            initialise_run_dir(config, start, run_info)
+            initialise_run_dir(config, start, _run_info(start, world, global_batch))
             if conversion is not None:
-                accelerator.print(f"converting {config.source} to {config.num_kv_heads} KV heads ({config.pooling}) "
-                                  f"→ {model_path}")
-                execute(conversion, model_path, calibration=calibrate(conversion), progress=False)
-    finally:
-        if conversion is not None:
-            conversion.close()
+                conversion.execute(accelerator)
     accelerator.wait_for_everyone()
-    if config.source is not None:
-        model_config = read_config(model_path)  # the converted KV heads
+    if conversion is not None:
+        model_path, model_config = str(conversion.folder), read_config(conversion.folder)  # the converted KV heads
+
+    model, optimizer, teacher, flops = _build_models(config, accelerator, model_path, model_config, teacher_path,
+                                                     teacher_config)
+    plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes)
+    return Run(plan=plan, start=start, accelerator=accelerator, model=model, optimizer=optimizer, teacher=teacher,
+               train_blocks=train_blocks, eval_set=eval_set,
+               log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None)
+
+
+def _make_plan(config: TrainConfig, accelerator, out: Path, model_path: str, model_config: dict,
+               flops_per_token: float, eval_set: list, notes: list[str]) -> Plan:
+    world = accelerator.num_processes
+    geometry = config_geometry(model_config)
+    source_dtype = config_dtype(model_config)
+    local_eval_blocks = torch.tensor(sum(int(c.sum()) for _, c in eval_set), device=accelerator.device)
+    return Plan(config=config, out=out, model_path=model_path, total_steps=config.total_steps(world),
+                tokens_per_step=config.tokens_per_step(world), flops_per_token=flops_per_token,
+                peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
+                static_metrics={"model/num_kv_heads": geometry.num_kv_heads,
+                                "model/kv_cache_bytes_per_token":
+                                    geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4))},
+                source_dtype=source_dtype, notes=tuple(notes),
+                eval_block_count=int(accelerator.reduce(local_eval_blocks, reduction="sum")))
+
+
+def _run_info(start: RunStart, world: int, global_batch: int) -> dict:
+    """run.json of a fresh run (a resumed one keeps its own): the facts fixed at its start."""
+    return {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
+            "num_processes": world, "global_batch": global_batch,
+            "started": start.info.get("started") or datetime.now(UTC).isoformat(timespec="seconds"),
+            "uptrain_version": uptrain.__version__}
+
+
+def _build_models(config: TrainConfig, accelerator, model_path: str, model_config: dict, teacher_path: str | None,
+                  teacher_config: dict | None):
+    """The student, its optimizer and the teacher, prepared by accelerate; and the training FLOPs
+    per token of the pair. Returns (model, optimizer, teacher or None, flops per token)."""
+    from accelerate.utils import set_seed
 
     set_seed(config.seed)
     model = _load_model(model_path, "model")
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     geometry = config_geometry(model_config)
-    params = M.non_embedding_params(model)
-    attn_width = geometry.num_heads * geometry.head_dim
-    flops = M.train_flops_per_token(params, geometry.num_layers, attn_width, config.seq_len)
+    params = M.non_embedding_params(model)  # counted before accelerate wraps or shards the parameters
+    flops = M.train_flops_per_token(params, geometry.num_layers, geometry.num_heads * geometry.head_dim,
+                                    config.seq_len)
     teacher = None
     if config.teacher is not None:
         # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
@@ -206,19 +283,7 @@ def setup(config: TrainConfig) -> Run:
         # A frozen teacher needs no fp32 master copy: under autocast it computes in bf16/fp16 anyway.
         # Under FSDP2 it is sharded like the student rather than copied whole to every GPU.
         teacher = place_teacher(accelerator, teacher)
-
-    source_dtype = config_dtype(model_config)
-    static = {"model/num_kv_heads": geometry.num_kv_heads,
-              "model/kv_cache_bytes_per_token": geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4))}
-    log = M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None
-    return Run(config=config, accelerator=accelerator, out=out, start=start, model_path=model_path,
-               tokenizer=tokenizer, model=model, optimizer=optimizer, teacher=teacher, train_blocks=train_blocks,
-               eval_set=eval_set, total_steps=config.total_steps(world), start_step=0,
-               tokens_per_step=config.tokens_per_step(world), flops_per_token=flops,
-               peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device), static_metrics=static,
-               log=log, source_dtype=source_dtype, notes=notes,
-               eval_block_count=int(accelerator.reduce(torch.tensor(sum(int(c.sum()) for _, c in eval_set),
-                                                                    device=accelerator.device), reduction="sum")))
+    return model, optimizer, teacher, flops
 
 
 def _fill_known_budget(config: TrainConfig) -> None:
@@ -307,14 +372,15 @@ def _token_loss_sums(run: Run, input_ids: torch.Tensor, row_weight: torch.Tensor
         ce = ce * row_weight
     sums = {"ce": ce.sum()}
     if distill and run.teacher is not None:
-        t = run.config.distill_temperature
+        config = run.plan.config
+        t = config.distill_temperature
         with torch.no_grad(), run.accelerator.autocast():
             teacher_logits = run.teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
         # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
         # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
         kl = F.kl_div(F.log_softmax(logits / t, dim=-1), F.log_softmax(teacher_logits / t, dim=-1),
                       log_target=True, reduction="sum") * t * t
-        w = run.config.distill_weight
+        w = config.distill_weight
         sums["kl"] = kl
         sums["loss"] = (1 - w) * sums["ce"] + w * kl
     else:
@@ -341,8 +407,8 @@ def evaluate(run: Run) -> dict:
 def train_step(run: Run, step: int) -> dict:
     """One optimizer step (`step` counted from 0). Returns the step's metrics; does not update the
     weights if the loss or gradient norm is not finite."""
-    acc, config = run.accelerator, run.config
-    lr = lr_at(config, step, run.total_steps)
+    acc, config = run.accelerator, run.plan.config
+    lr = lr_at(config, step, run.plan.total_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     micro = run.train_blocks.micro_batches(step, acc.process_index)
@@ -393,8 +459,9 @@ def _log(run: Run, step: int, record: dict) -> None:
 
 
 def _print_plan(run: Run) -> None:
-    c, acc = run.config, run.accelerator
-    steps_left = run.total_steps - run.start_step
+    plan, acc = run.plan, run.accelerator
+    c, start_step = plan.config, run.progress.start_step
+    steps_left = plan.total_steps - start_step
     if c.max_steps is not None:
         budget = f"max_steps {c.max_steps}"
     elif c.max_tokens is not None:
@@ -404,50 +471,51 @@ def _print_plan(run: Run) -> None:
                   f"{_human(c.uptrain_fraction * c.pretrain_tokens)} tokens")
     data = "streamed"
     if isinstance(run.train_blocks, TrainBlocks):
-        epochs = run.total_steps / run.train_blocks.steps_per_epoch
+        epochs = plan.total_steps / run.train_blocks.steps_per_epoch
         data = f"{len(run.train_blocks.blocks)} blocks, {epochs:.3g} epochs over them"
     distill = "no"
     if c.teacher:
         distill = f"from {c.teacher} (weight {c.distill_weight}, temperature {c.distill_temperature})"
-    total_tokens, left_tokens = run.total_steps * run.tokens_per_step, steps_left * run.tokens_per_step
-    resuming = f" (resuming after step {run.start_step}, {steps_left} left)" if run.start_step else ""
+    total_tokens, left_tokens = plan.total_steps * plan.tokens_per_step, steps_left * plan.tokens_per_step
+    resuming = f" (resuming after step {start_step}, {steps_left} left)" if start_step else ""
     lines = [
         "plan:",
-        f"  model            {run.model_path} ({run.static_metrics['model/num_kv_heads']} KV heads, "
-        f"{run.static_metrics['model/kv_cache_bytes_per_token']} KV-cache bytes/token)",
+        f"  model            {plan.model_path} ({plan.static_metrics['model/num_kv_heads']} KV heads, "
+        f"{plan.static_metrics['model/kv_cache_bytes_per_token']} KV-cache bytes/token)",
         f"  budget           {budget}",
-        f"  steps            {run.total_steps}{resuming}",
+        f"  steps            {plan.total_steps}{resuming}",
         f"  tokens           {_human(total_tokens)} ({_human(left_tokens)} to go)",
-        f"  tokens per step  {run.tokens_per_step} = seq_len {c.seq_len} × batch_size {c.batch_size} × grad_accum "
+        f"  tokens per step  {plan.tokens_per_step} = seq_len {c.seq_len} × batch_size {c.batch_size} × grad_accum "
         f"{c.grad_accum} × processes {acc.num_processes}",
         f"  processes        {acc.num_processes} ({acc.device.type}, mixed precision {acc.mixed_precision})",
-        f"  train data       {data}; eval: the same {run.eval_block_count} blocks each time",
+        f"  train data       {data}; eval: the same {plan.eval_block_count} blocks each time",
         f"  distillation     {distill}",
-        f"  output           {run.out}",
+        f"  output           {plan.out}",
     ]
-    acc.print("\n".join(run.notes + lines))
+    acc.print("\n".join([*plan.notes, *lines]))
 
 
 def _save_final(run: Run, final_metrics: dict) -> Path:
     """Write `final/` as `uptrain convert` writes its output (see `uptrain.train.final`)."""
     from uptrain.train.final import uptrained_card, uptraining_record, write_final
 
-    acc = run.accelerator
+    acc, plan = run.accelerator, run.plan
     state = acc.get_state_dict(run.model)  # gathers sharded (FSDP, ZeRO-3) weights; every process calls it
-    final = run.out / "final"
+    final = plan.out / "final"
     if acc.is_main_process:
-        step0 = next((r for r in M.read_metrics(run.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r), {})
+        step0 = next((r for r in M.read_metrics(plan.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r),
+                     {})
         record = uptraining_record(
-            Path(run.model_path), run.config.model_dump(mode="json"), steps=run.total_steps,
-            tokens=run.total_steps * run.tokens_per_step, num_processes=acc.num_processes,
-            global_batch=run.tokens_per_step // run.config.seq_len,
+            Path(plan.model_path), plan.config.model_dump(mode="json"), steps=plan.total_steps,
+            tokens=plan.total_steps * plan.tokens_per_step, num_processes=acc.num_processes,
+            global_batch=plan.tokens_per_step // plan.config.seq_len,
             eval_before={k: v for k, v in step0.items() if k.startswith("eval/")} or None,
             eval_after={k: v for k, v in final_metrics.items() if k.startswith("eval/")},
-            start_label=run.config.model)
+            start_label=plan.config.model)
         # Tensors the starting checkpoint lacked are written in its declared dtype.
-        write_final(final, Path(run.model_path), acc.unwrap_model(run.model), state, record,
-                    uptrained_card(record, Path(run.model_path)),
-                    default_dtype=getattr(torch, run.source_dtype, torch.float32))
+        write_final(final, Path(plan.model_path), acc.unwrap_model(run.model), state, record,
+                    uptrained_card(record, Path(plan.model_path)),
+                    default_dtype=getattr(torch, plan.source_dtype, torch.float32))
     acc.wait_for_everyone()
     return final
 
@@ -455,29 +523,41 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
 def run_training(config: TrainConfig, on_step: StepCallback | None = None) -> Path:
     """Uptrain as `config` says; returns the folder of the final model. `on_step(step, record)` is
     called on every process after each optimizer step (recipes use it for their own logging)."""
+    # Before the lock folder is made: an output_dir inside the model would already pollute it.
+    check_apart(Path(config.output_dir), run_inputs(config), "output_dir")
     with hold_run_dir(config.output_dir):  # one run at a time per output_dir; a second is refused at once
         return _run_training(config, on_step)
 
 
+def run_inputs(config: TrainConfig) -> list[tuple[str, Path]]:
+    """Every local path the run reads: output_dir may be none of them, nor inside or around one."""
+    named = [("model", config.model), ("source checkpoint", config.source), ("teacher", config.teacher)]
+    for key in ("train_data", "eval_data"):
+        value = getattr(config, key)
+        named += [(f"`{key}`", v) for v in ([value] if isinstance(value, str) else value)]
+    return [(what, Path(value)) for what, value in named if value]
+
+
 def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
     run = setup(config)
-    acc = run.accelerator
+    acc, plan = run.accelerator, run.plan
     if run.start.complete:
-        acc.print(f"{run.out} already holds a finished run (final/); nothing to do")
-        return run.out / "final"
+        acc.print(f"{plan.out} already holds a finished run (final/); nothing to do")
+        return plan.out / "final"
     if run.start.checkpoint is not None:
-        state = load_checkpoint(acc, run.start.checkpoint)
-        run.start_step = run.checkpoint_step = state["step"]
-        acc.print(f"resuming from {run.start.checkpoint} (step {run.start_step})")
+        step = load_checkpoint(acc, run.start.checkpoint)["step"]
+        run.progress = Progress(start_step=step, step=step, tokens_seen=step * plan.tokens_per_step,
+                                checkpoint_step=step)
+        acc.print(f"resuming from {run.start.checkpoint} (step {step})")
     if run.log is not None:
-        run.log.truncate_after(run.start_step if run.start_step else -1)
+        run.log.truncate_after(run.progress.start_step if run.progress.start_step else -1)
     _print_plan(run)
 
-    run_id = json.loads((run.out / "run.json").read_text())["wandb_run_id"]
+    run_id = json.loads((plan.out / "run.json").read_text())["wandb_run_id"]
     # The conversion actually done (from the model's uptrain.json), processes and global batch.
-    values = run_config(config, run.model_path, run.static_metrics["model/num_kv_heads"], acc.num_processes,
-                        run.tokens_per_step // config.seq_len)
-    start_trackers(acc, config, values, run_id, run.out)
+    values = run_config(config, plan.model_path, plan.static_metrics["model/num_kv_heads"], acc.num_processes,
+                        plan.tokens_per_step // config.seq_len)
+    start_trackers(acc, config, values, run_id, plan.out)
     try:
         result = _train(run, on_step)
     finally:
@@ -486,57 +566,60 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
 
 
 def _train(run: Run, on_step: StepCallback | None) -> Path:
-    acc, config = run.accelerator, run.config
+    acc, plan, progress = run.accelerator, run.plan, run.progress
+    config = plan.config
     last_eval = None
-    if run.start_step == 0:
+    if progress.step == 0:
         last_eval = evaluate(run)
-        _log(run, 0, {**last_eval, "train/tokens_seen": 0, **run.static_metrics})
-    bar = tqdm(total=run.total_steps, initial=run.start_step, desc="uptrain", unit="step",
+        _log(run, 0, {**last_eval, "train/tokens_seen": 0, **plan.static_metrics})
+    bar = tqdm(total=plan.total_steps, initial=progress.step, desc="uptrain", unit="step",
                disable=not acc.is_main_process, dynamic_ncols=True)
     timed_steps, timed_seconds = 0, 0.0
-    step = run.start_step
     with bar:
-        while step < run.total_steps:
+        while progress.step < plan.total_steps:
             t0 = time.perf_counter()
-            record = train_step(run, step)
+            record = train_step(run, progress.step)
             step_time = time.perf_counter() - t0
-            step += 1
-            tokens_per_second = run.tokens_per_step / step_time
-            record.update({"train/tokens_seen": step * run.tokens_per_step,
+            progress.step += 1
+            progress.tokens_seen += plan.tokens_per_step
+            step = progress.step
+            tokens_per_second = plan.tokens_per_step / step_time
+            record.update({"train/tokens_seen": progress.tokens_seen,
                            "perf/tokens_per_second": tokens_per_second, "perf/step_time_s": step_time,
                            "perf/peak_memory_bytes": M.peak_memory_bytes(acc.device)})
-            if run.peak_flops:
-                record["perf/mfu"] = M.mfu(tokens_per_second, run.flops_per_token, run.peak_flops, acc.num_processes)
+            if plan.peak_flops:
+                record["perf/mfu"] = M.mfu(tokens_per_second, plan.flops_per_token, plan.peak_flops, acc.num_processes)
             if not record.pop("finite"):
                 _log(run, step, record)
-                where = (f"last good checkpoint: {run.out / CHECKPOINTS / checkpoint_name(run.checkpoint_step)} "
-                         f"(step {run.checkpoint_step})"
-                         if run.checkpoint_step else "no checkpoint was written before it")
+                where = (f"last good checkpoint: {plan.out / CHECKPOINTS / checkpoint_name(progress.checkpoint_step)} "
+                         f"(step {progress.checkpoint_step})"
+                         if progress.checkpoint_step else "no checkpoint was written before it")
                 raise UptrainError(f"non-finite loss at step {step} (loss {record['train/loss']}, grad norm "
                                    f"{record['train/grad_norm']}); stopped without applying it; {where}; "
                                    "a lower lr or more warmup_steps may help")
-            evaluate_now = step % config.eval_every == 0 or step == run.total_steps
+            evaluate_now = step % config.eval_every == 0 or step == plan.total_steps
             if evaluate_now:
                 last_eval = evaluate(run)
                 record.update(last_eval)
-            if step == run.total_steps:
-                record.update(run.static_metrics)
-            if evaluate_now or step % config.log_every == 0 or step == run.total_steps:
+            if step == plan.total_steps:
+                record.update(plan.static_metrics)
+            if evaluate_now or step % config.log_every == 0 or step == plan.total_steps:
                 _log(run, step, record)
-            if step % config.save_every == 0 and step < run.total_steps:
-                save_checkpoint(acc, run.out, step, {"step": step, "tokens_seen": step * run.tokens_per_step,
-                                                     "total_steps": run.total_steps}, config.keep_checkpoints)
-                run.checkpoint_step = step
+            if step % config.save_every == 0 and step < plan.total_steps:
+                save_checkpoint(acc, plan.out, step, {"step": step, "tokens_seen": progress.tokens_seen,
+                                                      "total_steps": plan.total_steps}, config.keep_checkpoints)
+                progress.checkpoint_step = step
             bar.update(1)
             bar.set_postfix(loss=f"{record['train/loss']:.4f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
-            if step - run.start_step > 1:  # the first step pays for warm-up; leave it out of the estimate
+            done_here = step - progress.start_step
+            if done_here > 1:  # the first step pays for warm-up; leave it out of the estimate
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_time
-            if step - run.start_step == ETA_AFTER_STEPS + 1 and step < run.total_steps:
+            if done_here == ETA_AFTER_STEPS + 1 and step < plan.total_steps:
                 per_step = timed_seconds / timed_steps
-                bar.write(f"estimated remaining: {_duration(per_step * (run.total_steps - step))} "
-                          f"({per_step:.3g} s/step, {run.tokens_per_step / per_step:,.0f} tokens/s)")
+                bar.write(f"estimated remaining: {_duration(per_step * (plan.total_steps - step))} "
+                          f"({per_step:.3g} s/step, {plan.tokens_per_step / per_step:,.0f} tokens/s)")
             if on_step is not None:
                 on_step(step, record)
     final = _save_final(run, last_eval or {})
-    acc.print(f"eval/loss {last_eval['eval/loss']:.4f} after {run.total_steps} steps; uptrained model: {final}")
+    acc.print(f"eval/loss {last_eval['eval/loss']:.4f} after {plan.total_steps} steps; uptrained model: {final}")
     return final

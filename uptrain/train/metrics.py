@@ -18,7 +18,6 @@ import torch
 
 from uptrain import UptrainError
 
-
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
 # first, so "H100 PCIe" is not read as "H100" and "L40S" not as "L4".
 PEAK_FLOPS = {

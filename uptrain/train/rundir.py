@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import yaml
 
@@ -36,7 +36,7 @@ LOCK_FILE = ".uptrain-lock"
 
 @dataclass(frozen=True)
 class RunStart:
-    """What `prepare_run_dir` decided."""
+    """What `inspect_run_dir` decided."""
     fresh: bool  # no earlier run to continue (the folder is new, emptied, or never checkpointed)
     checkpoint: Path | None  # continue from here
     checkpoint_step: int
@@ -49,7 +49,8 @@ def _differences(old: dict, new: TrainConfig) -> list[str]:
     # A key the earlier run's uptrain did not have yet held its default there.
     defaults = {k: f.default for k, f in TrainConfig.model_fields.items() if not f.is_required()}
     old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
-    keys = [k for k in current if k not in OPERATIONAL_KEYS]
+    # output_dir names the folder being resumed, however it is spelled (run, run/, /abs/run).
+    keys = [k for k in current if k not in OPERATIONAL_KEYS and k != "output_dir"]
     return [f"{k}: {old.get(k)!r} → {current[k]!r}" for k in keys if old.get(k) != current[k]]
 
 

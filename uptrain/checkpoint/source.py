@@ -31,7 +31,7 @@ class ResolvedSource:
     hub_id: str | None = None  # the Hub repository: given as an id, or a snapshot folder of a Hugging Face cache
     provenance: dict | None = field(default=None, compare=False)  # its uptrain.json (chain checked), if any
     # The Hub model(s) a checkpoint made from it derives from; None where no Hub id is known.
-    base_model: str | list[str] | None = None
+    base_model: str | list[str] | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:

@@ -8,13 +8,20 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from uptrain import UptrainError, __version__
 from uptrain.options import add_arguments, flag_keys, from_args
 
+if TYPE_CHECKING:  # each command imports its own schema, when it runs
+    from uptrain.compare.spec import CompareSpec
+    from uptrain.convert.spec import ConvertCommand
+    from uptrain.demo import DemoOptions
+    from uptrain.inspect_checkpoint import InspectOptions
+    from uptrain.train.config import TrainConfig
 
-def convert(options) -> int:
+
+def convert(options: ConvertCommand) -> int:
     import torch
 
     from uptrain.convert.pipeline import calibrate, execute, prepare
@@ -53,7 +60,7 @@ def _pin_malloc_mmap_threshold() -> None:
             pass
 
 
-def inspect(options) -> int:
+def inspect(options: InspectOptions) -> int:
     from uptrain.inspect_checkpoint import format_report, inspect_checkpoint
 
     info = inspect_checkpoint(options.src, context=options.context, batch=options.batch, dtype=options.dtype)
@@ -61,14 +68,14 @@ def inspect(options) -> int:
     return 0
 
 
-def train(config) -> int:
+def train(config: TrainConfig) -> int:
     from uptrain.train.loop import run_training  # heavy imports only once the config is valid
 
     run_training(config)
     return 0
 
 
-def compare(spec) -> int:
+def compare(spec: CompareSpec) -> int:
     from uptrain.compare.report import write_report
     from uptrain.compare.study import run_compare
 
@@ -78,7 +85,7 @@ def compare(spec) -> int:
     return 0
 
 
-def demo(options) -> int:
+def demo(options: DemoOptions) -> int:
     from uptrain.demo import demo_spec, prepare_output
 
     spec = demo_spec(options.output_dir)
@@ -111,9 +118,9 @@ def _demo_schema():
 
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
-    from uptrain.train.cli import add_arguments
+    from uptrain.train.config import add_config_arguments
 
-    add_arguments(parser)
+    add_config_arguments(parser)
 
 
 def _train_config(args: argparse.Namespace, command: str):
@@ -130,6 +137,7 @@ class Command:
     run: Callable[[Any], int]
     help: str
     description: str
+    epilog: str | None = None
     schema: Callable[[], type] | None = None  # a dataclass schema of uptrain.options …
     # … or, for `train` (YAML keys under its flags), how its flags are added and read.
     arguments: Callable[[argparse.ArgumentParser], None] | None = None
@@ -158,7 +166,8 @@ COMMANDS = {
     "train": Command(
         train, arguments=_train_arguments, parse=_train_config, help="uptrain a (converted) checkpoint with Accelerate",
         description="Continue pretraining a checkpoint for a budget of tokens or steps; runs alone or under "
-                    "`accelerate launch -m uptrain train`."),
+                    "`accelerate launch -m uptrain train`.",
+        epilog="Several processes: accelerate launch [options] -m uptrain train --config FILE.yaml"),
     "compare": Command(
         compare, schema=_compare_schema,
         help="compare pooling strategies and KV-head counts, before and after uptraining",
@@ -181,7 +190,7 @@ def build_parser(command: str | None = "train") -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"uptrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, spec in COMMANDS.items():
-        p = sub.add_parser(name, help=spec.help, description=spec.description)
+        p = sub.add_parser(name, help=spec.help, description=spec.description, epilog=spec.epilog)
         if name == command:
             spec.add_arguments(p)
     return parser

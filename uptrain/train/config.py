@@ -44,7 +44,8 @@ def _embedded(schema: type, base: type[BaseModel]) -> type[BaseModel]:
     fields: dict[str, Any] = {k.name: (k.annotation, Field(k.default, description=k.option.help))
                               for k in keys.values()}
     return create_model(f"_{schema.__name__}Keys", __base__=base,
-                        __validators__={"_check": field_validator(*keys)(check)}, **fields)
+                        # named per schema: a subclass's validator of the same name would replace its base's
+                        __validators__={f"_check_{schema.__name__}": field_validator(*keys)(check)}, **fields)
 
 
 class _RunKeys(_embedded(ConversionOptions, _Strict)):

@@ -86,8 +86,8 @@ def pretrain_tokens(model: str) -> float:
         if (tokens := known_pretrain_tokens(config, name)) is not None:
             return tokens
     families = ", ".join(b.family for b in BUDGETS)
-    raise UptrainError(f"{model} has no {REFERENCE_CARD} card and is not recognised as a family with a published "
-                       f"pretraining budget ({families}): give `pretrain_tokens`")
+    raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {model} has no {REFERENCE_CARD} card and is not "
+                       f"recognised as a family with a published pretraining budget ({families})")
 
 
 # How long to uptrain: the keys and the rule `uptrain train` and `uptrain compare` share.

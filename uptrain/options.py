@@ -74,9 +74,8 @@ class Key(NamedTuple):
 class InvalidOptions(UptrainError):
     """Every problem found in one set of options, reported on one line."""
 
-    def __init__(self, problems: list[str], what: str = "option"):
-        self.problems = problems
-        super().__init__(f"invalid {what}: " + "; ".join(problems))
+    def __init__(self, problems: list[str]):
+        super().__init__("invalid option: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -20,10 +20,11 @@ from uptrain.convert.layouts import layout_for
 from uptrain.convert.pipeline import Calibration
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.plan import plan_conversion
+from uptrain.convert.spec import ConversionOptions
 from uptrain.convert.stream import compute_tensor
-from uptrain.convert.spec import ConversionOptions, validated
 from uptrain.model_info import attention_geometry, rotary_dim
 from uptrain.modeling import gqa_counterpart
+from uptrain.options import validated
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # each command imports its own schema, when it runs
     from uptrain.convert.spec import ConvertCommand
     from uptrain.demo import DemoOptions
     from uptrain.inspect_checkpoint import InspectOptions
+    from uptrain.speed import SpeedOptions
     from uptrain.train.config import TrainConfig
 
 
@@ -68,6 +69,16 @@ def inspect(options: InspectOptions) -> int:
     return 0
 
 
+def speed(options: SpeedOptions) -> int:
+    from uptrain.speed import format_speed_table, measure_speed
+
+    results = measure_speed(options.models, context=options.context, new_tokens=options.new_tokens,
+                            batch=options.batch, dtype=options.dtype, device=options.device,
+                            repeats=options.repeats, compile=options.compile)
+    print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
+    return 0
+
+
 def train(config: TrainConfig) -> int:
     from uptrain.train.loop import run_training  # heavy imports only once the config is valid
 
@@ -103,6 +114,12 @@ def _inspect_schema():
     from uptrain.inspect_checkpoint import InspectOptions
 
     return InspectOptions
+
+
+def _speed_schema():
+    from uptrain.speed import SpeedOptions
+
+    return SpeedOptions
 
 
 def _compare_schema():
@@ -163,6 +180,12 @@ COMMANDS = {
         inspect, schema=_inspect_schema, help="attention layout and KV-cache size for every valid number of KV heads",
         description="Show a checkpoint's architecture, heads and parameter count, and its KV-cache bytes for the "
                     "current layout and every G it can be pooled to."),
+    "speed": Command(
+        speed, schema=_speed_schema, help="inference speed and KV-cache memory of checkpoints, measured side by side",
+        description="Time the N-token prompt and M greedy new tokens with the KV cache, for B sequences, of each "
+                    "checkpoint in turn: prefill_s, decode_s_per_token, time_per_sample_s, decode_tokens_per_s, "
+                    "and kv_cache_bytes and peak_memory_bytes measured on the run. Give the MHA original and its "
+                    "conversions together to see what each G buys."),
     "train": Command(
         train, arguments=_train_arguments, parse=_train_config, help="uptrain a (converted) checkpoint with Accelerate",
         description="Continue pretraining a checkpoint for a budget of tokens or steps; runs alone or under "

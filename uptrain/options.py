@@ -272,7 +272,8 @@ def add_arguments(parser: argparse.ArgumentParser, keys: Iterable[Key], file_key
         kwargs: dict[str, Any] = dict(help=_help(key, file_keys), default=argparse.SUPPRESS)
         item = _list_item(key.annotation)
         if o.positional:
-            target.add_argument(key.name, metavar=o.metavar or key.name, help=kwargs["help"])
+            more = {"nargs": "+"} if item is not None else {}  # `uptrain speed MODEL [MODEL …]`
+            target.add_argument(key.name, metavar=o.metavar or key.name, help=kwargs["help"], **more)
             continue
         dashed = "--" + key.name.replace("_", "-")
         if file_keys:

@@ -37,17 +37,22 @@ def report(config: TrainConfig, final: Path) -> str:
     evals = [r for r in records if "eval/loss" in r]
     start, end = evals[0], evals[-1]
     ours = records[-1]
-    lines = [f"eval loss: {start['eval/loss']:.4f} at α = 0 → {end['eval/loss']:.4f} after {end['step']} steps "
-             f"({end.get('train/tokens_seen', 0):,} tokens; perplexity {start['eval/perplexity']:.4g} → "
-             f"{end['eval/perplexity']:.4g})"]
+    lines = [
+        f"eval loss: {start['eval/loss']:.4f} at α = 0 → {end['eval/loss']:.4f} after {end['step']} steps "
+        f"({end.get('train/tokens_seen', 0):,} tokens; perplexity {start['eval/perplexity']:.4g} → "
+        f"{end['eval/perplexity']:.4g})"
+    ]
     origin = config.source or config.model
     if origin and Path(origin, "config.json").is_file():
         before = attention_geometry(read_config(origin))
         per_token = ours["model/kv_cache_bytes_per_token"]
         saved = before.kv_cache_bytes_per_token(1, before.num_kv_heads) / before.kv_cache_bytes_per_token(
-            1, ours["model/num_kv_heads"])
-        lines.append(f"KV heads: {before.num_kv_heads} → {ours['model/num_kv_heads']} ({per_token:,} bytes per "
-                     f"token, {saved:.3g}× smaller than {origin})")
+            1, ours["model/num_kv_heads"]
+        )
+        lines.append(
+            f"KV heads: {before.num_kv_heads} → {ours['model/num_kv_heads']} ({per_token:,} bytes per "
+            f"token, {saved:.3g}× smaller than {origin})"
+        )
     lines.append(f"uptrained model: {final}")
     return "\n".join(lines)
 

@@ -63,18 +63,31 @@ print(json.dumps([time.perf_counter() - start, os.waitstatus_to_exitcode(status)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Peak RSS (and GPU memory) and time per token of layer-by-layer calibration vs the whole-model "
-                    "path, on a synthetic sharded MHA Llama checkpoint.",
-        epilog="GPU example: python scripts/bench_calibrate.py --device cuda --shape 7b --tokens 32768 --no-double")
-    p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB, bench_convert's shapes "
-                                                              "(default: 2; ignored with --shape 7b)")
-    p.add_argument("--shape", choices=("sized", "7b"), default="sized",
-                   help="'7b': Llama-2-7B's shapes (hidden 4096, 32 layers, MLP 11008), ~13.5 GB bf16")
+        "path, on a synthetic sharded MHA Llama checkpoint.",
+        epilog="GPU example: python scripts/bench_calibrate.py --device cuda --shape 7b --tokens 32768 --no-double",
+    )
+    p.add_argument(
+        "--size-gb",
+        type=float,
+        default=2.0,
+        help="checkpoint size in GB, bench_convert's shapes (default: 2; ignored with --shape 7b)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("sized", "7b"),
+        default="sized",
+        help="'7b': Llama-2-7B's shapes (hidden 4096, 32 layers, MLP 11008), ~13.5 GB bf16",
+    )
     p.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default: 4096)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per block (default: 256)")
     p.add_argument("--batch-size", type=int, default=4, help="blocks per forward pass (default: 4)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="forward-pass dtype (default: float32; moments are float64 either way)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="forward-pass dtype (default: float32; moments are float64 either way)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads in each child (default: torch's)")
     p.add_argument("--no-whole", action="store_true", help="skip the whole-model path (it needs the model in RAM)")
     p.add_argument("--no-double", action="store_true", help="skip the twice-the-layers memory check")
@@ -85,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- the paths that run as children of this script --------------------------------------
 
+
 def _imports():
     """What every path imports, the baseline included: the same interpreter floor for all."""
     import datasets  # noqa: F401
@@ -93,6 +107,7 @@ def _imports():
 
     import uptrain.convert.calibration  # noqa: F401
     import uptrain.textdata  # noqa: F401
+
     return torch
 
 
@@ -100,9 +115,16 @@ def child_layerwise(src: Path, data: str, opts: dict):
     """uptrain's path; the moments stay spilled (read back one layer at a time, as the merge does)."""
     from uptrain.convert.calibration import collect_attention_moments
 
-    moments, info = collect_attention_moments(src, data, num_tokens=opts["tokens"], seq_len=opts["seq_len"],
-                                              batch_size=opts["batch_size"], device=opts["device"],
-                                              dtype=opts["dtype"], progress=False)
+    moments, info = collect_attention_moments(
+        src,
+        data,
+        num_tokens=opts["tokens"],
+        seq_len=opts["seq_len"],
+        batch_size=opts["batch_size"],
+        device=opts["device"],
+        dtype=opts["dtype"],
+        progress=False,
+    )
     return moments, info["tokens"]
 
 
@@ -113,23 +135,39 @@ def child_whole(src: Path, data: str, opts: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from uptrain.convert.calibration import (attention_input, calibration_device, fold_attention_input,
-                                             load_calibration_tokenizer)
+    from uptrain.convert.calibration import (
+        attention_input,
+        calibration_device,
+        fold_attention_input,
+        load_calibration_tokenizer,
+    )
     from uptrain.textdata import load_blocks
 
     device, dtype = calibration_device(opts["device"], opts["dtype"])
-    blocks, _ = load_blocks(data, "calibration_data", load_calibration_tokenizer(src), opts["seq_len"],
-                            text_field="text", split="train", dataset_config=None, sample_by="paragraph",
-                            streaming=False, workers=None)
+    blocks, _ = load_blocks(
+        data,
+        "calibration_data",
+        load_calibration_tokenizer(src),
+        opts["seq_len"],
+        text_field="text",
+        split="train",
+        dataset_config=None,
+        sample_by="paragraph",
+        streaming=False,
+        workers=None,
+    )
     count = min(math.ceil(opts["tokens"] / opts["seq_len"]), len(blocks))
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=str(device)).eval()
     hidden = model.config.hidden_size
-    moments = {i: torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64, device=device)
-               for i in range(len(model.model.layers))}
+    moments = {
+        i: torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64, device=device)
+        for i in range(len(model.model.layers))
+    }
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_pre_hook(
             lambda module, args, kwargs, i=i: fold_attention_input(moments[i], attention_input(args, kwargs)),
-            with_kwargs=True)
+            with_kwargs=True,
+        )
     with torch.no_grad():
         for start in range(0, count, opts["batch_size"]):
             ids = blocks.take(list(range(start, min(start + opts["batch_size"], count)))).to(device)
@@ -151,8 +189,18 @@ def run_as_child(argv: list[str]) -> int:
         from uptrain.convert.calibration import load_calibration_tokenizer
         from uptrain.textdata import load_blocks
 
-        load_blocks(data, "calibration_data", load_calibration_tokenizer(src), opts["seq_len"], text_field="text",
-                    split="train", dataset_config=None, sample_by="paragraph", streaming=False, workers=None)
+        load_blocks(
+            data,
+            "calibration_data",
+            load_calibration_tokenizer(src),
+            opts["seq_len"],
+            text_field="text",
+            split="train",
+            dataset_config=None,
+            sample_by="paragraph",
+            streaming=False,
+            workers=None,
+        )
         print(json.dumps({}))
         return 0
     if opts["threads"]:
@@ -167,12 +215,20 @@ def run_as_child(argv: list[str]) -> int:
 
     last = max(moments)
     save_file({"first": moments[0].contiguous(), "last": moments[last].contiguous()}, saved)
-    print(json.dumps({"seconds": seconds, "tokens": tokens,
-                      "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "tokens": tokens,
+                "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            }
+        )
+    )
     return 0
 
 
 # ---- the benchmark -----------------------------------------------------------------------
+
 
 def run_child(argv: list[str]) -> dict:
     """Run a command through the launcher: its wall seconds, own peak RSS, CPU seconds and report."""
@@ -230,8 +286,11 @@ def measure(src: Path, data: Path, work: Path, opts: dict, paths) -> dict[str, d
             argv += [str(src), str(data), json.dumps(opts), str(work / f"moments-{path}.safetensors")]
         results[path] = run_child(argv)
         r = results[path]
-        print(f"  {path:<10} {r['wall_seconds']:8.2f} s  peak RSS {r['peak_rss_bytes'] / 2**20:8.1f} MiB",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {path:<10} {r['wall_seconds']:8.2f} s  peak RSS {r['peak_rss_bytes'] / 2**20:8.1f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
@@ -246,8 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     from uptrain.corpus import load_tokenizer
 
     shape["vocab"] = max(shape["vocab"], len(load_tokenizer()))  # every token id must have an embedding
-    opts = {"tokens": args.tokens, "seq_len": args.seq_len, "batch_size": args.batch_size, "device": args.device,
-            "dtype": args.dtype, "threads": args.threads}
+    opts = {
+        "tokens": args.tokens,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
     paths = [p for p in PATHS if not (p == "whole" and args.no_whole)]
     with tempfile.TemporaryDirectory(prefix="bench-calibrate-", dir=args.workdir) as tmp:
         work = Path(tmp)
@@ -257,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         data = write_text(work / "calibration.jsonl", args.tokens)
         checkpoint_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         results = measure(src, data, work, opts, paths)
-        difference = (max_relative_difference(work / "moments-layerwise.safetensors",
-                                              work / "moments-whole.safetensors") if "whole" in results else None)
+        difference = (
+            max_relative_difference(work / "moments-layerwise.safetensors", work / "moments-whole.safetensors")
+            if "whole" in results
+            else None
+        )
         shutil.rmtree(src)
         double = None
         if not args.no_double:
@@ -271,14 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(shape: dict, checkpoint_bytes: int, results: dict, double: dict | None, difference: float | None,
-              args) -> dict:
+def summarize(
+    shape: dict, checkpoint_bytes: int, results: dict, double: dict | None, difference: float | None, args
+) -> dict:
     base = results["baseline"]["peak_rss_bytes"]
     over = {p: r["peak_rss_bytes"] - base for p, r in results.items() if p != "baseline"}
     measured = [p for p in results if p != "baseline"]
     report = {
-        **shape, "checkpoint_bytes": checkpoint_bytes, "tokens": results["layerwise"]["tokens"],
-        "seq_len": args.seq_len, "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
+        **shape,
+        "checkpoint_bytes": checkpoint_bytes,
+        "tokens": results["layerwise"]["tokens"],
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "dtype": args.dtype,
         "threads_available": os.cpu_count(),
         "rss_ratio_vs_whole": round(over["layerwise"] / over["whole"], 4) if "whole" in over else None,
         "baseline_rss_bytes": base,
@@ -301,18 +375,23 @@ def summarize(shape: dict, checkpoint_bytes: int, results: dict, double: dict | 
         double["rss_growth_bytes"] = double["peak_rss_bytes"] - results["layerwise"]["peak_rss_bytes"]
         double["seconds_per_token"] = double["seconds"] / double["tokens"]
         # "Must not raise": allow page-granularity noise of 1% of the peak (as bench_convert.py).
-        targets["double_layers_rss_not_higher"] = double["rss_growth_bytes"] <= 0.01 * results["layerwise"][
-            "peak_rss_bytes"]
+        targets["double_layers_rss_not_higher"] = (
+            double["rss_growth_bytes"] <= 0.01 * results["layerwise"]["peak_rss_bytes"]
+        )
     report["targets_met"] = targets
     return report
 
 
 def print_table(report: dict) -> None:
-    print(f"calibrate: synthetic MHA Llama, {report['checkpoint_bytes'] / 1e9:.2f} GB bf16, "
-          f"{report['layers']} layers, hidden {report['hidden']}; {report['tokens']} tokens "
-          f"(seq {report['seq_len']}, batch {report['batch_size']}) on {report['device']} in {report['dtype']}")
-    header = (f"{'path':<22} {'calib s':>8} {'ms/token':>9} {'CPU s':>7} {'peak RSS MiB':>12} "
-              f"{'over baseline MiB':>17} {'GPU MiB':>8}")
+    print(
+        f"calibrate: synthetic MHA Llama, {report['checkpoint_bytes'] / 1e9:.2f} GB bf16, "
+        f"{report['layers']} layers, hidden {report['hidden']}; {report['tokens']} tokens "
+        f"(seq {report['seq_len']}, batch {report['batch_size']}) on {report['device']} in {report['dtype']}"
+    )
+    header = (
+        f"{'path':<22} {'calib s':>8} {'ms/token':>9} {'CPU s':>7} {'peak RSS MiB':>12} "
+        f"{'over baseline MiB':>17} {'GPU MiB':>8}"
+    )
     print(header)
     print("-" * len(header))
     rows = [(p, report["peak_rss_bytes"][p]) for p in report["peak_rss_bytes"]]
@@ -323,12 +402,16 @@ def print_table(report: dict) -> None:
         per_token = (source or {}).get("seconds_per_token", report["seconds_per_token"].get(path))
         gpu = (source or {}).get("gpu_peak_bytes", report["gpu_peak_bytes"].get(path))
         cpu = (source or {}).get("cpu_seconds", report["cpu_seconds"].get(path))
-        print(f"{path:<22} {'' if seconds is None else f'{seconds:8.2f}':>8} "
-              f"{'' if per_token is None else f'{per_token * 1e3:9.3f}':>9} {cpu:7.1f} {peak / 2**20:12.0f} "
-              f"{(peak - report['baseline_rss_bytes']) / 2**20:17.0f} "
-              f"{'' if gpu is None else f'{gpu / 2**20:8.0f}':>8}")
-    print(f"RSS over baseline, layerwise / whole: {report['rss_ratio_vs_whole']} (target ≤ 0.25); moments' largest "
-          f"relative difference {report['moments_max_relative_difference']}")
+        print(
+            f"{path:<22} {'' if seconds is None else f'{seconds:8.2f}':>8} "
+            f"{'' if per_token is None else f'{per_token * 1e3:9.3f}':>9} {cpu:7.1f} {peak / 2**20:12.0f} "
+            f"{(peak - report['baseline_rss_bytes']) / 2**20:17.0f} "
+            f"{'' if gpu is None else f'{gpu / 2**20:8.0f}':>8}"
+        )
+    print(
+        f"RSS over baseline, layerwise / whole: {report['rss_ratio_vs_whole']} (target ≤ 0.25); moments' largest "
+        f"relative difference {report['moments_max_relative_difference']}"
+    )
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in report["targets_met"].items()))
 
 

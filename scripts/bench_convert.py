@@ -37,13 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # Llama-7B proportions scaled down: head_dim 128, MLP 2.6875 × hidden, 32k vocabulary.
@@ -56,13 +54,19 @@ SOURCE_HASH = {"uptrain_sha256": "sha256", "uptrain_nohash": "none"}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Time and peak RSS of `uptrain convert` vs the I/O floor and from_pretrained → pool → "
-                    "save_pretrained, on a synthetic sharded MHA Llama checkpoint. On a GPU: --device cuda "
-                    "(the naive path then loads bf16 onto the GPU; uptrain always streams on the CPU).",
+        "save_pretrained, on a synthetic sharded MHA Llama checkpoint. On a GPU: --device cuda "
+        "(the naive path then loads bf16 onto the GPU; uptrain always streams on the CPU).",
         epilog="GPU example: python scripts/bench_convert.py --device cuda --size-gb 14",
     )
     p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (default: 2)")
-    p.add_argument("--num-kv-heads", "-g", type=int, default=4, metavar="G",
-                   help=f"KV heads after conversion; the model has {HEADS} heads (default: 4)")
+    p.add_argument(
+        "--num-kv-heads",
+        "-g",
+        type=int,
+        default=4,
+        metavar="G",
+        help=f"KV heads after conversion; the model has {HEADS} heads (default: 4)",
+    )
     p.add_argument("--shard-size-mb", type=int, default=500, help="source shard size in MB (default: 500)")
     p.add_argument("--repeats", type=int, default=3, help="runs per path, best time kept (default: 3)")
     p.add_argument("--device", default="cpu", help="device for the naive path: cpu or cuda (default: cpu)")
@@ -152,6 +156,7 @@ def commands(path: str, src: Path, out: Path, args) -> list[str]:
 
 # ---- the paths that run as children of this script --------------------------------------
 
+
 def child_floor_copy(src: Path, out: Path) -> None:
     import torch  # noqa: F401  same interpreter start as every other path
 
@@ -192,8 +197,13 @@ def child_naive(src: Path, out: Path, num_kv_heads: int, device: str) -> None:
                 old = getattr(attn, name)
                 # Contiguous groups: KV head k's rows are [k·d, (k+1)·d); average each group of `group`.
                 pooled = old.weight.view(num_kv_heads, group, head_dim, -1).float().mean(1)
-                new = torch.nn.Linear(old.in_features, num_kv_heads * head_dim, bias=False,
-                                      dtype=old.weight.dtype, device=old.weight.device)
+                new = torch.nn.Linear(
+                    old.in_features,
+                    num_kv_heads * head_dim,
+                    bias=False,
+                    dtype=old.weight.dtype,
+                    device=old.weight.device,
+                )
                 new.weight.copy_(pooled.reshape(num_kv_heads * head_dim, -1))
                 setattr(attn, name, new)
             attn.num_key_value_groups = heads // num_kv_heads
@@ -217,15 +227,18 @@ def run_as_child(argv: list[str]) -> int:
 
 # ---- the benchmark -----------------------------------------------------------------------
 
+
 def checkpoint_facts(folder: Path) -> dict:
     from uptrain.checkpoint.reader import SourceCheckpoint
 
     source = SourceCheckpoint(folder)
     try:
-        return {"total_bytes": sum(t.nbytes for t in source.tensors.values()),
-                "largest_tensor_bytes": max(t.nbytes for t in source.tensors.values()),
-                "largest_shard_bytes": max(p.stat().st_size for p in source.files),
-                "shards": len(source.files)}
+        return {
+            "total_bytes": sum(t.nbytes for t in source.tensors.values()),
+            "largest_tensor_bytes": max(t.nbytes for t in source.tensors.values()),
+            "largest_shard_bytes": max(p.stat().st_size for p in source.files),
+            "shards": len(source.files),
+        }
     finally:
         source.close()
 
@@ -236,7 +249,7 @@ def measure_paths(src: Path, work: Path, facts: dict, args) -> dict[str, dict]:
     rss: dict[str, list[int]] = {p: [] for p in paths}
     cpu: dict[str, list[float]] = {p: [] for p in paths}
     for rep in range(args.repeats):
-        order = paths[rep % len(paths):] + paths[:rep % len(paths)]  # rotate: no path always goes first
+        order = paths[rep % len(paths) :] + paths[: rep % len(paths)]  # rotate: no path always goes first
         for path in order:
             out = work / f"out-{path}"
             shutil.rmtree(out, ignore_errors=True)
@@ -247,12 +260,22 @@ def measure_paths(src: Path, work: Path, facts: dict, args) -> dict[str, dict]:
             times[path].append(seconds)
             rss[path].append(peak)
             cpu[path].append(cpu_seconds)
-            print(f"  rep {rep + 1}/{args.repeats} {path:<18} {seconds:7.2f} s  CPU {cpu_seconds:6.2f} s  "
-                  f"peak RSS {peak / 2**20:8.1f} MiB",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  rep {rep + 1}/{args.repeats} {path:<18} {seconds:7.2f} s  CPU {cpu_seconds:6.2f} s  "
+                f"peak RSS {peak / 2**20:8.1f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
             shutil.rmtree(out, ignore_errors=True)
-    return {p: {"seconds": min(times[p]), "seconds_all": [round(t, 3) for t in times[p]],
-                "cpu_seconds": min(cpu[p]), "peak_rss_bytes": max(rss[p])} for p in paths}
+    return {
+        p: {
+            "seconds": min(times[p]),
+            "seconds_all": [round(t, 3) for t in times[p]],
+            "cpu_seconds": min(cpu[p]),
+            "peak_rss_bytes": max(rss[p]),
+        }
+        for p in paths
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,23 +294,33 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-convert-", dir=args.workdir) as tmp:
         work = Path(tmp)
         print(f"writing a {args.size_gb:g} GB synthetic checkpoint: {shape}", file=sys.stderr, flush=True)
-        src = write_synthetic_llama(work / "src", **shape, dtype=torch.bfloat16,
-                                    max_shard_bytes=args.shard_size_mb * 10**6)
+        src = write_synthetic_llama(
+            work / "src", **shape, dtype=torch.bfloat16, max_shard_bytes=args.shard_size_mb * 10**6
+        )
         facts = checkpoint_facts(src)
         results = measure_paths(src, work, facts, args)
         shutil.rmtree(src)
         double = None
         if not args.no_double:
             print("writing the twice-the-layers checkpoint", file=sys.stderr, flush=True)
-            src2 = write_synthetic_llama(work / "src2x", **{**shape, "layers": 2 * shape["layers"]},
-                                         dtype=torch.bfloat16, max_shard_bytes=args.shard_size_mb * 10**6)
+            src2 = write_synthetic_llama(
+                work / "src2x",
+                **{**shape, "layers": 2 * shape["layers"]},
+                dtype=torch.bfloat16,
+                max_shard_bytes=args.shard_size_mb * 10**6,
+            )
             os.sync()
             warm_read(src2)
             total2 = checkpoint_facts(src2)["total_bytes"]
             refill_free_memory(2 * total2)
             seconds, peak, cpu_seconds = run_child(commands("uptrain", src2, work / "out-2x", args))
-            double = {"layers": 2 * shape["layers"], "total_bytes": total2,
-                      "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3), "peak_rss_bytes": peak}
+            double = {
+                "layers": 2 * shape["layers"],
+                "total_bytes": total2,
+                "seconds": round(seconds, 3),
+                "cpu_seconds": round(cpu_seconds, 3),
+                "peak_rss_bytes": peak,
+            }
 
     report = summarize(shape, facts, results, double, args)
     print_table(report, results, double)
@@ -303,13 +336,19 @@ def summarize(shape: dict, facts: dict, results: dict, double: dict | None, args
     largest = facts["largest_tensor_bytes"]
     over_baseline = a["peak_rss_bytes"] - base["peak_rss_bytes"]
     report = {
-        "size_gb": args.size_gb, "checkpoint_bytes": facts["total_bytes"], **shape,
-        "source_shards": facts["shards"], "num_kv_heads": args.num_kv_heads, "repeats": args.repeats,
-        "device": args.device, "threads_available": os.cpu_count(),
+        "size_gb": args.size_gb,
+        "checkpoint_bytes": facts["total_bytes"],
+        **shape,
+        "source_shards": facts["shards"],
+        "num_kv_heads": args.num_kv_heads,
+        "repeats": args.repeats,
+        "device": args.device,
+        "threads_available": os.cpu_count(),
         "time_ratio_vs_floor": round(a["seconds"] / floor["seconds"], 3),
         "time_ratio_vs_floor_by_source_hash": {
             digest: round(results[p]["seconds"] / floor["seconds"], 3)
-            for p, digest in [("uptrain", "blake3"), *((p, SOURCE_HASH[p]) for p in SOURCE_HASH)]},
+            for p, digest in [("uptrain", "blake3"), *((p, SOURCE_HASH[p]) for p in SOURCE_HASH)]
+        },
         "time_ratio_vs_naive": round(a["seconds"] / naive["seconds"], 3) if naive else None,
         "rss_ratio_vs_naive": round(a["peak_rss_bytes"] / naive["peak_rss_bytes"], 3) if naive else None,
         "peak_rss_bytes": a["peak_rss_bytes"],
@@ -323,7 +362,9 @@ def summarize(shape: dict, facts: dict, results: dict, double: dict | None, args
         # (Undefined when the checkpoint is so small that startup is all there is.)
         "time_ratio_vs_floor_excluding_startup": (
             round((a["seconds"] - base["seconds"]) / (floor["seconds"] - base["seconds"]), 3)
-            if floor["seconds"] - base["seconds"] > 0.1 * floor["seconds"] else None),
+            if floor["seconds"] - base["seconds"] > 0.1 * floor["seconds"]
+            else None
+        ),
         "seconds": {p: round(r["seconds"], 3) for p, r in results.items()},
         "seconds_all": {p: r["seconds_all"] for p, r in results.items()},
         "cpu_seconds": {p: round(r["cpu_seconds"], 3) for p, r in results.items()},
@@ -346,31 +387,46 @@ def summarize(shape: dict, facts: dict, results: dict, double: dict | None, args
 
 def print_table(report: dict, results: dict, double: dict | None) -> None:
     gb = report["checkpoint_bytes"] / 1e9
-    print(f"convert: synthetic MHA Llama, {gb:.2f} GB bf16 in {report['source_shards']} shards, "
-          f"{report['layers']} layers, hidden {report['hidden']}, {report['heads']} heads → "
-          f"G={report['num_kv_heads']}; largest tensor {report['largest_tensor_bytes'] / 2**20:.0f} MiB; "
-          f"best of {report['repeats']}, warm page cache")
-    labels = {"baseline": "baseline (import torch)", "floor_copy": "(b) floor: file copy",
-              "floor_safetensors": "(b) floor: safetensors r/w", "uptrain": "(a) uptrain convert",
-              "uptrain_sha256": "(a) --source-hash sha256", "uptrain_nohash": "(a) --source-hash none",
-              "naive": "(c) naive from_pretrained"}
+    print(
+        f"convert: synthetic MHA Llama, {gb:.2f} GB bf16 in {report['source_shards']} shards, "
+        f"{report['layers']} layers, hidden {report['hidden']}, {report['heads']} heads → "
+        f"G={report['num_kv_heads']}; largest tensor {report['largest_tensor_bytes'] / 2**20:.0f} MiB; "
+        f"best of {report['repeats']}, warm page cache"
+    )
+    labels = {
+        "baseline": "baseline (import torch)",
+        "floor_copy": "(b) floor: file copy",
+        "floor_safetensors": "(b) floor: safetensors r/w",
+        "uptrain": "(a) uptrain convert",
+        "uptrain_sha256": "(a) --source-hash sha256",
+        "uptrain_nohash": "(a) --source-hash none",
+        "naive": "(c) naive from_pretrained",
+    }
     header = f"{'path':<28} {'seconds':>8} {'GB/s':>6} {'CPU s':>6} {'peak RSS MiB':>12} {'over baseline MiB':>17}"
     print(header)
     print("-" * len(header))
     base_rss = results["baseline"]["peak_rss_bytes"]
     for path, r in results.items():
         rate = "" if path == "baseline" else f"{gb / r['seconds']:6.2f}"
-        print(f"{labels[path]:<28} {r['seconds']:8.2f} {rate:>6} {r['cpu_seconds']:6.2f} {r['peak_rss_bytes'] / 2**20:12.0f} "
-              f"{(r['peak_rss_bytes'] - base_rss) / 2**20:17.0f}")
+        print(
+            f"{labels[path]:<28} {r['seconds']:8.2f} {rate:>6} {r['cpu_seconds']:6.2f} "
+            f"{r['peak_rss_bytes'] / 2**20:12.0f} "
+            f"{(r['peak_rss_bytes'] - base_rss) / 2**20:17.0f}"
+        )
     if double:
-        print(f"{'(a) with 2x layers':<28} {double['seconds']:8.2f} {double['total_bytes'] / 1e9 / double['seconds']:6.2f} "
-              f"{double['cpu_seconds']:6.2f} "
-              f"{double['peak_rss_bytes'] / 2**20:12.0f} {(double['peak_rss_bytes'] - base_rss) / 2**20:17.0f}")
-    print(f"time a/floor {report['time_ratio_vs_floor']} (target ≤ 1.2; {report['floor_path']}), "
-          f"excluding startup {report['time_ratio_vs_floor_excluding_startup']}; by --source-hash "
-          f"{report['time_ratio_vs_floor_by_source_hash']}; "
-          f"time a/naive {report['time_ratio_vs_naive']}; RSS a/naive {report['rss_ratio_vs_naive']} (target ≤ 0.2); "
-          f"RSS over baseline = {report['rss_over_baseline_in_largest_tensors']} × largest tensor (target ≤ 3)")
+        print(
+            f"{'(a) with 2x layers':<28} {double['seconds']:8.2f} "
+            f"{double['total_bytes'] / 1e9 / double['seconds']:6.2f} "
+            f"{double['cpu_seconds']:6.2f} "
+            f"{double['peak_rss_bytes'] / 2**20:12.0f} {(double['peak_rss_bytes'] - base_rss) / 2**20:17.0f}"
+        )
+    print(
+        f"time a/floor {report['time_ratio_vs_floor']} (target ≤ 1.2; {report['floor_path']}), "
+        f"excluding startup {report['time_ratio_vs_floor_excluding_startup']}; by --source-hash "
+        f"{report['time_ratio_vs_floor_by_source_hash']}; "
+        f"time a/naive {report['time_ratio_vs_naive']}; RSS a/naive {report['rss_ratio_vs_naive']} (target ≤ 0.2); "
+        f"RSS over baseline = {report['rss_over_baseline_in_largest_tensors']} × largest tensor (target ≤ 3)"
+    )
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in report["targets_met"].items()))
 
 

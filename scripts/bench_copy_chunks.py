@@ -76,16 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         src = write_synthetic_llama(work / "src", **model_shape(args.size_gb * 1e9), dtype=torch.bfloat16)
         source = SourceCheckpoint(src)
-        ranges = [(t.file, t.start, t.nbytes) for t in source.order()
-                  if not t.name.endswith(("k_proj.weight", "v_proj.weight"))]
+        ranges = [
+            (t.file, t.start, t.nbytes)
+            for t in source.order()
+            if not t.name.endswith(("k_proj.weight", "v_proj.weight"))
+        ]
         source.close()
         total = sum(n for _, _, n in ranges)
-        methods = {**{name: (lambda out, n=n: copy_with_chunks(ranges, out, n)) for name, n in chunks.items()},
-                   "copy_file_range": lambda out: copy_in_kernel(ranges, out)}
+        methods = {
+            **{name: (lambda out, n=n: copy_with_chunks(ranges, out, n)) for name, n in chunks.items()},
+            "copy_file_range": lambda out: copy_in_kernel(ranges, out),
+        }
         seconds: dict[str, list[float]] = {name: [] for name in methods}
         for rep in range(args.repeats):
             names = list(methods)
-            names = names[rep % len(names):] + names[:rep % len(names)]
+            names = names[rep % len(names) :] + names[: rep % len(names)]
             for name in names:
                 out = work / "out"
                 out.unlink(missing_ok=True)
@@ -97,13 +102,23 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[name].append(round(time.perf_counter() - start, 3))
                 print(f"  rep {rep + 1}/{args.repeats} {name:<18} {seconds[name][-1]:6.3f} s", file=sys.stderr)
         shutil.rmtree(src)
-    print(f"copy: the {total / 1e9:.2f} GB of unchanged tensors of a {args.size_gb:g} GB checkpoint, "
-          f"warm page cache, best of {args.repeats}")
+    print(
+        f"copy: the {total / 1e9:.2f} GB of unchanged tensors of a {args.size_gb:g} GB checkpoint, "
+        f"warm page cache, best of {args.repeats}"
+    )
     print(f"{'method':<18} {'best s':>7} {'GB/s':>6}  all runs (s)")
     for name, runs in seconds.items():
         print(f"{name:<18} {min(runs):7.3f} {total / 1e9 / min(runs):6.2f}  {' '.join(f'{r:.2f}' for r in runs)}")
-    print(json.dumps({"bytes": total, "repeats": args.repeats,
-                      "seconds": {name: min(runs) for name, runs in seconds.items()}, "seconds_all": seconds}))
+    print(
+        json.dumps(
+            {
+                "bytes": total,
+                "repeats": args.repeats,
+                "seconds": {name: min(runs) for name, runs in seconds.items()},
+                "seconds_all": seconds,
+            }
+        )
+    )
     return 0
 
 

@@ -51,29 +51,50 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] + " On a GPU: --device cuda (bf16, SDPA attention).",
         epilog="GPU example: python scripts/bench_decode.py --device cuda --contexts 256,1024,4096 "
-               "--batches 1,8 --hidden 2048 --heads 16 --layers 16 --new-tokens 64",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "--batches 1,8 --hidden 2048 --heads 16 --layers 16 --new-tokens 64",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weights and cache dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--contexts", default="256,1024,4096",
-                   help="prompt lengths, comma-separated (default: 256,1024,4096; on 2 CPU cores the 4096 × 8 "
-                        "prefill takes ~30 s, pass 256,1024 for a quick run)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and cache dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--contexts",
+        default="256,1024,4096",
+        help="prompt lengths, comma-separated (default: 256,1024,4096; on 2 CPU cores the 4096 × 8 "
+        "prefill takes ~30 s, pass 256,1024 for a quick run)",
+    )
     p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated (default: 1,8)")
-    p.add_argument("--new-tokens", type=int, default=8,
-                   help="greedy tokens generated per sample, at least 2: the prompt's pass gives the first, one "
-                        "decode step each other one (default: 8)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed samples per model after a warm-up, alternating; medians are reported (default: 3)")
-    p.add_argument("--num-kv-heads", "-g", type=int, default=2, metavar="G", help="KV heads after conversion (default: 2)")
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=8,
+        help="greedy tokens generated per sample, at least 2: the prompt's pass gives the first, one "
+        "decode step each other one (default: 8)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed samples per model after a warm-up, alternating; medians are reported (default: 3)",
+    )
+    p.add_argument(
+        "--num-kv-heads", "-g", type=int, default=2, metavar="G", help="KV heads after conversion (default: 2)"
+    )
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default: 512)")
     p.add_argument("--heads", type=int, default=8, help="attention heads h (default: 8)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers (default: 6)")
     p.add_argument("--intermediate", type=int, help="MLP width (default: 2.75 × hidden)")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default: 8192)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default: 1: on a shared machine a second OpenMP thread that gets "
-                        "preempted stalls every op; use all cores on a quiet one)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default: 1: on a shared machine a second OpenMP thread that gets "
+        "preempted stalls every op; use all cores on a quiet one)",
+    )
     p.add_argument("--workdir", help="where the two checkpoints go (default: a temporary folder, removed)")
     return p
 
@@ -118,10 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         assert Fraction(row["gqa_kv_bytes"], row["mha_kv_bytes"]) == Fraction(g, h), row
     print_table(rows, args, device, dtype, n_params)
     result = {
-        "device": str(device), "dtype": dtype, "threads": args.threads,
-        "params": n_params, "num_heads": h, "num_kv_heads": g, "layers": args.layers,
-        "head_dim": args.hidden // h, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "kv_bytes_ratio": g / h, "head_ratio_bound": h / g,
+        "device": str(device),
+        "dtype": dtype,
+        "threads": args.threads,
+        "params": n_params,
+        "num_heads": h,
+        "num_kv_heads": g,
+        "layers": args.layers,
+        "head_dim": args.hidden // h,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "kv_bytes_ratio": g / h,
+        "head_ratio_bound": h / g,
         "weight_bytes": weight_bytes,
         "decode_speedup": {key(r): r["decode_speedup"] for r in rows},
         "bandwidth_bound_speedup": {key(r): r["bandwidth_bound_speedup"] for r in rows},
@@ -158,10 +187,16 @@ def build_models(args, workdir: Path, max_positions: int, dtype: str, device) ->
     from uptrain.convert import convert_checkpoint
     from uptrain.speed import load_model
 
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate or int(2.75 * args.hidden),
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.heads, vocab_size=args.vocab,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or int(2.75 * args.hidden),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(workdir / "mha")
     convert_checkpoint(workdir / "mha", workdir / "gqa", args.num_kv_heads, overwrite=True, progress=False)
@@ -177,8 +212,9 @@ def measure(models: dict, workdir: Path, context: int, batch: int, args, dtype: 
 
     for name in models:
         model_shape(workdir / name, name).check(context, args.new_tokens, batch, dtype, device)
-    measured = measure_models(models, context=context, new_tokens=args.new_tokens, batch=batch,
-                              repeats=args.repeats, device=device)
+    measured = measure_models(
+        models, context=context, new_tokens=args.new_tokens, batch=batch, repeats=args.repeats, device=device
+    )
     row: dict = {"context": context, "batch": batch}
     for name, m in measured.items():
         row[f"{name}_prefill_s"] = round(m["prefill_s"], 4)
@@ -191,21 +227,29 @@ def measure(models: dict, workdir: Path, context: int, batch: int, args, dtype: 
 
 def print_table(rows: list[dict], args, device, dtype, n_params: int) -> None:
     h, g = args.heads, args.num_kv_heads
-    print(f"decode: Llama {n_params / 1e6:.1f}M params, {args.layers} layers, h={h} → G={g} KV heads, "
-          f"{device} {dtype}, {args.threads} threads, "
-          f"median of {args.repeats} samples of {args.new_tokens} new tokens")
-    header = (f"{'context':>7} {'batch':>5} {'MHA KV MiB':>10} {'GQA KV MiB':>10} {'prefill MHA s':>13} "
-              f"{'prefill GQA s':>13} {'MHA tok/s':>9} {'GQA tok/s':>9} {'speedup':>7}")
+    print(
+        f"decode: Llama {n_params / 1e6:.1f}M params, {args.layers} layers, h={h} → G={g} KV heads, "
+        f"{device} {dtype}, {args.threads} threads, "
+        f"median of {args.repeats} samples of {args.new_tokens} new tokens"
+    )
+    header = (
+        f"{'context':>7} {'batch':>5} {'MHA KV MiB':>10} {'GQA KV MiB':>10} {'prefill MHA s':>13} "
+        f"{'prefill GQA s':>13} {'MHA tok/s':>9} {'GQA tok/s':>9} {'speedup':>7}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['context']:>7} {r['batch']:>5} {r['mha_kv_bytes'] / 2**20:>10.1f} {r['gqa_kv_bytes'] / 2**20:>10.1f} "
-              f"{r['mha_prefill_s']:>13.3f} {r['gqa_prefill_s']:>13.3f} {r['mha_tokens_per_s']:>9.1f} "
-              f"{r['gqa_tokens_per_s']:>9.1f} {r['decode_speedup']:>6.2f}x")
+        print(
+            f"{r['context']:>7} {r['batch']:>5} {r['mha_kv_bytes'] / 2**20:>10.1f} {r['gqa_kv_bytes'] / 2**20:>10.1f} "
+            f"{r['mha_prefill_s']:>13.3f} {r['gqa_prefill_s']:>13.3f} {r['mha_tokens_per_s']:>9.1f} "
+            f"{r['gqa_tokens_per_s']:>9.1f} {r['decode_speedup']:>6.2f}x"
+        )
     print(f"KV-cache bytes GQA/MHA = {g}/{h} = {g / h} exactly, in every setting")
-    print("bandwidth bound on the speed-up (weights + cache read per step) and the share of it measured: "
-          + ", ".join(f"{key(r)} {r['bandwidth_bound_speedup']:.2f}x ({r['fraction_of_bound']:.0%})" for r in rows)
-          + f"; h/G = {h / g:g}")
+    print(
+        "bandwidth bound on the speed-up (weights + cache read per step) and the share of it measured: "
+        + ", ".join(f"{key(r)} {r['bandwidth_bound_speedup']:.2f}x ({r['fraction_of_bound']:.0%})" for r in rows)
+        + f"; h/G = {h / g:g}"
+    )
 
 
 if __name__ == "__main__":

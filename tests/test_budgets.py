@@ -14,29 +14,35 @@ from uptrain.corpus import read_documents
 from uptrain.demo import REFERENCE
 
 
-@pytest.mark.parametrize("model_type,name,tokens", [
-    ("gpt_neox", "EleutherAI/pythia-160m", 300e9),
-    ("gpt_neox", "EleutherAI/pythia-1.4b-deduped", 300e9),
-    ("gpt_neox_gqa", "/data/pythia-410m", 300e9),  # converted by uptrain: still Pythia
-    ("opt", "facebook/opt-125m", 180e9),
-    ("gptj", "EleutherAI/gpt-j-6b", 402e9),
-    ("bloom", "bigscience/bloom", 366e9),
-    ("llama", "meta-llama/Llama-2-7b-hf", 2e12),
-    ("llama", "huggyllama/llama-65b", 1.4e12),
-    ("llama", "huggyllama/llama-7b", 1.0e12),
-])
+@pytest.mark.parametrize(
+    "model_type,name,tokens",
+    [
+        ("gpt_neox", "EleutherAI/pythia-160m", 300e9),
+        ("gpt_neox", "EleutherAI/pythia-1.4b-deduped", 300e9),
+        ("gpt_neox_gqa", "/data/pythia-410m", 300e9),  # converted by uptrain: still Pythia
+        ("opt", "facebook/opt-125m", 180e9),
+        ("gptj", "EleutherAI/gpt-j-6b", 402e9),
+        ("bloom", "bigscience/bloom", 366e9),
+        ("llama", "meta-llama/Llama-2-7b-hf", 2e12),
+        ("llama", "huggyllama/llama-65b", 1.4e12),
+        ("llama", "huggyllama/llama-7b", 1.0e12),
+    ],
+)
 def test_known_families(model_type, name, tokens):
     assert known_pretrain_tokens({"model_type": model_type}, name) == tokens
 
 
-@pytest.mark.parametrize("model_type,name", [
-    ("gpt2", "openai-community/gpt2"),  # never published
-    ("llama", "EleutherAI/pythia-160m"),  # name of one family, architecture of another
-    ("gpt_neox", "EleutherAI/gpt-neox-20b"),
-    ("bloom", "bigscience/bloom-560m"),  # smaller BLOOMs: budget not in the table
-    ("opt", "facebook/opt-iml-1.3b"),
-    ("llama", "my-model"),
-])
+@pytest.mark.parametrize(
+    "model_type,name",
+    [
+        ("gpt2", "openai-community/gpt2"),  # never published
+        ("llama", "EleutherAI/pythia-160m"),  # name of one family, architecture of another
+        ("gpt_neox", "EleutherAI/gpt-neox-20b"),
+        ("bloom", "bigscience/bloom-560m"),  # smaller BLOOMs: budget not in the table
+        ("opt", "facebook/opt-iml-1.3b"),
+        ("llama", "my-model"),
+    ],
+)
 def test_unknown_is_none(model_type, name):
     assert known_pretrain_tokens({"model_type": model_type}, name) is None
 
@@ -60,8 +66,9 @@ BAD_BUDGETS = [
 
 
 def flags(budget: dict[str, str], dashed: bool) -> list[str]:
-    return [word for key, value in budget.items()
-            for word in ("--" + (key.replace("_", "-") if dashed else key), value)]
+    return [
+        word for key, value in budget.items() for word in ("--" + (key.replace("_", "-") if dashed else key), value)
+    ]
 
 
 @pytest.mark.parametrize("budget,expected", BAD_BUDGETS)
@@ -70,12 +77,47 @@ def test_train_and_compare_refuse_the_same_budgets_alike(capsys, tmp_path, budge
 
     model = str(REFERENCE)
     capsys.readouterr()
-    assert main(["train", "--model", model, "--train_data", "t.txt", "--eval_data", "e.txt", "--output_dir",
-                 str(tmp_path / "train"), "--seq_len", "32", "--batch_size", "2", "--lr", "1e-3",
-                 *flags(budget, dashed=False)]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                model,
+                "--train_data",
+                "t.txt",
+                "--eval_data",
+                "e.txt",
+                "--output_dir",
+                str(tmp_path / "train"),
+                "--seq_len",
+                "32",
+                "--batch_size",
+                "2",
+                "--lr",
+                "1e-3",
+                *flags(budget, dashed=False),
+            ]
+        )
+        == 2
+    )
     train_error = capsys.readouterr().err.strip()
-    assert main(["compare", "--model", model, "--num-kv-heads", "2", "--output-dir", str(tmp_path / "compare"),
-                 "--report-to", "jsonl", *flags(budget, dashed=True)]) == 2
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                model,
+                "--num-kv-heads",
+                "2",
+                "--output-dir",
+                str(tmp_path / "compare"),
+                "--report-to",
+                "jsonl",
+                *flags(budget, dashed=True),
+            ]
+        )
+        == 2
+    )
     compare_error = capsys.readouterr().err.strip()
     assert train_error.startswith("uptrain train: error: invalid config: ") and expected in train_error
     assert compare_error.startswith("uptrain compare: error: invalid option: ") and expected in compare_error
@@ -97,10 +139,32 @@ def test_train_finds_the_reference_budget_as_compare_does(tmp_path, capsys):
     from uptrain.train.loop import run_training
 
     text = tmp_path / "text.jsonl"  # a little of the shipped corpus: enough blocks for a step
-    text.write_text("".join(json.dumps({"text": d["text"]}) + "\n" for _, d in zip(range(20), read_documents("validation"))))
-    argv = ["train", "--model", str(REFERENCE), "--uptrain_fraction", "0.05", "--train_data", str(text),
-            "--eval_data", str(text), "--output_dir", str(tmp_path / "run"), "--seq_len", "32", "--batch_size",
-            "2", "--lr", "6e-4", "--eval_blocks", "1", "--report_to", "jsonl"]
+    text.write_text(
+        "".join(json.dumps({"text": d["text"]}) + "\n" for _, d in zip(range(20), read_documents("validation")))
+    )
+    argv = [
+        "train",
+        "--model",
+        str(REFERENCE),
+        "--uptrain_fraction",
+        "0.05",
+        "--train_data",
+        str(text),
+        "--eval_data",
+        str(text),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--seq_len",
+        "32",
+        "--batch_size",
+        "2",
+        "--lr",
+        "6e-4",
+        "--eval_blocks",
+        "1",
+        "--report_to",
+        "jsonl",
+    ]
     config = config_from_args(build_parser("train").parse_args(argv))
     assert config.pretrain_tokens is None
 

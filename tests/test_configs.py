@@ -26,7 +26,7 @@ def uptrain_args(words: list[str]) -> list[str]:
     """The arguments after `uptrain train` / `-m uptrain train`."""
     i = words.index("train")
     assert words[i - 1] == "uptrain", words
-    return words[i + 1:]
+    return words[i + 1 :]
 
 
 def validate_launch(words: list[str]):

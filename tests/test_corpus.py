@@ -115,9 +115,7 @@ def test_loads_offline_through_datasets(tmp_path, docs):
         "print(json.dumps({s: [ds[s].num_rows, ds[s][0]['id'], len(ds[s][0]['text'])]"
         " for s in ds}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     for split, part in docs.items():

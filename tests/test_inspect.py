@@ -16,7 +16,12 @@ def test_inspect_mha(capsys, tmp_path):
     model = build_model("llama")
     src = save(model, tmp_path / "src")
     info = run_json(capsys, src, "--context", 100, "--batch", 3)
-    assert (info["num_layers"], info["num_attention_heads"], info["num_key_value_heads"], info["head_dim"]) == (2, 8, 8, 8)
+    assert (info["num_layers"], info["num_attention_heads"], info["num_key_value_heads"], info["head_dim"]) == (
+        2,
+        8,
+        8,
+        8,
+    )
     assert info["parameters"] == model.num_parameters()
     assert info["dtype"] == "float32"
     assert info["kv_cache_bytes_per_token"] == 2 * 2 * 8 * 8 * 4

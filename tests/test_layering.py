@@ -67,7 +67,7 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module

@@ -27,7 +27,7 @@ def help_entries(command: str, capsys) -> dict[str, str]:
     for line in capsys.readouterr().out.splitlines():
         if m := re.match(r"  (-{0,2}[\w-]+)", line):
             name = m.group(1)
-            entries[name] = line[m.end():]
+            entries[name] = line[m.end() :]
         elif name is not None and line.startswith("    "):
             entries[name] += " " + line.strip()
         else:
@@ -53,7 +53,11 @@ def test_help_lists_every_key_with_its_default(command, capsys):
     entries = help_entries(command, capsys)
     assert len(keys) >= 2
     for key in keys:
-        flag = (key.option.metavar or key.name) if key.option.positional else "--" + (key.name if file_keys else key.name.replace("_", "-"))
+        flag = (
+            (key.option.metavar or key.name)
+            if key.option.positional
+            else "--" + (key.name if file_keys else key.name.replace("_", "-"))
+        )
         assert flag in entries, (command, flag, sorted(entries))
         text = entries[flag]
         assert " ".join(key.option.help.split()) in text, (flag, text)
@@ -86,8 +90,12 @@ def test_every_bad_key_named_on_one_line():
         conversion_spec(source="s", num_kv_heads="2", pooling="meen", calibration_tokens=0, max_shard_size="5XB")
     message = str(err.value)
     assert "\n" not in message and message.startswith("invalid option: ")
-    for part in ("`num_kv_heads`: must be a whole number, not '2'", "`pooling`: unknown pooling 'meen'",
-                 "`calibration_tokens`: must be at least 1 (got 0)", "`max_shard_size`: cannot read size '5XB'"):
+    for part in (
+        "`num_kv_heads`: must be a whole number, not '2'",
+        "`pooling`: unknown pooling 'meen'",
+        "`calibration_tokens`: must be at least 1 (got 0)",
+        "`max_shard_size`: cannot read size '5XB'",
+    ):
         assert part in message, message
     with pytest.raises(InvalidOptions, match="`num_kv_heads` is required"):
         conversion_spec(source="s")
@@ -104,8 +112,17 @@ def test_train_embeds_the_conversion_keys_and_their_checks(tmp_path):
     for key in keys_of(ConversionOptions):
         field = TrainConfig.model_fields[key.name]
         assert (field.default, field.description) == (key.default, key.option.help)
-    values = {"source": "s", "num_kv_heads": 2, "train_data": "t", "eval_data": "e", "output_dir": "o",
-              "seq_len": 8, "batch_size": 1, "lr": 1.0, "max_steps": 1}
+    values = {
+        "source": "s",
+        "num_kv_heads": 2,
+        "train_data": "t",
+        "eval_data": "e",
+        "output_dir": "o",
+        "seq_len": 8,
+        "batch_size": 1,
+        "lr": 1.0,
+        "max_steps": 1,
+    }
     with pytest.raises(UptrainError) as err:
         load_config(None, {**values, "pooling": "meen", "calibration_device": "gpu"})
     assert "`pooling`: unknown pooling 'meen'" in str(err.value)
@@ -116,11 +133,18 @@ def test_train_embeds_the_conversion_keys_and_their_checks(tmp_path):
 
 def test_convert_never_imports_pydantic(tmp_path):
     src = save(build_model("llama"), tmp_path / "src")
-    probe = ("import sys; from uptrain.cli import main; code = main(sys.argv[1:]); "
-             "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic'))")
+    probe = (
+        "import sys; from uptrain.cli import main; code = main(sys.argv[1:]); "
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic'))"
+    )
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", probe, "convert", str(src), str(tmp_path / "out"), "-g", "2"],
-                          capture_output=True, text=True, cwd=ROOT, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "convert", str(src), str(tmp_path / "out"), "-g", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout
     assert (tmp_path / "out" / "model.safetensors").is_file()

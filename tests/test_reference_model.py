@@ -24,14 +24,25 @@ def test_reference_model_matches_its_card(tmp_path):
     assert (REFERENCE / "model.safetensors").stat().st_size <= 40 * 2**20
     tokenizer = AutoTokenizer.from_pretrained(REFERENCE)
     # The card's validation loss was measured by the training loop on these blocks.
-    blocks, _ = load_blocks(str(split_path("validation")), "eval_data", tokenizer, card["seq_len"], "text", "train",
-                            None, "paragraph", False, None)
+    blocks, _ = load_blocks(
+        str(split_path("validation")),
+        "eval_data",
+        tokenizer,
+        card["seq_len"],
+        "text",
+        "train",
+        None,
+        "paragraph",
+        False,
+        None,
+    )
     total, count = 0.0, 0
     with torch.no_grad():
-        for input_ids, counted in eval_batches(blocks, card["eval_blocks"], 16, 0, 1):
+        for input_ids, _counted in eval_batches(blocks, card["eval_blocks"], 16, 0, 1):
             logits = model(input_ids).logits[:, :-1]
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1),
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum"
+            ).item()
             count += input_ids[:, 1:].numel()
     loss = total / count
     assert abs(loss - card["validation_loss"]) < 1e-3, (loss, card["validation_loss"])

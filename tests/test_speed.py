@@ -6,7 +6,6 @@ No timing assertions: speed is for the benchmarks (BENCHMARKS.md), not for tests
 from __future__ import annotations
 
 import json
-
 import math
 import re
 from pathlib import Path
@@ -23,9 +22,24 @@ from uptrain.speed import PeakMemory, format_speed_table, greedy_sample, load_mo
 
 HEADS, HEAD_DIM, LAYERS = 8, 8, 2
 GROUPS = (4, 2, 1)
-RESULT_KEYS = {"model", "num_kv_heads", "context", "new_tokens", "batch", "dtype", "device", "repeats",
-               "prefill_s", "decode_s_per_token", "time_per_sample_s", "decode_tokens_per_s", "spread",
-               "kv_cache_bytes", "peak_memory_bytes", "compiled"}
+RESULT_KEYS = {
+    "model",
+    "num_kv_heads",
+    "context",
+    "new_tokens",
+    "batch",
+    "dtype",
+    "device",
+    "repeats",
+    "prefill_s",
+    "decode_s_per_token",
+    "time_per_sample_s",
+    "decode_tokens_per_s",
+    "spread",
+    "kv_cache_bytes",
+    "peak_memory_bytes",
+    "compiled",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,8 +80,9 @@ def llama_with_positions(folder: Path, positions: int) -> Path:
 def test_kv_cache_bytes_are_h_over_g_times_less(family, request):
     paths = request.getfixturevalue(family)
     context, new_tokens, batch = 8, 3, 2
-    results = measure_speed([str(paths[g]) for g in (HEADS, *GROUPS)], context=context, new_tokens=new_tokens,
-                            batch=batch, repeats=1)
+    results = measure_speed(
+        [str(paths[g]) for g in (HEADS, *GROUPS)], context=context, new_tokens=new_tokens, batch=batch, repeats=1
+    )
     by_g = {r["num_kv_heads"]: r for r in results}
     assert set(by_g) == {HEADS, *GROUPS} and [r["model"] for r in results] == [str(paths[g]) for g in (HEADS, *GROUPS)]
     # The cache after a sample holds the prompt and every new token but the last (never fed back).
@@ -93,7 +108,7 @@ def no_cache_greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tenso
         for _ in range(new_tokens):
             token = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, token], dim=1)
-    return ids[:, prompt.shape[1]:]
+    return ids[:, prompt.shape[1] :]
 
 
 @pytest.mark.parametrize("model_type", ["llama", *classic_models.ARCHITECTURES])
@@ -146,25 +161,32 @@ def assert_one_line_refusal(call, pattern: str) -> None:
 def test_refuses_a_context_beyond_the_positions(llama, gpt2):
     # Llama's max_position_embeddings and GPT-2's n_positions are both 64 in the tiny configs.
     for folder in (llama[2], gpt2[2]):
-        assert_one_line_refusal(lambda folder=folder: measure_speed([folder], context=60, new_tokens=8),
-                                r"context 60 \+ new tokens 8 = 68 is beyond the model's 64 positions")
+        assert_one_line_refusal(
+            lambda folder=folder: measure_speed([folder], context=60, new_tokens=8),
+            r"context 60 \+ new tokens 8 = 68 is beyond the model's 64 positions",
+        )
     measure_speed([llama[2]], context=60, new_tokens=4, repeats=1)  # exactly the positions: runs
 
 
 def test_refuses_a_cache_beyond_free_memory(tmp_path):
     folder = llama_with_positions(tmp_path / "long", 2**40)
     # 2 layers × 8 heads × 8 dims × 2 (K, V) × 4 bytes = 1 KiB a position: 10^6 × 10^5 positions is ~100 TB.
-    assert_one_line_refusal(lambda: measure_speed([folder], context=100_000, new_tokens=2, batch=1_000_000),
-                            r"KV cache of batch 1000000 × 100002 positions needs .* GiB, more than the .* GiB free")
+    assert_one_line_refusal(
+        lambda: measure_speed([folder], context=100_000, new_tokens=2, batch=1_000_000),
+        r"KV cache of batch 1000000 × 100002 positions needs .* GiB, more than the .* GiB free",
+    )
 
 
-@pytest.mark.parametrize("options, pattern", [
-    ({"compile": True}, "--compile needs a CUDA device"),
-    ({"device": "tpu"}, "--device 'tpu': use cpu, cuda or cuda:N"),
-    ({"new_tokens": 1}, "--new-tokens must be a whole number ≥ 2"),
-    ({"batch": 0}, "--batch must be a whole number ≥ 1"),
-    ({"dtype": "int8"}, "--dtype 'int8' is not one of"),
-])
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        ({"compile": True}, "--compile needs a CUDA device"),
+        ({"device": "tpu"}, "--device 'tpu': use cpu, cuda or cuda:N"),
+        ({"new_tokens": 1}, "--new-tokens must be a whole number ≥ 2"),
+        ({"batch": 0}, "--batch must be a whole number ≥ 1"),
+        ({"dtype": "int8"}, "--dtype 'int8' is not one of"),
+    ],
+)
 def test_refuses_bad_options(llama, options, pattern):
     assert_one_line_refusal(lambda: measure_speed([llama[2]], **{"context": 8, **options}), re.escape(pattern))
 

@@ -31,8 +31,13 @@ class Budget:
 
 
 BUDGETS: tuple[Budget, ...] = (
-    Budget("Pythia", ("gpt_neox",), r"(^|[/_-])pythia-\d", 300e9,
-           "Biderman et al. 2023: every size 300B tokens of the Pile (deduped: ~1.5 epochs of the deduped Pile)"),
+    Budget(
+        "Pythia",
+        ("gpt_neox",),
+        r"(^|[/_-])pythia-\d",
+        300e9,
+        "Biderman et al. 2023: every size 300B tokens of the Pile (deduped: ~1.5 epochs of the deduped Pile)",
+    ),
     Budget("OPT", ("opt",), r"(^|[/_-])opt-\d", 180e9, "Zhang et al. 2022: 180B tokens"),
     Budget("GPT-J-6B", ("gptj",), r"gpt-j-6b", 402e9, "EleutherAI model card: 402B tokens of the Pile"),
     Budget("BLOOM-176B", ("bloom",), r"(^|/)bloom$", 366e9, "BigScience model card: 366B tokens"),
@@ -86,8 +91,10 @@ def pretrain_tokens(model: str) -> float:
         if (tokens := known_pretrain_tokens(config, name)) is not None:
             return tokens
     families = ", ".join(b.family for b in BUDGETS)
-    raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {model} has no {REFERENCE_CARD} card and is not "
-                       f"recognised as a family with a published pretraining budget ({families})")
+    raise UptrainError(
+        f"`uptrain_fraction` needs `pretrain_tokens`: {model} has no {REFERENCE_CARD} card and is not "
+        f"recognised as a family with a published pretraining budget ({families})"
+    )
 
 
 # How long to uptrain: the keys and the rule `uptrain train` and `uptrain compare` share.
@@ -99,16 +106,25 @@ class UptrainingBudget(Schema):
     """The budget keys of `uptrain train` (`TrainConfig` embeds them) and `uptrain compare`."""
 
     max_steps: int | None = option(None, at_least=1, group=BUDGET, help="optimizer steps to train")
-    max_tokens: int | None = option(None, at_least=1, group=BUDGET,
-                                    help="tokens to train on (rounded up to whole steps)")
-    uptrain_fraction: float | None = option(None, above=0, at_most=1, group=BUDGET,
-                                            help="α: share of the original pretraining tokens to uptrain for "
-                                                 "(paper: 0.05)")
-    pretrain_tokens: float | None = option(None, above=0, group=BUDGET,
-                                           help=f"tokens the model was pretrained on (e.g. 2e12 for Llama-2); with "
-                                                f"uptrain_fraction; default: its {REFERENCE_CARD} card, else the "
-                                                f"published budget of a known family "
-                                                f"({', '.join(b.family for b in BUDGETS)})")
+    max_tokens: int | None = option(
+        None, at_least=1, group=BUDGET, help="tokens to train on (rounded up to whole steps)"
+    )
+    uptrain_fraction: float | None = option(
+        None,
+        above=0,
+        at_most=1,
+        group=BUDGET,
+        help="α: share of the original pretraining tokens to uptrain for (paper: 0.05)",
+    )
+    pretrain_tokens: float | None = option(
+        None,
+        above=0,
+        group=BUDGET,
+        help=f"tokens the model was pretrained on (e.g. 2e12 for Llama-2); with "
+        f"uptrain_fraction; default: its {REFERENCE_CARD} card, else the "
+        f"published budget of a known family "
+        f"({', '.join(b.family for b in BUDGETS)})",
+    )
 
     def problems(self) -> list[str]:
         return super().problems() + budget_problems(self)
@@ -120,8 +136,10 @@ def budget_problems(budget) -> list[str]:
     without it `pretrain_tokens(model)` finds it once the model is known."""
     given = [name for name in ("max_steps", "max_tokens", "uptrain_fraction") if getattr(budget, name) is not None]
     if len(given) != 1:
-        return [f"give exactly one budget: `max_steps`, `max_tokens`, or `uptrain_fraction` (with `pretrain_tokens` "
-                f"unless the model has a {REFERENCE_CARD} card or a known family) (got {', '.join(given) or 'none'})"]
+        return [
+            f"give exactly one budget: `max_steps`, `max_tokens`, or `uptrain_fraction` (with `pretrain_tokens` "
+            f"unless the model has a {REFERENCE_CARD} card or a known family) (got {', '.join(given) or 'none'})"
+        ]
     if budget.pretrain_tokens is not None and budget.uptrain_fraction is None:
         return ["`pretrain_tokens` only applies with `uptrain_fraction`"]
     return []

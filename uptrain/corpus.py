@@ -114,15 +114,11 @@ def unigram_perplexity(
 
     tokenizer = tokenizer or load_tokenizer()
     vocab_size = len(tokenizer)
-    train_ids = np.fromiter(
-        _token_ids(tokenizer, (d["text"] for d in read_documents(train_split))), dtype=np.int64
-    )
+    train_ids = np.fromiter(_token_ids(tokenizer, (d["text"] for d in read_documents(train_split))), dtype=np.int64)
     counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64)
     # Add-one (Laplace) smoothing: tokens never seen in train still get probability > 0.
     log_probs = np.log(counts + 1.0) - math.log(counts.sum() + vocab_size)
-    eval_ids = np.fromiter(
-        _token_ids(tokenizer, (d["text"] for d in read_documents(eval_split))), dtype=np.int64
-    )
+    eval_ids = np.fromiter(_token_ids(tokenizer, (d["text"] for d in read_documents(eval_split))), dtype=np.int64)
     nll = -log_probs[eval_ids].mean()
     return UnigramBaseline(
         perplexity=float(math.exp(nll)),

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from uptrain import UptrainError
 from uptrain.checkpoint.reader import SourceCheckpoint
-from uptrain.convert.layouts import LAYOUTS, config_geometry
 from uptrain.checkpoint.source import resolve_source
+from uptrain.convert.layouts import LAYOUTS, config_geometry
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import Schema, option
 
@@ -50,14 +50,16 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     options = []
     for g in geo.valid_num_kv_heads():
         per_token = geo.kv_cache_bytes_per_token(dtype_bytes, g)
-        options.append({
-            "num_kv_heads": g,
-            "group_size": geo.num_heads // g,
-            "kv_cache_bytes_per_token": per_token,
-            "kv_cache_bytes": per_token * context * batch,
-            "saving": 1 - per_token / current,
-            "tensor_parallel_degrees": [tp for tp in TP_DEGREES if g % tp == 0],
-        })
+        options.append(
+            {
+                "num_kv_heads": g,
+                "group_size": geo.num_heads // g,
+                "kv_cache_bytes_per_token": per_token,
+                "kv_cache_bytes": per_token * context * batch,
+                "saving": 1 - per_token / current,
+                "tensor_parallel_degrees": [tp for tp in TP_DEGREES if g % tp == 0],
+            }
+        )
     return {
         "source": label,
         "model_type": model_type,
@@ -91,7 +93,8 @@ def format_report(info: dict) -> str:
         f"source        {info['source']}",
         f"architecture  {info['model_type']}" + ("" if info["convertible"] else "  (not convertible by uptrain yet)"),
         f"layers        {info['num_layers']}",
-        f"heads         {info['num_attention_heads']} query, {info['num_key_value_heads']} KV, head_dim {info['head_dim']}",
+        f"heads         {info['num_attention_heads']} query, {info['num_key_value_heads']} KV, "
+        f"head_dim {info['head_dim']}",
         f"parameters    {params}",
         f"KV cache      {human_bytes(info['kv_cache_bytes_per_token'])} per token, "
         f"{human_bytes(info['kv_cache_bytes'])} for {info['context']} tokens × batch {info['batch']} ({info['dtype']})",
@@ -100,6 +103,8 @@ def format_report(info: dict) -> str:
     ]
     for o in info["options"]:
         tp = ", ".join(map(str, o["tensor_parallel_degrees"])) or "-"
-        lines.append(f"{o['num_kv_heads']:>4} {o['group_size']:>5} {human_bytes(o['kv_cache_bytes_per_token']):>11} "
-                     f"{human_bytes(o['kv_cache_bytes']):>11} {o['saving']:>7.1%}  {tp}")
+        lines.append(
+            f"{o['num_kv_heads']:>4} {o['group_size']:>5} {human_bytes(o['kv_cache_bytes_per_token']):>11} "
+            f"{human_bytes(o['kv_cache_bytes']):>11} {o['saving']:>7.1%}  {tp}"
+        )
     return "\n".join(lines)

@@ -15,12 +15,17 @@ from uptrain import UptrainError
 from uptrain.strict_json import read_json
 
 DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
 }
 # Layers, heads and widths beyond any real model are refused: it keeps every computation on
 # them (the divisors of the KV heads, for one) instant, whatever a config says.
-MAX_COUNT = 2 ** 40
+MAX_COUNT = 2**40
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ def divisors(n: int) -> list[int]:
         factors[rest] = factors.get(rest, 0) + 1
     found = [1]
     for p, k in factors.items():
-        found = [d * p ** e for d in found for e in range(k + 1)]
+        found = [d * p**e for d in found for e in range(k + 1)]
     return sorted(found)
 
 
@@ -97,8 +102,10 @@ def _check_real(mapping: dict, key: str, path: Path, valid, expected: str) -> No
 def _count(config: dict, key: str, model_type: str) -> int:
     value = config[key]
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT:
-        raise UptrainError(f"config ({model_type}): {key} is {show(value)}; it must be a whole number from 1 to "
-                           f"2**{MAX_COUNT.bit_length() - 1}")
+        raise UptrainError(
+            f"config ({model_type}): {key} is {show(value)}; it must be a whole number from 1 to "
+            f"2**{MAX_COUNT.bit_length() - 1}"
+        )
     return value
 
 
@@ -133,7 +140,9 @@ def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> A
     config = standard_config_names(config)  # GPT-2, GPT-J, BLOOM spell them n_head, n_layer, …
     model_type = config.get("model_type", "?")
     if config.get("num_attention_heads") is None:
-        raise UptrainError(f"config ({model_type}) has no num_attention_heads: not an attention model uptrain can convert")
+        raise UptrainError(
+            f"config ({model_type}) has no num_attention_heads: not an attention model uptrain can convert"
+        )
     if config.get("num_hidden_layers") is None or config.get("hidden_size") is None:
         raise UptrainError(f"config ({model_type}) lacks num_hidden_layers or hidden_size")
     heads = _count(config, "num_attention_heads", model_type)

@@ -17,6 +17,7 @@ def parse_json(raw: bytes | str, what: str, unique_keys: bool = True):
     first: two tensors of one name in a safetensors header). Nesting deep enough to exhaust
     Python's recursion limit is refused too.
     """
+
     def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
         obj: dict = {}
         for key, value in pairs:
@@ -29,8 +30,9 @@ def parse_json(raw: bytes | str, what: str, unique_keys: bool = True):
         return json.loads(raw, object_pairs_hook=no_duplicates if unique_keys else None)
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4300 digits
         if "integer string conversion" in str(err):
-            raise UptrainError(f"{what}: a number has more digits than Python reads "
-                               f"({sys.get_int_max_str_digits()})") from None
+            raise UptrainError(
+                f"{what}: a number has more digits than Python reads ({sys.get_int_max_str_digits()})"
+            ) from None
         raise UptrainError(f"{what} is not valid JSON ({str(err).splitlines()[0]})") from None
     except RecursionError:
         raise UptrainError(f"{what} is not valid JSON (nested too deeply)") from None

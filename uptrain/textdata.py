@@ -20,8 +20,7 @@ import torch
 
 from uptrain import UptrainError
 
-BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-            ".parquet": "parquet"}
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # datasets decompresses these on the fly: `train.jsonl.gz` reads as jsonl.
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 
@@ -32,6 +31,8 @@ def _kind(path: str | Path) -> str | None:
     if path.suffix in COMPRESSIONS:
         path = path.with_suffix("")
     return BUILDERS.get(path.suffix)
+
+
 # Documents tokenized per `map` batch; each batch's last partial block is dropped.
 MAP_BATCH = 1000
 
@@ -39,6 +40,7 @@ MAP_BATCH = 1000
 @dataclass(frozen=True)
 class DataSource:
     """Where text comes from: local files (with their `datasets` builder) or a Hub dataset."""
+
     label: str
     builder: str | None  # "text"/"json"/"parquet" for local files, None for a Hub name
     files: tuple[str, ...] = ()
@@ -111,14 +113,18 @@ def _load(source: DataSource, split: str, dataset_config: str | None, sample_by:
     try:
         if source.is_local:
             kwargs = {"sample_by": sample_by} if source.builder == "text" else {}
-            return load_dataset(source.builder, data_files=list(source.files), split="train",
-                                streaming=streaming, **kwargs)
+            return load_dataset(
+                source.builder, data_files=list(source.files), split="train", streaming=streaming, **kwargs
+            )
         return load_dataset(source.label, dataset_config, split=split, streaming=streaming)
     except UptrainError:
         raise
     except Exception as err:  # datasets raises many types; the user needs the one line
-        offline = (" (HF_DATASETS_OFFLINE is set)"
-                   if not source.is_local and os.environ.get("HF_DATASETS_OFFLINE") == "1" else "")
+        offline = (
+            " (HF_DATASETS_OFFLINE is set)"
+            if not source.is_local and os.environ.get("HF_DATASETS_OFFLINE") == "1"
+            else ""
+        )
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UptrainError(f"cannot load {source.label}{offline}: {type(err).__name__}: {first}") from None
 
@@ -144,7 +150,7 @@ def pack_function(tokenizer, text_field: str, seq_len: int, what: str):
         ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         stream = list(itertools.chain.from_iterable(doc + [eos] for doc in ids))
         usable = len(stream) - len(stream) % seq_len
-        return {"input_ids": [stream[i:i + seq_len] for i in range(0, usable, seq_len)]}
+        return {"input_ids": [stream[i : i + seq_len] for i in range(0, usable, seq_len)]}
 
     return pack
 
@@ -165,20 +171,32 @@ class TokenBlocks:
         return self.dataset[indices]["input_ids"]
 
 
-def load_blocks(spec, key: str, tokenizer, seq_len: int, text_field: str, split: str, dataset_config: str | None,
-                sample_by: str, streaming: bool | None, workers: int | None):
+def load_blocks(
+    spec,
+    key: str,
+    tokenizer,
+    seq_len: int,
+    text_field: str,
+    split: str,
+    dataset_config: str | None,
+    sample_by: str,
+    streaming: bool | None,
+    workers: int | None,
+):
     """Load and pack one data key. Returns (TokenBlocks or a streamed `IterableDataset`, source)."""
     source = resolve_data(spec, key)
     stream = (not source.is_local) if streaming is None else streaming
     ds = _load(source, split, dataset_config, sample_by, stream)
     columns = _column_names(ds, source)
     if text_field not in columns:
-        raise UptrainError(f"`{key}` ({source.label}) has no column `{text_field}` (columns: {', '.join(columns)}); "
-                           "set `text_field`")
+        raise UptrainError(
+            f"`{key}` ({source.label}) has no column `{text_field}` (columns: {', '.join(columns)}); set `text_field`"
+        )
     pack = pack_function(tokenizer, text_field, seq_len, f"`{key}` ({source.label})")
     # Name the removed columns explicitly: streamed datasets do not infer them when the row count changes.
     if stream:
         return ds.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns), source
-    packed = ds.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns, num_proc=workers,
-                    desc=f"tokenize {key}")
+    packed = ds.map(
+        pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns, num_proc=workers, desc=f"tokenize {key}"
+    )
     return TokenBlocks(packed), source

@@ -14,15 +14,21 @@ import blake3
 import pytest
 
 from uptrain import UptrainError
-from uptrain.convert import convert_checkpoint
 from uptrain.checkpoint.hashing import BackgroundHasher
+from uptrain.convert import convert_checkpoint
 from uptrain.convert.synthetic import write_synthetic_llama
 
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    return write_synthetic_llama(tmp_path_factory.mktemp("hash") / "src", hidden=128, layers=2, intermediate=64,
-                                 vocab=64, max_shard_bytes=100_000)
+    return write_synthetic_llama(
+        tmp_path_factory.mktemp("hash") / "src",
+        hidden=128,
+        layers=2,
+        intermediate=64,
+        vocab=64,
+        max_shard_bytes=100_000,
+    )
 
 
 def weight_files(folder):
@@ -39,7 +45,8 @@ def test_digests_match_an_independent_hash_of_each_file(src, tmp_path, algorithm
     files = weight_files(src)
     assert len(files) > 1
     assert provenance(out)["source_files"] == {
-        f.name: {"bytes": f.stat().st_size, algorithm: reference(f.read_bytes()).hexdigest()} for f in files}
+        f.name: {"bytes": f.stat().st_size, algorithm: reference(f.read_bytes()).hexdigest()} for f in files
+    }
 
 
 def test_no_hash_records_sizes_only(src, tmp_path):
@@ -76,8 +83,22 @@ def test_a_blob_that_does_not_match_its_hub_name_fails_under_sha256(src, tmp_pat
     snapshot = hub_cache_copy(src, tmp_path / "cache", sha256_of=lambda data: hashlib.sha256(data + b"!").hexdigest())
     out = convert_checkpoint(snapshot, tmp_path / "unchecked", 2, progress=False)  # blake3 cannot check the name
     assert out.is_dir()
-    done = subprocess.run([sys.executable, "-m", "uptrain", "convert", str(snapshot), str(tmp_path / "checked"),
-                           "-g", "2", "--source-hash", "sha256"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "uptrain",
+            "convert",
+            str(snapshot),
+            str(tmp_path / "checked"),
+            "-g",
+            "2",
+            "--source-hash",
+            "sha256",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2
     assert "does not match the sha256 the Hub cache names it by" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -13,8 +13,13 @@ from uptrain.checkpoint.provenance import CONVERSION_KEYS, conversion_record, re
 from uptrain.checkpoint.source import portable, resolve_source, snapshot_of
 from uptrain.convert.synthetic import write_synthetic_llama
 
-CONVERSION = {"source": "org/model", "model_type": "llama", "pooling": "mean", "source_num_key_value_heads": 8,
-              "num_key_value_heads": 2}
+CONVERSION = {
+    "source": "org/model",
+    "model_type": "llama",
+    "pooling": "mean",
+    "source_num_key_value_heads": 8,
+    "num_key_value_heads": 2,
+}
 
 
 def uptrained(provenance) -> dict:
@@ -37,8 +42,11 @@ MALFORMED = (
     + [({"started_from": value}, "`started_from`") for value in KINDS]
     + [(uptrained(value), "`started_from.provenance`") for value in KINDS]
     + [(uptrained({"started_from": value}), "`started_from.provenance.started_from`") for value in KINDS]
-    + [(uptrained({k: v for k, v in CONVERSION.items() if k != missing}), "`started_from.provenance`")
-       for missing in CONVERSION_KEYS if missing != "pooling"]  # `pooling` is what marks a conversion
+    + [
+        (uptrained({k: v for k, v in CONVERSION.items() if k != missing}), "`started_from.provenance`")
+        for missing in CONVERSION_KEYS
+        if missing != "pooling"
+    ]  # `pooling` is what marks a conversion
 )
 
 
@@ -88,8 +96,12 @@ def test_sources_are_named_portably(tmp_path):
     assert snapshot_of(tmp_path / "hub" / "models--gpt2" / "snapshots" / "main") == ("gpt2", None)
     assert snapshot_of(tmp_path) is None
     resolved = resolve_source(snapshot)
-    assert (resolved.name, resolved.revision, resolved.hub_id, resolved.base_model) == \
-        ("org/name", commit, "org/name", "org/name")
+    assert (resolved.name, resolved.revision, resolved.hub_id, resolved.base_model) == (
+        "org/name",
+        commit,
+        "org/name",
+        "org/name",
+    )
     assert resolved.label == str(snapshot)  # messages on this machine still say the path given
     folder = tmp_path / "models" / "llama-7b"
     folder.mkdir(parents=True)

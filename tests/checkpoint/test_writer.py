@@ -27,8 +27,12 @@ def test_shards_are_cut_in_order_at_the_limit_and_a_larger_tensor_stands_alone()
 
 
 def test_tensors_written_in_shards_read_back_with_an_index(tmp_path):
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(2, 2).to(torch.bfloat16),
-               "empty": torch.zeros(0, 4)}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7),
+        "c": torch.randn(2, 2).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+    }
     write_tensors(tensors, tmp_path, max_shard_bytes=64, metadata={"origin": "test"})
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert list(index["weight_map"]) == list(tensors)
@@ -39,8 +43,10 @@ def test_tensors_written_in_shards_read_back_with_an_index(tmp_path):
         with safe_open(file, "pt") as f:
             assert f.metadata() == {"origin": "test", "format": "pt"}
     # 60 bytes; then 56 + 8 + 0, exactly the limit
-    assert list(index["weight_map"].values()) == ["model-00001-of-00002.safetensors"] + \
-        ["model-00002-of-00002.safetensors"] * 3
+    assert (
+        list(index["weight_map"].values())
+        == ["model-00001-of-00002.safetensors"] + ["model-00002-of-00002.safetensors"] * 3
+    )
 
 
 def test_one_shard_has_no_index(tmp_path):

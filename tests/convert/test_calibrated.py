@@ -10,9 +10,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.convert.tiny_models import COMMON, EXTRA, logits
 from uptrain import UptrainError
-from uptrain.convert.calibration import collect_attention_moments
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
+from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.pipeline import Calibration
 
 # Layouts the whole-layer merge supports (no q/k norms): phi and stablelm without their optional
@@ -23,8 +23,13 @@ WITHOUT_QK_NORMS = {"phi": dict(qk_layernorm=False), "stablelm": dict(qk_layerno
 
 def build(model_type: str, tokenizer, num_kv_heads: int = 8, seed: int = 0, **overrides):
     extra = {**EXTRA[model_type], **WITHOUT_QK_NORMS.get(model_type, {}), **overrides}
-    common = dict(COMMON, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                  bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(
+        COMMON,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     config = AutoConfig.for_model(model_type, num_key_value_heads=num_kv_heads, **{**common, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -45,8 +50,9 @@ def save(model, tokenizer, folder):
 
 def calibrated(src, out, g, text, **kwargs):
     moments, info = collect_attention_moments(src, str(text), num_tokens=2048, seq_len=64)
-    return convert_checkpoint(src, out, g, pooling="calibrated", calibration=Calibration(moments, info),
-                              progress=False, **kwargs)
+    return convert_checkpoint(
+        src, out, g, pooling="calibrated", calibration=Calibration(moments, info), progress=False, **kwargs
+    )
 
 
 def load(folder):
@@ -99,8 +105,9 @@ def _split_bias(proj, augmented: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("model_type,rotary_dim", [("llama", 8), ("phi", 4)])
-def test_exactly_related_heads_merge_exactly_and_mean_does_not(model_type, rotary_dim, tokenizer,
-                                                               calibration_text, tmp_path):
+def test_exactly_related_heads_merge_exactly_and_mean_does_not(
+    model_type, rotary_dim, tokenizer, calibration_text, tmp_path
+):
     model = build(model_type, tokenizer)
     relate_heads_exactly(model, 2, rotary_dim)
     src = save(model, tokenizer, tmp_path / "src")
@@ -147,8 +154,15 @@ def test_similarity_grouping_is_permutation_invariant(pooling, tokenizer, calibr
     results = []
     for folder in (src, psrc):
         moments, info = collect_attention_moments(folder, str(calibration_text), num_tokens=2048, seq_len=64)
-        out = convert_checkpoint(folder, tmp_path / f"{folder.name}-out", 2, pooling=pooling, grouping="similarity",
-                                 calibration=Calibration(moments) if pooling == "calibrated" else None, progress=False)
+        out = convert_checkpoint(
+            folder,
+            tmp_path / f"{folder.name}-out",
+            2,
+            pooling=pooling,
+            grouping="similarity",
+            calibration=Calibration(moments) if pooling == "calibrated" else None,
+            progress=False,
+        )
         results.append(logits(load(out)))
         provenance = json.loads((out / "uptrain.json").read_text())
         assert provenance["grouping"] == "similarity" and len(provenance["kv_head_order"]) == 2
@@ -167,8 +181,24 @@ def test_similarity_at_g_equals_h_is_identity(tokenizer, tmp_path):
 
 def test_cli_calibrated_and_refusals(tokenizer, calibration_text, tmp_path, capsys):
     src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
-    assert main(["convert", str(src), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated",
-                 "--calibration-data", str(calibration_text), "--calibration-tokens", "512"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(src),
+                str(tmp_path / "out"),
+                "-g",
+                "2",
+                "--pooling",
+                "calibrated",
+                "--calibration-data",
+                str(calibration_text),
+                "--calibration-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
     provenance = json.loads((tmp_path / "out" / "uptrain.json").read_text())
     assert provenance["pooling"] == "calibrated" and provenance["calibration"]["tokens"] >= 512
     capsys.readouterr()
@@ -183,6 +213,7 @@ def test_cli_calibrated_and_refusals(tokenizer, calibration_text, tmp_path, caps
 
 # Issue #10 §3: decide support from what the checkpoint holds and how the model computes.
 
+
 def test_stablelm_without_qk_layernorm_is_a_plain_layout(tokenizer, calibration_text, tmp_path):
     """No per-head norms in the checkpoint: calibrated and similarity work (G = h is exact)."""
     model = build("stablelm", tokenizer)
@@ -194,8 +225,11 @@ def test_stablelm_without_qk_layernorm_is_a_plain_layout(tokenizer, calibration_
     torch.testing.assert_close(logits(load(merged)), logits(model), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("options", [dict(pooling="calibrated", calibration=Calibration({})),
-                                     dict(grouping="similarity")], ids=["calibrated", "similarity"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(pooling="calibrated", calibration=Calibration({})), dict(grouping="similarity")],
+    ids=["calibrated", "similarity"],
+)
 def test_stablelm_with_qk_layernorm_is_refused_in_one_line(options, tokenizer, tmp_path):
     src = save(build("stablelm", tokenizer, qk_layernorm=True), tokenizer, tmp_path / "src")
     with pytest.raises(UptrainError, match=r"k_layernorm\.norms\.0\.weight .*per-head") as err:
@@ -221,7 +255,7 @@ def tie_kv_heads(model, pairs: list[tuple[int, int]]) -> None:
         for layer in model.model.layers:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                 for s, t in pairs:
-                    proj.weight[t * d:(t + 1) * d] = proj.weight[s * d:(s + 1) * d]
+                    proj.weight[t * d : (t + 1) * d] = proj.weight[s * d : (s + 1) * d]
 
 
 def test_similarity_grouping_commutes_with_clip_qkv(tokenizer, tmp_path):
@@ -244,8 +278,22 @@ def test_similarity_grouping_commutes_with_clip_qkv(tokenizer, tmp_path):
 def test_calibrated_refuses_clip_qkv_in_one_line(tokenizer, calibration_text, tmp_path, capsys):
     src = save(olmo_with_clip_qkv(tokenizer), tokenizer, tmp_path / "src")
     capsys.readouterr()
-    assert main(["convert", str(src), str(tmp_path / "out"), "-g", "8", "--pooling", "calibrated",
-                 "--calibration-data", str(calibration_text)]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                str(src),
+                str(tmp_path / "out"),
+                "-g",
+                "8",
+                "--pooling",
+                "calibrated",
+                "--calibration-data",
+                str(calibration_text),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "clip_qkv" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()

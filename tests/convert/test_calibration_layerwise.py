@@ -14,8 +14,13 @@ from safetensors.torch import load_file
 from tests.convert.test_calibrated import CALIBRATED, build, save
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
-from uptrain.convert.calibration import (SpilledMoments, attention_input, collect_attention_moments,
-                                         fold_attention_input, load_calibration_tokenizer)
+from uptrain.convert.calibration import (
+    SpilledMoments,
+    attention_input,
+    collect_attention_moments,
+    fold_attention_input,
+    load_calibration_tokenizer,
+)
 from uptrain.convert.pipeline import Calibration
 
 NUM_TOKENS, SEQ_LEN, BATCH = 640, 64, 4  # 10 blocks: the last batch is a short one
@@ -28,17 +33,30 @@ def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch
 
     from uptrain.textdata import load_blocks
 
-    blocks, _ = load_blocks(str(text), "calibration_data", load_calibration_tokenizer(src), seq_len,
-                            text_field="text", split="train", dataset_config=None, sample_by="paragraph",
-                            streaming=False, workers=None)
+    blocks, _ = load_blocks(
+        str(text),
+        "calibration_data",
+        load_calibration_tokenizer(src),
+        seq_len,
+        text_field="text",
+        split="train",
+        dataset_config=None,
+        sample_by="paragraph",
+        streaming=False,
+        workers=None,
+    )
     count = min(math.ceil(num_tokens / seq_len), len(blocks))
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     layers = model.model.layers
     hidden = model.config.hidden_size
     moments = {i: torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64) for i in range(len(layers))}
-    handles = [layer.self_attn.register_forward_pre_hook(
-        lambda module, args, kwargs, i=i: fold_attention_input(moments[i], attention_input(args, kwargs)),
-        with_kwargs=True) for i, layer in enumerate(layers)]
+    handles = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs, i=i: fold_attention_input(moments[i], attention_input(args, kwargs)),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(layers)
+    ]
     with torch.no_grad():
         for start in range(0, count, batch_size):
             model(blocks.take(list(range(start, min(start + batch_size, count)))), use_cache=False)
@@ -48,11 +66,17 @@ def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch
 
 
 @pytest.mark.parametrize("model_type", CALIBRATED)
-def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type, tokenizer, calibration_text,
-                                                                      tmp_path):
+def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type, tokenizer, calibration_text, tmp_path):
     src = save(build(model_type, tokenizer), tokenizer, tmp_path / "src")
-    moments, info = collect_attention_moments(src, str(calibration_text), num_tokens=NUM_TOKENS, seq_len=SEQ_LEN,
-                                              batch_size=BATCH, device="cpu", progress=False)
+    moments, info = collect_attention_moments(
+        src,
+        str(calibration_text),
+        num_tokens=NUM_TOKENS,
+        seq_len=SEQ_LEN,
+        batch_size=BATCH,
+        device="cpu",
+        progress=False,
+    )
     reference = whole_model_moments(src, calibration_text)
     assert isinstance(moments, SpilledMoments) and sorted(moments) == sorted(reference) == [0, 1]
     assert info["tokens"] == 10 * SEQ_LEN
@@ -62,8 +86,9 @@ def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type,
         assert moments[layer][-1, -1] == 1  # the constant input: E[1·1]
     outputs = []
     for name, stats in (("layerwise", moments), ("reference", reference)):
-        out = convert_checkpoint(src, tmp_path / name, 2, pooling="calibrated",
-                                 calibration=Calibration(stats, info), progress=False)
+        out = convert_checkpoint(
+            src, tmp_path / name, 2, pooling="calibrated", calibration=Calibration(stats, info), progress=False
+        )
         outputs.append(load_file(out / "model.safetensors"))
     assert outputs[0].keys() == outputs[1].keys()
     assert all(torch.equal(outputs[0][k], outputs[1][k]) for k in outputs[0])
@@ -72,10 +97,12 @@ def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type,
 def test_layerwise_moments_in_bfloat16_stay_close(tokenizer, calibration_text, tmp_path):
     """A bf16 forward pass (for GPUs) changes the moments by bf16 rounding, not more."""
     src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
-    full, _ = collect_attention_moments(src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu",
-                                        progress=False)
-    half, info = collect_attention_moments(src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN,
-                                           device="cpu", dtype="bfloat16", progress=False)
+    full, _ = collect_attention_moments(
+        src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu", progress=False
+    )
+    half, info = collect_attention_moments(
+        src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu", dtype="bfloat16", progress=False
+    )
     assert info["dtype"] == "bfloat16" and half[0].dtype == torch.float64
     for layer in full:
         error = (half[layer] - full[layer]).norm() / full[layer].norm()
@@ -91,8 +118,9 @@ def test_missing_layer_weight_is_one_line_error(tokenizer, calibration_text, tmp
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UptrainError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
-        collect_attention_moments(src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN, device="cpu",
-                                  progress=False)
+        collect_attention_moments(
+            src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN, device="cpu", progress=False
+        )
 
 
 def test_spilled_moments_read_one_layer_at_a_time():
@@ -108,11 +136,14 @@ def test_spilled_moments_read_one_layer_at_a_time():
 
 def test_spilled_moments_leave_nothing_behind_a_kill(tmp_path):
     """The spill has no name in TMPDIR at any moment, so a SIGKILL leaves nothing to clean up."""
-    code = ("import os, signal, torch; from uptrain.convert.calibration import SpilledMoments; m = SpilledMoments(); "
-            "m.add(0, torch.ones(64, 64, dtype=torch.float64)); assert torch.equal(m[0], torch.ones(64, 64)); "
-            "print(sorted(os.listdir(os.environ['TMPDIR'])), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
-                          capture_output=True, text=True)
+    code = (
+        "import os, signal, torch; from uptrain.convert.calibration import SpilledMoments; m = SpilledMoments(); "
+        "m.add(0, torch.ones(64, 64, dtype=torch.float64)); assert torch.equal(m[0], torch.ones(64, 64)); "
+        "print(sorted(os.listdir(os.environ['TMPDIR'])), flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True
+    )
     assert proc.returncode == -9, proc.stderr
     assert proc.stdout.strip() == "[]"  # nothing named while it ran
     assert list(tmp_path.iterdir()) == []  # nor after the kill
@@ -130,14 +161,26 @@ def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tm
     src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
     capsys.readouterr()
     for progress in (False, True):
-        moments, _ = collect_attention_moments(src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN,
-                                               device="cpu", progress=progress)
+        moments, _ = collect_attention_moments(
+            src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN, device="cpu", progress=progress
+        )
         assert ("calibrate" in capsys.readouterr().err) == progress
     geometry = attention_geometry(read_config(src))
     for progress in (False, True):
         with closing(SourceCheckpoint(src)) as checkpoint:
-            merger = LayerMerger(checkpoint, layout_for("llama"), geometry, 2, get_strategy("mean"), "similarity",
-                                 8, moments, seed=0, init_std=0.02, progress=progress)
+            merger = LayerMerger(
+                checkpoint,
+                layout_for("llama"),
+                geometry,
+                2,
+                get_strategy("mean"),
+                "similarity",
+                8,
+                moments,
+                seed=0,
+                init_std=0.02,
+                progress=progress,
+            )
             for layer in range(geometry.num_layers):
                 merger.tensor(layer, f"model.layers.{layer}.self_attn.k_proj.weight")
         err = capsys.readouterr().err
@@ -151,8 +194,15 @@ def test_layers_with_different_masks_get_their_own(tokenizer, calibration_text, 
     model = build("qwen2", tokenizer, **sliding)
     assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     src = save(model, tokenizer, tmp_path / "src")
-    moments, _ = collect_attention_moments(src, str(calibration_text), num_tokens=NUM_TOKENS, seq_len=SEQ_LEN,
-                                           batch_size=BATCH, device="cpu", progress=False)
+    moments, _ = collect_attention_moments(
+        src,
+        str(calibration_text),
+        num_tokens=NUM_TOKENS,
+        seq_len=SEQ_LEN,
+        batch_size=BATCH,
+        device="cpu",
+        progress=False,
+    )
     reference = whole_model_moments(src, calibration_text)
     # The same weights with full attention everywhere: layer 2's input differs, so the masks matter.
     full = build("qwen2", tokenizer, **dict(sliding, use_sliding_window=False))

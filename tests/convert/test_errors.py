@@ -48,12 +48,15 @@ def fails(capsys, tmp_path, argv, expected: str, out: Path | None = None):
     return err
 
 
-@pytest.mark.parametrize("g,expected", [
-    (3, "does not divide the model's 8 attention heads"),
-    (0, "must be at least 1"),
-    (-2, "must be at least 1"),
-    (16, "exceeds the model's 8 attention heads"),
-])
+@pytest.mark.parametrize(
+    "g,expected",
+    [
+        (3, "does not divide the model's 8 attention heads"),
+        (0, "must be at least 1"),
+        (-2, "must be at least 1"),
+        (16, "exceeds the model's 8 attention heads"),
+    ],
+)
 def test_bad_num_kv_heads(capsys, tmp_path, mha, g, expected):
     fails(capsys, tmp_path, [mha, "-g", g], expected)
 
@@ -109,7 +112,9 @@ def test_truncated_safetensors(capsys, tmp_path, sharded):
     fails(capsys, tmp_path, [src, "-g", 2], "truncated")
 
 
-@pytest.mark.parametrize("garbage", [b"", b"\x01\x02", b"\xff" * 64, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!"])
+@pytest.mark.parametrize(
+    "garbage", [b"", b"\x01\x02", b"\xff" * 64, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!"]
+)
 def test_corrupt_safetensors(capsys, tmp_path, mha, garbage):
     src = copy_of(mha, tmp_path / "src")
     (src / "model.safetensors").write_bytes(garbage)
@@ -174,10 +179,20 @@ def test_unwritable_out_parent(capsys, tmp_path, mha):
 
 def test_console_script_exit_code_and_help(tmp_path):
     uptrain = Path(sys.executable).parent / "uptrain"
-    done = subprocess.run([uptrain, "convert", "/nonexistent/src", tmp_path / "out", "-g", "2"], capture_output=True, text=True)
+    done = subprocess.run(
+        [uptrain, "convert", "/nonexistent/src", tmp_path / "out", "-g", "2"], capture_output=True, text=True
+    )
     assert done.returncode == 2 and done.stderr.strip() == "uptrain convert: error: /nonexistent/src does not exist"
     help_text = subprocess.run([uptrain, "convert", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--num-kv-heads", "--pooling", "--seed", "--dtype", "--max-shard-size", "--overwrite", "--allow-pickle"):
+    for flag in (
+        "--num-kv-heads",
+        "--pooling",
+        "--seed",
+        "--dtype",
+        "--max-shard-size",
+        "--overwrite",
+        "--allow-pickle",
+    ):
         assert flag in help_text
 
 
@@ -188,6 +203,7 @@ def test_hub_id_offline_says_so(capsys, tmp_path):
 
 
 # Hostile input (issue #12): every case one line, exit 2, nothing written; the source untouched.
+
 
 def one_line_error(capsys, argv: list, expected: str) -> str:
     capsys.readouterr()
@@ -205,7 +221,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 def raw_header(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def write_raw(path: Path, header: dict | bytes, data: bytes) -> None:
@@ -218,8 +234,11 @@ def test_out_overlapping_src_is_refused_whatever_the_flags(capsys, tmp_path, mha
     before = tree(tmp_path)
     for out in (src, src / "inside", tmp_path):  # equal, inside, holding it
         one_line_error(capsys, ["convert", src, out, "-g", 2, "--overwrite"], "overlaps the source checkpoint")
-        one_line_error(capsys, ["convert", src, out, "-g", 2],
-                       "already exists" if out.exists() else "overlaps the source checkpoint")
+        one_line_error(
+            capsys,
+            ["convert", src, out, "-g", 2],
+            "already exists" if out.exists() else "overlaps the source checkpoint",
+        )
     assert tree(tmp_path) == before
     assert not (src / "inside").exists()
 
@@ -237,32 +256,44 @@ def test_out_that_is_a_file_is_kept(capsys, tmp_path, mha):
     assert link.resolve() == mha.resolve() and (mha / "config.json").is_file()
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--max-shard-size", "0"], "less than one byte"),
-    (["--max-shard-size", "0GB"], "less than one byte"),
-    (["--calibration-tokens", "0"], "calibration_tokens"),
-    (["--calibration-tokens", "-5"], "calibration_tokens"),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--max-shard-size", "0"], "less than one byte"),
+        (["--max-shard-size", "0GB"], "less than one byte"),
+        (["--calibration-tokens", "0"], "calibration_tokens"),
+        (["--calibration-tokens", "-5"], "calibration_tokens"),
+    ],
+)
 def test_sizes_below_one_are_refused(capsys, tmp_path, mha, flags, expected):
-    fails(capsys, tmp_path, [mha, "-g", 2, "--pooling", "calibrated", "--calibration-data", mha / "config.json",
-                             *flags], expected)
+    fails(
+        capsys,
+        tmp_path,
+        [mha, "-g", 2, "--pooling", "calibrated", "--calibration-data", mha / "config.json", *flags],
+        expected,
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("edit,expected", [
-    (lambda c: [c], "holds a JSON list, not an object"),
-    (lambda c: {**c, "model_type": ["llama"]}, "model_type is ['llama'], not a name"),
-    (lambda c: {**c, "num_key_value_heads": "8"}, "num_key_value_heads is '8'; it must be a whole number"),
-    (lambda c: {**c, "num_key_value_heads": -8}, "num_key_value_heads is -8"),
-    (lambda c: {**c, "head_dim": "x"}, "head_dim is 'x'"),
-    (lambda c: {**c, "num_hidden_layers": 0}, "num_hidden_layers is 0"),
-    (lambda c: {**c, "hidden_size": 0}, "hidden_size is 0"),
-    (lambda c: {**c, "num_attention_heads": True}, "num_attention_heads is True"),
-    (lambda c: {**c, "rope_parameters": [10000.0]}, "rope_parameters is [10000.0], not a mapping"),
-    (lambda c: {**c, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": "half"}},
-     "partial_rotary_factor is 'half'"),
-    (lambda c: {**c, "initializer_range": "small"}, "initializer_range is 'small'"),
-])
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (lambda c: [c], "holds a JSON list, not an object"),
+        (lambda c: {**c, "model_type": ["llama"]}, "model_type is ['llama'], not a name"),
+        (lambda c: {**c, "num_key_value_heads": "8"}, "num_key_value_heads is '8'; it must be a whole number"),
+        (lambda c: {**c, "num_key_value_heads": -8}, "num_key_value_heads is -8"),
+        (lambda c: {**c, "head_dim": "x"}, "head_dim is 'x'"),
+        (lambda c: {**c, "num_hidden_layers": 0}, "num_hidden_layers is 0"),
+        (lambda c: {**c, "hidden_size": 0}, "hidden_size is 0"),
+        (lambda c: {**c, "num_attention_heads": True}, "num_attention_heads is True"),
+        (lambda c: {**c, "rope_parameters": [10000.0]}, "rope_parameters is [10000.0], not a mapping"),
+        (
+            lambda c: {**c, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": "half"}},
+            "partial_rotary_factor is 'half'",
+        ),
+        (lambda c: {**c, "initializer_range": "small"}, "initializer_range is 'small'"),
+    ],
+)
 def test_hostile_config(capsys, tmp_path, mha, edit, expected):
     src = copy_of(mha, tmp_path / "src")
     (src / "config.json").write_text(json.dumps(edit(json.loads((mha / "config.json").read_text()))))
@@ -287,33 +318,46 @@ def hostile_header(mha: Path, src: Path, edit) -> None:
 K0, V0 = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"
 
 
-@pytest.mark.parametrize("edit,expected", [
-    (lambda h: b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-    (lambda h: {**h, K0: {**h[K0], "data_offsets": [-8, h[K0]["data_offsets"][1] - h[K0]["data_offsets"][0] - 8]}},
-     f"corrupt safetensors entry for '{K0}'"),
-    (lambda h: {**h, "__metadata__": ["pt"]}, "__metadata__ must map strings to strings"),
-    (lambda h: {**h, "__metadata__": {"format": 1}}, "__metadata__ must map strings to strings"),
-    (lambda h: {**h, K0: {**h[K0], "dtype": "F7"}}, f"corrupt safetensors entry for '{K0}'"),
-    (lambda h: {**h, K0: {**h[K0], "shape": [64.0, 64]}}, f"corrupt safetensors entry for '{K0}'"),
-    (lambda h: {**h, K0: {**h[K0], "shape": [1e999, 64]}}, f"corrupt safetensors entry for '{K0}'"),
-    (lambda h: {**h, K0: [1, 2, 3]}, f"corrupt safetensors entry for '{K0}'"),
-    (lambda h: {**h, V0: {**h[V0], "data_offsets": h[K0]["data_offsets"]}}, "share bytes"),
-    (lambda h: json.dumps(h)[:-1].encode() + b', "' + K0.encode() + b'": ' + json.dumps(h[K0]).encode() + b"}",
-     f"the key '{K0}' appears twice"),
-])
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (lambda h: b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (
+            lambda h: {
+                **h,
+                K0: {**h[K0], "data_offsets": [-8, h[K0]["data_offsets"][1] - h[K0]["data_offsets"][0] - 8]},
+            },
+            f"corrupt safetensors entry for '{K0}'",
+        ),
+        (lambda h: {**h, "__metadata__": ["pt"]}, "__metadata__ must map strings to strings"),
+        (lambda h: {**h, "__metadata__": {"format": 1}}, "__metadata__ must map strings to strings"),
+        (lambda h: {**h, K0: {**h[K0], "dtype": "F7"}}, f"corrupt safetensors entry for '{K0}'"),
+        (lambda h: {**h, K0: {**h[K0], "shape": [64.0, 64]}}, f"corrupt safetensors entry for '{K0}'"),
+        (lambda h: {**h, K0: {**h[K0], "shape": [1e999, 64]}}, f"corrupt safetensors entry for '{K0}'"),
+        (lambda h: {**h, K0: [1, 2, 3]}, f"corrupt safetensors entry for '{K0}'"),
+        (lambda h: {**h, V0: {**h[V0], "data_offsets": h[K0]["data_offsets"]}}, "share bytes"),
+        (
+            lambda h: json.dumps(h)[:-1].encode() + b', "' + K0.encode() + b'": ' + json.dumps(h[K0]).encode() + b"}",
+            f"the key '{K0}' appears twice",
+        ),
+    ],
+)
 def test_hostile_safetensors_header(capsys, tmp_path, mha, edit, expected):
     src = copy_of(mha, tmp_path / "src")
     hostile_header(mha, src, edit)
     fails(capsys, tmp_path, [src, "-g", 2], expected)
 
 
-@pytest.mark.parametrize("edit,expected", [
-    (lambda wm, outside: list(wm), "weight_map must map tensor names to shard files"),
-    (lambda wm, outside: {k: 1 for k in wm}, "weight_map must map tensor names to shard files"),
-    (lambda wm, outside: {**wm, K0: str(outside)}, "is not a file inside"),
-    (lambda wm, outside: {**wm, K0: "../outside.safetensors"}, "is not a file inside"),
-    (lambda wm, outside: {**wm, K0: "sub/../../outside.safetensors"}, "is not a file inside"),
-])
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (lambda wm, outside: list(wm), "weight_map must map tensor names to shard files"),
+        (lambda wm, outside: {k: 1 for k in wm}, "weight_map must map tensor names to shard files"),
+        (lambda wm, outside: {**wm, K0: str(outside)}, "is not a file inside"),
+        (lambda wm, outside: {**wm, K0: "../outside.safetensors"}, "is not a file inside"),
+        (lambda wm, outside: {**wm, K0: "sub/../../outside.safetensors"}, "is not a file inside"),
+    ],
+)
 def test_hostile_index_reads_nothing_outside_src(capsys, tmp_path, sharded, edit, expected):
     src = copy_of(sharded, tmp_path / "src")
     outside = tmp_path / "outside.safetensors"
@@ -338,8 +382,10 @@ def test_every_safetensors_dtype_is_known_and_copied_byte_for_byte(tmp_path, mha
         bits = dtype_bits(ST_DTYPES[code])
         shape = [2, 8]  # 16 elements: a whole number of bytes for 4- and 6-bit types too
         payload = bytes((i * 37 + j) % 256 for j in range(16 * bits // 8))
-        extra[f"extra.{code.lower()}"] = ({"dtype": code, "shape": shape,
-                                          "data_offsets": [len(data), len(data) + len(payload)]}, payload)
+        extra[f"extra.{code.lower()}"] = (
+            {"dtype": code, "shape": shape, "data_offsets": [len(data), len(data) + len(payload)]},
+            payload,
+        )
         data += payload
     write_raw(src / "model.safetensors", {**header, **{k: v for k, (v, _) in extra.items()}}, data)
     out = tmp_path / "out"
@@ -350,7 +396,7 @@ def test_every_safetensors_dtype_is_known_and_copied_byte_for_byte(tmp_path, mha
     header_out, _ = raw_header(out / "model.safetensors")
     for name, (entry, payload) in extra.items():
         t = by_name[name]
-        assert raw[t.start:t.end] == payload, name
+        assert raw[t.start : t.end] == payload, name
         assert header_out[name]["dtype"] == entry["dtype"] and header_out[name]["shape"] == entry["shape"]
 
 
@@ -368,9 +414,10 @@ def test_inspect_answers_at_once_for_huge_head_counts(capsys, tmp_path, mha):
 
     src = copy_of(mha, tmp_path / "src")
     config = json.loads((mha / "config.json").read_text())
-    n = 10 ** 12
-    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": n, "num_key_value_heads": n,
-                                                 "hidden_size": n, "head_dim": None}))
+    n = 10**12
+    (src / "config.json").write_text(
+        json.dumps({**config, "num_attention_heads": n, "num_key_value_heads": n, "hidden_size": n, "head_dim": None})
+    )
     capsys.readouterr()
     t0 = time.perf_counter()
     assert main(["inspect", str(src), "--json"]) == 0
@@ -381,11 +428,12 @@ def test_inspect_answers_at_once_for_huge_head_counts(capsys, tmp_path, mha):
     assert elapsed < 0.5, elapsed
     # A prime near the limit: the slowest factorisation there is, still well under a second.
     p = 1_099_511_627_689  # the largest prime below 2**40
-    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": p, "num_key_value_heads": p,
-                                                 "hidden_size": p, "head_dim": None}))
+    (src / "config.json").write_text(
+        json.dumps({**config, "num_attention_heads": p, "num_key_value_heads": p, "hidden_size": p, "head_dim": None})
+    )
     t0 = time.perf_counter()
     assert main(["inspect", str(src), "--json"]) == 0
     assert [o["num_kv_heads"] for o in json.loads(capsys.readouterr().out)["options"]] == [1, p]
     assert time.perf_counter() - t0 < 0.5
-    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": 2 ** 41}))
+    (src / "config.json").write_text(json.dumps({**config, "num_attention_heads": 2**41}))
     one_line_error(capsys, ["inspect", src], "num_attention_heads is 2199023255552")

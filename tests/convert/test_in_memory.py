@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from uptrain import UptrainError
-from uptrain.convert import convert_checkpoint, convert_model
 from tests.convert.tiny_models import ARCHITECTURES, build_model
 from tests.modeling.classic_models import ARCHITECTURES as CLASSIC
 from tests.modeling.classic_models import build as build_classic
+from uptrain import UptrainError
+from uptrain.convert import convert_checkpoint, convert_model
 
 TOKENS = torch.tensor([[1, 5, 9, 3, 7, 11, 4, 2]])
 

@@ -20,8 +20,11 @@ from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.pipeline import Calibration
 
-LICENCE_FILES = {"LICENSE": "Apache License 2.0, the full text\n", "USE_POLICY.md": "# Acceptable use\n",
-                 "NOTICE": "Copyright the authors\n"}
+LICENCE_FILES = {
+    "LICENSE": "Apache License 2.0, the full text\n",
+    "USE_POLICY.md": "# Acceptable use\n",
+    "NOTICE": "Copyright the authors\n",
+}
 SOURCE_CARD = """---
 license: other
 license_name: tiny-community-license
@@ -73,8 +76,11 @@ def test_card_metadata_is_read_by_huggingface_hub_and_licence_files_are_carried(
     assert card.data.base_model is None and record["source"] == "llama"
     assert "Converted from the local folder `llama`" in card.text
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
-    assert (card.data.license, card.data.license_name, card.data.license_link) == ("other", "tiny-community-license",
-                                                                                   "LICENSE")
+    assert (card.data.license, card.data.license_name, card.data.license_link) == (
+        "other",
+        "tiny-community-license",
+        "LICENSE",
+    )
     assert {"uptrain", "grouped-query-attention", "llama"} <= set(card.data.tags)
     for name in LICENCE_FILES:
         assert (out / name).read_bytes() == (src / name).read_bytes()
@@ -106,8 +112,15 @@ def test_calibrated_similarity_card_says_q_and_o_are_rewritten_and_they_are(src,
     mix = torch.randn(hidden + 1, hidden + 1, dtype=torch.float64)
     moments = {layer: mix @ mix.T / hidden for layer in range(2)}
     data = f"{tmp_path / 'calibration.jsonl'}, {tmp_path / 'more' / 'text.txt'}"  # two files, as a label joins them
-    out = convert_checkpoint(src, tmp_path / "out", 2, pooling="calibrated", grouping="similarity",
-                             calibration=Calibration(moments, {"data": data, "tokens": 4096}), progress=False)
+    out = convert_checkpoint(
+        src,
+        tmp_path / "out",
+        2,
+        pooling="calibrated",
+        grouping="similarity",
+        calibration=Calibration(moments, {"data": data, "tokens": 4096}),
+        progress=False,
+    )
     _, record = written(out)
     assert record["calibration"] == {"data": "calibration.jsonl, text.txt", "tokens": 4096}
     text = (out / "README.md").read_text()
@@ -176,8 +189,10 @@ def test_a_folder_in_the_hub_cache_is_named_by_its_hub_id_and_commit(src, tmp_pa
     out = convert_checkpoint(snapshot, tmp_path / "out", 4, progress=False)
     card, record = written(out)
     assert card.data.base_model == record["source"] == "tiny-org/tiny-llama"
-    assert record["source_revision"] == commit and f"Converted from `tiny-org/tiny-llama` (revision `{commit}`)" in \
-        card.text
+    assert (
+        record["source_revision"] == commit
+        and f"Converted from `tiny-org/tiny-llama` (revision `{commit}`)" in card.text
+    )
 
     # Converted further as a local folder: its own provenance names the Hub model it came from.
     again = convert_checkpoint(out, tmp_path / "again", 2, progress=False)
@@ -186,12 +201,15 @@ def test_a_folder_in_the_hub_cache_is_named_by_its_hub_id_and_commit(src, tmp_pa
     assert record["source_revision"] is None and "derived from `tiny-org/tiny-llama`" in card.text
 
 
-@pytest.mark.parametrize("named,base_model", [
-    ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf"),  # a fine-tune's card naming its base
-    (["org/a", "org/b"], ["org/a", "org/b"]),  # a merge
-    ("/home/someone/models/llama", None),  # a local path is no Hub id
-    ("a/b/c", None),
-])
+@pytest.mark.parametrize(
+    "named,base_model",
+    [
+        ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf"),  # a fine-tune's card naming its base
+        (["org/a", "org/b"], ["org/a", "org/b"]),  # a merge
+        ("/home/someone/models/llama", None),  # a local path is no Hub id
+        ("a/b/c", None),
+    ],
+)
 def test_a_local_folder_whose_card_names_a_hub_base_model_keeps_it(named, base_model, tmp_path):
     folder = save(build_model("qwen2"), tmp_path / "finetune")
     (folder / "README.md").write_text("---\n" + json.dumps({"base_model": named}) + "\n---\n# a fine-tune\n")
@@ -215,12 +233,25 @@ def test_the_card_names_the_tensors_the_layout_really_rewrites(model_type, tmp_p
     out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 2, progress=False)
     after = state(out)
     text = ModelCard.load(out / "README.md").text
-    changed = {module_of(n) for n in before if n in after and (before[n].shape != after[n].shape
-                                                               or not torch.equal(before[n], after[n]))}
+    changed = {
+        module_of(n)
+        for n in before
+        if n in after and (before[n].shape != after[n].shape or not torch.equal(before[n], after[n]))
+    }
     assert changed and all(f"`{m}`" in text for m in changed), (changed, text)
     modules = {module_of(n) for n in before} | {n.split(".")[0] for n in before}
-    for named in ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj", "qkv_proj", "query_key_value",
-                  "out_proj", "dense"):
+    for named in (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "c_attn",
+        "c_proj",
+        "qkv_proj",
+        "query_key_value",
+        "out_proj",
+        "dense",
+    ):
         if f"`{named}`" in text:
             assert named in modules, (named, text)
     for name in before.keys() - after.keys():  # renamed on the way (NeoX's `embed_out` → `lm_head`)

@@ -73,7 +73,7 @@ def test_loads_generates_and_caches_g_heads(model_type, tmp_path):
 def _head_means(weight: torch.Tensor, head_dim: int, groups: list[list[int]]) -> torch.Tensor:
     rows = []
     for group in groups:
-        total = sum(weight[i * head_dim:(i + 1) * head_dim].double() for i in group)
+        total = sum(weight[i * head_dim : (i + 1) * head_dim].double() for i in group)
         rows.append(total / len(group))
     return torch.cat(rows).to(weight.dtype)
 
@@ -105,7 +105,7 @@ def test_grouping_is_contiguous(tmp_path):
         for layer in model.model.layers:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                 for i in range(HEADS):
-                    proj.weight[i * 8:(i + 1) * 8] = float(i)
+                    proj.weight[i * 8 : (i + 1) * 8] = float(i)
     src = save(model, tmp_path / "src")
     out = convert_checkpoint(src, tmp_path / "out", 2, progress=False)
     k = state(out)["model.layers.0.self_attn.k_proj.weight"]

@@ -42,24 +42,39 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 def calibration_must_not_run(monkeypatch):
     """A spy on the one function that runs calibration; `test_calibration_runs_after_the_checks_pass`
     shows it is on the path, so a refusal that does not trip it really came first."""
+
     def refuse(*args, **kwargs):
         raise CalibrationRan("calibration ran before a check that should have refused the conversion")
 
     monkeypatch.setattr(calibration_module, "collect_attention_moments", refuse)
 
 
-@pytest.mark.parametrize("source, extra, expected", [
-    ("llama", ["-g", "3"], "--num-kv-heads 3 does not divide"),
-    ("qwen3", ["-g", "2"], "cannot carry"),  # q/k norms: refused by the plan, not after calibration
-    ("llama", ["-g", "2", "--max-shard-size", "0"], "less than one byte"),
-    ("llama", ["-g", "2", "--calibration-tokens", "0"], "calibration_tokens"),
-    ("llama", ["-g", "2", "--calibration-device", "tpu"], "calibration_device"),
-])
-def test_every_check_runs_before_calibration(checkpoints, calibration_must_not_run, tmp_path, capsys, source, extra,
-                                             expected):
+@pytest.mark.parametrize(
+    "source, extra, expected",
+    [
+        ("llama", ["-g", "3"], "--num-kv-heads 3 does not divide"),
+        ("qwen3", ["-g", "2"], "cannot carry"),  # q/k norms: refused by the plan, not after calibration
+        ("llama", ["-g", "2", "--max-shard-size", "0"], "less than one byte"),
+        ("llama", ["-g", "2", "--calibration-tokens", "0"], "calibration_tokens"),
+        ("llama", ["-g", "2", "--calibration-device", "tpu"], "calibration_device"),
+    ],
+)
+def test_every_check_runs_before_calibration(
+    checkpoints, calibration_must_not_run, tmp_path, capsys, source, extra, expected
+):
     out, before = tmp_path / "out", folder_bytes(checkpoints / source)
-    code = main(["convert", str(checkpoints / source), str(out), "--pooling", "calibrated",
-                 "--calibration-data", str(checkpoints / "text.jsonl"), *extra])
+    code = main(
+        [
+            "convert",
+            str(checkpoints / source),
+            str(out),
+            "--pooling",
+            "calibrated",
+            "--calibration-data",
+            str(checkpoints / "text.jsonl"),
+            *extra,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == [] and folder_bytes(checkpoints / source) == before
@@ -67,14 +82,29 @@ def test_every_check_runs_before_calibration(checkpoints, calibration_must_not_r
 
 def test_calibration_runs_after_the_checks_pass(checkpoints, calibration_must_not_run, tmp_path):
     with pytest.raises(CalibrationRan):
-        main(["convert", str(checkpoints / "llama"), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated",
-              "--calibration-data", str(checkpoints / "text.jsonl")])
+        main(
+            [
+                "convert",
+                str(checkpoints / "llama"),
+                str(tmp_path / "out"),
+                "-g",
+                "2",
+                "--pooling",
+                "calibrated",
+                "--calibration-data",
+                str(checkpoints / "text.jsonl"),
+            ]
+        )
 
 
 def test_prepare_plans_the_whole_output_and_writes_nothing(checkpoints, tmp_path):
     source = folder_bytes(checkpoints / "llama")
-    spec = conversion_spec(source=str(checkpoints / "llama"), num_kv_heads=2, pooling="calibrated",
-                           calibration_data=str(checkpoints / "text.jsonl"))
+    spec = conversion_spec(
+        source=str(checkpoints / "llama"),
+        num_kv_heads=2,
+        pooling="calibrated",
+        calibration_data=str(checkpoints / "text.jsonl"),
+    )
     with prepare(spec, tmp_path / "out") as prepared:
         assert prepared.needs_calibration and prepared.geometry.num_kv_heads == 8
         planned = {t.out.name: (t.out.dtype, t.out.shape) for t in prepared.plan.tensors}

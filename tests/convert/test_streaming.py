@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,10 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.convert.tiny_models import build_model, save
-from uptrain.convert import convert_checkpoint
 from uptrain.checkpoint.reader import read_safetensors_header
+from uptrain.convert import convert_checkpoint
 from uptrain.convert.synthetic import write_synthetic_llama
-
 
 # A child's peak RSS starts from its parent's resident size at fork (Linux keeps the old mm's
 # high-water mark across exec), so a converter started straight from pytest would report
@@ -31,8 +29,11 @@ print(os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024)
 
 def peak_rss_of_convert(src, out, *args) -> int:
     """Peak resident bytes of a real `uptrain convert` process."""
-    done = subprocess.run([sys.executable, "-c", LAUNCHER, sys.executable, "-m", "uptrain", "convert", str(src),
-                           str(out), *args], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, sys.executable, "-m", "uptrain", "convert", str(src), str(out), *args],
+        capture_output=True,
+        text=True,
+    )
     code, peak = map(int, done.stdout.split())
     assert code == 0, done.stderr
     return peak
@@ -69,8 +70,9 @@ def _raw(path, info) -> bytes:
 
 
 def test_untouched_tensors_keep_their_bytes_and_shards_are_bounded(tmp_path):
-    src = write_synthetic_llama(tmp_path / "src", hidden=256, layers=3, intermediate=128, vocab=512,
-                                max_shard_bytes=300_000)
+    src = write_synthetic_llama(
+        tmp_path / "src", hidden=256, layers=3, intermediate=128, vocab=512, max_shard_bytes=300_000
+    )
     out = convert_checkpoint(src, tmp_path / "out", 2, max_shard_size="250KB", progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     source_index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -124,8 +126,9 @@ def test_pickle_only_with_allow_pickle_and_same_result(tmp_path):
 
 
 def test_provenance_and_side_files(tmp_path):
-    src = write_synthetic_llama(tmp_path / "src", hidden=128, layers=2, intermediate=64, vocab=64,
-                                max_shard_bytes=100_000)
+    src = write_synthetic_llama(
+        tmp_path / "src", hidden=128, layers=2, intermediate=64, vocab=64, max_shard_bytes=100_000
+    )
     (src / "tokenizer.json").write_text('{"fake": "tokenizer"}')
     (src / "tokenizer_config.json").write_text("{}")
     (src / "training_args.bin").write_bytes(b"not copied")
@@ -142,8 +145,15 @@ def test_provenance_and_side_files(tmp_path):
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_kill_9_never_leaves_a_half_written_output(tmp_path, overwrite):
-    src = write_synthetic_llama(tmp_path / "src", hidden=1024, layers=8, intermediate=256, vocab=1024,
-                                dtype=torch.float32, max_shard_bytes=20_000_000)
+    src = write_synthetic_llama(
+        tmp_path / "src",
+        hidden=1024,
+        layers=8,
+        intermediate=256,
+        vocab=1024,
+        dtype=torch.float32,
+        max_shard_bytes=20_000_000,
+    )
     out = tmp_path / "out"
     if overwrite:
         out.mkdir()
@@ -179,8 +189,9 @@ def test_an_error_while_pooling_ahead_stops_the_conversion(tmp_path, monkeypatch
         return heads.mean(dim=1)
 
     monkeypatch.setitem(pooling.STRATEGIES, "failing", pooling.Strategy("failing", "test", failing_mean))
-    src = write_synthetic_llama(tmp_path / "src", hidden=128, layers=4, intermediate=64, vocab=64,
-                                max_shard_bytes=100_000)
+    src = write_synthetic_llama(
+        tmp_path / "src", hidden=128, layers=4, intermediate=64, vocab=64, max_shard_bytes=100_000
+    )
     with pytest.raises(RuntimeError, match="pooling failed"):
         convert_checkpoint(src, tmp_path / "out", 2, pooling="failing", max_shard_size=50_000, progress=False)
     assert [p.name for p in tmp_path.iterdir()] == ["src"]

@@ -9,8 +9,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 HEADS = 8
-COMMON = dict(hidden_size=64, num_attention_heads=HEADS, num_hidden_layers=2, intermediate_size=96,
-              vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=HEADS,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    vocab_size=128,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # Per-architecture settings that exercise what makes each layout different.
 EXTRA = {
     "llama": dict(attention_bias=True),
@@ -67,13 +76,13 @@ def make_heads_identical(model, num_groups: int) -> None:
             elif name.endswith("k_norm.weight") and p.shape[0] == kv * d:  # olmo2: whole key vector
                 tie_rows(p)
             elif name.endswith("qkv_proj.weight"):
-                tie_rows(p[h * d:(h + kv) * d])
-                tie_rows(p[(h + kv) * d:])
+                tie_rows(p[h * d : (h + kv) * d])
+                tie_rows(p[(h + kv) * d :])
         norms = {}
         for name, p in model.named_parameters():
             m = re.search(r"k_layernorm\.norms\.(\d+)\.(\w+)$", name)
             if m:
-                norms[(name[:m.start()], int(m.group(1)), m.group(2))] = p
+                norms[(name[: m.start()], int(m.group(1)), m.group(2))] = p
         for (prefix, i, kind), p in norms.items():
             p.copy_(norms[(prefix, (i // r) * r, kind)])
 

@@ -15,18 +15,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tests.robustness.opened_files import _writes
 
 EVERY_STEP = frozenset({"os.rename", "os.mkdir", "os.remove", "os.rmdir", "shutil.rmtree", "open"})
 RENAMES = frozenset({"os.rename"})  # os.rename and os.replace both raise it
-NEVER = 10 ** 9
+NEVER = 10**9
 
 
-def run_and_kill_at(n: int, root: Path, body: Callable[[], object],
-                    events: frozenset[str] = EVERY_STEP) -> tuple[int, int]:
+def run_and_kill_at(
+    n: int, root: Path, body: Callable[[], object], events: frozenset[str] = EVERY_STEP
+) -> tuple[int, int]:
     """Run `body()` in a forked child killed at its n-th file-system step under `root`, counting
     the audit `events` given ("open" counts only opens for writing).
 

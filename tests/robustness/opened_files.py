@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 _recording: list[list[OpenedFile]] = []
 _installed = False

@@ -44,7 +44,7 @@ def test_an_integer_too_long_for_python_is_one_line(tmp_path, src, capsys, where
         weights = bad / "model.safetensors"
         (bad / "model-00001-of-00001.safetensors").write_bytes(weights.read_bytes())
         weights.unlink()
-        (bad / where).write_text('{"metadata": {"total_size": %s}, "weight_map": {}}' % HUGE)
+        (bad / where).write_text(f'{{"metadata": {{"total_size": {HUGE}}}, "weight_map": {{}}}}')
     before = snapshot(bad)
     assert main(["convert", str(bad), str(tmp_path / "out"), "-g", "2"]) == 2
     assert "digits" in one_line(capsys)
@@ -56,8 +56,11 @@ def test_a_text_column_holding_no_text_is_one_line(tmp_path, base_config, capsys
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"text": "a fine document"}) + "\n" + json.dumps({"text": value}) + "\n")
     out = Path(base_config["output_dir"])
-    argv = ["train"] + [f"--{k}={v if not isinstance(v, list) else v[0]}" for k, v in base_config.items()
-                        if k != "train_data"] + [f"--train_data={data}"]
+    argv = (
+        ["train"]
+        + [f"--{k}={v if not isinstance(v, list) else v[0]}" for k, v in base_config.items() if k != "train_data"]
+        + [f"--train_data={data}"]
+    )
     assert main(argv) == 2
     message = one_line(capsys)
     assert "not text" in message and str(data) in message
@@ -67,8 +70,19 @@ def test_a_text_column_holding_no_text_is_one_line(tmp_path, base_config, capsys
 def test_calibration_text_holding_no_text_is_one_line(tmp_path, capsys):
     data = tmp_path / "calibration.jsonl"
     data.write_text(json.dumps({"text": 12345}) + "\n")
-    argv = ["convert", str(REFERENCE), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated",
-            "--calibration-data", str(data), "--calibration-tokens", "64"]
+    argv = [
+        "convert",
+        str(REFERENCE),
+        str(tmp_path / "out"),
+        "-g",
+        "2",
+        "--pooling",
+        "calibrated",
+        "--calibration-data",
+        str(data),
+        "--calibration-tokens",
+        "64",
+    ]
     assert main(argv) == 2
     assert "not text" in one_line(capsys)
     assert not (tmp_path / "out").exists()

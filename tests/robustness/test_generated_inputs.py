@@ -32,8 +32,13 @@ from uptrain.checkpoint.reader import ST_DTYPES, dtype_bits
 from uptrain.convert.pipeline import convert_checkpoint
 from uptrain.inspect_checkpoint import inspect_checkpoint
 
-FAST = settings(max_examples=30, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=30,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 MANY = settings(FAST, max_examples=400)
 KV_ROWS = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 G = 2
@@ -50,17 +55,23 @@ def sources() -> None:
     save(model, SINGLE)
     save(model, SHARDED, max_shard_size="20KB")
 
+
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 20) | st.integers(-2 ** 70, 2 ** 70)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 20)
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 def split_file(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def join_file(header: dict | bytes, data: bytes) -> bytes:
@@ -79,8 +90,11 @@ def safetensors_files(draw) -> tuple[str, bytes]:
         nbytes = math.prod(shape) * dtype_bits(ST_DTYPES[code]) // 8
         header[f"extra.t{i}"] = {"dtype": code, "shape": shape, "data_offsets": [len(data), len(data) + nbytes]}
         data += draw(st.binary(min_size=nbytes, max_size=nbytes))
-    kind = draw(st.sampled_from(["valid", "field", "entry", "offsets", "overlap", "metadata", "top", "repeat",
-                                 "truncate", "nested"]))
+    kind = draw(
+        st.sampled_from(
+            ["valid", "field", "entry", "offsets", "overlap", "metadata", "top", "repeat", "truncate", "nested"]
+        )
+    )
     names = sorted(k for k in header if k != "__metadata__")
     name = draw(st.sampled_from(names))
     if kind == "field":
@@ -102,7 +116,7 @@ def safetensors_files(draw) -> tuple[str, bytes]:
         return kind, join_file(raw.encode(), data)
     elif kind == "truncate":
         whole = join_file(header, data)
-        return kind, whole[:draw(st.integers(0, len(whole) - 1))]
+        return kind, whole[: draw(st.integers(0, len(whole) - 1))]
     elif kind == "nested":
         depth = draw(st.integers(10, 100_000))
         return kind, join_file(b'{"a":' + b"[" * depth + b"]" * depth + b"}", data)
@@ -122,9 +136,23 @@ def index_files(draw) -> tuple[str, bytes]:
     weight_map = index["weight_map"]
     name = draw(st.sampled_from(sorted(weight_map)))
     if kind == "path":
-        weight_map[name] = draw(st.sampled_from(
-            ["../decoy.safetensors", "{decoy}", "sub/../../decoy.safetensors", "./../decoy.safetensors",
-             "", ".", "/", "..", "missing.safetensors", "./" + weight_map[name], draw(st.sampled_from(shard_names()))]))
+        weight_map[name] = draw(
+            st.sampled_from(
+                [
+                    "../decoy.safetensors",
+                    "{decoy}",
+                    "sub/../../decoy.safetensors",
+                    "./../decoy.safetensors",
+                    "",
+                    ".",
+                    "/",
+                    "..",
+                    "missing.safetensors",
+                    "./" + weight_map[name],
+                    draw(st.sampled_from(shard_names())),
+                ]
+            )
+        )
     elif kind == "value":
         weight_map[name] = draw(json_values)
     elif kind == "weight_map":
@@ -138,9 +166,23 @@ def index_files(draw) -> tuple[str, bytes]:
     return kind, json.dumps(index).encode()
 
 
-CONFIG_KEYS = ["num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",
-               "model_type", "rope_parameters", "rope_scaling", "partial_rotary_factor", "initializer_range",
-               "torch_dtype", "dtype", "tie_word_embeddings", "max_position_embeddings", "attention_bias"]
+CONFIG_KEYS = [
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "num_hidden_layers",
+    "model_type",
+    "rope_parameters",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "initializer_range",
+    "torch_dtype",
+    "dtype",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "attention_bias",
+]
 
 
 @st.composite
@@ -181,8 +223,11 @@ def convert_generated(source: Path, replace: dict[str, bytes], kind: str = "") -
             if root not in f.path.parents:
                 continue
             if f.writes:
-                assert f.path.name == ".out.uptrain-lock" or f.path.parent.name.startswith(".out.uptrain-tmp-") \
-                    or out in f.path.parents, f"wrote {f.path}"
+                assert (
+                    f.path.name == ".out.uptrain-lock"
+                    or f.path.parent.name.startswith(".out.uptrain-tmp-")
+                    or out in f.path.parents
+                ), f"wrote {f.path}"
             else:
                 assert src in f.path.parents or f.path.parent.name.startswith(".out.uptrain-tmp-"), f"read {f.path}"
         leftovers = sorted(p.name for p in root.iterdir() if p.name not in ("src", "out", "decoy.safetensors"))

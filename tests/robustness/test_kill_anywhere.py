@@ -23,8 +23,11 @@ VARYING = {"uptrain.json", "README.md"}  # hold the creation time
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """The files of a checkpoint folder, but for those that record when they were made."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name not in VARYING}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in VARYING
+    }
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -122,8 +125,9 @@ def kill_training_everywhere(base_config: dict, tmp_path: Path, events: frozense
             read_trainer_state(latest[1])  # what a kill left is whole
         train(resume=True)
         got = load_file(out / "final" / "model.safetensors")
-        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), \
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), (
             f"killed at step {n} of {steps}"
+        )
         assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == expected_steps, f"step {n} of {steps}"
         assert run_dir_leftovers(out) == [], f"killed at step {n} of {steps}"
 

@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import yaml
@@ -18,9 +18,9 @@ import yaml
 from tests.convert.tiny_models import build_model, save
 from tests.robustness.test_kill_anywhere import leftovers, snapshot
 from uptrain import UptrainError
+from uptrain.checkpoint.atomic import output_lock
 from uptrain.convert.pipeline import convert_checkpoint, execute, prepare
 from uptrain.convert.spec import conversion_spec
-from uptrain.checkpoint.atomic import output_lock
 from uptrain.train.config import TrainConfig
 from uptrain.train.loop import run_training
 from uptrain.train.metrics import read_metrics
@@ -63,8 +63,15 @@ def held_by_another_process(take: Callable[[], object]) -> Iterator[int]:
 
 def test_two_converts_started_together_one_wins(tmp_path, src):
     out = tmp_path / "out"
-    runs = [subprocess.Popen([UPTRAIN, "convert", str(src), str(out), "-g", "2"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [
+        subprocess.Popen(
+            [UPTRAIN, "convert", str(src), str(out), "-g", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=300), p.stderr.read().strip()) for p in runs]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 2], results
@@ -103,13 +110,18 @@ def train_config(base_config: dict, **changes) -> dict:
 def test_two_trainings_started_together_one_runs(base_config, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(train_config(base_config)))
-    runs = [subprocess.Popen([UPTRAIN, "train", "--config", str(path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [
+        subprocess.Popen(
+            [UPTRAIN, "train", "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=300), p.stderr.read().strip()) for p in runs]
     assert sorted(code for code, _ in results) == [0, 2], [(c, e[-500:]) for c, e in results]
     err = next(e for code, e in results if code == 2).splitlines()[-1]
     assert err.startswith("uptrain train: error: ") and (
-        "being written by another uptrain run" in err or "already holds another uptrain run" in err), err
+        "being written by another uptrain run" in err or "already holds another uptrain run" in err
+    ), err
     out = Path(base_config["output_dir"])
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]  # one run's records, once
     assert not (out / LOCK_FILE).exists()

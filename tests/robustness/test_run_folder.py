@@ -59,15 +59,18 @@ def test_damage_not_made_by_a_kill_is_refused(base_config, interrupted):
     metrics.write_text(good)
 
 
-@pytest.mark.parametrize("name,damage,message", [
-    ("run_config.yaml", "model: [unclosed", "run_config.yaml is damaged"),
-    ("run_config.yaml", "- a list\n- of things\n", "run_config.yaml is damaged"),
-    ("run.json", '{"global_batch": ', "run.json is not valid JSON"),
-    ("run.json", "[4]", "run.json is damaged"),
-    ("checkpoints/step_00000002/" + STATE_FILE, '{"step": ', "trainer_state.json is not valid JSON"),
-    ("checkpoints/step_00000002/" + STATE_FILE, '{"step": 7}', "does not hold the step of step_00000002"),
-    ("checkpoints/step_00000002/" + STATE_FILE, "[]", "does not hold the step"),
-])
+@pytest.mark.parametrize(
+    "name,damage,message",
+    [
+        ("run_config.yaml", "model: [unclosed", "run_config.yaml is damaged"),
+        ("run_config.yaml", "- a list\n- of things\n", "run_config.yaml is damaged"),
+        ("run.json", '{"global_batch": ', "run.json is not valid JSON"),
+        ("run.json", "[4]", "run.json is damaged"),
+        ("checkpoints/step_00000002/" + STATE_FILE, '{"step": ', "trainer_state.json is not valid JSON"),
+        ("checkpoints/step_00000002/" + STATE_FILE, '{"step": 7}', "does not hold the step of step_00000002"),
+        ("checkpoints/step_00000002/" + STATE_FILE, "[]", "does not hold the step"),
+    ],
+)
 def test_a_damaged_run_file_is_one_line_and_nothing_changes(base_config, interrupted, name, damage, message):
     (interrupted / name).write_text(damage)
     before = snapshot(interrupted)

@@ -34,8 +34,10 @@ def make_accelerate_take_fsdp2_on_cpu() -> None:
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         if self.distributed_type != DistributedType.MULTI_CPU:
-            _fail(f"accelerate set up {self.distributed_type}; this launcher turns MULTI_CPU (ACCELERATE_USE_CPU=1, "
-                  "several processes) into FSDP2")
+            _fail(
+                f"accelerate set up {self.distributed_type}; this launcher turns MULTI_CPU (ACCELERATE_USE_CPU=1, "
+                "several processes) into FSDP2"
+            )
         plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch set
         if plugin.fsdp_version != 2:
             _fail("needs fsdp_version 2 in the accelerate config (FSDP1 needs GPUs)")

@@ -9,8 +9,16 @@ from uptrain import UptrainError
 from uptrain.cli import build_parser, main
 from uptrain.train.config import TrainConfig, config_from_args, load_config
 
-MINIMAL = {"model": "m", "train_data": "t.txt", "eval_data": "e.txt", "output_dir": "out", "seq_len": 32,
-           "batch_size": 2, "lr": 1e-3, "max_steps": 10}
+MINIMAL = {
+    "model": "m",
+    "train_data": "t.txt",
+    "eval_data": "e.txt",
+    "output_dir": "out",
+    "seq_len": 32,
+    "batch_size": 2,
+    "lr": 1e-3,
+    "max_steps": 10,
+}
 
 
 def write(tmp_path, values: dict):
@@ -25,8 +33,21 @@ def parse(*argv: str) -> TrainConfig:
 
 def test_flags_override_the_file(tmp_path):
     path = write(tmp_path, {**MINIMAL, "lr": 1e-3, "report_to": "wandb"})
-    config = parse("--config", str(path), "--lr", "3e-4", "--seq-len", "64", "--resume", "--report_to", "jsonl",
-                   "--max_grad_norm", "null", "--mixed_precision", "no")
+    config = parse(
+        "--config",
+        str(path),
+        "--lr",
+        "3e-4",
+        "--seq-len",
+        "64",
+        "--resume",
+        "--report_to",
+        "jsonl",
+        "--max_grad_norm",
+        "null",
+        "--mixed_precision",
+        "no",
+    )
     assert config.lr == 3e-4 and config.seq_len == 64 and config.resume is True
     assert config.report_to == ["jsonl"]
     assert config.max_grad_norm is None and config.mixed_precision == "no"
@@ -64,18 +85,21 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
     assert err.count("\n") == 1 and "unknown key `seq_lenn`" in err and err.startswith("uptrain train: error:")
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"max_steps": None}, "exactly one budget"),
-    ({"max_tokens": 100}, "exactly one budget"),
-    ({"pretrain_tokens": 1e6}, "only applies with `uptrain_fraction`"),
-    ({"model": None}, "exactly one of `model`"),
-    ({"source": "s"}, "exactly one of `model`"),
-    ({"model": None, "source": "s"}, "needs `num_kv_heads`"),
-    ({"num_kv_heads": 2}, "only applies with `source`"),
-    ({"resume": True, "overwrite": True}, "exclude each other"),
-    ({"seq_len": 1}, "seq_len"),
-    ({"train_data": None}, "train_data"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"max_steps": None}, "exactly one budget"),
+        ({"max_tokens": 100}, "exactly one budget"),
+        ({"pretrain_tokens": 1e6}, "only applies with `uptrain_fraction`"),
+        ({"model": None}, "exactly one of `model`"),
+        ({"source": "s"}, "exactly one of `model`"),
+        ({"model": None, "source": "s"}, "needs `num_kv_heads`"),
+        ({"num_kv_heads": 2}, "only applies with `source`"),
+        ({"resume": True, "overwrite": True}, "exclude each other"),
+        ({"seq_len": 1}, "seq_len"),
+        ({"train_data": None}, "train_data"),
+    ],
+)
 def test_invalid_combinations(tmp_path, change, message):
     values = {k: v for k, v in {**MINIMAL, **change}.items() if v is not None}
     with pytest.raises(UptrainError, match=message):

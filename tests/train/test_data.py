@@ -20,8 +20,9 @@ def tokenizer(assets):
 
 
 def load(spec, tokenizer, seq_len=16, streaming=None, text_field="text", sample_by="paragraph"):
-    blocks, _ = load_blocks(spec, "train_data", tokenizer, seq_len, text_field, "train", None, sample_by,
-                            streaming, None)
+    blocks, _ = load_blocks(
+        spec, "train_data", tokenizer, seq_len, text_field, "train", None, sample_by, streaming, None
+    )
     return blocks
 
 
@@ -139,8 +140,9 @@ def test_streamed_blocks_resume_where_a_fresh_stream_would_be(assets, tokenizer)
     steps = [ids_(fresh.micro_batches(s, 0)) for s in range(3)]
     resumed = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2)
     assert ids_(resumed.micro_batches(2, 0)) == steps[2]
-    other_rank = ids_(StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1,
-                                          num_processes=2).micro_batches(2, 1))
+    other_rank = ids_(
+        StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2).micro_batches(2, 1)
+    )
     assert len(other_rank) == 2 and not set(map(tuple, other_rank)) & set(map(tuple, steps[2]))
     # Streaming packs exactly as the up-front path does; only the order differs.
     local = load(str(assets["train"]), tokenizer)

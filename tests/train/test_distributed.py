@@ -24,9 +24,22 @@ def free_port() -> int:
 def launch_two_processes(args: list[str], home: Path) -> subprocess.CompletedProcess:
     """The launch recipe of DOMAIN.md §6, as a user would type it, by a user who never set up wandb:
     no WANDB_MODE, no key, no ~/.netrc, and no terminal to answer a prompt."""
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), *args]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        *args,
+    ]
     env = {k: v for k, v in python_env().items() if k not in ("WANDB_MODE", "WANDB_API_KEY", "NETRC")}
     env.update(ACCELERATE_USE_CPU="1", HOME=str(home))
     return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
@@ -36,10 +49,22 @@ def launch_two_processes(args: list[str], home: Path) -> subprocess.CompletedPro
 def two_process_run(assets, tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess]:
     """`accelerate launch -m uptrain train` on 2 processes × 2 blocks: 4 steps, a checkpoint at step 2."""
     root = tmp_path_factory.mktemp("ddp")
-    values = {"model": str(assets["gqa"]), "train_data": str(assets["train"]), "eval_data": str(assets["eval"]),
-              "output_dir": str(root / "ddp"), "seq_len": 32, "batch_size": 2, "lr": 3e-3, "warmup_steps": 2,
-              "max_steps": 4, "eval_every": 2, "save_every": 2, "keep_checkpoints": 1, "eval_blocks": 8,
-              "report_to": ["wandb", "jsonl"]}
+    values = {
+        "model": str(assets["gqa"]),
+        "train_data": str(assets["train"]),
+        "eval_data": str(assets["eval"]),
+        "output_dir": str(root / "ddp"),
+        "seq_len": 32,
+        "batch_size": 2,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "max_steps": 4,
+        "eval_every": 2,
+        "save_every": 2,
+        "keep_checkpoints": 1,
+        "eval_blocks": 8,
+        "report_to": ["wandb", "jsonl"],
+    }
     path = root / "ddp.yaml"
     path.write_text(yaml.safe_dump(values))
     (root / "home").mkdir()
@@ -70,9 +95,13 @@ def test_two_processes_match_one_with_the_same_global_batch(two_process_run, tmp
     # One checkpoint (the last kept), written once, with each process's RNG state.
     [checkpoint] = list((out / "checkpoints").iterdir())
     assert checkpoint.name == "step_00000002"
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["model.safetensors", "optimizer.bin",
-                                                            "random_states_0.pkl", "random_states_1.pkl",
-                                                            "trainer_state.json"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "trainer_state.json",
+    ]
     history, summary = wandb_records(out)  # asserts a single wandb run
     assert [h["step"]["num"] for h in history] == [0, 1, 2, 3, 4]
     assert summary["summary"]["eval/loss"] == pytest.approx(records(out)[-1]["eval/loss"], rel=1e-12)

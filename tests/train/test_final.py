@@ -37,8 +37,9 @@ def v4_checkpoint(src: Path, dst: Path) -> Path:
     config = json.loads((dst / "config.json").read_text())
     for key in ("rope_parameters", "dtype", "transformers_version"):
         config.pop(key, None)
-    config.update({"rope_theta": 500000.0, "rope_scaling": None, "torch_dtype": "float32",
-                   "transformers_version": "4.57.1"})
+    config.update(
+        {"rope_theta": 500000.0, "rope_scaling": None, "torch_dtype": "float32", "transformers_version": "4.57.1"}
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer_config = json.loads((dst / "tokenizer_config.json").read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -51,10 +52,12 @@ def test_final_of_a_transformers_4_checkpoint_keeps_its_files(base_config, asset
     start = v4_checkpoint(assets["gqa"], tmp_path / "v4")
     config = TrainConfig(**{**base_config, "model": str(start), "max_steps": 2, "save_every": 10})
     final = run_training(config)
-    carried = [p.name for p in start.iterdir() if p.suffix != ".safetensors" and p.name not in ("uptrain.json",
-                                                                                                 "README.md")]
+    carried = [
+        p.name for p in start.iterdir() if p.suffix != ".safetensors" and p.name not in ("uptrain.json", "README.md")
+    ]
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "LICENSE"} <= set(
-        carried)
+        carried
+    )
     for name in carried:
         assert (final / name).read_bytes() == (start / name).read_bytes(), name
     written = json.loads((final / "config.json").read_text())
@@ -97,11 +100,19 @@ def write_trained_final(start: Path, out: Path, model: torch.nn.Module, **kwargs
     accelerator = Accelerator(cpu=True)
     prepared = accelerator.prepare(model)
     state = accelerator.get_state_dict(prepared)
-    record = uptraining_record(start, {"train_data": "t", "eval_data": "e", "seq_len": 16, "lr": 1e-2,
-                                       "warmup_steps": 0, "seed": 0}, steps=3, tokens=96, num_processes=1,
-                               global_batch=2, eval_before=None, eval_after={})
-    return write_final(out, start, accelerator.unwrap_model(prepared), state, record, uptrained_card(record, start),
-                       **kwargs)
+    record = uptraining_record(
+        start,
+        {"train_data": "t", "eval_data": "e", "seq_len": 16, "lr": 1e-2, "warmup_steps": 0, "seed": 0},
+        steps=3,
+        tokens=96,
+        num_processes=1,
+        global_batch=2,
+        eval_before=None,
+        eval_after={},
+    )
+    return write_final(
+        out, start, accelerator.unwrap_model(prepared), state, record, uptrained_card(record, start), **kwargs
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,9 +120,16 @@ def test_tied_embeddings_are_written_once_and_the_model_loads_with_the_trained_l
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     start = tmp_path / "start"
     LlamaForCausalLM(config).to(dtype).save_pretrained(start)
     assert "lm_head.weight" not in stored(start)  # what transformers writes for tied weights
@@ -149,8 +167,16 @@ def test_provenance_chain_and_card_from_source_to_final(base_config, assets, tmp
     shutil.copytree(assets["mha"], source)
     (source / "README.md").write_text(SOURCE_CARD)
     (source / "LICENSE").write_text("Apache License\n")
-    values = {**base_config, "source": str(source), "num_kv_heads": 2, "pooling": "first", "max_steps": None,
-              "uptrain_fraction": 0.01, "pretrain_tokens": 25600, "save_every": 10}
+    values = {
+        **base_config,
+        "source": str(source),
+        "num_kv_heads": 2,
+        "pooling": "first",
+        "max_steps": None,
+        "uptrain_fraction": 0.01,
+        "pretrain_tokens": 25600,
+        "save_every": 10,
+    }
     del values["model"]
     config = TrainConfig(**values)
     final = run_training(config)
@@ -158,8 +184,12 @@ def test_provenance_chain_and_card_from_source_to_final(base_config, assets, tmp
 
     record = json.loads((final / "uptrain.json").read_text())
     # Named portably, and with no base_model: the source is a local folder with no Hub id.
-    assert record["started_from"] == {"name": "converted", "revision": None, "base_model": None,
-                                      "provenance": json.loads((converted / "uptrain.json").read_text())}
+    assert record["started_from"] == {
+        "name": "converted",
+        "revision": None,
+        "base_model": None,
+        "provenance": json.loads((converted / "uptrain.json").read_text()),
+    }
     assert record["started_from"]["provenance"]["pooling"] == "first"
     assert record["started_from"]["provenance"]["source"] == "mha"
     run = record["uptraining"]
@@ -168,8 +198,11 @@ def test_provenance_chain_and_card_from_source_to_final(base_config, assets, tmp
     assert run["eval_before"]["eval/loss"] == logged[0]["eval/loss"]
     assert run["eval_after"]["eval/loss"] == logged[-1]["eval/loss"]
     assert run["config"]["uptrain_fraction"] == 0.01 and record["uptrain_version"]
-    assert (run["config"]["source"], run["config"]["train_data"], run["config"]["output_dir"]) == \
-        ("mha", Path(config.train_data).name, "run")
+    assert (run["config"]["source"], run["config"]["train_data"], run["config"]["output_dir"]) == (
+        "mha",
+        Path(config.train_data).name,
+        "run",
+    )
 
     for folder in (converted, final):
         for name in ("README.md", "uptrain.json"):  # nothing names a path of this machine
@@ -200,8 +233,12 @@ def test_a_hub_model_is_named_by_its_id_and_commit(base_config, assets):
     config = TrainConfig(**{**base_config, "model": "tiny-org/tiny-mha", "max_steps": 1, "save_every": 10})
     final = run_training(config)
     started = json.loads((final / "uptrain.json").read_text())["started_from"]
-    assert started == {"name": "tiny-org/tiny-mha", "revision": commit, "base_model": "tiny-org/tiny-mha",
-                       "provenance": None}
+    assert started == {
+        "name": "tiny-org/tiny-mha",
+        "revision": commit,
+        "base_model": "tiny-org/tiny-mha",
+        "provenance": None,
+    }
     card = ModelCard.load(final / "README.md")
     assert card.data.base_model == "tiny-org/tiny-mha" and card.data.license == "apache-2.0"
     validate_repo_id(card.data.base_model)
@@ -231,8 +268,9 @@ def test_a_local_conversion_of_a_hub_model_names_it_as_base_model(assets, tmp_pa
 
 
 @pytest.mark.parametrize("started_from", [["a list"], "a string", {"provenance": ["a list"]}])
-def test_a_model_whose_provenance_chain_is_malformed_is_refused_in_one_line(started_from, base_config, assets,
-                                                                            tmp_path, capsys):
+def test_a_model_whose_provenance_chain_is_malformed_is_refused_in_one_line(
+    started_from, base_config, assets, tmp_path, capsys
+):
     """`uptrain train` of a model whose uptrain.json has a `started_from` that is not a mapping:
     one line naming the file and the key, before anything is written (read as no provenance, the
     card and the wandb run would say the model was not converted by uptrain)."""
@@ -241,9 +279,29 @@ def test_a_model_whose_provenance_chain_is_malformed_is_refused_in_one_line(star
     model = tmp_path / "model"
     shutil.copytree(assets["gqa"], model)
     (model / "uptrain.json").write_text(json.dumps({"uptraining": {}, "started_from": started_from}))
-    code = main(["train", "--model", str(model), "--train-data", base_config["train_data"], "--eval-data",
-                 base_config["eval_data"], "--output-dir", base_config["output_dir"], "--seq-len", "32",
-                 "--batch-size", "4", "--lr", "1e-3", "--max-steps", "1", "--report-to", "jsonl"])
+    code = main(
+        [
+            "train",
+            "--model",
+            str(model),
+            "--train-data",
+            base_config["train_data"],
+            "--eval-data",
+            base_config["eval_data"],
+            "--output-dir",
+            base_config["output_dir"],
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--max-steps",
+            "1",
+            "--report-to",
+            "jsonl",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     key = "`started_from`" if not isinstance(started_from, dict) else "`started_from.provenance`"
@@ -257,9 +315,17 @@ def test_tensors_renamed_on_load_are_written_back_under_the_checkpoint_names(tmp
     from transformers import AutoModelForCausalLM, MixtralConfig
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
-                           max_position_embeddings=64)
+    config = MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        max_position_embeddings=64,
+    )
     start = tmp_path / "start"
     AutoModelForCausalLM.from_config(config).save_pretrained(start)
     model = train_a_little(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32))

@@ -77,20 +77,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(launch_args: list[str], args: list[str], home: Path, mixed_precision: str = "no",
-           **env) -> subprocess.CompletedProcess:
+def launch(
+    launch_args: list[str], args: list[str], home: Path, mixed_precision: str = "no", **env
+) -> subprocess.CompletedProcess:
     """`accelerate launch` on 2 CPU processes (DOMAIN.md §6) with extra launcher flags."""
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *launch_args, "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), *args]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        *launch_args,
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        mixed_precision,
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        *args,
+    ]
     full_env = {**python_env(), "ACCELERATE_USE_CPU": "1", "HOME": str(home), **env}
     return subprocess.run(cmd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     """What the processes said, without torchrun's tracebacks and warnings around it."""
-    keep = [line for line in (proc.stdout + proc.stderr).splitlines()
-            if line.strip() and not line.startswith((" ", "W1", "E1", "[W", "Traceback", "torch.distributed"))]
+    keep = [
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if line.strip() and not line.startswith((" ", "W1", "E1", "[W", "Traceback", "torch.distributed"))
+    ]
     return "\n".join(keep)[-3000:]
 
 
@@ -137,11 +154,25 @@ def fsdp_and_ddp(assets, tmp_path_factory):
     checkpoint at step 2) under FSDP2 and under DDP."""
     root = tmp_path_factory.mktemp("fsdp")
     (root / "home").mkdir()
-    values = {"model": str(assets["gqa"]), "teacher": str(assets["mha"]), "distill_weight": 0.5,
-              "train_data": str(assets["train"]), "eval_data": str(assets["eval"]), "seq_len": 32,
-              "batch_size": 2, "grad_accum": 2, "lr": 3e-3, "warmup_steps": 2, "max_steps": 4, "eval_every": 2,
-              "save_every": 2, "keep_checkpoints": 1, "eval_blocks": 8, "max_grad_norm": 0.5,
-              "report_to": ["jsonl"]}
+    values = {
+        "model": str(assets["gqa"]),
+        "teacher": str(assets["mha"]),
+        "distill_weight": 0.5,
+        "train_data": str(assets["train"]),
+        "eval_data": str(assets["eval"]),
+        "seq_len": 32,
+        "batch_size": 2,
+        "grad_accum": 2,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "max_steps": 4,
+        "eval_every": 2,
+        "save_every": 2,
+        "keep_checkpoints": 1,
+        "eval_blocks": 8,
+        "max_grad_norm": 0.5,
+        "report_to": ["jsonl"],
+    }
     configs = {}
     for name in ("fsdp", "ddp"):
         configs[name] = root / f"{name}.yaml"
@@ -200,16 +231,21 @@ def test_fsdp_run_holds_shards(fsdp_and_ddp):
     # The checkpoint is sharded: torch.distributed.checkpoint folders with one file per process.
     [checkpoint] = list((root / "fsdp" / "checkpoints").iterdir())
     assert checkpoint.name == "step_00000002"
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["optimizer_0", "pytorch_model_fsdp_0",
-                                                            "random_states_0.pkl", "random_states_1.pkl",
-                                                            "trainer_state.json"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "optimizer_0",
+        "pytorch_model_fsdp_0",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "trainer_state.json",
+    ]
     for folder in ("optimizer_0", "pytorch_model_fsdp_0"):
         assert sorted(p.name for p in (checkpoint / folder).iterdir()) == [".metadata", *sorted(SHARD_FILES)]
     # Each process wrote its own half of every weight and of its AdamW moments (only the step
     # counters, scalars, are whole in one file).
     weights = chunk_files(checkpoint / "pytorch_model_fsdp_0")
-    moments = {k: v for k, v in chunk_files(checkpoint / "optimizer_0").items()
-               if k.endswith(("exp_avg", "exp_avg_sq"))}
+    moments = {
+        k: v for k, v in chunk_files(checkpoint / "optimizer_0").items() if k.endswith(("exp_avg", "exp_avg_sq"))
+    }
     assert len(weights) == facts[0]["model"]["count"] and len(moments) == 2 * len(weights)
     assert {k: v for k, v in {**weights, **moments}.items() if v != sorted(SHARD_FILES)} == {}
 
@@ -247,9 +283,17 @@ def test_fsdp_bf16_teacher_of_another_architecture(fsdp_and_ddp, assets, tmp_pat
 
     tokenizer = AutoTokenizer.from_pretrained(assets["mha"])
     torch.manual_seed(1)
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
-                           eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
     tokenizer.save_pretrained(tmp_path / "mistral")
     root = fsdp_and_ddp["root"]

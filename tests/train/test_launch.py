@@ -34,9 +34,23 @@ def launch_fsdp_config(base_config: dict, tmp_path: Path, **env) -> tuple[subpro
     out = tmp_path / "runs" / "run"
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({**base_config, "output_dir": str(out)}))
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(FSDP_YAML),
-           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-           "-m", "uptrain", "train", "--config", str(path)]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--config_file",
+        str(FSDP_YAML),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "uptrain",
+        "train",
+        "--config",
+        str(path),
+    ]
     full_env = {k: v for k, v in python_env().items() if k != "ACCELERATE_USE_CPU"}
     full_env.update(env)
     proc = subprocess.run(cmd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
@@ -74,27 +88,36 @@ def launch(**fields) -> Launch:
     return Launch(**{**defaults, **fields})
 
 
-@pytest.mark.parametrize("ok", [
-    launch(),  # `uptrain train` on a CPU
-    launch(device="cuda", gpus=1, gpus_in_use=1),  # on a GPU
-    launch(launched=2, joined=2, got="MULTI_CPU"),  # ACCELERATE_USE_CPU=1 --multi_gpu
-    launch(launched=8, joined=8, asked="FSDP", got="FSDP", device="cuda", gpus=8, gpus_in_use=8),
-    launch(launched=16, joined=16, asked="DEEPSPEED", got="DEEPSPEED", device="cuda", gpus=8,
-           gpus_in_use=16),  # 2 nodes
-    launch(launched=4, joined=4, got="MULTI_GPU", device="cuda", gpus=8, gpus_in_use=4),
-    launch(launched=8, joined=8, got="MULTI_GPU", device="cuda", gpus=1, gpus_in_use=8),  # one shown to each
-])
+@pytest.mark.parametrize(
+    "ok",
+    [
+        launch(),  # `uptrain train` on a CPU
+        launch(device="cuda", gpus=1, gpus_in_use=1),  # on a GPU
+        launch(launched=2, joined=2, got="MULTI_CPU"),  # ACCELERATE_USE_CPU=1 --multi_gpu
+        launch(launched=8, joined=8, asked="FSDP", got="FSDP", device="cuda", gpus=8, gpus_in_use=8),
+        launch(
+            launched=16, joined=16, asked="DEEPSPEED", got="DEEPSPEED", device="cuda", gpus=8, gpus_in_use=16
+        ),  # 2 nodes
+        launch(launched=4, joined=4, got="MULTI_GPU", device="cuda", gpus=8, gpus_in_use=4),
+        launch(launched=8, joined=8, got="MULTI_GPU", device="cuda", gpus=1, gpus_in_use=8),  # one shown to each
+    ],
+)
 def test_launches_that_can_run_pass(ok):
     assert launch_problem(ok) is None
 
 
-@pytest.mark.parametrize("bad, expected", [
-    (launch(launched=8, asked="FSDP"), "started 8 processes but they did not join one run"),
-    (launch(launched=2, joined=2, asked="DEEPSPEED", got="MULTI_CPU"), "asks for DeepSpeed"),
-    (launch(asked="FSDP", got="NO", device="cuda", gpus=1), "asks for FSDP, but accelerate set up NO"),
-    (launch(launched=8, joined=8, asked="FSDP", got="FSDP", device="cuda", gpus=2, gpus_in_use=2),
-     "the run's 8 processes landed on 2 GPU(s) (2 visible here)"),
-])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        (launch(launched=8, asked="FSDP"), "started 8 processes but they did not join one run"),
+        (launch(launched=2, joined=2, asked="DEEPSPEED", got="MULTI_CPU"), "asks for DeepSpeed"),
+        (launch(asked="FSDP", got="NO", device="cuda", gpus=1), "asks for FSDP, but accelerate set up NO"),
+        (
+            launch(launched=8, joined=8, asked="FSDP", got="FSDP", device="cuda", gpus=2, gpus_in_use=2),
+            "the run's 8 processes landed on 2 GPU(s) (2 visible here)",
+        ),
+    ],
+)
 def test_launches_that_cannot_run_are_refused(bad, expected):
     problem = launch_problem(bad)
     assert problem is not None and expected in problem and "\n" not in problem

@@ -19,13 +19,18 @@ from uptrain.train.loop import lr_at, run_training
 
 
 def test_uptrain_a_converted_checkpoint(base_config, capsys):
-    config = TrainConfig(**{**base_config, "report_to": ["wandb", "jsonl"], "peak_flops": 1e12, "save_every": 1,
-                            "keep_checkpoints": 2})
+    config = TrainConfig(
+        **{**base_config, "report_to": ["wandb", "jsonl"], "peak_flops": 1e12, "save_every": 1, "keep_checkpoints": 2}
+    )
     final = run_training(config)
     captured = capsys.readouterr()
     out = captured.out
-    for line in ("tokens per step  128 = seq_len 32 × batch_size 4 × grad_accum 1 × processes 1",
-                 "steps            6", "tokens           768", "processes        1 (cpu"):
+    for line in (
+        "tokens per step  128 = seq_len 32 × batch_size 4 × grad_accum 1 × processes 1",
+        "steps            6",
+        "tokens           768",
+        "processes        1 (cpu",
+    ):
         assert line in out
     assert "estimated remaining:" in out
 
@@ -58,8 +63,10 @@ def test_uptrain_a_converted_checkpoint(base_config, capsys):
     uptraining = json.loads((final / "uptrain.json").read_text())["uptraining"]
     assert uptraining["eval_after"]["eval/loss"] == recs[-1]["eval/loss"]
     # Saved after steps 1…5 (the last step goes to final/), the last two kept.
-    assert sorted(p.name for p in (Path(config.output_dir) / "checkpoints").iterdir()) == ["step_00000004",
-                                                                                          "step_00000005"]
+    assert sorted(p.name for p in (Path(config.output_dir) / "checkpoints").iterdir()) == [
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
 def test_mfu_is_absent_on_cpu_without_peak_flops(base_config):
@@ -70,8 +77,16 @@ def test_mfu_is_absent_on_cpu_without_peak_flops(base_config):
 
 def test_grad_accum_matches_a_bigger_batch(base_config, tmp_path):
     big = TrainConfig(**{**base_config, "max_steps": 3, "save_every": 10})
-    small = TrainConfig(**{**base_config, "max_steps": 3, "save_every": 10, "batch_size": 1, "grad_accum": 4,
-                           "output_dir": str(tmp_path / "accum")})
+    small = TrainConfig(
+        **{
+            **base_config,
+            "max_steps": 3,
+            "save_every": 10,
+            "batch_size": 1,
+            "grad_accum": 4,
+            "output_dir": str(tmp_path / "accum"),
+        }
+    )
     run_training(big)
     run_training(small)
     a, b = curve(big.output_dir), curve(small.output_dir)
@@ -89,8 +104,9 @@ def test_resume_after_kill_gives_the_same_curve(base_config, tmp_path):
     values["output_dir"] = str(tmp_path / "killed")
     path = tmp_path / "killed.yaml"
     path.write_text(yaml.safe_dump(values))
-    killed = subprocess.run([sys.executable, "-c", KILLER, str(path), "5"], env=python_env(), capture_output=True,
-                            text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, str(path), "5"], env=python_env(), capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert max(r["step"] for r in records(values["output_dir"])) == 5  # logged past its last checkpoint (3)
     # As if it had also died while writing the next checkpoint: the half-written folder must be ignored.
@@ -98,28 +114,48 @@ def test_resume_after_kill_gives_the_same_curve(base_config, tmp_path):
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")
 
-    resumed = subprocess.run([str(Path(sys.executable).parent / "uptrain"), "train", "--config", str(path),
-                              "--resume"], env=python_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [str(Path(sys.executable).parent / "uptrain"), "train", "--config", str(path), "--resume"],
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout and "step_00000003" in resumed.stdout
     # Exactly equal: same blocks, same schedule, optimizer state and weights restored bit for bit,
     # and the same kernels on the same CPU.
     assert curve(values["output_dir"]) == curve(baseline.output_dir)
     assert [r["step"] for r in records(values["output_dir"])] == list(range(9))
-    assert sorted(p.name for p in (Path(values["output_dir"]) / "checkpoints").iterdir()) == ["step_00000003",
-                                                                                            "step_00000006"]
+    assert sorted(p.name for p in (Path(values["output_dir"]) / "checkpoints").iterdir()) == [
+        "step_00000003",
+        "step_00000006",
+    ]
     a = load_file(Path(baseline.output_dir) / "final" / "model.safetensors")
     b = load_file(Path(values["output_dir"]) / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    again = subprocess.run([str(Path(sys.executable).parent / "uptrain"), "train", "--config", str(path),
-                            "--resume"], env=python_env(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [str(Path(sys.executable).parent / "uptrain"), "train", "--config", str(path), "--resume"],
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
 def test_distillation_from_the_mha_teacher(base_config, assets):
-    config = TrainConfig(**{**base_config, "teacher": str(assets["mha"]), "distill_weight": 0.25,
-                            "distill_temperature": 2.0, "max_steps": 2, "save_every": 10})
+    config = TrainConfig(
+        **{
+            **base_config,
+            "teacher": str(assets["mha"]),
+            "distill_weight": 0.25,
+            "distill_temperature": 2.0,
+            "max_steps": 2,
+            "save_every": 10,
+        }
+    )
     run_training(config)
     step1 = records(config.output_dir)[1]
     assert step1["train/distill_kl"] > 0
@@ -127,8 +163,9 @@ def test_distillation_from_the_mha_teacher(base_config, assets):
 
 
 def test_distilling_from_itself_starts_at_zero_kl(base_config, assets):
-    config = TrainConfig(**{**base_config, "teacher": str(assets["gqa"]), "distill_weight": 0.5, "max_steps": 1,
-                            "save_every": 10})
+    config = TrainConfig(
+        **{**base_config, "teacher": str(assets["gqa"]), "distill_weight": 0.5, "max_steps": 1, "save_every": 10}
+    )
     run_training(config)
     assert records(config.output_dir)[1]["train/distill_kl"] == pytest.approx(0.0, abs=1e-5)
 
@@ -145,7 +182,6 @@ def test_convert_on_the_fly(base_config, assets):
     assert json.loads((final / "config.json").read_text())["num_key_value_heads"] == 2
 
 
-
 def test_convert_on_the_fly_again_under_overwrite(base_config, assets):
     # --overwrite empties the folder, converted/ included: the conversion runs again rather than
     # trusting the converted/ it is about to delete.
@@ -157,9 +193,18 @@ def test_convert_on_the_fly_again_under_overwrite(base_config, assets):
     assert json.loads((converted / "config.json").read_text())["num_key_value_heads"] == 4
     assert [r["step"] for r in records(values["output_dir"])] == [0, 1]
 
+
 def test_convert_on_the_fly_calibrated_on_train_data(base_config, assets):
-    values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "pooling": "calibrated",
-              "grouping": "similarity", "calibration_tokens": 256, "max_steps": 1, "save_every": 10}
+    values = {
+        **base_config,
+        "source": str(assets["mha"]),
+        "num_kv_heads": 2,
+        "pooling": "calibrated",
+        "grouping": "similarity",
+        "calibration_tokens": 256,
+        "max_steps": 1,
+        "save_every": 10,
+    }
     del values["model"]
     config = TrainConfig(**values)
     run_training(config)
@@ -176,24 +221,39 @@ def test_similarity_grouping_on_the_fly_is_calibrated_like_convert(base_config, 
     from uptrain.convert.calibration import collect_attention_moments
     from uptrain.convert.pipeline import Calibration
 
-    values = {**base_config, "source": str(assets["mha"]), "num_kv_heads": 2, "grouping": "similarity",
-              "calibration_tokens": 256, "max_steps": 1, "save_every": 10}
+    values = {
+        **base_config,
+        "source": str(assets["mha"]),
+        "num_kv_heads": 2,
+        "grouping": "similarity",
+        "calibration_tokens": 256,
+        "max_steps": 1,
+        "save_every": 10,
+    }
     del values["model"]
     config = TrainConfig(**values)
     run_training(config)
     converted = Path(config.output_dir) / "converted"
     provenance = json.loads((converted / "uptrain.json").read_text())
     assert provenance["pooling"] == "mean" and provenance["calibration"]["tokens"] >= 256
-    calibration, info = collect_attention_moments(str(assets["mha"]), config.train_data, num_tokens=256,
-                                                  seq_len=config.seq_len)
-    by_hand = convert_checkpoint(assets["mha"], tmp_path / "by-hand", 2, grouping="similarity",
-                                 calibration=Calibration(calibration, info), progress=False)
+    calibration, info = collect_attention_moments(
+        str(assets["mha"]), config.train_data, num_tokens=256, seq_len=config.seq_len
+    )
+    by_hand = convert_checkpoint(
+        assets["mha"],
+        tmp_path / "by-hand",
+        2,
+        grouping="similarity",
+        calibration=Calibration(calibration, info),
+        progress=False,
+    )
     assert json.loads((by_hand / "uptrain.json").read_text())["kv_head_order"] == provenance["kv_head_order"]
     a, b = load_file(converted / "model.safetensors"), load_file(by_hand / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # Bad input: one clear error, nothing written over.
+
 
 def refuses(config: dict, message: str) -> None:
     with pytest.raises(UptrainError, match=message) as err:
@@ -209,11 +269,14 @@ def test_refuses_empty_and_short_data(base_config, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("The cat sees a dog.\n" * 20)
     refuses({**base_config, "train_data": str(tmp_path / "empty.txt")}, "`train_data`: .*empty.txt is empty")
-    refuses({**base_config, "train_data": str(tmp_path / "short.txt")},
-            r"gives 3 blocks of 32 tokens; one optimizer step needs 4")
+    refuses(
+        {**base_config, "train_data": str(tmp_path / "short.txt")},
+        r"gives 3 blocks of 32 tokens; one optimizer step needs 4",
+    )
     (tmp_path / "blank.txt").write_text("\n\n\n")
-    refuses({**base_config, "train_data": str(tmp_path / "blank.txt")},
-            "`train_data`: .*blank.txt holds only whitespace")
+    refuses(
+        {**base_config, "train_data": str(tmp_path / "blank.txt")}, "`train_data`: .*blank.txt holds only whitespace"
+    )
     refuses({**base_config, "eval_data": str(tmp_path / "empty.txt")}, "`eval_data`: .*empty.txt is empty")
     refuses({**base_config, "eval_data": str(tmp_path / "blank.txt")}, "`eval_data`: .*blank.txt holds only whitespace")
     (tmp_path / "tiny.txt").write_text("The cat.\n")

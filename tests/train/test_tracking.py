@@ -19,15 +19,24 @@ from uptrain.train.loop import run_training
 
 def leet(run_dir: Path) -> list[dict]:
     cmd = [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(run_dir)]
-    return [json.loads(line) for line in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            .splitlines()]
+    return [
+        json.loads(line) for line in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
+    ]
 
 
 def test_run_config_records_the_conversion_done_and_tokens_are_the_x_axis(base_config, assets, tmp_path):
     # `first` pooling: not TrainConfig's default (mean), so the logged value can only come from the model.
     model = convert_checkpoint(assets["mha"], tmp_path / "first", 2, pooling="first", progress=False)
-    config = TrainConfig(**{**base_config, "model": str(model), "report_to": ["wandb", "jsonl"], "max_steps": 2,
-                            "save_every": 10, "grad_accum": 2})
+    config = TrainConfig(
+        **{
+            **base_config,
+            "model": str(model),
+            "report_to": ["wandb", "jsonl"],
+            "max_steps": 2,
+            "save_every": 10,
+            "grad_accum": 2,
+        }
+    )
     run_training(config)
     history, summary = wandb_records(config.output_dir)
     logged = summary["config"]
@@ -46,8 +55,9 @@ def test_run_config_records_the_conversion_done_and_tokens_are_the_x_axis(base_c
 
 
 def test_a_model_uptrain_did_not_convert_logs_no_pooling(base_config, assets):
-    config = TrainConfig(**{**base_config, "model": str(assets["mha"]), "report_to": ["wandb"], "max_steps": 1,
-                            "save_every": 10})
+    config = TrainConfig(
+        **{**base_config, "model": str(assets["mha"]), "report_to": ["wandb"], "max_steps": 1, "save_every": 10}
+    )
     run_training(config)
     logged = wandb_records(config.output_dir)[1]["config"]
     assert logged["pooling"] is None and logged["conversion"] is None and logged["num_kv_heads"] == 8
@@ -76,11 +86,20 @@ def test_compare_logs_its_table_and_plots(tmp_path):
     from uptrain.compare.study import CompareSpec, RunResult
 
     curve = [(0, 5.0), (100, 4.5), (200, 4.2)]
-    results = [RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)]),
-               RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, curve),
-               RunResult("g2-calibrated", 2, "calibrated", 4.4, 4.15, 200, 1024, [(0, 4.4), (200, 4.15)])]
-    spec = CompareSpec(model="m", num_kv_heads=[2], pooling=["mean", "calibrated"], train_data="t", eval_data="e",
-                       output_dir=str(tmp_path / "study"), max_tokens=200)
+    results = [
+        RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)]),
+        RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, curve),
+        RunResult("g2-calibrated", 2, "calibrated", 4.4, 4.15, 200, 1024, [(0, 4.4), (200, 4.15)]),
+    ]
+    spec = CompareSpec(
+        model="m",
+        num_kv_heads=[2],
+        pooling=["mean", "calibrated"],
+        train_data="t",
+        eval_data="e",
+        output_dir=str(tmp_path / "study"),
+        max_tokens=200,
+    )
     Path(spec.output_dir).mkdir()
     files = write_report(results, spec.output_dir, spec)
     run_dir = files["wandb"]

@@ -13,8 +13,16 @@ from pathlib import Path
 
 SUBJECTS = ["the cat", "a dog", "the old king", "my sister", "the sailor", "a small bird", "the queen", "our teacher"]
 VERBS = ["sees", "likes", "follows", "finds", "remembers", "carries", "paints", "answers"]
-OBJECTS = ["the red ball", "a letter", "the green hill", "the river", "a silver cup", "the garden", "an apple",
-           "the long road"]
+OBJECTS = [
+    "the red ball",
+    "a letter",
+    "the green hill",
+    "the river",
+    "a silver cup",
+    "the garden",
+    "an apple",
+    "the long road",
+]
 ENDINGS = ["in the morning", "at night", "with care", "without a word", "again", "by the sea"]
 
 
@@ -53,10 +61,18 @@ def build_llama(folder: Path, tokenizer, num_kv_heads: int, seed: int = 0, max_p
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=num_kv_heads,
-                         max_position_embeddings=max_positions, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -71,9 +87,20 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-METRICS = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "eval/loss", "eval/perplexity",
-           "perf/tokens_per_second", "perf/step_time_s", "perf/mfu", "perf/peak_memory_bytes",
-           "model/num_kv_heads", "model/kv_cache_bytes_per_token"]
+METRICS = [
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/tokens_seen",
+    "eval/loss",
+    "eval/perplexity",
+    "perf/tokens_per_second",
+    "perf/step_time_s",
+    "perf/mfu",
+    "perf/peak_memory_bytes",
+    "model/num_kv_heads",
+    "model/kv_cache_bytes_per_token",
+]
 CURVE = ["train/loss", "train/lr", "train/grad_norm", "train/tokens_seen", "eval/loss"]
 
 

@@ -89,8 +89,10 @@ class BackgroundHasher:
                 record[self.algorithm] = self._digests[path]
             if hub := hub_sha256(path):
                 if record.get("sha256", hub) != hub:
-                    raise UptrainError(f"{path} does not match the sha256 the Hub cache names it by "
-                                       f"({record['sha256']} vs {hub}): a corrupt download?")
+                    raise UptrainError(
+                        f"{path} does not match the sha256 the Hub cache names it by "
+                        f"({record['sha256']} vs {hub}): a corrupt download?"
+                    )
                 record["hub_sha256"] = hub
             files[path.name] = record
         return files

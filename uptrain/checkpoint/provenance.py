@@ -45,8 +45,10 @@ def conversion_record(record: dict | None, where: str = PROVENANCE) -> dict | No
             raise _malformed(where, keys, record)
         if "pooling" in record:
             if missing := [k for k in CONVERSION_KEYS if k not in record]:
-                raise UptrainError(f"{where}: {_at(keys)} names a conversion but lacks {', '.join(missing)}; it is "
-                                   "not a record uptrain wrote: restore or remove the file")
+                raise UptrainError(
+                    f"{where}: {_at(keys)} names a conversion but lacks {', '.join(missing)}; it is "
+                    "not a record uptrain wrote: restore or remove the file"
+                )
             return record
         started = record.get("started_from")
         keys.append("started_from")
@@ -64,5 +66,7 @@ def _at(keys: list[str]) -> str:
 
 
 def _malformed(where: str, keys: list[str], value: object) -> UptrainError:
-    return UptrainError(f"{where}: {_at(keys)} must be a mapping (a provenance record), not {type(value).__name__}; "
-                        "it is not a record uptrain wrote: restore or remove the file")
+    return UptrainError(
+        f"{where}: {_at(keys)} must be a mapping (a provenance record), not {type(value).__name__}; "
+        "it is not a record uptrain wrote: restore or remove the file"
+    )

@@ -8,14 +8,14 @@ computed beside the conversion, in `uptrain.checkpoint.hashing`.)
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import torch
 
@@ -23,11 +23,11 @@ from uptrain import UptrainError
 from uptrain.strict_json import parse_json, read_json
 
 
-
 @dataclass(frozen=True)
 class RawDtype:
     """A safetensors dtype this torch cannot hold (sub-byte floats, or types newer than the
     installed torch): such tensors are copied byte for byte and never computed on."""
+
     code: str
     bits: int
     is_floating_point = False  # never cast by --dtype
@@ -40,12 +40,28 @@ class RawDtype:
 # Every dtype of the safetensors format (as of safetensors 0.8), with its bits per element and
 # the torch dtype holding it where this torch has one.
 _FORMAT_DTYPES = {
-    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "U16": (16, "uint16"), "I16": (16, "int16"),
-    "U32": (32, "uint32"), "I32": (32, "int32"), "U64": (64, "uint64"), "I64": (64, "int64"),
-    "F16": (16, "float16"), "BF16": (16, "bfloat16"), "F32": (32, "float32"), "F64": (64, "float64"),
-    "C64": (64, "complex64"), "F8_E4M3": (8, "float8_e4m3fn"), "F8_E5M2": (8, "float8_e5m2"),
-    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"), "F8_E8M0": (8, "float8_e8m0fnu"),
-    "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),  # packed: no torch dtype per element
+    "BOOL": (8, "bool"),
+    "U8": (8, "uint8"),
+    "I8": (8, "int8"),
+    "U16": (16, "uint16"),
+    "I16": (16, "int16"),
+    "U32": (32, "uint32"),
+    "I32": (32, "int32"),
+    "U64": (64, "uint64"),
+    "I64": (64, "int64"),
+    "F16": (16, "float16"),
+    "BF16": (16, "bfloat16"),
+    "F32": (32, "float32"),
+    "F64": (64, "float64"),
+    "C64": (64, "complex64"),
+    "F8_E4M3": (8, "float8_e4m3fn"),
+    "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"),
+    "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
+    "F8_E8M0": (8, "float8_e8m0fnu"),
+    "F6_E2M3": (6, None),
+    "F6_E3M2": (6, None),
+    "F4": (4, None),  # packed: no torch dtype per element
 }
 ST_DTYPES: dict[str, torch.dtype | RawDtype] = {
     code: getattr(torch, name) if name and hasattr(torch, name) else RawDtype(code, bits)
@@ -128,13 +144,24 @@ def read_safetensors_header(path: Path) -> tuple[dict, list[TensorInfo]]:
     data_start = 8 + header_len
     tensors = []
     for name, entry in header.items():
-        dtype = ST_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) and isinstance(entry.get("dtype"), str) \
+        dtype = (
+            ST_DTYPES.get(entry.get("dtype"))
+            if isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
             else None
+        )
         shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
-        if dtype is None or not isinstance(shape, list) or not all(map(_whole_number, shape)) \
-                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_whole_number, offsets)):
-            raise UptrainError(f"{path}: corrupt safetensors entry for {name!r} (needs a known dtype, a shape and "
-                               "two data_offsets, all whole numbers)")
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or not all(map(_whole_number, shape))
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(map(_whole_number, offsets))
+        ):
+            raise UptrainError(
+                f"{path}: corrupt safetensors entry for {name!r} (needs a known dtype, a shape and "
+                "two data_offsets, all whole numbers)"
+            )
         begin, end = offsets
         info = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
         if end < begin or end - begin != info.nbytes or math.prod(shape) * dtype_bits(dtype) % 8:
@@ -150,8 +177,9 @@ def read_safetensors_header(path: Path) -> tuple[dict, list[TensorInfo]]:
         if t.start < position:
             raise UptrainError(f"{path}: corrupt safetensors header ({before.name!r} and {t.name!r} share bytes)")
         if t.start > position:
-            raise UptrainError(f"{path}: corrupt safetensors header ({t.start - position} bytes before {t.name!r} "
-                               "belong to no tensor)")
+            raise UptrainError(
+                f"{path}: corrupt safetensors header ({t.start - position} bytes before {t.name!r} belong to no tensor)"
+            )
         position, before = t.end, t
     if position != size:
         raise UptrainError(f"{path}: corrupt safetensors file ({size - position} bytes after its last tensor)")
@@ -204,7 +232,8 @@ class SourceCheckpoint:
             if not allow_pickle:
                 raise UptrainError(
                     f"{folder} holds only pickle (.bin) weights; pass --allow-pickle to read them "
-                    "(loaded with torch.load(weights_only=True))")
+                    "(loaded with torch.load(weights_only=True))"
+                )
             self._open_pickle(folder)
         else:
             raise UptrainError(f"{folder} holds no weights ({SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX})")
@@ -239,8 +268,10 @@ class SourceCheckpoint:
             if names is not None:
                 missing = sorted(names - held.keys())
                 if missing:
-                    raise UptrainError(f"the index names {missing[0]!r} in {shard}, which does not hold it"
-                                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                    raise UptrainError(
+                        f"the index names {missing[0]!r} in {shard}, which does not hold it"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                    )
                 held = {n: t for n, t in held.items() if n in names}
             self.tensors.update(held)
 
@@ -277,8 +308,10 @@ class SourceCheckpoint:
         if self.is_pickle:
             return self._pickled[info.file][name]
         if isinstance(info.dtype, RawDtype):
-            raise UptrainError(f"{name} is stored as {info.dtype.code}, which this torch cannot compute on; "
-                               "uptrain can copy such tensors but not pool or cast them")
+            raise UptrainError(
+                f"{name} is stored as {info.dtype.code}, which this torch cannot compute on; "
+                "uptrain can copy such tensors but not pool or cast them"
+            )
         # torch's allocator, not a bytearray: no zero-fill, and huge pages where enabled (cli.py).
         raw = torch.empty(info.nbytes, dtype=torch.uint8)
         self._reader(info.file).read_into(info.start, memoryview(raw.numpy()))

@@ -18,8 +18,18 @@ from uptrain.checkpoint.card import hub_base_model
 from uptrain.checkpoint.provenance import read_provenance
 
 # What a conversion needs from a Hub repository: weights, configs, tokenizer, card and licence.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*", "*.jinja", "*.md", "LICENSE*",
-                "USE_POLICY*", "NOTICE*"]
+HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.model",
+    "*.txt",
+    "tokenizer*",
+    "*.jinja",
+    "*.md",
+    "LICENSE*",
+    "USE_POLICY*",
+    "NOTICE*",
+]
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -95,8 +105,9 @@ def resolve_source(src: str | Path) -> ResolvedSource:
             local = Path(snapshot_download(str(src), allow_patterns=HUB_PATTERNS))
         except Exception as err:
             offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-            raise UptrainError(f"{src} is not a local folder and could not be fetched from the Hub{offline}: "
-                               f"{type(err).__name__}") from None
+            raise UptrainError(
+                f"{src} is not a local folder and could not be fetched from the Hub{offline}: {type(err).__name__}"
+            ) from None
         # huggingface_hub lays snapshots out as …/snapshots/<commit sha>/
         return _described(local, str(src), local.name if COMMIT.fullmatch(local.name) else None, str(src))
     raise UptrainError(f"{src} does not exist")

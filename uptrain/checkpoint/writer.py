@@ -14,8 +14,14 @@ from pathlib import Path
 
 import torch
 
-from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_TO_ST, RawDtype, tensor_bytes, \
-    tensor_nbytes
+from uptrain.checkpoint.reader import (
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    TORCH_TO_ST,
+    RawDtype,
+    tensor_bytes,
+    tensor_nbytes,
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,11 @@ class ShardWriter:
         header: dict = {"__metadata__": metadata}
         offset = 0
         for e in entries:
-            header[e.name] = {"dtype": TORCH_TO_ST[e.dtype], "shape": list(e.shape),
-                              "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {
+                "dtype": TORCH_TO_ST[e.dtype],
+                "shape": list(e.shape),
+                "data_offsets": [offset, offset + e.nbytes],
+            }
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keeps tensor data 8-byte aligned, as safetensors does
@@ -117,8 +126,9 @@ class ShardedWriter:
     `metadata` goes into every shard's header, with `format: pt` as transformers expects.
     """
 
-    def __init__(self, folder: Path, entries: list[OutputEntry], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self, folder: Path, entries: list[OutputEntry], max_shard_bytes: int, metadata: dict[str, str] | None = None
+    ):
         self.folder = folder
         self.shards = plan_shards(entries, max_shard_bytes)
         self.metadata = {**(metadata or {}), "format": "pt"}
@@ -150,8 +160,9 @@ class ShardedWriter:
             write_index(self.folder, self.shards)
 
 
-def write_tensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int,
-                  metadata: dict[str, str] | None = None) -> None:
+def write_tensors(
+    tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int, metadata: dict[str, str] | None = None
+) -> None:
     """Tensors in memory as a safetensors checkpoint in `folder` (sharded as `plan_shards` does)."""
     entries = [OutputEntry(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
     with ShardedWriter(folder, entries, max_shard_bytes, metadata) as writer:

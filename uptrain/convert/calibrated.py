@@ -32,6 +32,7 @@ import torch
 @dataclass
 class LayerAttention:
     """One layer's attention projections in float64; biases None when absent."""
+
     q_w: torch.Tensor  # [h·d, D]
     k_w: torch.Tensor  # [kv·d, D]
     v_w: torch.Tensor  # [kv·d, D]
@@ -69,8 +70,9 @@ def regularised(c: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
     return c + ridge * scale * torch.eye(c.shape[0], dtype=c.dtype)
 
 
-def merge_values(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                             torch.Tensor]:
+def merge_values(
+    layer: LayerAttention, groups: int, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Shared V per group and o_proj with each head's map folded in: (v_w, v_b, o_w)."""
     d, kv = layer.head_dim, layer.num_kv_heads
     r = kv // groups
@@ -81,18 +83,18 @@ def merge_values(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[t
         sources = range(j * r, (j + 1) * r)
         blocks = []
         for s in sources:
-            o_cols = [layer.o_w[:, q * d:(q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
+            o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
             gram = sum(o.mT @ o for o in o_cols)
-            blocks.append(_psd_sqrt(gram) @ v_aug[s * d:(s + 1) * d])
+            blocks.append(_psd_sqrt(gram) @ v_aug[s * d : (s + 1) * d])
         a = torch.cat(blocks)  # [r·d, D+1]
         vals, vecs = torch.linalg.eigh(a @ c @ a.mT)
         top_vals, top_vecs = vals[-d:].flip(0), vecs[:, -d:].flip(1)
         w = (top_vecs / top_vals.clamp(min=1e-30).sqrt()).mT @ a  # [d, D+1], w C wᵀ = I
         new_v.append(w)
         for s in sources:
-            m = v_aug[s * d:(s + 1) * d] @ c @ w.mT  # [d, d]
+            m = v_aug[s * d : (s + 1) * d] @ c @ w.mT  # [d, d]
             for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
-                o_w[:, q * d:(q + 1) * d] = layer.o_w[:, q * d:(q + 1) * d] @ m
+                o_w[:, q * d : (q + 1) * d] = layer.o_w[:, q * d : (q + 1) * d] @ m
     v_w, v_b = _split(torch.cat(new_v), layer.v_b is not None)
     return v_w, v_b, o_w
 
@@ -115,8 +117,9 @@ def _rank_one(u: torch.Tensor, alpha: torch.Tensor, c: torch.Tensor) -> tuple[to
     return v, sigma
 
 
-def merge_keys(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                           torch.Tensor, torch.Tensor | None]:
+def merge_keys(
+    layer: LayerAttention, groups: int, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Shared K per group; each query head's rows absorb its conj(σ): (k_w, k_b, q_w, q_b)."""
     d, kv, rot = layer.head_dim, layer.num_kv_heads, layer.rotary_dim
     r, half = kv // groups, rot // 2
@@ -207,6 +210,13 @@ def permute_kv_heads(layer: LayerAttention, order: list[int]) -> LayerAttention:
     def rows(t, index):
         return None if t is None else t[index]
 
-    return replace(layer, q_w=layer.q_w[q_rows], q_b=rows(layer.q_b, q_rows), k_w=layer.k_w[kv_rows],
-                   k_b=rows(layer.k_b, kv_rows), v_w=layer.v_w[kv_rows], v_b=rows(layer.v_b, kv_rows),
-                   o_w=layer.o_w[:, q_rows])
+    return replace(
+        layer,
+        q_w=layer.q_w[q_rows],
+        q_b=rows(layer.q_b, q_rows),
+        k_w=layer.k_w[kv_rows],
+        k_b=rows(layer.k_b, kv_rows),
+        v_w=layer.v_w[kv_rows],
+        v_b=rows(layer.v_b, kv_rows),
+        o_w=layer.o_w[:, q_rows],
+    )

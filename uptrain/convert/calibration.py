@@ -36,8 +36,8 @@ from tqdm.auto import tqdm
 
 from uptrain import UptrainError
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
-from uptrain.convert.layouts import layout_for
 from uptrain.checkpoint.source import resolve_source
+from uptrain.convert.layouts import layout_for
 from uptrain.model_info import read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 
@@ -146,8 +146,9 @@ class _LayerInputsRecorded(Exception):
     """Raised by the last decoder layer's stand-in: nothing after the layers needs to run."""
 
 
-def _materialise(module: torch.nn.Module, prefix: str, checkpoint: SourceCheckpoint, device: torch.device,
-                 dtype: torch.dtype) -> None:
+def _materialise(
+    module: torch.nn.Module, prefix: str, checkpoint: SourceCheckpoint, device: torch.device, dtype: torch.dtype
+) -> None:
     """Give a meta-device module its weights from the checkpoint (floating point ones cast to `dtype`)."""
     state = {}
     for name, meta in module.state_dict().items():
@@ -156,8 +157,9 @@ def _materialise(module: torch.nn.Module, prefix: str, checkpoint: SourceCheckpo
             raise UptrainError(f"calibration: {key} is missing from {checkpoint.folder}")
         tensor = checkpoint.read_tensor(key)
         if tuple(tensor.shape) != tuple(meta.shape):
-            raise UptrainError(f"calibration: {key} has shape {tuple(tensor.shape)}, the config implies "
-                               f"{tuple(meta.shape)}")
+            raise UptrainError(
+                f"calibration: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(meta.shape)}"
+            )
         state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
     module.load_state_dict(state, assign=True)
     module.to(device)  # buffers that are not in the state dict (rotary inv_freq)
@@ -177,8 +179,9 @@ def _empty_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def _record_layer_inputs(base: torch.nn.Module, layers: torch.nn.ModuleList,
-                         ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+def _record_layer_inputs(
+    base: torch.nn.Module, layers: torch.nn.ModuleList, ids: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
     """Run the model's own code up to the first layer; return the first layer's hidden states
     and the other arguments each layer is called with (masks may differ per layer type)."""
     calls: list[tuple[tuple, dict]] = []
@@ -216,11 +219,20 @@ def _first_blocks(blocks, wanted: int) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.empty(0, dtype=torch.long)
 
 
-def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens: int = 32768, seq_len: int = 256,
-                              batch_size: int = 4, text_field: str = "text", sample_by: str = "paragraph",
-                              device: str = "auto", dtype: str = "float32", progress: bool | None = None,
-                              dataset_config: str | None = None,
-                              split: str = "train") -> tuple[Mapping[int, torch.Tensor], dict]:
+def collect_attention_moments(
+    src: str | Path,
+    data: str | list[str],
+    num_tokens: int = 32768,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    text_field: str = "text",
+    sample_by: str = "paragraph",
+    device: str = "auto",
+    dtype: str = "float32",
+    progress: bool | None = None,
+    dataset_config: str | None = None,
+    split: str = "train",
+) -> tuple[Mapping[int, torch.Tensor], dict]:
     """Return ({layer: C of shape [(hidden + 1), (hidden + 1)], float64}, a description for provenance).
 
     The forward pass runs in `dtype` on `device` (auto: the first GPU when there is one), one
@@ -235,8 +247,18 @@ def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     run_device, run_dtype = calibration_device(device, dtype)
     tokenizer = load_calibration_tokenizer(model_dir)
-    blocks, source = load_blocks(data, "calibration_data", tokenizer, seq_len, text_field=text_field, split=split,
-                                 dataset_config=dataset_config, sample_by=sample_by, streaming=None, workers=None)
+    blocks, source = load_blocks(
+        data,
+        "calibration_data",
+        tokenizer,
+        seq_len,
+        text_field=text_field,
+        split=split,
+        dataset_config=dataset_config,
+        sample_by=sample_by,
+        streaming=None,
+        workers=None,
+    )
     all_ids = _first_blocks(blocks, math.ceil(num_tokens / seq_len))
     if len(all_ids) == 0:
         raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
@@ -259,24 +281,28 @@ def collect_attention_moments(src: str | Path, data: str | list[str], num_tokens
         hidden, calls = [], []
         with torch.no_grad():
             for start in range(0, count, batch_size):
-                ids = all_ids[start:start + batch_size].to(run_device)
+                ids = all_ids[start : start + batch_size].to(run_device)
                 h, c = _record_layer_inputs(base, layers, ids)
                 hidden.append(h)
                 calls.append(c)
         for _, child in outside:
             child.to("meta")  # the embedding is no longer needed: free it before the layers
         _release_freed_memory()
-        bar = tqdm(total=len(layers), desc="calibrate", unit="layer",
-                   disable=None if progress is None else not progress)
+        bar = tqdm(
+            total=len(layers), desc="calibrate", unit="layer", disable=None if progress is None else not progress
+        )
         with bar, torch.no_grad():
             for i, layer in enumerate(layers):
                 _materialise(layer, f"{layer_template.format(layer=i)}.", checkpoint, run_device, run_dtype)
-                moment = torch.zeros(hidden[0].shape[-1] + 1, hidden[0].shape[-1] + 1, dtype=torch.float64,
-                                     device=run_device)
+                moment = torch.zeros(
+                    hidden[0].shape[-1] + 1, hidden[0].shape[-1] + 1, dtype=torch.float64, device=run_device
+                )
                 hook = layer.get_submodule(attn_name).register_forward_pre_hook(
-                    lambda module, args, kwargs, moment=moment: fold_attention_input(moment,
-                                                                                     attention_input(args, kwargs)),
-                    with_kwargs=True)
+                    lambda module, args, kwargs, moment=moment: fold_attention_input(
+                        moment, attention_input(args, kwargs)
+                    ),
+                    with_kwargs=True,
+                )
                 try:
                     for b, (args, kwargs) in enumerate(c[i] for c in calls):
                         out = layer(hidden[b], *args, **kwargs)

@@ -18,8 +18,8 @@ from uptrain.convert.grouping import check_num_kv_heads
 from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
 from uptrain.convert.layouts import layout_for
 from uptrain.convert.pipeline import Calibration
-from uptrain.convert.pooling import get_strategy
 from uptrain.convert.plan import plan_conversion
+from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import ConversionOptions
 from uptrain.convert.stream import compute_tensor
 from uptrain.model_info import attention_geometry, rotary_dim
@@ -30,6 +30,7 @@ from uptrain.options import validated
 @dataclass(frozen=True)
 class _Header:
     """What the planner reads of a tensor: its name, dtype and shape."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -52,8 +53,15 @@ class StateDictSource:
         return self.state[name].detach().cpu()
 
 
-def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: str = "contiguous", seed: int = 0,
-                  calibration: Calibration | None = None):
+def convert_model(
+    model,
+    num_kv_heads: int,
+    pooling: str = "mean",
+    *,
+    grouping: str = "contiguous",
+    seed: int = 0,
+    calibration: Calibration | None = None,
+):
     """A copy of `model` (a transformers `PreTrainedModel`) with `num_kv_heads` KV heads.
 
     Pools exactly as `uptrain convert` does (same plan, same strategies, same seeds per tensor
@@ -74,9 +82,19 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
     source = StateDictSource(state)
     plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping)
     init_std = config.get(layout.init_std_key, 0.02)
-    merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, options.grouping,
-                         rotary_dim(config, geometry.head_dim), calibration.moments if calibration else None,
-                         seed, init_std, progress=False)
+    merger = LayerMerger(
+        source,
+        layout,
+        geometry,
+        num_kv_heads,
+        strategy,
+        options.grouping,
+        rotary_dim(config, geometry.head_dim),
+        calibration.moments if calibration else None,
+        seed,
+        init_std,
+        progress=False,
+    )
     converted = {}
     for t in plan.tensors:
         name = t.out.name

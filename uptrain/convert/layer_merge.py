@@ -13,9 +13,14 @@ import torch
 from tqdm.auto import tqdm
 
 from uptrain import UptrainError
-from uptrain.convert.calibrated import (LayerAttention, calibrated_merge, head_similarity, permute_kv_heads,
-                                        similarity_order)
 from uptrain.checkpoint.reader import SourceCheckpoint
+from uptrain.convert.calibrated import (
+    LayerAttention,
+    calibrated_merge,
+    head_similarity,
+    permute_kv_heads,
+    similarity_order,
+)
 from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
 from uptrain.model_info import AttentionGeometry
@@ -43,8 +48,15 @@ def _per_head_module(rel: str) -> bool:
     return any(part.isdigit() for part in rel.split("."))
 
 
-def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, grouping: str, model_type: str,
-                              extra_tensors: dict[str, tuple[int, ...]], head_dim: int, prefix: str = "") -> None:
+def check_whole_layer_support(
+    layout: AttentionLayout,
+    strategy: Strategy,
+    grouping: str,
+    model_type: str,
+    extra_tensors: dict[str, tuple[int, ...]],
+    head_dim: int,
+    prefix: str = "",
+) -> None:
     """Refuse a layer whose attention tensors would break the merge's exactness.
 
     Decided from the checkpoint's tensors (`extra_tensors`: the layer's attention tensors besides
@@ -57,12 +69,16 @@ def check_whole_layer_support(layout: AttentionLayout, strategy: Strategy, group
     for name, shape in extra_tensors.items():
         if _per_head_module(name):
             # Each head's own norm would have to follow its head through renumbering and merging.
-            raise UptrainError(f"{what} cannot carry {prefix}{name} through the merge "
-                               f"({model_type} per-head q/k norms); use mean, first or random with contiguous grouping")
+            raise UptrainError(
+                f"{what} cannot carry {prefix}{name} through the merge "
+                f"({model_type} per-head q/k norms); use mean, first or random with contiguous grouping"
+            )
         # A norm shared by all heads over head_dim survives renumbering heads, not re-mixing them.
         if strategy.whole_layer or shape != (head_dim,):
-            raise UptrainError(f"{what} cannot carry {prefix}{name} through the merge ({model_type} q/k norms); "
-                               "use mean, first or random with contiguous grouping")
+            raise UptrainError(
+                f"{what} cannot carry {prefix}{name} through the merge ({model_type} q/k norms); "
+                "use mean, first or random with contiguous grouping"
+            )
 
 
 def check_no_clamp(strategy: Strategy, config: dict) -> None:
@@ -70,20 +86,33 @@ def check_no_clamp(strategy: Strategy, config: dict) -> None:
     a calibrated merge folds into q_proj and o_proj do not commute with a clamp (renumbering
     whole heads, as similarity grouping does, does)."""
     if strategy.whole_layer and config.get("clip_qkv") is not None:
-        raise UptrainError(f"--pooling {strategy.name} cannot merge a model with clip_qkv ({config['clip_qkv']}): "
-                           "the clamp does not commute with the merge; use mean, first or random (with "
-                           "--grouping similarity if you like)")
+        raise UptrainError(
+            f"--pooling {strategy.name} cannot merge a model with clip_qkv ({config['clip_qkv']}): "
+            "the clamp does not commute with the merge; use mean, first or random (with "
+            "--grouping similarity if you like)"
+        )
 
-def whole_layer_shapes(tensors: dict, layout: AttentionLayout, geometry: AttentionGeometry, layer: int, g: int,
-                       strategy: Strategy, grouping: str) -> dict[str, tuple[int, ...]]:
+
+def whole_layer_shapes(
+    tensors: dict,
+    layout: AttentionLayout,
+    geometry: AttentionGeometry,
+    layer: int,
+    g: int,
+    strategy: Strategy,
+    grouping: str,
+) -> dict[str, tuple[int, ...]]:
     """Output shapes of the tensors one layer's merge rewrites; refuses what the merge cannot carry.
 
     `tensors` maps every source tensor name to its header (anything with a `.shape`).
     """
     prefix = layout.attn_prefix.format(layer=layer) + "."
     names = layer_tensor_names(layout)
-    extra = {n[len(prefix):]: tuple(tensors[n].shape) for n in tensors
-             if n.startswith(prefix) and n[len(prefix):] not in names and not n.endswith(f"{layout.o_proj}.bias")}
+    extra = {
+        n[len(prefix) :]: tuple(tensors[n].shape)
+        for n in tensors
+        if n.startswith(prefix) and n[len(prefix) :] not in names and not n.endswith(f"{layout.o_proj}.bias")
+    }
     check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim, prefix)
     shapes = {}
     for rel, field in names.items():
@@ -110,10 +139,20 @@ class LayerMerger:
     None compares heads in weight space. `progress`: a bar over layers (None: on terminals).
     """
 
-    def __init__(self, source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
-                 num_kv_heads: int, strategy: Strategy, grouping: str, rotary_dim: int,
-                 calibration: Mapping[int, torch.Tensor] | None, seed: int, init_std: float,
-                 progress: bool | None = None):
+    def __init__(
+        self,
+        source: SourceCheckpoint,
+        layout: AttentionLayout,
+        geometry: AttentionGeometry,
+        num_kv_heads: int,
+        strategy: Strategy,
+        grouping: str,
+        rotary_dim: int,
+        calibration: Mapping[int, torch.Tensor] | None,
+        seed: int,
+        init_std: float,
+        progress: bool | None = None,
+    ):
         self.source, self.layout, self.geometry = source, layout, geometry
         self.num_kv_heads, self.strategy, self.grouping = num_kv_heads, strategy, grouping
         self.rotary_dim, self.calibration, self.seed, self.init_std = rotary_dim, calibration, seed, init_std
@@ -127,8 +166,12 @@ class LayerMerger:
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         if layer != self._layer:
             if self._bar is None:
-                self._bar = tqdm(total=self.geometry.num_layers, desc="merge", unit="layer",
-                                 disable=None if self._progress is None else not self._progress)
+                self._bar = tqdm(
+                    total=self.geometry.num_layers,
+                    desc="merge",
+                    unit="layer",
+                    disable=None if self._progress is None else not self._progress,
+                )
             self._outputs = self._merge(layer)
             self._layer = layer
             self._bar.update(1)
@@ -152,8 +195,13 @@ class LayerMerger:
                 fields[field], dtypes[field] = t.to(torch.float64), t.dtype
             else:
                 fields[field] = None
-        attention = LayerAttention(**fields, num_heads=geo.num_heads, num_kv_heads=geo.num_kv_heads,
-                                   head_dim=geo.head_dim, rotary_dim=self.rotary_dim)
+        attention = LayerAttention(
+            **fields,
+            num_heads=geo.num_heads,
+            num_kv_heads=geo.num_kv_heads,
+            head_dim=geo.head_dim,
+            rotary_dim=self.rotary_dim,
+        )
         c = self._second_moment(layer)
         if self.grouping == "similarity":
             order = similarity_order(head_similarity(attention, c), self.num_kv_heads)
@@ -165,8 +213,12 @@ class LayerMerger:
             for rel, field in self.names.items():
                 t = getattr(attention, field)
                 if field[0] in "kv" and t is not None:
-                    ctx = PoolingContext("bias" if field.endswith("_b") else "weight", prefix + rel, self.seed,
-                                         self.init_std)
+                    ctx = PoolingContext(
+                        "bias" if field.endswith("_b") else "weight", prefix + rel, self.seed, self.init_std
+                    )
                     setattr(attention, field, pool_rows(t, self.num_kv_heads, geo.head_dim, self.strategy, ctx))
-        return {prefix + rel: getattr(attention, field).to(dtypes[field])
-                for rel, field in self.names.items() if fields[field] is not None}
+        return {
+            prefix + rel: getattr(attention, field).to(dtypes[field])
+            for rel, field in self.names.items()
+            if fields[field] is not None
+        }

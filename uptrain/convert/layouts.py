@@ -54,7 +54,7 @@ class AttentionLayout:
     def output_name(self, name: str) -> str:
         for old, new in self.renames:
             if name.startswith(old):
-                return new + name[len(old):]
+                return new + name[len(old) :]
         return name
 
     def attn_prefix_in(self, names) -> str:
@@ -75,9 +75,12 @@ LAYOUTS: dict[str, AttentionLayout] = {
     "qwen3": AttentionLayout(notes="k_norm acts on head_dim only and is shared by all heads"),
     "gemma": AttentionLayout(notes="explicit head_dim"),
     "gemma2": AttentionLayout(notes="explicit head_dim"),
-    "phi": AttentionLayout(o_proj="dense", notes="biases, partial rotary; k_layernorm (optional) is shared by all heads"),
-    "phi3": AttentionLayout(kv_modules=("qkv_proj",), kv_rows=(), fused_qkv="qkv_proj.weight",
-                            notes="fused qkv_proj = [Q | K | V]"),
+    "phi": AttentionLayout(
+        o_proj="dense", notes="biases, partial rotary; k_layernorm (optional) is shared by all heads"
+    ),
+    "phi3": AttentionLayout(
+        kv_modules=("qkv_proj",), kv_rows=(), fused_qkv="qkv_proj.weight", notes="fused qkv_proj = [Q | K | V]"
+    ),
     "stablelm": AttentionLayout(
         kv_modules=("k_proj", "v_proj", "k_layernorm"),
         per_head_kv=("k_layernorm.norms.{head}.weight", "k_layernorm.norms.{head}.bias"),
@@ -93,28 +96,58 @@ LAYOUTS: dict[str, AttentionLayout] = {
     "starcoder2": AttentionLayout(notes="biases (use_bias)"),
     "granite": STANDARD,
     "gpt2": AttentionLayout(
-        attn_prefix="transformer.h.{layer}.attn", attn_prefix_alternatives=("h.{layer}.attn",), q_proj="c_attn",
-        o_proj="c_proj", kv_modules=("c_attn",), kv_rows=(), fused_qkv="c_attn.weight", fused_qkv_bias="c_attn.bias",
-        fused_axis=1, head_dim_key=None, notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]"),
+        attn_prefix="transformer.h.{layer}.attn",
+        attn_prefix_alternatives=("h.{layer}.attn",),
+        q_proj="c_attn",
+        o_proj="c_proj",
+        kv_modules=("c_attn",),
+        kv_rows=(),
+        fused_qkv="c_attn.weight",
+        fused_qkv_bias="c_attn.bias",
+        fused_axis=1,
+        head_dim_key=None,
+        notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
+    ),
     "gpt_neox": AttentionLayout(
-        attn_prefix="gpt_neox.layers.{layer}.attention", q_proj="query_key_value", o_proj="dense",
-        kv_modules=("query_key_value",), kv_rows=(), fused_qkv="query_key_value.weight",
-        fused_qkv_bias="query_key_value.bias", fused_order="per_group", head_dim_key=None,
+        attn_prefix="gpt_neox.layers.{layer}.attention",
+        q_proj="query_key_value",
+        o_proj="dense",
+        kv_modules=("query_key_value",),
+        kv_rows=(),
+        fused_qkv="query_key_value.weight",
+        fused_qkv_bias="query_key_value.bias",
+        fused_order="per_group",
+        head_dim_key=None,
         renames=(("embed_out.", "lm_head."),),  # transformers renames it for GPTNeoXForCausalLM only
-        notes="query_key_value rows [h, 3, d] interleaved per head; partial rotary"),
+        notes="query_key_value rows [h, 3, d] interleaved per head; partial rotary",
+    ),
     "opt": AttentionLayout(
         attn_prefix="model.decoder.layers.{layer}.self_attn",
-        attn_prefix_alternatives=("decoder.layers.{layer}.self_attn",), o_proj="out_proj", head_dim_key=None,
-        init_std_key="init_std", notes="separate projections with biases; no RoPE"),
-    "gptj": AttentionLayout(
-        attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj", head_dim_key=None,
-        notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs"),
-    "bloom": AttentionLayout(
-        attn_prefix="transformer.h.{layer}.self_attention", attn_prefix_alternatives=("h.{layer}.self_attention",),
-        q_proj="query_key_value", o_proj="dense", kv_modules=("query_key_value",), kv_rows=(),
-        fused_qkv="query_key_value.weight", fused_qkv_bias="query_key_value.bias", fused_order="per_group",
+        attn_prefix_alternatives=("decoder.layers.{layer}.self_attn",),
+        o_proj="out_proj",
         head_dim_key=None,
-        notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads"),
+        init_std_key="init_std",
+        notes="separate projections with biases; no RoPE",
+    ),
+    "gptj": AttentionLayout(
+        attn_prefix="transformer.h.{layer}.attn",
+        o_proj="out_proj",
+        head_dim_key=None,
+        notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
+    ),
+    "bloom": AttentionLayout(
+        attn_prefix="transformer.h.{layer}.self_attention",
+        attn_prefix_alternatives=("h.{layer}.self_attention",),
+        q_proj="query_key_value",
+        o_proj="dense",
+        kv_modules=("query_key_value",),
+        kv_rows=(),
+        fused_qkv="query_key_value.weight",
+        fused_qkv_bias="query_key_value.bias",
+        fused_order="per_group",
+        head_dim_key=None,
+        notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
+    ),
 }
 # A converted checkpoint (uptrain's modeling) keeps its source's layout with G KV heads.
 LAYOUTS.update({f"{name}_gqa": LAYOUTS[name] for name in ("gpt2", "gpt_neox", "opt", "gptj", "bloom")})

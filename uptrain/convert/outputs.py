@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import uptrain
@@ -24,9 +24,20 @@ from uptrain.modeling_table import copy_modeling_files, gqa_config
 
 # Files besides the weights that make the output a usable checkpoint, and the licence terms
 # the source was published under (they bind the converted model too).
-SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                      "merges.txt", "*.model", "chat_template.*", "generation_config.json",
-                      "LICENSE*", "LICENCE*", "USE_POLICY*", "NOTICE*")
+SIDE_FILE_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+    "generation_config.json",
+    "LICENSE*",
+    "LICENCE*",
+    "USE_POLICY*",
+    "NOTICE*",
+)
 
 
 def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int, dtype: str | None) -> None:
@@ -52,28 +63,39 @@ def copy_side_files(src: Path, dst: Path, config: dict) -> None:
         (dst / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
 
 
-def groups_used(source_kv_heads: int, num_kv_heads: int,
-                kv_orders: dict[int, list[int]] | None = None) -> list[list[int]] | dict[str, list[list[int]]]:
+def groups_used(
+    source_kv_heads: int, num_kv_heads: int, kv_orders: dict[int, list[int]] | None = None
+) -> list[list[int]] | dict[str, list[list[int]]]:
     """Source KV heads merged into each new KV head: one list of groups (contiguous grouping),
     or per layer when `similarity` grouping renumbered the heads (`kv_orders`: layer → source
     KV heads in their new order, consecutive runs of which form the groups)."""
     if not kv_orders:
         return kv_groups(source_kv_heads, num_kv_heads)
     r = source_kv_heads // num_kv_heads
-    return {str(layer): [order[j * r:(j + 1) * r] for j in range(num_kv_heads)]
-            for layer, order in sorted(kv_orders.items())}
+    return {
+        str(layer): [order[j * r : (j + 1) * r] for j in range(num_kv_heads)]
+        for layer, order in sorted(kv_orders.items())
+    }
 
 
-def provenance(source: ResolvedSource, source_files: dict[str, dict], strategy: Strategy, seed: int,
-               plan: ConversionPlan, dtype: str | None, grouping: str = "contiguous",
-               kv_orders: dict[int, list[int]] | None = None, calibration: dict | None = None) -> dict:
+def provenance(
+    source: ResolvedSource,
+    source_files: dict[str, dict],
+    strategy: Strategy,
+    seed: int,
+    plan: ConversionPlan,
+    dtype: str | None,
+    grouping: str = "contiguous",
+    kv_orders: dict[int, list[int]] | None = None,
+    calibration: dict | None = None,
+) -> dict:
     """The `uptrain.json` record of a conversion: where from (with the Hub commit), how, and the
     groups actually merged. The source is named portably (`ResolvedSource.name`: its Hub id, else
     its folder's name), with `base_model` the Hub id it derives from where one is known."""
     geo = plan.geometry
     record = {
         "uptrain_version": uptrain.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "source": source.name,
         "source_revision": source.revision,
         "base_model": source.base_model,
@@ -109,14 +131,18 @@ def _names(names) -> str:
 def _grouping_text(p: dict, layout: AttentionLayout) -> str:
     h, kv, g = p["num_attention_heads"], p["source_num_key_value_heads"], p["num_key_value_heads"]
     if p.get("grouping", "contiguous") == "similarity":
-        return (f"Heads were first renumbered in each layer (query rows and biases, K/V rows and `{layout.o_proj}` "
-                f"columns permuted together, which leaves the model's function unchanged) so that KV heads whose "
-                f"projections read similar input directions share a group; then each group of {kv // g} KV heads "
-                f"became one. The groups differ per layer: `kv_groups` in `uptrain.json` lists, per layer, the "
-                f"source KV heads merged into each new KV head. After renumbering, query head i reads KV head "
-                f"i // {h // g}.")
-    return (f"Each contiguous group of {kv // g} source KV heads became one (groups: {p['kv_groups']}); "
-            f"query head i reads KV head i // {h // g}.")
+        return (
+            f"Heads were first renumbered in each layer (query rows and biases, K/V rows and `{layout.o_proj}` "
+            f"columns permuted together, which leaves the model's function unchanged) so that KV heads whose "
+            f"projections read similar input directions share a group; then each group of {kv // g} KV heads "
+            f"became one. The groups differ per layer: `kv_groups` in `uptrain.json` lists, per layer, the "
+            f"source KV heads merged into each new KV head. After renumbering, query head i reads KV head "
+            f"i // {h // g}."
+        )
+    return (
+        f"Each contiguous group of {kv // g} source KV heads became one (groups: {p['kv_groups']}); "
+        f"query head i reads KV head i // {h // g}."
+    )
 
 
 def _pooling_text(p: dict, layout: AttentionLayout) -> str:
@@ -128,34 +154,46 @@ def _pooling_text(p: dict, layout: AttentionLayout) -> str:
     q, o = layout.q_proj, layout.o_proj
     if p["pooling"] == "calibrated":
         calibration = p.get("calibration") or {}
-        data = (f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
-                if calibration.get("tokens") else "calibration text")
-        return (f"`calibrated` merge: the source model was run over {data} and the second "
-                "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
-                f"with a per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
-                f"with a per-head scale for each RoPE frequency pair folded into that head's `{q}` rows. So "
-                f"{_names([q, *layout.kv_modules, o])} (weights and biases) of every layer are rewritten; "
-                f"every other tensor is copied unchanged{cast}.")
+        data = (
+            f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
+            if calibration.get("tokens")
+            else "calibration text"
+        )
+        return (
+            f"`calibrated` merge: the source model was run over {data} and the second "
+            "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
+            f"with a per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
+            f"with a per-head scale for each RoPE frequency pair folded into that head's `{q}` rows. So "
+            f"{_names([q, *layout.kv_modules, o])} (weights and biases) of every layer are rewritten; "
+            f"every other tensor is copied unchanged{cast}."
+        )
     how = {
         "mean": "each group's K and V heads (weights, biases and per-head key norms) are averaged",
         "first": "each group keeps the K and V heads (weights, biases and key norms) of its first head",
         "random": f"the K and V heads are freshly initialised (normal(0, `{layout.init_std_key}` of config.json) "
-                  "weights, zero biases)",
+        "weights, zero biases)",
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
     if layout.fused_qkv is not None:  # Q, K and V in one tensor: only its K and V parts change
         fused = layout.fused_qkv.removesuffix(".weight")
-        where = (f"In each layer's fused `{fused}` (Q, K and V in one tensor) only the K and V parts are rewritten; "
-                 f"its Q part keeps its values, and `{o}` and every other tensor are copied unchanged")
+        where = (
+            f"In each layer's fused `{fused}` (Q, K and V in one tensor) only the K and V parts are rewritten; "
+            f"its Q part keeps its values, and `{o}` and every other tensor are copied unchanged"
+        )
     else:
-        where = (f"{_names(layout.kv_modules)} of every layer are rewritten; `{q}`, `{o}` and every other tensor are "
-                 "copied unchanged")
+        where = (
+            f"{_names(layout.kv_modules)} of every layer are rewritten; `{q}`, `{o}` and every other tensor are "
+            "copied unchanged"
+        )
     return f"`{p['pooling']}` pooling: {how}. {where}{moved}{cast}."
 
 
 def _renames_text(layout: AttentionLayout) -> str:
     """Tensors stored under another name than the source's (values unchanged)."""
-    return "".join(f" `{old.rstrip('.')}` is stored as `{new.rstrip('.')}`, the name uptrain's modeling reads; its "
-                   "values are unchanged." for old, new in layout.renames)
+    return "".join(
+        f" `{old.rstrip('.')}` is stored as `{new.rstrip('.')}`, the name uptrain's modeling reads; its "
+        "values are unchanged."
+        for old, new in layout.renames
+    )
 
 
 def model_card(p: dict, source_card: dict | None = None) -> str:
@@ -169,16 +207,16 @@ def model_card(p: dict, source_card: dict | None = None) -> str:
         if base:
             source += f" (derived from {_names([base] if isinstance(base, str) else base)})"
     source += f" (revision `{p['source_revision']}`)" if p.get("source_revision") else ""
-    body = f"""# {p['model_type']} with {p['num_key_value_heads']} KV heads (converted by uptrain)
+    body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads (converted by uptrain)
 
-Converted from {source} ({p['num_attention_heads']} query heads, {p['source_num_key_value_heads']} KV heads) \
-to grouped-query attention with {p['num_key_value_heads']} KV heads.
+Converted from {source} ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \
+to grouped-query attention with {p["num_key_value_heads"]} KV heads.
 
 {_grouping_text(p, layout)}
 
-{_pooling_text(p, layout)}{_renames_text(layout)} Strategy: {p['pooling_reference']}. Seed {p['seed']}.
+{_pooling_text(p, layout)}{_renames_text(layout)} Strategy: {p["pooling_reference"]}. Seed {p["seed"]}.
 
 The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
-`uptrain.json` records the source files' digests, the groups and the uptrain version ({p['uptrain_version']}).
+`uptrain.json` records the source files' digests, the groups and the uptrain version ({p["uptrain_version"]}).
 """
     return front_matter(base, source_card or {}, [p["model_type"]]) + "\n" + body

@@ -10,26 +10,27 @@ model); `execute` streams the planned tensors into the output folder.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from uptrain import UptrainError
-from uptrain.convert.grouping import check_num_kv_heads
+from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
+from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
+from uptrain.checkpoint.source import ResolvedSource, resolve_source
+from uptrain.convert.grouping import check_num_kv_heads
 from uptrain.convert.layer_merge import LayerMerger, check_no_clamp, merges_whole_layers
 from uptrain.convert.layouts import AttentionLayout, layout_for
-from uptrain.checkpoint.card import card_metadata
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
-from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion
-from uptrain.convert.stream import write_weights
-from uptrain.checkpoint.source import ResolvedSource, resolve_source
+from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
-from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
+from uptrain.convert.stream import write_weights
 from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
 
 
@@ -37,6 +38,7 @@ from uptrain.model_info import AttentionGeometry, attention_geometry, read_confi
 class Calibration:
     """Per-layer second moments of the attention input, augmented with a constant 1
     ((hidden + 1)², see `uptrain.convert.calibration`), and a description for provenance."""
+
     moments: Mapping[int, torch.Tensor]
     info: dict = field(default_factory=dict)
 
@@ -44,6 +46,7 @@ class Calibration:
 @dataclass
 class PreparedConversion:
     """A conversion that has passed every check; holds the source checkpoint open."""
+
     spec: ConversionSpec
     source: ResolvedSource
     config: dict
@@ -58,8 +61,9 @@ class PreparedConversion:
     def needs_calibration(self) -> bool:
         """Calibrated pooling always; similarity grouping when calibration text is given
         (without it, heads are compared in weight space)."""
-        return self.strategy.whole_layer or (merges_whole_layers(self.strategy, self.spec.grouping)
-                                             and self.spec.calibration_data is not None)
+        return self.strategy.whole_layer or (
+            merges_whole_layers(self.strategy, self.spec.grouping) and self.spec.calibration_data is not None
+        )
 
     def close(self) -> None:
         self.checkpoint.close()
@@ -76,8 +80,9 @@ def check_not_overlapping(out: Path, source: Path) -> None:
     check_apart(out, [("source checkpoint", source)])
 
 
-def prepare(spec: ConversionSpec, out: str | Path | None = None, overwrite: bool = False,
-            calibration_given: bool = False) -> PreparedConversion:
+def prepare(
+    spec: ConversionSpec, out: str | Path | None = None, overwrite: bool = False, calibration_given: bool = False
+) -> PreparedConversion:
     """Every check of a conversion, cheap ones first; reads only headers and config files.
 
     `calibration_given`: the caller brings statistics computed earlier (compare computes them
@@ -101,8 +106,9 @@ def prepare(spec: ConversionSpec, out: str | Path | None = None, overwrite: bool
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
         plan = plan_conversion(checkpoint, layout, geometry, spec.num_kv_heads, cast, strategy, spec.grouping)
-        prepared = PreparedConversion(spec, source, config, layout, geometry, strategy, plan, checkpoint,
-                                      max_shard_bytes)
+        prepared = PreparedConversion(
+            spec, source, config, layout, geometry, strategy, plan, checkpoint, max_shard_bytes
+        )
         if prepared.needs_calibration and not calibration_given:
             _check_calibration_inputs(prepared)
     except BaseException:
@@ -129,15 +135,28 @@ def calibrate(prepared: PreparedConversion, progress: bool | None = None) -> Cal
 
     spec = prepared.spec
     moments, info = collect_attention_moments(
-        prepared.source.folder, spec.calibration_data, num_tokens=spec.calibration_tokens,
-        seq_len=spec.calibration_seq_len, text_field=spec.text_field, sample_by=spec.sample_by,
-        device=spec.calibration_device, dtype=spec.calibration_dtype, progress=progress,
-        dataset_config=spec.calibration_dataset_config, split=spec.calibration_split)
+        prepared.source.folder,
+        spec.calibration_data,
+        num_tokens=spec.calibration_tokens,
+        seq_len=spec.calibration_seq_len,
+        text_field=spec.text_field,
+        sample_by=spec.sample_by,
+        device=spec.calibration_device,
+        dtype=spec.calibration_dtype,
+        progress=progress,
+        dataset_config=spec.calibration_dataset_config,
+        split=spec.calibration_split,
+    )
     return Calibration(moments, info)
 
 
-def execute(prepared: PreparedConversion, out: str | Path, overwrite: bool = False,
-            calibration: Calibration | None = None, progress: bool | None = None) -> Path:
+def execute(
+    prepared: PreparedConversion,
+    out: str | Path,
+    overwrite: bool = False,
+    calibration: Calibration | None = None,
+    progress: bool | None = None,
+) -> Path:
     """Stream the planned conversion into `out` (whole or not at all). Returns the output folder.
 
     Holds at most one layer's K and V (pooled ahead on a second thread) and the tensor being
@@ -148,26 +167,60 @@ def execute(prepared: PreparedConversion, out: str | Path, overwrite: bool = Fal
         raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
     out = Path(out).absolute()
     init_std = prepared.config.get(prepared.layout.init_std_key, 0.02)
-    merger = LayerMerger(checkpoint, prepared.layout, geometry, spec.num_kv_heads, prepared.strategy, spec.grouping,
-                         rotary_dim(prepared.config, geometry.head_dim),
-                         calibration.moments if calibration else None, spec.seed, init_std, progress)
+    merger = LayerMerger(
+        checkpoint,
+        prepared.layout,
+        geometry,
+        spec.num_kv_heads,
+        prepared.strategy,
+        spec.grouping,
+        rotary_dim(prepared.config, geometry.head_dim),
+        calibration.moments if calibration else None,
+        spec.seed,
+        init_std,
+        progress,
+    )
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
-        write_weights(prepared.plan, checkpoint, tmp, prepared.strategy, spec.seed, init_std,
-                      prepared.max_shard_bytes, progress, merger)
+        write_weights(
+            prepared.plan,
+            checkpoint,
+            tmp,
+            prepared.strategy,
+            spec.seed,
+            init_std,
+            prepared.max_shard_bytes,
+            progress,
+            merger,
+        )
         source_files = hasher.result()
         write_config(prepared.source.folder, tmp, prepared.config, spec.num_kv_heads, spec.dtype)
         copy_side_files(prepared.source.folder, tmp, prepared.config)
-        record = provenance(prepared.source, source_files, prepared.strategy, spec.seed, prepared.plan,
-                            spec.dtype, spec.grouping, merger.kv_orders,
-                            calibration.info if calibration is not None else None)
+        record = provenance(
+            prepared.source,
+            source_files,
+            prepared.strategy,
+            spec.seed,
+            prepared.plan,
+            spec.dtype,
+            spec.grouping,
+            merger.kv_orders,
+            calibration.info if calibration is not None else None,
+        )
         (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(record, card_metadata(prepared.source.folder)))
     return out
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, num_kv_heads: int, *, overwrite: bool = False,
-                       progress: bool | None = None, calibration: Calibration | None = None,
-                       **options: Any) -> Path:
+def convert_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    num_kv_heads: int,
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    calibration: Calibration | None = None,
+    **options: Any,
+) -> Path:
     """Convert the checkpoint at `src` to `num_kv_heads` KV heads and write it to `out`.
 
     `options` are the keys of `ConversionSpec` (pooling, grouping, seed, dtype, calibration_data,

@@ -52,9 +52,15 @@ def _role(rel_name: str) -> Role:
     return "norm" if "norm" in module else "weight"
 
 
-def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry: AttentionGeometry,
-                    num_kv_heads: int, cast: torch.dtype | None, strategy: Strategy,
-                    grouping: str = "contiguous") -> ConversionPlan:
+def plan_conversion(
+    source: SourceCheckpoint,
+    layout: AttentionLayout,
+    geometry: AttentionGeometry,
+    num_kv_heads: int,
+    cast: torch.dtype | None,
+    strategy: Strategy,
+    grouping: str = "contiguous",
+) -> ConversionPlan:
     """Decide every output tensor. Raises on a K/V tensor the layout does not describe.
 
     When the strategy or grouping merges whole layers, each layer's Q, K, V and O tensors are
@@ -71,8 +77,9 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
     whole_layer = merges_whole_layers(strategy, grouping)
     if whole_layer and geometry.model_type in MODELING:
         what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
-        raise UptrainError(f"{what} does not support {geometry.model_type} yet; use mean, first or random "
-                           "with contiguous grouping")
+        raise UptrainError(
+            f"{what} does not support {geometry.model_type} yet; use mean, first or random with contiguous grouping"
+        )
     attn_prefix = layout.attn_prefix_in(tensors)
     kv_prefixes = []
     for layer in range(geometry.num_layers):
@@ -91,8 +98,7 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
             rows, *rest = tensors[name].shape
             if rows != kv * d:
                 raise UptrainError(f"{name} has {rows} rows, expected {kv} KV heads × {d} = {kv * d}")
-            pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), (g * d, *rest)),
-                                         [name], "rows", _role(rel))
+            pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), (g * d, *rest)), [name], "rows", _role(rel))
         for rel, role in ((layout.fused_qkv, "weight"), (layout.fused_qkv_bias, "bias")):
             if rel is None:
                 continue
@@ -104,11 +110,19 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
             shape = list(tensors[name].shape)
             axis = layout.fused_axis if role == "weight" else 0
             if len(shape) <= axis or shape[axis] != (h + 2 * kv) * d:
-                raise UptrainError(f"{name} has shape {tuple(shape)}, expected (Q {h} + K {kv} + V {kv}) × {d} = "
-                                   f"{(h + 2 * kv) * d} along dim {axis}")
+                raise UptrainError(
+                    f"{name} has shape {tuple(shape)}, expected (Q {h} + K {kv} + V {kv}) × {d} = "
+                    f"{(h + 2 * kv) * d} along dim {axis}"
+                )
             shape[axis] = (h + 2 * g) * d
-            pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), tuple(shape)), [name], "fused", role,
-                                         axis=axis, order=layout.fused_order)
+            pooled[name] = PlannedTensor(
+                OutputEntry(name, out_dtype(name), tuple(shape)),
+                [name],
+                "fused",
+                role,
+                axis=axis,
+                order=layout.fused_order,
+            )
         for template in layout.per_head_kv:
             heads = [prefix + template.format(head=i) for i in range(kv)]
             present = [n in tensors for n in heads]
@@ -119,8 +133,12 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
             for j, group in enumerate(kv_groups(kv, g)):
                 members = [heads[i] for i in group]
                 name = prefix + template.format(head=j)
-                pooled[members[0]] = PlannedTensor(OutputEntry(name, out_dtype(members[0]), tensors[members[0]].shape),
-                                                   members, "per_head", _role(template))
+                pooled[members[0]] = PlannedTensor(
+                    OutputEntry(name, out_dtype(members[0]), tensors[members[0]].shape),
+                    members,
+                    "per_head",
+                    _role(template),
+                )
 
     consumed = {s for p in pooled.values() for s in p.sources}
     for name in tensors:
@@ -134,6 +152,7 @@ def plan_conversion(source: SourceCheckpoint, layout: AttentionLayout, geometry:
         elif info.name not in consumed:
             dtype = out_dtype(info.name)
             kind = "copy" if dtype == info.dtype else "cast"
-            plan.tensors.append(PlannedTensor(OutputEntry(layout.output_name(info.name), dtype, info.shape),
-                                              [info.name], kind))
+            plan.tensors.append(
+                PlannedTensor(OutputEntry(layout.output_name(info.name), dtype, info.shape), [info.name], kind)
+            )
     return plan

@@ -10,8 +10,9 @@ and calibration statistics; its math lives in calibrated.py.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -42,6 +43,7 @@ def strategy(name: str, reference: str):
     def register(fn):
         STRATEGIES[name] = Strategy(name, reference, fn)
         return fn
+
     return register
 
 
@@ -69,8 +71,12 @@ def pool_random(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
 
 
 STRATEGIES["calibrated"] = Strategy(
-    "calibrated", "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
-    "rows (RoPE-safe complex scales) and o_proj columns", None, whole_layer=True)
+    "calibrated",
+    "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
+    "rows (RoPE-safe complex scales) and o_proj columns",
+    None,
+    whole_layer=True,
+)
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -87,8 +93,9 @@ def get_strategy(name: str) -> Strategy:
         raise UptrainError(f"unknown pooling {name!r}; available: {', '.join(STRATEGIES)}") from None
 
 
-def pool_rows(tensor: torch.Tensor, groups: int, head_dim: int, strategy_: Strategy,
-              ctx: PoolingContext) -> torch.Tensor:
+def pool_rows(
+    tensor: torch.Tensor, groups: int, head_dim: int, strategy_: Strategy, ctx: PoolingContext
+) -> torch.Tensor:
     """Pool a tensor whose dim 0 is `[kv_heads * head_dim]` down to `[groups * head_dim]`.
 
     Contiguous grouping: rows of KV head k sit at [k·d, (k+1)·d); group j takes heads

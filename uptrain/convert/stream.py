@@ -22,8 +22,15 @@ POOLED_KINDS = ("rows", "fused", "per_head")
 COMPUTE_AHEAD = 2
 
 
-def compute_tensor(t: PlannedTensor, source: SourceCheckpoint, plan: ConversionPlan, strategy: Strategy,
-                   seed: int, init_std: float, merger: LayerMerger | None) -> torch.Tensor:
+def compute_tensor(
+    t: PlannedTensor,
+    source: SourceCheckpoint,
+    plan: ConversionPlan,
+    strategy: Strategy,
+    seed: int,
+    init_std: float,
+    merger: LayerMerger | None,
+) -> torch.Tensor:
     """The output tensor `t` of every kind but "copy" (whose bytes stream straight through)."""
     geo, g = plan.geometry, plan.num_kv_heads
     ctx = PoolingContext(t.role, t.out.name, seed, init_std)
@@ -34,8 +41,15 @@ def compute_tensor(t: PlannedTensor, source: SourceCheckpoint, plan: ConversionP
     if t.kind == "rows":
         return pool_rows(source.read_tensor(t.sources[0]), g, geo.head_dim, strategy, ctx).to(t.out.dtype)
     if t.kind == "fused":
-        return pool_fused(source.read_tensor(t.sources[0]), geo, g, t.order, t.axis, strategy,
-                          PoolingContext(t.role, t.out.name, seed, init_std)).to(t.out.dtype)
+        return pool_fused(
+            source.read_tensor(t.sources[0]),
+            geo,
+            g,
+            t.order,
+            t.axis,
+            strategy,
+            PoolingContext(t.role, t.out.name, seed, init_std),
+        ).to(t.out.dtype)
     if t.kind == "per_head":
         heads = torch.stack([source.read_tensor(n) for n in t.sources])  # [r, *shape]
         stacked = heads.unsqueeze(0).unsqueeze(2)  # one group, head_dim axis of size 1
@@ -44,8 +58,9 @@ def compute_tensor(t: PlannedTensor, source: SourceCheckpoint, plan: ConversionP
     raise AssertionError(t.kind)
 
 
-def pool_fused(qkv: torch.Tensor, geo: AttentionGeometry, g: int, order: str, axis: int, strategy: Strategy,
-               ctx: PoolingContext) -> torch.Tensor:
+def pool_fused(
+    qkv: torch.Tensor, geo: AttentionGeometry, g: int, order: str, axis: int, strategy: Strategy, ctx: PoolingContext
+) -> torch.Tensor:
     """Pool the K and V heads of a fused Q/K/V tensor to `g` heads; Q keeps its bits.
 
     `order` "blocks": `[Q | K | V]` along `axis`; "per_group": `[kv, r + 2, d]` along `axis`
@@ -68,14 +83,27 @@ def pool_fused(qkv: torch.Tensor, geo: AttentionGeometry, g: int, order: str, ax
     return out.reshape((h + 2 * g) * d, *rest).movedim(0, axis)
 
 
-def write_weights(plan: ConversionPlan, source: SourceCheckpoint, folder: Path, strategy: Strategy,
-                  seed: int, init_std: float, max_shard_bytes: int, progress: bool | None,
-                  merger: LayerMerger) -> None:
+def write_weights(
+    plan: ConversionPlan,
+    source: SourceCheckpoint,
+    folder: Path,
+    strategy: Strategy,
+    seed: int,
+    init_std: float,
+    max_shard_bytes: int,
+    progress: bool | None,
+    merger: LayerMerger,
+) -> None:
     """Every planned tensor, in plan order, into shards of at most `max_shard_bytes` in `folder`."""
     metadata = {k: str(v) for k, v in source.metadata.items()}
     chunk = bytearray(COPY_CHUNK_BYTES)
-    bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert",
-               disable=None if progress is None else not progress)
+    bar = tqdm(
+        total=plan.total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="convert",
+        disable=None if progress is None else not progress,
+    )
     # Pooled K/V tensors are computed, in plan order, on a second thread while this one copies
     # the tensors between them; at most COMPUTE_AHEAD results wait in memory. Casts and
     # whole-layer merges run here: computing them ahead would hold more than one tensor

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 
-def llama_tensor_shapes(hidden: int, heads: int, kv_heads: int, layers: int, intermediate: int,
-                        vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+def llama_tensor_shapes(
+    hidden: int, heads: int, kv_heads: int, layers: int, intermediate: int, vocab: int
+) -> list[tuple[str, tuple[int, ...]]]:
     d = hidden // heads
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
@@ -34,10 +35,19 @@ def llama_tensor_shapes(hidden: int, heads: int, kv_heads: int, layers: int, int
     return shapes
 
 
-def write_synthetic_llama(folder: str | Path, *, hidden: int = 1024, heads: int = 8, kv_heads: int | None = None,
-                          layers: int = 8, intermediate: int = 2816, vocab: int = 32000,
-                          dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 500_000_000,
-                          seed: int = 0) -> Path:
+def write_synthetic_llama(
+    folder: str | Path,
+    *,
+    hidden: int = 1024,
+    heads: int = 8,
+    kv_heads: int | None = None,
+    layers: int = 8,
+    intermediate: int = 2816,
+    vocab: int = 32000,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 500_000_000,
+    seed: int = 0,
+) -> Path:
     """Write a sharded MHA (or GQA) Llama checkpoint with random weights and a matching config."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -64,11 +74,21 @@ def write_synthetic_llama(folder: str | Path, *, hidden: int = 1024, heads: int 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "initializer_range": 0.02, "tie_word_embeddings": False,
-        "dtype": str(dtype).removeprefix("torch."), "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder

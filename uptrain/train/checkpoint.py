@@ -103,6 +103,8 @@ def load_checkpoint(accelerator, folder: Path) -> dict:
         accelerator.load_state(str(folder))
     except Exception as err:  # a damaged weight or optimizer file: torch and safetensors raise many types
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise UptrainError(f"cannot resume from {folder}: {type(err).__name__}: {first}; delete that folder to "
-                           "resume from the checkpoint before it") from None
+        raise UptrainError(
+            f"cannot resume from {folder}: {type(err).__name__}: {first}; delete that folder to "
+            "resume from the checkpoint before it"
+        ) from None
     return state

@@ -49,7 +49,7 @@ class TrainBlocks:
             # Micro-batch m of every process before micro-batch m + 1: the same blocks form each
             # global batch whatever the split between processes and accumulation.
             first = start + (m * self.num_processes + rank) * self.batch_size
-            out.append(self.blocks.take(order[first:first + self.batch_size]))
+            out.append(self.blocks.take(order[first : first + self.batch_size]))
         return out
 
 
@@ -90,12 +90,13 @@ class StreamedTrainBlocks:
         out = []
         for m in range(self.grad_accum):
             first = (m * self.num_processes + rank) * self.batch_size
-            out.append(torch.tensor(batch[first:first + self.batch_size]))
+            out.append(torch.tensor(batch[first : first + self.batch_size]))
         return out
 
 
-def eval_batches(blocks, eval_blocks: int, batch_size: int, rank: int,
-                 num_processes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    blocks, eval_blocks: int, batch_size: int, rank: int, num_processes: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `eval_blocks` blocks, in file order, dealt round-robin to processes and batched.
 
     Returns (input_ids [b, seq_len], counted [b] bool) pairs. Every process gets the same number
@@ -115,6 +116,7 @@ def eval_batches(blocks, eval_blocks: int, batch_size: int, rank: int,
     mine = list(range(rank, len(rows), num_processes))
     counted = [True] * len(mine) + [False] * (per_process - len(mine))
     mine += [0] * (per_process - len(mine))
-    return [(rows[mine[i:i + batch_size]], torch.tensor(counted[i:i + batch_size]))
-            for i in range(0, per_process, batch_size)]
-
+    return [
+        (rows[mine[i : i + batch_size]], torch.tensor(counted[i : i + batch_size]))
+        for i in range(0, per_process, batch_size)
+    ]

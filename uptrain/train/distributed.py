@@ -23,6 +23,7 @@ _TRUE = ("1", "true", "yes")
 @dataclass(frozen=True)
 class Launch:
     """What the launcher asked for (environment) and what accelerate set up (its state)."""
+
     launched: int  # processes the launcher started: WORLD_SIZE (torchrun, accelerate launch), else 1
     joined: int  # processes in the run accelerate set up (accelerator.num_processes)
     asked: str | None  # the sharding engine the accelerate config asks for: "FSDP", "DEEPSPEED" or None
@@ -48,21 +49,33 @@ def asked_engine(env=os.environ) -> str | None:
 def launch_problem(launch: Launch) -> str | None:
     """Why this launch cannot do what it says, in one line, or None when it can."""
     if launch.launched != launch.joined:
-        why = ("this machine has no GPU, and without one accelerate starts each process on its own; for CPU "
-               "processes launch with ACCELERATE_USE_CPU=1 and --multi_gpu --num_processes N"
-               if launch.gpus == 0 else f"accelerate set up {launch.got} with {launch.joined} process(es)")
-        return (f"the launcher started {launch.launched} processes but they did not join one run (each would train "
-                f"alone and race on output_dir): {why}")
+        why = (
+            "this machine has no GPU, and without one accelerate starts each process on its own; for CPU "
+            "processes launch with ACCELERATE_USE_CPU=1 and --multi_gpu --num_processes N"
+            if launch.gpus == 0
+            else f"accelerate set up {launch.got} with {launch.joined} process(es)"
+        )
+        return (
+            f"the launcher started {launch.launched} processes but they did not join one run (each would train "
+            f"alone and race on output_dir): {why}"
+        )
     if launch.asked is not None and launch.got != launch.asked:
         name = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[launch.asked]
-        why = ("accelerate runs it on GPUs only and this machine has none" if launch.gpus == 0
-               else f"it fell back on this machine's {launch.gpus} GPU(s)")
-        return (f"the accelerate config asks for {name}, but accelerate set up {launch.got} with {launch.joined} "
-                f"process(es) on {launch.device} ({why}); use a launch config without {name} "
-                f"(e.g. configs/accelerate/multi_gpu.yaml) or run on GPUs")
+        why = (
+            "accelerate runs it on GPUs only and this machine has none"
+            if launch.gpus == 0
+            else f"it fell back on this machine's {launch.gpus} GPU(s)"
+        )
+        return (
+            f"the accelerate config asks for {name}, but accelerate set up {launch.got} with {launch.joined} "
+            f"process(es) on {launch.device} ({why}); use a launch config without {name} "
+            f"(e.g. configs/accelerate/multi_gpu.yaml) or run on GPUs"
+        )
     if launch.gpus_in_use is not None and launch.gpus_in_use < launch.joined:
-        return (f"the run's {launch.joined} processes landed on {launch.gpus_in_use} GPU(s) ({launch.gpus} visible "
-                f"here): each process needs a GPU of its own; pass --num_processes {launch.gpus_in_use}")
+        return (
+            f"the run's {launch.joined} processes landed on {launch.gpus_in_use} GPU(s) ({launch.gpus} visible "
+            f"here): each process needs a GPU of its own; pass --num_processes {launch.gpus_in_use}"
+        )
     return None
 
 
@@ -92,10 +105,14 @@ def make_accelerator(**kwargs):
 
     accelerator = Accelerator(**kwargs)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    launch = Launch(launched=int(os.environ.get("WORLD_SIZE", "1")),
-                    joined=accelerator.num_processes, asked=asked_engine(),
-                    got=str(accelerator.distributed_type).rsplit(".", 1)[-1].upper(),
-                    device=accelerator.device.type, gpus=gpus)
+    launch = Launch(
+        launched=int(os.environ.get("WORLD_SIZE", "1")),
+        joined=accelerator.num_processes,
+        asked=asked_engine(),
+        got=str(accelerator.distributed_type).rsplit(".", 1)[-1].upper(),
+        device=accelerator.device.type,
+        gpus=gpus,
+    )
     if launch.launched == launch.joined:  # a collective needs every process in the run
         launch = dataclasses.replace(launch, gpus_in_use=_gpus_in_use(accelerator))
     if problem := launch_problem(launch):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -36,8 +36,21 @@ from uptrain.checkpoint.writer import write_tensors
 MAX_SHARD_BYTES = 5 * 10**9
 # Files of the starting checkpoint that final/ replaces rather than copies: weights (any
 # format), the card and the provenance (written anew), and the summary of older uptrain versions.
-REPLACED = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt",
-            "*.h5", "*.msgpack", "*.gguf", CARD, PROVENANCE, "uptrain_train.json")
+REPLACED = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.msgpack",
+    "*.gguf",
+    CARD,
+    PROVENANCE,
+    "uptrain_train.json",
+)
 
 
 def _replaced(path: Path) -> bool:
@@ -56,8 +69,9 @@ def _tied_duplicates(model: torch.nn.Module, keep: set[str]) -> set[str]:
     return duplicates
 
 
-def final_tensors(state: dict[str, torch.Tensor], model: torch.nn.Module, start: SourceCheckpoint,
-                  default_dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+def final_tensors(
+    state: dict[str, torch.Tensor], model: torch.nn.Module, start: SourceCheckpoint, default_dtype: torch.dtype
+) -> dict[str, torch.Tensor] | None:
     """The tensors to write, in the starting checkpoint's order, names and dtypes; a trained
     tensor the starting checkpoint lacked (initialised at load) follows in `default_dtype`.
 
@@ -104,9 +118,16 @@ def _save_with_transformers(model, state: dict[str, torch.Tensor], folder: Path,
     shutil.rmtree(scratch)
 
 
-def write_final(out: Path, start: Path, model: torch.nn.Module, state: dict[str, torch.Tensor],
-                record: dict, card: str, default_dtype: torch.dtype = torch.float32,
-                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def write_final(
+    out: Path,
+    start: Path,
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    record: dict,
+    card: str,
+    default_dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """Write `final/` (whole or not at all; main process only). `state` is the full state dict
     gathered from every process (`accelerator.get_state_dict`, which every process must call),
     `model` the unwrapped model it came from."""
@@ -121,9 +142,15 @@ def write_final(out: Path, start: Path, model: torch.nn.Module, state: dict[str,
         if tensors is not None:
             write_tensors(tensors, tmp, max_shard_bytes, metadata)
         else:
-            _save_with_transformers(model, {k: _cast(v, checkpoint.tensors[k].dtype if k in checkpoint.tensors
-                                                     else default_dtype) for k, v in state.items()},
-                                    tmp, max_shard_bytes)
+            _save_with_transformers(
+                model,
+                {
+                    k: _cast(v, checkpoint.tensors[k].dtype if k in checkpoint.tensors else default_dtype)
+                    for k, v in state.items()
+                },
+                tmp,
+                max_shard_bytes,
+            )
         (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / CARD).write_text(card)
     return out
@@ -141,9 +168,18 @@ def portable_config(value):
     return value
 
 
-def uptraining_record(start: Path, config: dict, *, steps: int, tokens: int, num_processes: int,
-                      global_batch: int, eval_before: dict | None, eval_after: dict, start_label: str | None = None
-                      ) -> dict:
+def uptraining_record(
+    start: Path,
+    config: dict,
+    *,
+    steps: int,
+    tokens: int,
+    num_processes: int,
+    global_batch: int,
+    eval_before: dict | None,
+    eval_after: dict,
+    start_label: str | None = None,
+) -> dict:
     """`uptrain.json` of `final/`: the uptraining run and where it started from (`start_label`:
     what the user named, e.g. a Hub id, when not the folder itself), its Hub id and commit where
     known, and the Hub model `final/` derives from (`base_model`, None where no Hub id is known)."""
@@ -151,13 +187,22 @@ def uptraining_record(start: Path, config: dict, *, steps: int, tokens: int, num
     started = local_source(start, hub_id=given_id)
     return {
         "uptrain_version": uptrain.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "uptraining": {
-            "config": portable_config(config), "steps": steps, "tokens": tokens, "num_processes": num_processes,
-            "global_batch": global_batch, "eval_before": eval_before, "eval_after": eval_after,
+            "config": portable_config(config),
+            "steps": steps,
+            "tokens": tokens,
+            "num_processes": num_processes,
+            "global_batch": global_batch,
+            "eval_before": eval_before,
+            "eval_after": eval_after,
         },
-        "started_from": {"name": started.name, "revision": started.revision, "base_model": started.base_model,
-                         "provenance": started.provenance},
+        "started_from": {
+            "name": started.name,
+            "revision": started.revision,
+            "base_model": started.base_model,
+            "provenance": started.provenance,
+        },
     }
 
 
@@ -177,21 +222,29 @@ def uptrained_card(record: dict, start: Path) -> str:
     tags = [conversion["model_type"]] if conversion else []
     if conversion:
         # portable(): records written before sources were named portably hold the absolute path.
-        what = (f"`{portable(str(conversion['source']))}` converted by uptrain to {conversion['num_key_value_heads']} KV heads "
-                f"(from {conversion['source_num_key_value_heads']}; `{conversion['pooling']}` pooling, "
-                f"`{conversion.get('grouping', 'contiguous')}` grouping; details in the starting checkpoint's "
-                "record, embedded in `uptrain.json`), then uptrained.")
+        what = (
+            f"`{portable(str(conversion['source']))}` converted by uptrain to "
+            f"{conversion['num_key_value_heads']} KV heads "
+            f"(from {conversion['source_num_key_value_heads']}; `{conversion['pooling']}` pooling, "
+            f"`{conversion.get('grouping', 'contiguous')}` grouping; details in the starting checkpoint's "
+            "record, embedded in `uptrain.json`), then uptrained."
+        )
     else:
         revision = record["started_from"]["revision"]
-        what = (f"`{record['started_from']['name']}`" + (f" (revision `{revision}`)" if revision else "")
-                + " uptrained (it was not converted by uptrain).")
+        what = (
+            f"`{record['started_from']['name']}`"
+            + (f" (revision `{revision}`)" if revision else "")
+            + " uptrained (it was not converted by uptrain)."
+        )
     budget = f"{run['tokens']:,} tokens in {run['steps']:,} optimizer steps"
     if c.get("uptrain_fraction") is not None:
-        budget += (f": α = {c['uptrain_fraction']} of the {c['pretrain_tokens']:,.0f} tokens the model was "
-                   "pretrained on")
+        budget += f": α = {c['uptrain_fraction']} of the {c['pretrain_tokens']:,.0f} tokens the model was pretrained on"
     train_data, eval_data = (v if isinstance(v, str) else ", ".join(v) for v in (c["train_data"], c["eval_data"]))
-    distill = (f"\n- Distillation from `{c['teacher']}` (weight {c['distill_weight']}, temperature "
-               f"{c['distill_temperature']})" if c.get("teacher") else "")
+    distill = (
+        f"\n- Distillation from `{c['teacher']}` (weight {c['distill_weight']}, temperature {c['distill_temperature']})"
+        if c.get("teacher")
+        else ""
+    )
     processes = f"{run['num_processes']} process" + ("es" if run["num_processes"] > 1 else "")
     body = f"""# Uptrained grouped-query-attention model (uptrain)
 
@@ -199,14 +252,14 @@ def uptrained_card(record: dict, start: Path) -> str:
 
 ## Uptraining
 
-- Budget: {budget} (global batch {run['global_batch']} blocks of {c['seq_len']} tokens, {processes})
+- Budget: {budget} (global batch {run["global_batch"]} blocks of {c["seq_len"]} tokens, {processes})
 - Data: `{train_data}`; evaluation on `{eval_data}`{distill}
-- Optimizer: AdamW, peak lr {c['lr']}, {c['warmup_steps']} warmup steps then cosine, seed {c['seed']}
-- Eval loss before uptraining: {_loss(run['eval_before'])}
-- Eval loss after uptraining: {_loss(run['eval_after'])}
+- Optimizer: AdamW, peak lr {c["lr"]}, {c["warmup_steps"]} warmup steps then cosine, seed {c["seed"]}
+- Eval loss before uptraining: {_loss(run["eval_before"])}
+- Eval loss after uptraining: {_loss(run["eval_after"])}
 
 `config.json`, tokenizer and generation files are the starting checkpoint's, byte for byte; only the weights \
 changed (each tensor in its dtype there). `uptrain.json` records the run's full config and the provenance chain \
-(uptrain {record['uptrain_version']}).
+(uptrain {record["uptrain_version"]}).
 """
     return front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"]) + "\n" + body

@@ -70,8 +70,10 @@ def _load_tokenizer(path: str, what: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as err:
-        raise UptrainError(f"{what} {path} has no usable tokenizer: {type(err).__name__}: "
-                           f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
+        raise UptrainError(
+            f"{what} {path} has no usable tokenizer: {type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        ) from None
     if tokenizer.eos_token_id is None:
         raise UptrainError(f"the tokenizer of {what} {path} has no EOS token to join documents with")
     return tokenizer
@@ -82,11 +84,14 @@ def _check_same_tokenizer(student, teacher, teacher_path: str) -> None:
         s, t = student.get_vocab(), teacher.get_vocab()
         only = sorted(set(t) ^ set(s))[:3]
         detail = f"tokens in one only, e.g. {only}" if only else "the same tokens map to different ids"
-        raise UptrainError(f"teacher {teacher_path} uses another tokenizer ({len(t)} vs {len(s)} tokens; {detail}); "
-                           "distillation compares logits token by token and needs the same tokenizer")
+        raise UptrainError(
+            f"teacher {teacher_path} uses another tokenizer ({len(t)} vs {len(s)} tokens; {detail}); "
+            "distillation compares logits token by token and needs the same tokenizer"
+        )
     if student.eos_token_id != teacher.eos_token_id:
-        raise UptrainError(f"teacher {teacher_path} uses another EOS token ({teacher.eos_token_id} vs "
-                           f"{student.eos_token_id})")
+        raise UptrainError(
+            f"teacher {teacher_path} uses another EOS token ({teacher.eos_token_id} vs {student.eos_token_id})"
+        )
 
 
 def _model_positions(config: dict) -> int | None:
@@ -113,6 +118,7 @@ def _duration(seconds: float) -> str:
 class Plan:
     """What the run is, decided by `setup` before the first step and fixed to the end. A resumed
     attempt makes the same plan: `inspect_run_dir` refuses a changed config or global batch."""
+
     config: TrainConfig
     out: Path
     model_path: str  # the model trained: `model`, or OUTPUT_DIR/converted under `source`
@@ -129,6 +135,7 @@ class Plan:
 @dataclass
 class Progress:
     """How far the run has come: the only part of a run that changes as it trains."""
+
     start_step: int = 0  # where this attempt began: 0, or the step of the checkpoint it resumed from
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0
@@ -138,6 +145,7 @@ class Progress:
 @dataclass
 class Run:
     """A run being trained: its plan, what it trains with, and its progress."""
+
     plan: Plan
     start: RunStart
     accelerator: object
@@ -175,8 +183,10 @@ class SourceConversion:
         """Main process only, once the run folder is initialised."""
         if self.prepared is None:
             return
-        accelerator.print(f"converting {self.config.source} to {self.config.num_kv_heads} KV heads "
-                          f"({self.config.pooling}) → {self.folder}")
+        accelerator.print(
+            f"converting {self.config.source} to {self.config.num_kv_heads} KV heads "
+            f"({self.config.pooling}) → {self.folder}"
+        )
         execute(self.prepared, str(self.folder), calibration=calibrate(self.prepared), progress=False)
 
     def __enter__(self) -> SourceConversion:
@@ -195,8 +205,11 @@ def setup(config: TrainConfig) -> Run:
         notes.append(note)
     # Refuses a launch that cannot do what it says (processes that did not join one run, FSDP or
     # DeepSpeed asked for where accelerate falls back) before anything is written.
-    accelerator = make_accelerator(gradient_accumulation_steps=config.grad_accum,
-                                   mixed_precision=_mixed_precision(config), log_with=config.trackers or None)
+    accelerator = make_accelerator(
+        gradient_accumulation_steps=config.grad_accum,
+        mixed_precision=_mixed_precision(config),
+        log_with=config.trackers or None,
+    )
     world = accelerator.num_processes
     global_batch = config.batch_size * config.grad_accum * world
     out = Path(config.output_dir).absolute()
@@ -223,40 +236,74 @@ def setup(config: TrainConfig) -> Run:
     if conversion is not None:
         model_path, model_config = str(conversion.folder), read_config(conversion.folder)  # the converted KV heads
 
-    model, optimizer, teacher, flops = _build_models(config, accelerator, model_path, model_config, teacher_path,
-                                                     teacher_config)
+    model, optimizer, teacher, flops = _build_models(
+        config, accelerator, model_path, model_config, teacher_path, teacher_config
+    )
     plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes)
-    return Run(plan=plan, start=start, accelerator=accelerator, model=model, optimizer=optimizer, teacher=teacher,
-               train_blocks=train_blocks, eval_set=eval_set,
-               log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None)
+    return Run(
+        plan=plan,
+        start=start,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        teacher=teacher,
+        train_blocks=train_blocks,
+        eval_set=eval_set,
+        log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None,
+    )
 
 
-def _make_plan(config: TrainConfig, accelerator, out: Path, model_path: str, model_config: dict,
-               flops_per_token: float, eval_set: list, notes: list[str]) -> Plan:
+def _make_plan(
+    config: TrainConfig,
+    accelerator,
+    out: Path,
+    model_path: str,
+    model_config: dict,
+    flops_per_token: float,
+    eval_set: list,
+    notes: list[str],
+) -> Plan:
     world = accelerator.num_processes
     geometry = config_geometry(model_config)
     source_dtype = config_dtype(model_config)
     local_eval_blocks = torch.tensor(sum(int(c.sum()) for _, c in eval_set), device=accelerator.device)
-    return Plan(config=config, out=out, model_path=model_path, total_steps=config.total_steps(world),
-                tokens_per_step=config.tokens_per_step(world), flops_per_token=flops_per_token,
-                peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
-                static_metrics={"model/num_kv_heads": geometry.num_kv_heads,
-                                "model/kv_cache_bytes_per_token":
-                                    geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4))},
-                source_dtype=source_dtype, notes=tuple(notes),
-                eval_block_count=int(accelerator.reduce(local_eval_blocks, reduction="sum")))
+    return Plan(
+        config=config,
+        out=out,
+        model_path=model_path,
+        total_steps=config.total_steps(world),
+        tokens_per_step=config.tokens_per_step(world),
+        flops_per_token=flops_per_token,
+        peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
+        static_metrics={
+            "model/num_kv_heads": geometry.num_kv_heads,
+            "model/kv_cache_bytes_per_token": geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4)),
+        },
+        source_dtype=source_dtype,
+        notes=tuple(notes),
+        eval_block_count=int(accelerator.reduce(local_eval_blocks, reduction="sum")),
+    )
 
 
 def _run_info(start: RunStart, world: int, global_batch: int) -> dict:
     """run.json of a fresh run (a resumed one keeps its own): the facts fixed at its start."""
-    return {"wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
-            "num_processes": world, "global_batch": global_batch,
-            "started": start.info.get("started") or datetime.now(UTC).isoformat(timespec="seconds"),
-            "uptrain_version": uptrain.__version__}
+    return {
+        "wandb_run_id": start.info.get("wandb_run_id") or secrets.token_hex(4),
+        "num_processes": world,
+        "global_batch": global_batch,
+        "started": start.info.get("started") or datetime.now(UTC).isoformat(timespec="seconds"),
+        "uptrain_version": uptrain.__version__,
+    }
 
 
-def _build_models(config: TrainConfig, accelerator, model_path: str, model_config: dict, teacher_path: str | None,
-                  teacher_config: dict | None):
+def _build_models(
+    config: TrainConfig,
+    accelerator,
+    model_path: str,
+    model_config: dict,
+    teacher_path: str | None,
+    teacher_config: dict | None,
+):
     """The student, its optimizer and the teacher, prepared by accelerate; and the training FLOPs
     per token of the pair. Returns (model, optimizer, teacher or None, flops per token)."""
     from accelerate.utils import set_seed
@@ -267,17 +314,21 @@ def _build_models(config: TrainConfig, accelerator, model_path: str, model_confi
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     geometry = config_geometry(model_config)
     params = M.non_embedding_params(model)  # counted before accelerate wraps or shards the parameters
-    flops = M.train_flops_per_token(params, geometry.num_layers, geometry.num_heads * geometry.head_dim,
-                                    config.seq_len)
+    flops = M.train_flops_per_token(params, geometry.num_layers, geometry.num_heads * geometry.head_dim, config.seq_len)
     teacher = None
     if config.teacher is not None:
         # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
         teacher = _load_model(teacher_path, "teacher", teacher_dtype(accelerator)).requires_grad_(False).eval()
         t_geo = config_geometry(teacher_config)
-        flops += M.forward_flops_per_token(M.non_embedding_params(teacher), t_geo.num_layers,
-                                           t_geo.num_heads * t_geo.head_dim, config.seq_len)
-    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
-                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        flops += M.forward_flops_per_token(
+            M.non_embedding_params(teacher), t_geo.num_layers, t_geo.num_heads * t_geo.head_dim, config.seq_len
+        )
+    optimizer = torch.optim.AdamW(
+        _param_groups(model, config.weight_decay),
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
         # A frozen teacher needs no fp32 master copy: under autocast it computes in bf16/fp16 anyway.
@@ -297,16 +348,20 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
     model_config = read_config(model_path)
     positions = _model_positions(model_config)
     if positions is not None and config.seq_len > positions:
-        raise UptrainError(f"seq_len {config.seq_len} is beyond the model's {positions} positions "
-                           f"(max_position_embeddings of {model_path})")
+        raise UptrainError(
+            f"seq_len {config.seq_len} is beyond the model's {positions} positions "
+            f"(max_position_embeddings of {model_path})"
+        )
     tokenizer = _load_tokenizer(model_path, "model")
     teacher_config = None
     if teacher_path is not None:
         teacher_config = read_config(teacher_path)
         _check_same_tokenizer(tokenizer, _load_tokenizer(teacher_path, "teacher"), config.teacher)
         if teacher_config.get("vocab_size") != model_config.get("vocab_size"):
-            raise UptrainError(f"teacher {config.teacher} has vocab_size {teacher_config.get('vocab_size')}, the "
-                               f"model {model_config.get('vocab_size')}: their logits cannot be compared")
+            raise UptrainError(
+                f"teacher {config.teacher} has vocab_size {teacher_config.get('vocab_size')}, the "
+                f"model {model_config.get('vocab_size')}: their logits cannot be compared"
+            )
     return tokenizer, model_config, teacher_config
 
 
@@ -315,30 +370,49 @@ def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
     world, rank = accelerator.num_processes, accelerator.process_index
     # Rank 0 tokenizes first so that the others read datasets' cache instead of redoing the work.
     with accelerator.main_process_first():
-        common = dict(tokenizer=tokenizer, seq_len=config.seq_len, text_field=config.text_field,
-                      sample_by=config.sample_by, streaming=config.streaming, workers=config.data_workers)
-        train_data, train_source = load_blocks(config.train_data, "train_data", split=config.train_split,
-                                               dataset_config=config.dataset_config, **common)
-        eval_data, eval_source = load_blocks(config.eval_data, "eval_data", split=config.eval_split,
-                                             dataset_config=config.eval_dataset_config or config.dataset_config,
-                                             **common)
-    too_short = (f"give more text or a smaller seq_len / batch (global batch: batch_size {config.batch_size} × "
-                 f"grad_accum {config.grad_accum} × processes {world})")
+        common = dict(
+            tokenizer=tokenizer,
+            seq_len=config.seq_len,
+            text_field=config.text_field,
+            sample_by=config.sample_by,
+            streaming=config.streaming,
+            workers=config.data_workers,
+        )
+        train_data, train_source = load_blocks(
+            config.train_data, "train_data", split=config.train_split, dataset_config=config.dataset_config, **common
+        )
+        eval_data, eval_source = load_blocks(
+            config.eval_data,
+            "eval_data",
+            split=config.eval_split,
+            dataset_config=config.eval_dataset_config or config.dataset_config,
+            **common,
+        )
+    too_short = (
+        f"give more text or a smaller seq_len / batch (global batch: batch_size {config.batch_size} × "
+        f"grad_accum {config.grad_accum} × processes {world})"
+    )
     if isinstance(train_data, TokenBlocks):
         if len(train_data) < global_batch:
-            raise UptrainError(f"train_data {train_source.label} gives {len(train_data)} blocks of {config.seq_len} "
-                               f"tokens; one optimizer step needs {global_batch}: {too_short}")
+            raise UptrainError(
+                f"train_data {train_source.label} gives {len(train_data)} blocks of {config.seq_len} "
+                f"tokens; one optimizer step needs {global_batch}: {too_short}"
+            )
         train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
     else:
         train_blocks = StreamedTrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
         available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
         if available < global_batch:
-            raise UptrainError(f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
-                               f"tokens; one optimizer step needs {global_batch}: {too_short}")
+            raise UptrainError(
+                f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
+                f"tokens; one optimizer step needs {global_batch}: {too_short}"
+            )
     eval_set = eval_batches(eval_data, config.eval_blocks, config.batch_size, rank, world)
     if not eval_set:
-        raise UptrainError(f"eval_data {eval_source.label} gives no block of {config.seq_len} tokens: give more "
-                           "text or a smaller seq_len")
+        raise UptrainError(
+            f"eval_data {eval_source.label} gives no block of {config.seq_len} tokens: give more "
+            "text or a smaller seq_len"
+        )
     return train_blocks, eval_set
 
 
@@ -349,8 +423,10 @@ def _load_model(path: str, what: str, dtype: torch.dtype = torch.float32) -> tor
         # fp32 master weights; autocast (mixed_precision) gives bf16 speed on GPUs.
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as err:
-        raise UptrainError(f"cannot load {what} {path} with AutoModelForCausalLM: {type(err).__name__}: "
-                           f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
+        raise UptrainError(
+            f"cannot load {what} {path} with AutoModelForCausalLM: {type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        ) from None
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -360,8 +436,9 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _token_loss_sums(run: Run, input_ids: torch.Tensor, row_weight: torch.Tensor | None = None,
-                     distill: bool = False) -> dict[str, torch.Tensor]:
+def _token_loss_sums(
+    run: Run, input_ids: torch.Tensor, row_weight: torch.Tensor | None = None, distill: bool = False
+) -> dict[str, torch.Tensor]:
     """Summed (not averaged) next-token losses of a batch, so that the caller can divide by the
     number of target tokens of the whole step across micro-batches and processes."""
     logits = run.model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
@@ -378,8 +455,16 @@ def _token_loss_sums(run: Run, input_ids: torch.Tensor, row_weight: torch.Tensor
             teacher_logits = run.teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
         # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
         # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
-        kl = F.kl_div(F.log_softmax(logits / t, dim=-1), F.log_softmax(teacher_logits / t, dim=-1),
-                      log_target=True, reduction="sum") * t * t
+        kl = (
+            F.kl_div(
+                F.log_softmax(logits / t, dim=-1),
+                F.log_softmax(teacher_logits / t, dim=-1),
+                log_target=True,
+                reduction="sum",
+            )
+            * t
+            * t
+        )
         w = config.distill_weight
         sums["kl"] = kl
         sums["loss"] = (1 - w) * sums["ce"] + w * kl
@@ -413,8 +498,7 @@ def train_step(run: Run, step: int) -> dict:
         group["lr"] = lr
     micro = run.train_blocks.micro_batches(step, acc.process_index)
     local_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro)
-    step_tokens = acc.reduce(torch.tensor(float(local_tokens), dtype=torch.float64, device=acc.device),
-                             reduction="sum")
+    step_tokens = acc.reduce(torch.tensor(float(local_tokens), dtype=torch.float64, device=acc.device), reduction="sum")
     # Each process's loss is a sum over its tokens divided by the step's tokens on all processes;
     # DDP averages gradients over processes and accelerate divides by grad_accum, hence the factor.
     scale = acc.num_processes * config.grad_accum / step_tokens
@@ -429,8 +513,12 @@ def train_step(run: Run, step: int) -> dict:
             if acc.sync_gradients:
                 max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
                 grad_norm = acc.clip_grad_norm_(run.model.parameters(), max_norm)
-                totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device, dtype=torch.float64)
-                                                 for k in ("loss", "ce", "kl")]), reduction="sum")
+                totals = acc.reduce(
+                    torch.stack(
+                        [torch.as_tensor(sums[k], device=acc.device, dtype=torch.float64) for k in ("loss", "ce", "kl")]
+                    ),
+                    reduction="sum",
+                )
                 totals = (totals / step_tokens).tolist()
                 # fp16's loss scaler makes overflowing gradients routine (it skips those steps
                 # itself); DeepSpeed reports its norm only after its step (None before).
@@ -467,8 +555,10 @@ def _print_plan(run: Run) -> None:
     elif c.max_tokens is not None:
         budget = f"max_tokens {_human(c.max_tokens)}"
     else:
-        budget = (f"uptrain_fraction {c.uptrain_fraction} × pretrain_tokens {_human(c.pretrain_tokens)} = "
-                  f"{_human(c.uptrain_fraction * c.pretrain_tokens)} tokens")
+        budget = (
+            f"uptrain_fraction {c.uptrain_fraction} × pretrain_tokens {_human(c.pretrain_tokens)} = "
+            f"{_human(c.uptrain_fraction * c.pretrain_tokens)} tokens"
+        )
     data = "streamed"
     if isinstance(run.train_blocks, TrainBlocks):
         epochs = plan.total_steps / run.train_blocks.steps_per_epoch
@@ -503,19 +593,28 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
     state = acc.get_state_dict(run.model)  # gathers sharded (FSDP, ZeRO-3) weights; every process calls it
     final = plan.out / "final"
     if acc.is_main_process:
-        step0 = next((r for r in M.read_metrics(plan.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r),
-                     {})
+        step0 = next((r for r in M.read_metrics(plan.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r), {})
         record = uptraining_record(
-            Path(plan.model_path), plan.config.model_dump(mode="json"), steps=plan.total_steps,
-            tokens=plan.total_steps * plan.tokens_per_step, num_processes=acc.num_processes,
+            Path(plan.model_path),
+            plan.config.model_dump(mode="json"),
+            steps=plan.total_steps,
+            tokens=plan.total_steps * plan.tokens_per_step,
+            num_processes=acc.num_processes,
             global_batch=plan.tokens_per_step // plan.config.seq_len,
             eval_before={k: v for k, v in step0.items() if k.startswith("eval/")} or None,
             eval_after={k: v for k, v in final_metrics.items() if k.startswith("eval/")},
-            start_label=plan.config.model)
+            start_label=plan.config.model,
+        )
         # Tensors the starting checkpoint lacked are written in its declared dtype.
-        write_final(final, Path(plan.model_path), acc.unwrap_model(run.model), state, record,
-                    uptrained_card(record, Path(plan.model_path)),
-                    default_dtype=getattr(torch, plan.source_dtype, torch.float32))
+        write_final(
+            final,
+            Path(plan.model_path),
+            acc.unwrap_model(run.model),
+            state,
+            record,
+            uptrained_card(record, Path(plan.model_path)),
+            default_dtype=getattr(torch, plan.source_dtype, torch.float32),
+        )
     acc.wait_for_everyone()
     return final
 
@@ -546,8 +645,9 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
         return plan.out / "final"
     if run.start.checkpoint is not None:
         step = load_checkpoint(acc, run.start.checkpoint)["step"]
-        run.progress = Progress(start_step=step, step=step, tokens_seen=step * plan.tokens_per_step,
-                                checkpoint_step=step)
+        run.progress = Progress(
+            start_step=step, step=step, tokens_seen=step * plan.tokens_per_step, checkpoint_step=step
+        )
         acc.print(f"resuming from {run.start.checkpoint} (step {step})")
     if run.log is not None:
         run.log.truncate_after(run.progress.start_step if run.progress.start_step else -1)
@@ -555,8 +655,13 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
 
     run_id = json.loads((plan.out / "run.json").read_text())["wandb_run_id"]
     # The conversion actually done (from the model's uptrain.json), processes and global batch.
-    values = run_config(config, plan.model_path, plan.static_metrics["model/num_kv_heads"], acc.num_processes,
-                        plan.tokens_per_step // config.seq_len)
+    values = run_config(
+        config,
+        plan.model_path,
+        plan.static_metrics["model/num_kv_heads"],
+        acc.num_processes,
+        plan.tokens_per_step // config.seq_len,
+    )
     start_trackers(acc, config, values, run_id, plan.out)
     try:
         result = _train(run, on_step)
@@ -572,8 +677,14 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
     if progress.step == 0:
         last_eval = evaluate(run)
         _log(run, 0, {**last_eval, "train/tokens_seen": 0, **plan.static_metrics})
-    bar = tqdm(total=plan.total_steps, initial=progress.step, desc="uptrain", unit="step",
-               disable=not acc.is_main_process, dynamic_ncols=True)
+    bar = tqdm(
+        total=plan.total_steps,
+        initial=progress.step,
+        desc="uptrain",
+        unit="step",
+        disable=not acc.is_main_process,
+        dynamic_ncols=True,
+    )
     timed_steps, timed_seconds = 0, 0.0
     with bar:
         while progress.step < plan.total_steps:
@@ -584,19 +695,29 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
             progress.tokens_seen += plan.tokens_per_step
             step = progress.step
             tokens_per_second = plan.tokens_per_step / step_time
-            record.update({"train/tokens_seen": progress.tokens_seen,
-                           "perf/tokens_per_second": tokens_per_second, "perf/step_time_s": step_time,
-                           "perf/peak_memory_bytes": M.peak_memory_bytes(acc.device)})
+            record.update(
+                {
+                    "train/tokens_seen": progress.tokens_seen,
+                    "perf/tokens_per_second": tokens_per_second,
+                    "perf/step_time_s": step_time,
+                    "perf/peak_memory_bytes": M.peak_memory_bytes(acc.device),
+                }
+            )
             if plan.peak_flops:
                 record["perf/mfu"] = M.mfu(tokens_per_second, plan.flops_per_token, plan.peak_flops, acc.num_processes)
             if not record.pop("finite"):
                 _log(run, step, record)
-                where = (f"last good checkpoint: {plan.out / CHECKPOINTS / checkpoint_name(progress.checkpoint_step)} "
-                         f"(step {progress.checkpoint_step})"
-                         if progress.checkpoint_step else "no checkpoint was written before it")
-                raise UptrainError(f"non-finite loss at step {step} (loss {record['train/loss']}, grad norm "
-                                   f"{record['train/grad_norm']}); stopped without applying it; {where}; "
-                                   "a lower lr or more warmup_steps may help")
+                where = (
+                    f"last good checkpoint: {plan.out / CHECKPOINTS / checkpoint_name(progress.checkpoint_step)} "
+                    f"(step {progress.checkpoint_step})"
+                    if progress.checkpoint_step
+                    else "no checkpoint was written before it"
+                )
+                raise UptrainError(
+                    f"non-finite loss at step {step} (loss {record['train/loss']}, grad norm "
+                    f"{record['train/grad_norm']}); stopped without applying it; {where}; "
+                    "a lower lr or more warmup_steps may help"
+                )
             evaluate_now = step % config.eval_every == 0 or step == plan.total_steps
             if evaluate_now:
                 last_eval = evaluate(run)
@@ -606,8 +727,13 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
             if evaluate_now or step % config.log_every == 0 or step == plan.total_steps:
                 _log(run, step, record)
             if step % config.save_every == 0 and step < plan.total_steps:
-                save_checkpoint(acc, plan.out, step, {"step": step, "tokens_seen": progress.tokens_seen,
-                                                      "total_steps": plan.total_steps}, config.keep_checkpoints)
+                save_checkpoint(
+                    acc,
+                    plan.out,
+                    step,
+                    {"step": step, "tokens_seen": progress.tokens_seen, "total_steps": plan.total_steps},
+                    config.keep_checkpoints,
+                )
                 progress.checkpoint_step = step
             bar.update(1)
             bar.set_postfix(loss=f"{record['train/loss']:.4f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
@@ -616,8 +742,10 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + step_time
             if done_here == ETA_AFTER_STEPS + 1 and step < plan.total_steps:
                 per_step = timed_seconds / timed_steps
-                bar.write(f"estimated remaining: {_duration(per_step * (plan.total_steps - step))} "
-                          f"({per_step:.3g} s/step, {plan.tokens_per_step / per_step:,.0f} tokens/s)")
+                bar.write(
+                    f"estimated remaining: {_duration(per_step * (plan.total_steps - step))} "
+                    f"({per_step:.3g} s/step, {plan.tokens_per_step / per_step:,.0f} tokens/s)"
+                )
             if on_step is not None:
                 on_step(step, record)
     final = _save_final(run, last_eval or {})

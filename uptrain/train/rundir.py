@@ -1,14 +1,14 @@
 """The run folder: refuse to mix runs, decide between a fresh start and a resume.
 
-    output_dir/
-      run_config.yaml   the config this run was started with (marks the folder as a run)
-      run.json          facts fixed at the start: processes, global batch, wandb run id
-      metrics.jsonl     one record per logged step
-      converted/        the `source` checkpoint after conversion (with `source`)
-      checkpoints/      step_XXXXXXXX/ from accelerator.save_state, the last K kept
-      wandb/            the wandb run (offline without credentials)
-      final/            the uptrained model: save_pretrained + tokenizer
-      .uptrain-lock     while a run uses the folder (see `hold_run_dir`)
+output_dir/
+  run_config.yaml   the config this run was started with (marks the folder as a run)
+  run.json          facts fixed at the start: processes, global batch, wandb run id
+  metrics.jsonl     one record per logged step
+  converted/        the `source` checkpoint after conversion (with `source`)
+  checkpoints/      step_XXXXXXXX/ from accelerator.save_state, the last K kept
+  wandb/            the wandb run (offline without credentials)
+  final/            the uptrained model: save_pretrained + tokenizer
+  .uptrain-lock     while a run uses the folder (see `hold_run_dir`)
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ LOCK_FILE = ".uptrain-lock"
 @dataclass(frozen=True)
 class RunStart:
     """What `inspect_run_dir` decided."""
+
     fresh: bool  # no earlier run to continue (the folder is new, emptied, or never checkpointed)
     checkpoint: Path | None  # continue from here
     checkpoint_step: int
@@ -107,11 +108,13 @@ def _read_run_config(marker: Path) -> dict:
     try:
         old = yaml.safe_load(marker.read_text())
     except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as err:
-        raise UptrainError(f"cannot resume: {marker} is damaged ({type(err).__name__}); use another output_dir "
-                           "or --overwrite") from None
+        raise UptrainError(
+            f"cannot resume: {marker} is damaged ({type(err).__name__}); use another output_dir or --overwrite"
+        ) from None
     if not isinstance(old, dict):
-        raise UptrainError(f"cannot resume: {marker} is damaged (not a mapping of config keys); use another "
-                           "output_dir or --overwrite")
+        raise UptrainError(
+            f"cannot resume: {marker} is damaged (not a mapping of config keys); use another output_dir or --overwrite"
+        )
     return old
 
 
@@ -126,20 +129,25 @@ def inspect_run_dir(config: TrainConfig, global_batch: int) -> RunStart:
     marker = out / RUN_CONFIG
     if not config.resume:
         what = "another uptrain run" if marker.is_file() else "files of something else"
-        raise UptrainError(f"output_dir {out} already holds {what}; pass --resume to continue it or --overwrite "
-                           "to delete it and start over")
+        raise UptrainError(
+            f"output_dir {out} already holds {what}; pass --resume to continue it or --overwrite "
+            "to delete it and start over"
+        )
     if not marker.is_file():
         raise UptrainError(f"cannot resume: {out} is not an uptrain run ({RUN_CONFIG} is missing)")
     changed = _differences(_read_run_config(marker), config)
     if changed:
-        raise UptrainError(f"cannot resume {out}: the config changed ({'; '.join(changed)}); "
-                           "use another output_dir or --overwrite")
+        raise UptrainError(
+            f"cannot resume {out}: the config changed ({'; '.join(changed)}); use another output_dir or --overwrite"
+        )
     info = read_json(out / RUN_INFO) if (out / RUN_INFO).is_file() else {}
     if not isinstance(info, dict):
         raise UptrainError(f"cannot resume: {out / RUN_INFO} is damaged (not a JSON object)")
     if info.get("global_batch", global_batch) != global_batch:
-        raise UptrainError(f"cannot resume {out}: its global batch was {info['global_batch']} blocks, now "
-                           f"{global_batch} (batch_size × grad_accum × processes must stay the same)")
+        raise UptrainError(
+            f"cannot resume {out}: its global batch was {info['global_batch']} blocks, now "
+            f"{global_batch} (batch_size × grad_accum × processes must stay the same)"
+        )
     complete = (out / "final" / "config.json").is_file()
     latest = latest_checkpoint(out)
     if latest is None:

@@ -23,9 +23,21 @@ TOKENS_SEEN = "train/tokens_seen"
 # Modes in which wandb talks to the server and so needs an API key.
 ONLINE_MODES = ("online", "run", "shared")
 # The conversion fields worth a column in wandb's run table (per-file digests and per-head maps are not).
-CONVERSION_FIELDS = ("source", "source_revision", "base_model", "model_type", "pooling", "grouping", "seed", "dtype",
-                     "num_attention_heads", "source_num_key_value_heads", "num_key_value_heads", "calibration",
-                     "uptrain_version")
+CONVERSION_FIELDS = (
+    "source",
+    "source_revision",
+    "base_model",
+    "model_type",
+    "pooling",
+    "grouping",
+    "seed",
+    "dtype",
+    "num_attention_heads",
+    "source_num_key_value_heads",
+    "num_key_value_heads",
+    "calibration",
+    "uptrain_version",
+)
 
 
 def _wandb_has_credentials() -> bool:
@@ -46,8 +58,10 @@ def ensure_wandb_never_prompts() -> str | None:
     the run folder exists)."""
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ONLINE_MODES and not _wandb_has_credentials():
-        raise UptrainError(f"WANDB_MODE={mode} but no wandb API key is configured: run `wandb login`, set "
-                           "WANDB_API_KEY, or use WANDB_MODE=offline (or report_to: jsonl)")
+        raise UptrainError(
+            f"WANDB_MODE={mode} but no wandb API key is configured: run `wandb login`, set "
+            "WANDB_API_KEY, or use WANDB_MODE=offline (or report_to: jsonl)"
+        )
     if mode or _wandb_has_credentials():
         return None
     os.environ["WANDB_MODE"] = "offline"
@@ -60,17 +74,19 @@ def run_config(config, model_path: str | Path, num_kv_heads: int, num_processes:
     runs can be grouped and filtered by them whichever way the model was made."""
     values = config.model_dump(mode="json")
     conversion = conversion_record(read_provenance(model_path))
-    values.update({
-        "pooling": conversion["pooling"] if conversion else None,
-        "grouping": conversion.get("grouping", "contiguous") if conversion else None,
-        "num_kv_heads": num_kv_heads,
-        "conversion": {k: conversion.get(k) for k in CONVERSION_FIELDS} if conversion else None,
-        "model_path": str(model_path),
-        "num_processes": num_processes,
-        "global_batch": global_batch,
-        "tokens_per_step": global_batch * config.seq_len,
-        "uptrain_version": uptrain.__version__,
-    })
+    values.update(
+        {
+            "pooling": conversion["pooling"] if conversion else None,
+            "grouping": conversion.get("grouping", "contiguous") if conversion else None,
+            "num_kv_heads": num_kv_heads,
+            "conversion": {k: conversion.get(k) for k in CONVERSION_FIELDS} if conversion else None,
+            "model_path": str(model_path),
+            "num_processes": num_processes,
+            "global_batch": global_batch,
+            "tokens_per_step": global_batch * config.seq_len,
+            "uptrain_version": uptrain.__version__,
+        }
+    )
     return values
 
 
@@ -79,9 +95,13 @@ def start_trackers(accelerator, config, values: dict, run_id: str, out: Path) ->
     every metric is plotted against tokens seen, which stays comparable across batch sizes and
     process counts where the step does not."""
     name = config.run_name or out.name
-    accelerator.init_trackers(config.wandb_project, config=values,
-                              init_kwargs={"wandb": {"dir": str(out), "name": name, "id": run_id, "resume": "allow",
-                                                     "group": config.wandb_group}})
+    accelerator.init_trackers(
+        config.wandb_project,
+        config=values,
+        init_kwargs={
+            "wandb": {"dir": str(out), "name": name, "id": run_id, "resume": "allow", "group": config.wandb_group}
+        },
+    )
     if "wandb" in config.trackers and accelerator.is_main_process:
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.define_metric(TOKENS_SEEN)

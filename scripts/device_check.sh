@@ -44,7 +44,7 @@
 # (default: .whl; none installed when the folder is missing); the work folder with WORK
 # (default: a temporary folder, removed at the end).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 START=$SECONDS
 
 SIZE=${DEVICE_CHECK_SIZE:-gpu}

@@ -15,9 +15,10 @@
 #                 typing-extensions travels too, because pydantic 2.14 needs ≥ 4.16 and the image's
 #                 version is not on record (a newer typing-extensions serves everything older does)
 #   blake3        nothing on Python ≥ 3.12
-# wandb is left out: its wheel alone is ~20 MB (with a dozen OpenTelemetry dependencies more)
-# and the working tree is ~33 MiB, against 64 MiB for everything that travels; the check logs
-# with `--report_to jsonl`, which never imports wandb.
+# wandb is left out: its wheel alone is 20 MB (0.31.0; it also needs cwevals, platformdirs and
+# three OpenTelemetry packages with their own dependencies, none in the image) and the working
+# tree is ~33 MiB, against 64 MiB for everything that travels; the check logs with
+# `--report_to jsonl`, which never imports wandb.
 # The pins are the versions the project's tests pass with here (the shared .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +43,34 @@ if [[ $(find "$DIR" -type f -name '*.whl' | wc -l) -ne ${#WHEELS[@]} ]]; then
     ls "$DIR" >&2
     exit 1
 fi
+# Every dependency a wheel declares (extras aside, markers read for the target Python) is another
+# wheel here or one of IMAGE_HAS, the image's packages they need (KINDS.md's list): a new pin that
+# brings a new dependency stops here, not on the GPU machine.
+IMAGE_HAS="filelock numpy pyarrow pandas tqdm xxhash fsspec huggingface-hub packaging pyyaml"
+python3 - "$DIR" "$PYTHON_VERSION" "$IMAGE_HAS" <<'PY'
+import sys, zipfile
+from pathlib import Path
+
+try:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+except ImportError:  # pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name
+
+folder, python, image = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split()
+have = {canonicalize_name(w.name.split("-")[0]) for w in folder.glob("*.whl")} | {canonicalize_name(n) for n in image}
+environment = {"python_version": python, "python_full_version": f"{python}.0", "extra": ""}
+missing = []
+for wheel in sorted(folder.glob("*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    for line in metadata.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if (req.marker is None or req.marker.evaluate(environment)) and canonicalize_name(req.name) not in have:
+                missing.append(f"{wheel.name}: {req}")
+if missing:
+    sys.exit("device_wheels.sh: dependencies neither in the wheels nor in the image:\n  " + "\n  ".join(missing))
+PY
 du -sh "$DIR"

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "uptrain"
-# Private names of other libraries that uptrain may *read*: transformers documents
-# `config._attn_implementation` as how custom modeling code picks its attention.
-READABLE_PRIVATE = {"_attn_implementation"}
+# Underscored names that are public API: transformers documents `config._attn_implementation`
+# as how custom modeling code picks its attention; namedtuples' methods carry an underscore so
+# they cannot clash with field names.
+READABLE_PRIVATE = {"_attn_implementation", "_replace", "_asdict", "_fields", "_make"}
 IMPORT_MACHINERY = {"meta_path", "path_hooks", "path_importer_cache"}
 
 

@@ -5,6 +5,8 @@ No timing assertions: speed is for the benchmarks (BENCHMARKS.md), not for tests
 
 from __future__ import annotations
 
+import json
+
 import math
 import re
 from pathlib import Path
@@ -187,3 +189,17 @@ def test_peak_memory_is_the_enclosed_code_s_own():
     with PeakMemory(torch.device("cpu")) as idle:  # the peak before it began is not its own
         pass
     assert busy.bytes > 30 * 2**20 and idle.bytes < 4 * 2**20, (busy.bytes, idle.bytes)
+
+
+def test_the_speed_command_measures_every_model_given(llama, capsys):
+    from uptrain.cli import main
+
+    argv = ["speed", str(llama[8]), str(llama[2]), "--context", "8", "--new-tokens", "3", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["num_kv_heads"] for r in rows] == [8, 2]
+    assert rows[0]["kv_cache_bytes"] == 4 * rows[1]["kv_cache_bytes"]
+    assert all(r["context"] == 8 and r["new_tokens"] == 3 and r["time_per_sample_s"] > 0 for r in rows)
+    assert main(["speed", str(llama[8]), "--context", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "beyond the model's" in err[0]

@@ -17,6 +17,7 @@ from uptrain import UptrainError
 from uptrain.checkpoint.provenance import conversion_record, read_provenance
 from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import read_config
+from uptrain.options import Schema, option
 from uptrain.strict_json import read_json
 
 
@@ -85,5 +86,42 @@ def pretrain_tokens(model: str) -> float:
         if (tokens := known_pretrain_tokens(config, name)) is not None:
             return tokens
     families = ", ".join(b.family for b in BUDGETS)
-    raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {model} is not recognised as a family with a "
-                       f"published pretraining budget ({families}) and has no {REFERENCE_CARD} card")
+    raise UptrainError(f"`uptrain_fraction` needs `pretrain_tokens`: {model} has no {REFERENCE_CARD} card and is not "
+                       f"recognised as a family with a published pretraining budget ({families})")
+
+
+# How long to uptrain: the keys and the rule `uptrain train` and `uptrain compare` share.
+BUDGET = "budget: exactly one of max_steps, max_tokens, uptrain_fraction"
+
+
+@dataclass(kw_only=True)
+class UptrainingBudget(Schema):
+    """The budget keys of `uptrain train` (`TrainConfig` embeds them) and `uptrain compare`."""
+
+    max_steps: int | None = option(None, at_least=1, group=BUDGET, help="optimizer steps to train")
+    max_tokens: int | None = option(None, at_least=1, group=BUDGET,
+                                    help="tokens to train on (rounded up to whole steps)")
+    uptrain_fraction: float | None = option(None, above=0, at_most=1, group=BUDGET,
+                                            help="α: share of the original pretraining tokens to uptrain for "
+                                                 "(paper: 0.05)")
+    pretrain_tokens: float | None = option(None, above=0, group=BUDGET,
+                                           help=f"tokens the model was pretrained on (e.g. 2e12 for Llama-2); with "
+                                                f"uptrain_fraction; default: its {REFERENCE_CARD} card, else the "
+                                                f"published budget of a known family "
+                                                f"({', '.join(b.family for b in BUDGETS)})")
+
+    def problems(self) -> list[str]:
+        return super().problems() + budget_problems(self)
+
+
+def budget_problems(budget) -> list[str]:
+    """The one budget rule, for anything with the four budget keys (`UptrainingBudget`,
+    `TrainConfig`): exactly one budget; `pretrain_tokens` only with `uptrain_fraction`, and
+    without it `pretrain_tokens(model)` finds it once the model is known."""
+    given = [name for name in ("max_steps", "max_tokens", "uptrain_fraction") if getattr(budget, name) is not None]
+    if len(given) != 1:
+        return [f"give exactly one budget: `max_steps`, `max_tokens`, or `uptrain_fraction` (with `pretrain_tokens` "
+                f"unless the model has a {REFERENCE_CARD} card or a known family) (got {', '.join(given) or 'none'})"]
+    if budget.pretrain_tokens is not None and budget.uptrain_fraction is None:
+        return ["`pretrain_tokens` only applies with `uptrain_fraction`"]
+    return []

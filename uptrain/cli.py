@@ -1,4 +1,5 @@
-"""The `uptrain` command. Each subcommand is a plain function taking the parsed arguments."""
+"""The `uptrain` command. Each subcommand is a schema of its options (`uptrain.options`) and a
+plain function given the validated options; `COMMANDS` pairs them with their help."""
 
 from __future__ import annotations
 
@@ -6,32 +7,37 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 from uptrain import UptrainError, __version__
+from uptrain.options import add_arguments, flag_keys, from_args
+
+if TYPE_CHECKING:  # each command imports its own schema, when it runs
+    from uptrain.compare.spec import CompareSpec
+    from uptrain.convert.spec import ConvertCommand
+    from uptrain.demo import DemoOptions
+    from uptrain.inspect_checkpoint import InspectOptions
+    from uptrain.speed import SpeedOptions
+    from uptrain.train.config import TrainConfig
 
 
-def convert(args: argparse.Namespace) -> int:
+def convert(options: ConvertCommand) -> int:
     import torch
 
     from uptrain.convert.pipeline import calibrate, execute, prepare
-    from uptrain.convert.spec import conversion_spec
 
     _pin_malloc_mmap_threshold()
     # Transparent huge pages for torch's large CPU buffers: each pooled K/V tensor is a fresh
     # allocation (see above), and faulting it in 4 KiB pages cost 0.2 s per 2 GB converted.
     # Read by torch at its first allocation, which has not happened yet.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    spec = conversion_spec(
-        source=args.src, num_kv_heads=args.num_kv_heads, pooling=args.pooling, seed=args.seed,
-        grouping=args.grouping, calibration_data=args.calibration_data, calibration_tokens=args.calibration_tokens,
-        calibration_device=args.calibration_device, calibration_dtype=args.calibration_dtype, dtype=args.dtype,
-        max_shard_size=args.max_shard_size, allow_pickle=args.allow_pickle, source_hash=args.source_hash)
-    with prepare(spec, args.out, args.overwrite) as prepared:  # every check, before any work
+    with prepare(options.spec(), options.out, options.overwrite) as prepared:  # every check, before any work
         calibration = calibrate(prepared)
         # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall
         # when the other cores are busy (measured in BENCHMARKS.md).
         torch.set_num_threads(1)
-        out = execute(prepared, args.out, args.overwrite, calibration)
+        out = execute(prepared, options.out, options.overwrite, calibration)
     print(f"wrote {out}")
     return 0
 
@@ -55,15 +61,32 @@ def _pin_malloc_mmap_threshold() -> None:
             pass
 
 
-def inspect(args: argparse.Namespace) -> int:
+def inspect(options: InspectOptions) -> int:
     from uptrain.inspect_checkpoint import format_report, inspect_checkpoint
 
-    info = inspect_checkpoint(args.src, context=args.context, batch=args.batch, dtype=args.dtype)
-    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    info = inspect_checkpoint(options.src, context=options.context, batch=options.batch, dtype=options.dtype)
+    print(json.dumps(info, indent=2) if options.json else format_report(info))
     return 0
 
 
-def _compare_and_report(spec) -> int:
+def speed(options: SpeedOptions) -> int:
+    from uptrain.speed import format_speed_table, measure_speed
+
+    results = measure_speed(options.models, context=options.context, new_tokens=options.new_tokens,
+                            batch=options.batch, dtype=options.dtype, device=options.device,
+                            repeats=options.repeats, compile=options.compile)
+    print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
+    return 0
+
+
+def train(config: TrainConfig) -> int:
+    from uptrain.train.loop import run_training  # heavy imports only once the config is valid
+
+    run_training(config)
+    return 0
+
+
+def compare(spec: CompareSpec) -> int:
     from uptrain.compare.report import write_report
     from uptrain.compare.study import run_compare
 
@@ -73,152 +96,126 @@ def _compare_and_report(spec) -> int:
     return 0
 
 
-def demo(args: argparse.Namespace) -> int:
+def demo(options: DemoOptions) -> int:
     from uptrain.demo import demo_spec, prepare_output
 
-    spec = demo_spec(args.output_dir)
-    prepare_output(args.output_dir, args.overwrite)
-    return _compare_and_report(spec)
+    spec = demo_spec(options.output_dir)
+    prepare_output(options.output_dir, options.overwrite)
+    return compare(spec)
 
 
-def compare(args: argparse.Namespace) -> int:
-    from uptrain.compare.study import CompareSpec
-    from uptrain.convert.spec import ConversionOptions, validated
+def _convert_schema():
+    from uptrain.convert.spec import ConvertCommand
 
-    conversion = validated(ConversionOptions, "compare", grouping=args.grouping,
-                           calibration_tokens=args.calibration_tokens, calibration_device=args.calibration_device,
-                           calibration_dtype=args.calibration_dtype)
-    return _compare_and_report(CompareSpec(
-        model=args.model, num_kv_heads=args.num_kv_heads, pooling=args.pooling, train_data=args.train_data,
-        eval_data=args.eval_data, output_dir=args.output_dir, max_tokens=args.max_tokens,
-        uptrain_fraction=args.uptrain_fraction, pretrain_tokens=args.pretrain_tokens, seq_len=args.seq_len,
-        batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-        eval_blocks=args.eval_blocks, seed=args.seed, report_to=args.report_to, conversion=conversion))
+    return ConvertCommand
 
 
-def _add_convert(sub) -> None:
-    from uptrain.convert.pooling import STRATEGIES
+def _inspect_schema():
+    from uptrain.inspect_checkpoint import InspectOptions
 
-    p = sub.add_parser("convert", help="pool K/V heads of a checkpoint into fewer KV heads (MHA → GQA)",
-                       description="Convert a Hugging Face checkpoint to grouped-query attention with G KV heads, "
-                                   "streaming tensor by tensor. Query head i reads KV head i // (heads / G).")
-    p.add_argument("src", help="checkpoint folder (safetensors, single or sharded) or a Hub id")
-    p.add_argument("out", help="output folder; written to a temporary sibling and renamed when complete")
-    p.add_argument("--num-kv-heads", "-g", type=int, required=True, metavar="G",
-                   help="KV heads after conversion; must divide the attention heads and the current KV heads")
-    p.add_argument("--pooling", default="mean", choices=sorted(STRATEGIES),
-                   help="how each group's heads become one: " + "; ".join(
-                       f"{s.name}: {s.reference}" for s in STRATEGIES.values()) + " (default: mean)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --pooling random (default: 0)")
-    p.add_argument("--calibration-data", metavar="FILE",
-                   help="text/jsonl/parquet file(s) or a datasets name; required by --pooling calibrated")
-    _add_grouping_and_calibration(p)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                   help="cast floating-point tensors (default: keep each tensor's dtype)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB or 500MiB (default: 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read pytorch_model*.bin checkpoints (with torch.load(weights_only=True))")
-    p.add_argument("--source-hash", default="blake3", choices=["blake3", "sha256", "none"],
-                   help="digest of each source file recorded in uptrain.json, computed beside the conversion; "
-                        "files from the Hub cache also get the Hub's sha256 for free, which sha256 checks "
-                        "(default: blake3)")
-    p.set_defaults(func=convert)
+    return InspectOptions
 
 
-def _add_grouping_and_calibration(p: argparse.ArgumentParser) -> None:
-    """Flags of the conversion's grouping and calibration, shared by convert and compare."""
-    p.add_argument("--grouping", default="contiguous", choices=["contiguous", "similarity"],
-                   help="which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or "
-                        "similarity (renumber heads exactly so that similar K/V heads are grouped; uses the "
-                        "calibration data when given) (default: contiguous)")
-    p.add_argument("--calibration-tokens", type=int, default=32768,
-                   help="tokens of calibration data read by the source model (default: 32768)")
-    p.add_argument("--calibration-device", default="auto", metavar="auto|cpu|cuda[:N]",
-                   help="where calibration runs the source model (default: auto, the first GPU when there is one)")
-    p.add_argument("--calibration-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of calibration's forward pass; moments are accumulated in float64 (default: float32)")
+def _speed_schema():
+    from uptrain.speed import SpeedOptions
+
+    return SpeedOptions
 
 
-def _add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="attention layout and KV-cache size for every valid number of KV heads",
-                       description="Show a checkpoint's architecture, heads and parameter count, and its KV-cache "
-                                   "bytes for the current layout and every G it can be pooled to.")
-    p.add_argument("src", help="checkpoint folder or Hub id")
-    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: 4096)")
-    p.add_argument("--batch", type=int, default=1, help="sequences (default: 1)")
-    p.add_argument("--dtype", help="cache dtype (default: the checkpoint's dtype)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=inspect)
+def _compare_schema():
+    from uptrain.compare.spec import CompareSpec
+
+    return CompareSpec
 
 
-def _add_train(sub, with_arguments: bool = True) -> None:
-    p = sub.add_parser("train", help="uptrain a (converted) checkpoint with Accelerate",
-                       description="Continue pretraining a checkpoint for a budget of tokens or steps; "
-                                   "runs alone or under `accelerate launch -m uptrain train`.")
-    if with_arguments:  # its flags come from the pydantic config: 0.16 s of imports other commands skip
-        from uptrain.train.cli import add_arguments, train
+def _demo_schema():
+    from uptrain.demo import DemoOptions
 
-        add_arguments(p)
-        p.set_defaults(func=train)
+    return DemoOptions
 
 
-def _add_compare(sub) -> None:
-    from uptrain.corpus import split_path
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    from uptrain.train.config import add_config_arguments
 
-    p = sub.add_parser("compare", help="compare pooling strategies and KV-head counts, before and after uptraining",
-                       description="For every (G, pooling): convert, evaluate at α = 0, uptrain with identical data, "
-                                   "seed and budget, evaluate along the way. The MHA model, trained with the same "
-                                   "budget, is the reference row. Writes results.csv, results.md and PNG plots; a "
-                                   "killed compare resumes where it stopped.")
-    p.add_argument("--model", required=True, help="the MHA (or GQA) checkpoint folder")
-    p.add_argument("--num-kv-heads", type=int, nargs="+", required=True, metavar="G", help="KV head counts to try")
-    p.add_argument("--pooling", nargs="+", default=["mean", "first", "random"],
-                   help="strategies to try (default: mean first random; calibrated also works: it is "
-                        "calibrated on --train-data)")
-    p.add_argument("--train-data", default=str(split_path("train")),
-                   help="uptraining text (default: the shipped corpus's train split)")
-    p.add_argument("--eval-data", default=str(split_path("validation")),
-                   help="evaluation text (default: the shipped corpus's validation split)")
-    p.add_argument("--output-dir", required=True, help="runs, results and plots go here")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--uptrain-fraction", type=float, help="α: share of the pretraining tokens (paper: 0.05)")
-    budget.add_argument("--max-tokens", type=int, help="uptraining tokens per run")
-    p.add_argument("--pretrain-tokens", type=float,
-                   help="tokens the model was pretrained on (default: from its card, reference.json)")
-    p.add_argument("--seq-len", type=int, default=256, help="default: 256")
-    p.add_argument("--batch-size", type=int, default=8, help="blocks per step (default: 8)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
-    p.add_argument("--warmup-steps", type=int, default=10, help="default: 10")
-    p.add_argument("--eval-every", type=int, default=10, help="evaluate (and checkpoint) every N steps (default: 10)")
-    p.add_argument("--eval-blocks", type=int, default=64, help="eval blocks of seq-len tokens (default: 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report-to", nargs="+", default=["wandb", "jsonl"], help="wandb jsonl none (default: wandb jsonl)")
-    _add_grouping_and_calibration(p)  # calibration reads --train-data
-    p.set_defaults(func=compare)
+    add_config_arguments(parser)
 
 
-def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the pooling study on the shipped reference model (about ten minutes on 2 cores)",
-                       description="`uptrain compare` on the shipped MHA reference model and corpus: G = 2 and "
-                                   "G = 1 with mean, first and random pooling, each uptrained for α = 5%% of the "
-                                   "model's pretraining. Prints the table and where the plots are; rerunning picks "
-                                   "up finished runs.")
-    p.add_argument("--output-dir", default="demo-output", help="runs, results and plots (default: demo-output)")
-    p.add_argument("--overwrite", action="store_true", help="discard an earlier demo in the output dir")
-    p.set_defaults(func=demo)
+def _train_config(args: argparse.Namespace, command: str):
+    from uptrain.train.config import config_from_args
+
+    return config_from_args(args)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: the function that runs it, and its schema. The schema is imported only
+    for the command being run, so no command's start-up pays for another's imports."""
+
+    run: Callable[[Any], int]
+    help: str
+    description: str
+    epilog: str | None = None
+    schema: Callable[[], type] | None = None  # a dataclass schema of uptrain.options …
+    # … or, for `train` (YAML keys under its flags), how its flags are added and read.
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    parse: Callable[[argparse.Namespace, str], Any] | None = None
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        if self.schema is not None:
+            add_arguments(parser, flag_keys(self.schema()))
+        else:
+            self.arguments(parser)
+
+    def options(self, args: argparse.Namespace, name: str) -> Any:
+        """The validated options of a parsed command line."""
+        return from_args(self.schema(), args, name) if self.schema is not None else self.parse(args, name)
+
+
+COMMANDS = {
+    "convert": Command(
+        convert, schema=_convert_schema, help="pool K/V heads of a checkpoint into fewer KV heads (MHA → GQA)",
+        description="Convert a Hugging Face checkpoint to grouped-query attention with G KV heads, streaming tensor "
+                    "by tensor. Query head i reads KV head i // (heads / G)."),
+    "inspect": Command(
+        inspect, schema=_inspect_schema, help="attention layout and KV-cache size for every valid number of KV heads",
+        description="Show a checkpoint's architecture, heads and parameter count, and its KV-cache bytes for the "
+                    "current layout and every G it can be pooled to."),
+    "speed": Command(
+        speed, schema=_speed_schema, help="inference speed and KV-cache memory of checkpoints, measured side by side",
+        description="Time the N-token prompt and M greedy new tokens with the KV cache, for B sequences, of each "
+                    "checkpoint in turn: prefill_s, decode_s_per_token, time_per_sample_s, decode_tokens_per_s, "
+                    "and kv_cache_bytes and peak_memory_bytes measured on the run. Give the MHA original and its "
+                    "conversions together to see what each G buys."),
+    "train": Command(
+        train, arguments=_train_arguments, parse=_train_config, help="uptrain a (converted) checkpoint with Accelerate",
+        description="Continue pretraining a checkpoint for a budget of tokens or steps; runs alone or under "
+                    "`accelerate launch -m uptrain train`.",
+        epilog="Several processes: accelerate launch [options] -m uptrain train --config FILE.yaml"),
+    "compare": Command(
+        compare, schema=_compare_schema,
+        help="compare pooling strategies and KV-head counts, before and after uptraining",
+        description="For every (G, pooling): convert, evaluate at α = 0, uptrain with identical data, seed and "
+                    "budget, evaluate along the way. The MHA model, trained with the same budget, is the reference "
+                    "row. Writes results.csv, results.md and PNG plots; a killed compare resumes where it stopped."),
+    "demo": Command(
+        demo, schema=_demo_schema,
+        help="the pooling study on the shipped reference model (about ten minutes on 2 cores)",
+        description="`uptrain compare` on the shipped MHA reference model and corpus: G = 2 and G = 1 with mean, "
+                    "first and random pooling, each uptrained for α = 5% of the model's pretraining. Prints the "
+                    "table and where the plots are; rerunning picks up finished runs."),
+}
 
 
 def build_parser(command: str | None = "train") -> argparse.ArgumentParser:
-    """The full parser; the `train` flags only when `command` is train (or unknown)."""
+    """The full parser, with the flags of `command` only: each command's start-up pays for its
+    own schema alone (`uptrain convert` never imports pydantic)."""
     parser = argparse.ArgumentParser(prog="uptrain", description="Convert MHA checkpoints to GQA and uptrain them.")
     parser.add_argument("--version", action="version", version=f"uptrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_convert(sub)
-    _add_inspect(sub)
-    _add_train(sub, with_arguments=command in ("train", None))
-    _add_compare(sub)
-    _add_demo(sub)
+    for name, spec in COMMANDS.items():
+        p = sub.add_parser(name, help=spec.help, description=spec.description, epilog=spec.epilog)
+        if name == command:
+            spec.add_arguments(p)
     return parser
 
 
@@ -227,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     try:
-        return args.func(args)
+        return COMMANDS[args.command].run(COMMANDS[args.command].options(args, args.command))
     except UptrainError as err:
         print(f"uptrain {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -14,13 +14,23 @@ already-converged MHA model a little and helps the converted ones recover.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.compare.study import CompareSpec
+from uptrain.compare.spec import CompareSpec
 from uptrain.corpus import split_path
+from uptrain.options import Schema, option
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
+
+
+@dataclass(kw_only=True)
+class DemoOptions(Schema):
+    """`uptrain demo`."""
+
+    output_dir: str = option("demo-output", help="runs, results and plots")
+    overwrite: bool = option(False, help="discard an earlier demo in the output dir")
 
 
 def demo_spec(output_dir: str | Path) -> CompareSpec:

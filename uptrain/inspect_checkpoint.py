@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from uptrain import UptrainError
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.layouts import LAYOUTS, config_geometry
 from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.options import Schema, option
 
 TP_DEGREES = (2, 4, 8)
+
+
+@dataclass(kw_only=True)
+class InspectOptions(Schema):
+    """`uptrain inspect`."""
+
+    src: str = option(positional=True, help="checkpoint folder or Hub id")
+    context: int = option(4096, help="tokens per sequence")
+    batch: int = option(1, help="sequences")
+    dtype: str | None = option(None, help="cache dtype (default: the checkpoint's dtype)")
+    json: bool = option(False, help="machine-readable output")
 
 
 def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str | None = None) -> dict:

@@ -29,8 +29,31 @@ from uptrain import UptrainError
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
 from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, read_config
+from uptrain.options import Schema, option
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class SpeedOptions(Schema):
+    """`uptrain speed`: the options of `measure_speed`, as flags."""
+
+    models: list[str] = option(positional=True, metavar="MODEL",
+                               help="checkpoint folders or Hub ids, converted or not; measured in alternation, "
+                                    "one sample of each in turn")
+    context: int = option(1024, at_least=1, help="prompt length N in tokens (random token ids: speed does not "
+                                                 "depend on them)")
+    new_tokens: int = option(32, at_least=2, help="tokens M generated greedily after the prompt, with the KV cache; "
+                                                  "the first comes from the prompt's pass")
+    batch: int = option(1, at_least=1, help="sequences B decoded together")
+    dtype: str | None = option(None, choices=DTYPES, help="weights and cache dtype (default: float32 on CPU, "
+                                                          "bfloat16 on CUDA)")
+    device: str = option("cpu", metavar="cpu|cuda[:N]", help="where the models run")
+    repeats: int = option(3, at_least=1, help="timed samples per model after one warm-up; medians are reported, "
+                                              "with min and max")
+    compile: bool = option(False, help="GPU only: also time a static cache with torch.compile'd decode steps "
+                                       "(compile time reported apart)")
+    json: bool = option(False, help="one JSON object per model, for scripts")
 TIMINGS = ("prefill_s", "decode_s_per_token", "time_per_sample_s", "decode_tokens_per_s")
 PROMPT_SEED = 0
 

@@ -98,15 +98,14 @@ def test_compare_checks_every_conversion_before_any_work(setup, tmp_path, capsys
 
 
 def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
-    from uptrain.compare.study import CompareSpec
-    from uptrain.convert.spec import ConversionOptions
+    from uptrain.cli import COMMANDS, build_parser
 
-    spec = CompareSpec(model=str(setup / "mha"), num_kv_heads=[2], pooling=["first"],
-                       train_data=str(setup / "train.jsonl"), eval_data=str(setup / "eval.jsonl"),
-                       output_dir=str(tmp_path), max_tokens=128, seq_len=32,
-                       conversion=ConversionOptions(grouping="similarity", calibration_tokens=64))
+    argv = ["compare", "--model", str(setup / "mha"), "--num-kv-heads", "2", "--pooling", "first", "--train-data",
+            str(setup / "train.jsonl"), "--eval-data", str(setup / "eval.jsonl"), "--output-dir", str(tmp_path),
+            "--max-tokens", "128", "--seq-len", "32", "--grouping", "similarity", "--calibration-tokens", "64"]
+    spec = COMMANDS["compare"].options(build_parser("compare").parse_args(argv), "compare")
     conversion = spec.conversion_spec(2, "first")
     assert (conversion.pooling, conversion.grouping, conversion.num_kv_heads) == ("first", "similarity", 2)
     assert (conversion.calibration_data, conversion.calibration_tokens, conversion.calibration_seq_len) == (
         str(setup / "train.jsonl"), 64, 32)
-    assert json.loads(json.dumps(spec.to_json()))["conversion"]["grouping"] == "similarity"
+    assert json.loads(json.dumps(spec.to_dict()))["conversion"]["grouping"] == "similarity"

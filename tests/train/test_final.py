@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 
 from tests.train.train_helpers import records
@@ -156,19 +157,26 @@ def test_provenance_chain_and_card_from_source_to_final(base_config, assets, tmp
     converted = Path(config.output_dir) / "converted"
 
     record = json.loads((final / "uptrain.json").read_text())
-    assert record["started_from"] == {"path": str(converted), "name": str(converted), "revision": None,
+    # Named portably, and with no base_model: the source is a local folder with no Hub id.
+    assert record["started_from"] == {"name": "converted", "revision": None, "base_model": None,
                                       "provenance": json.loads((converted / "uptrain.json").read_text())}
     assert record["started_from"]["provenance"]["pooling"] == "first"
+    assert record["started_from"]["provenance"]["source"] == "mha"
     run = record["uptraining"]
     logged = records(config.output_dir)
     assert run["steps"] == 2 and run["tokens"] == 256 and run["num_processes"] == 1 and run["global_batch"] == 4
     assert run["eval_before"]["eval/loss"] == logged[0]["eval/loss"]
     assert run["eval_after"]["eval/loss"] == logged[-1]["eval/loss"]
     assert run["config"]["uptrain_fraction"] == 0.01 and record["uptrain_version"]
+    assert (run["config"]["source"], run["config"]["train_data"], run["config"]["output_dir"]) == \
+        ("mha", Path(config.train_data).name, "run")
 
     for folder in (converted, final):
+        for name in ("README.md", "uptrain.json"):  # nothing names a path of this machine
+            assert str(tmp_path) not in (folder / name).read_text() and "/tmp" not in (folder / name).read_text()
         card = ModelCard.load(folder / "README.md")
-        assert card.data.base_model == str(source) and card.data.license == "apache-2.0"
+        assert card.data.base_model is None and "base_model" not in (folder / "README.md").read_text()
+        assert card.data.license == "apache-2.0"
         assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
         assert (folder / "LICENSE").read_bytes() == (source / "LICENSE").read_bytes()
     text = (final / "README.md").read_text()
@@ -192,10 +200,55 @@ def test_a_hub_model_is_named_by_its_id_and_commit(base_config, assets):
     config = TrainConfig(**{**base_config, "model": "tiny-org/tiny-mha", "max_steps": 1, "save_every": 10})
     final = run_training(config)
     started = json.loads((final / "uptrain.json").read_text())["started_from"]
-    assert (started["name"], started["revision"], started["provenance"]) == ("tiny-org/tiny-mha", commit, None)
+    assert started == {"name": "tiny-org/tiny-mha", "revision": commit, "base_model": "tiny-org/tiny-mha",
+                       "provenance": None}
     card = ModelCard.load(final / "README.md")
     assert card.data.base_model == "tiny-org/tiny-mha" and card.data.license == "apache-2.0"
+    validate_repo_id(card.data.base_model)
     assert f"`tiny-org/tiny-mha` (revision `{commit}`) uptrained (it was not converted by uptrain)" in card.text
+
+
+def test_a_local_conversion_of_a_hub_model_names_it_as_base_model(assets, tmp_path):
+    """final/ of a local folder that uptrain converted from a Hub snapshot: its provenance names
+    the Hub model, so final/'s card and record do too (the folder itself has no Hub id)."""
+    from transformers import AutoModelForCausalLM
+
+    from uptrain.convert import convert_checkpoint
+
+    commit = "0123456789abcdef0123456789abcdef89abcdef"
+    snapshot = tmp_path / "cache" / "models--tiny-org--tiny-mha" / "snapshots" / commit
+    shutil.copytree(assets["mha"], snapshot)
+    start = convert_checkpoint(snapshot, tmp_path / "gqa", 2, progress=False)
+    model = train_a_little(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32))
+    final = write_trained_final(start, tmp_path / "final", model)
+    record = json.loads((final / "uptrain.json").read_text())
+    assert record["started_from"]["name"] == "gqa" and record["started_from"]["base_model"] == "tiny-org/tiny-mha"
+    assert record["started_from"]["provenance"]["source_revision"] == commit
+    card = ModelCard.load(final / "README.md")
+    assert card.data.base_model == "tiny-org/tiny-mha" and "`tiny-org/tiny-mha` converted by uptrain" in card.text
+    for name in ("README.md", "uptrain.json"):
+        assert str(tmp_path) not in (final / name).read_text()
+
+
+@pytest.mark.parametrize("started_from", [["a list"], "a string", {"provenance": ["a list"]}])
+def test_a_model_whose_provenance_chain_is_malformed_is_refused_in_one_line(started_from, base_config, assets,
+                                                                            tmp_path, capsys):
+    """`uptrain train` of a model whose uptrain.json has a `started_from` that is not a mapping:
+    one line naming the file and the key, before anything is written (read as no provenance, the
+    card and the wandb run would say the model was not converted by uptrain)."""
+    from uptrain.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(assets["gqa"], model)
+    (model / "uptrain.json").write_text(json.dumps({"uptraining": {}, "started_from": started_from}))
+    code = main(["train", "--model", str(model), "--train-data", base_config["train_data"], "--eval-data",
+                 base_config["eval_data"], "--output-dir", base_config["output_dir"], "--seq-len", "32",
+                 "--batch-size", "4", "--lr", "1e-3", "--max-steps", "1", "--report-to", "jsonl"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    key = "`started_from`" if not isinstance(started_from, dict) else "`started_from.provenance`"
+    assert f"{model / 'uptrain.json'}: {key} must be a mapping" in err and len(err.strip().splitlines()) == 1, err
+    assert not Path(base_config["output_dir"]).exists()
 
 
 def test_tensors_renamed_on_load_are_written_back_under_the_checkpoint_names(tmp_path):

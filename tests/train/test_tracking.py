@@ -32,7 +32,8 @@ def test_run_config_records_the_conversion_done_and_tokens_are_the_x_axis(base_c
     history, summary = wandb_records(config.output_dir)
     logged = summary["config"]
     assert logged["pooling"] == "first" and logged["grouping"] == "contiguous" and logged["num_kv_heads"] == 2
-    assert logged["conversion"]["source"] == str(assets["mha"])
+    assert logged["conversion"]["source"] == assets["mha"].name  # the portable name uptrain.json records
+    assert logged["conversion"]["base_model"] is None  # a local folder: no Hub id known
     assert logged["conversion"]["source_num_key_value_heads"] == 8
     assert logged["num_processes"] == 1 and logged["global_batch"] == 8 and logged["tokens_per_step"] == 256
     assert logged["uptrain_version"] and logged["model_path"] == str(model)

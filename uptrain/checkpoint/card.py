@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from uptrain.checkpoint.provenance import conversion_record
+
 CARD = "README.md"
 # Card metadata that follows the weights from source to output: the licence terms.
 CARRIED_CARD_KEYS = ("license", "license_name", "license_link")
@@ -20,23 +22,51 @@ def card_metadata(folder: str | Path) -> dict:
     try:
         from huggingface_hub import metadata_load
 
-        return metadata_load(path) or {}
-    except (ValueError, yaml.YAMLError, UnicodeDecodeError):
+        meta = metadata_load(path) or {}
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError, RecursionError):
         return {}  # a card we cannot parse carries nothing; the weights are still worth converting
+    return meta if isinstance(meta, dict) else {}
 
 
-def hub_id(source: str) -> str:
-    """The Hub id of a source: itself for an id, `org/name` for a folder inside a Hugging Face
-    cache (…/models--org--name/snapshots/<commit>), else the path unchanged."""
-    path = Path(source)
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
-    return source
+def is_hub_id(value: object) -> bool:
+    """A string the Hub accepts as a model id (`name` or `org/name`): not a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except (HFValidationError, TypeError, ValueError):
+        return False
+    return isinstance(value, str)
 
 
-def front_matter(base_model: str, source_card: dict, extra_tags: list[str]) -> str:
-    """Hub metadata: base model, library, task, the source's licence terms, tags."""
-    meta = {"base_model": hub_id(base_model), "library_name": "transformers", "pipeline_tag": "text-generation"}
+def hub_base_model(hub_id: str | None, provenance: dict | None, folder: str | Path) -> str | list[str] | None:
+    """The Hub model a checkpoint made from a source derives from (its card's `base_model`): the
+    source itself when it is a Hub repository (`hub_id`); else the one its `provenance` or the
+    card in `folder` names (a folder uptrain converted or uptrained from a Hub model, a fine-tune
+    whose card names its base); else None, and the card names no base model: the Hub refuses a
+    local path there, and a folder's name is no Hub id."""
+    if hub_id is not None:
+        return hub_id
+    conversion = conversion_record(provenance)
+    if conversion is not None:
+        # Records of uptrain versions before `base_model` name a Hub source by its id in `source`.
+        named = conversion["base_model"] if "base_model" in conversion else conversion["source"]
+        if _hub_ids(named):
+            return named
+    named = card_metadata(folder).get("base_model")
+    return named if _hub_ids(named) else None
+
+
+def _hub_ids(value: object) -> bool:
+    """A Hub id, or a non-empty list of them (a merge names several base models)."""
+    return is_hub_id(value) or (isinstance(value, list) and bool(value) and all(map(is_hub_id, value)))
+
+
+def front_matter(base_model: str | list[str] | None, source_card: dict, extra_tags: list[str]) -> str:
+    """Hub metadata: base model (when a Hub id is known), library, task, the source's licence
+    terms, tags."""
+    meta = {} if base_model is None else {"base_model": base_model}
+    meta.update({"library_name": "transformers", "pipeline_tag": "text-generation"})
     meta.update({k: source_card[k] for k in CARRIED_CARD_KEYS if source_card.get(k) is not None})
     meta["tags"] = list(dict.fromkeys(CARD_TAGS + extra_tags))
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"

@@ -7,28 +7,62 @@ started from (`uptrain.train.final`).
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
+from uptrain import UptrainError
+from uptrain.strict_json import read_json
+
 PROVENANCE = "uptrain.json"
+# What the cards, the budget rule and the trackers read from a conversion record.
+CONVERSION_KEYS = ("source", "model_type", "pooling", "source_num_key_value_heads", "num_key_value_heads")
 
 
 def read_provenance(folder: str | Path) -> dict | None:
-    """A checkpoint's `uptrain.json`, or None when it has none (or an unreadable one)."""
+    """A checkpoint's `uptrain.json` (its chain checked), or None when it has none.
+
+    One that is there but is no provenance record (not JSON, not an object, a `started_from`
+    that is not a mapping, a conversion without the fields above) is one UptrainError: read as
+    no provenance, it would make the next card and wandb run say the model was not converted
+    by uptrain, which the file itself says it was.
+    """
     path = Path(folder) / PROVENANCE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not os.path.lexists(path):
         return None
-    return record if isinstance(record, dict) else None
+    record = read_json(path)
+    conversion_record(record, str(path))
+    return record
 
 
-def conversion_record(record: dict | None) -> dict | None:
+def conversion_record(record: dict | None, where: str = PROVENANCE) -> dict | None:
     """The conversion at the root of a provenance chain: the record itself for a converted
     checkpoint, the one its uptraining started from for a `final/` (followed back through
-    uptrainings of uptrained models)."""
+    uptrainings of uptrained models); None for a chain that starts at a model uptrain did not
+    convert. A malformed chain is one UptrainError naming `where` and the key."""
+    keys: list[str] = []  # where in the file `record` is, for the message
     while record is not None:
+        if not isinstance(record, dict):
+            raise _malformed(where, keys, record)
         if "pooling" in record:
+            if missing := [k for k in CONVERSION_KEYS if k not in record]:
+                raise UptrainError(f"{where}: {_at(keys)} names a conversion but lacks {', '.join(missing)}; it is "
+                                   "not a record uptrain wrote: restore or remove the file")
             return record
-        record = (record.get("started_from") or {}).get("provenance")
+        started = record.get("started_from")
+        keys.append("started_from")
+        if started is None:
+            return None
+        if not isinstance(started, dict):
+            raise _malformed(where, keys, started)
+        record = started.get("provenance")
+        keys.append("provenance")
     return None
+
+
+def _at(keys: list[str]) -> str:
+    return f"`{'.'.join(keys)}`" if keys else "the record"
+
+
+def _malformed(where: str, keys: list[str], value: object) -> UptrainError:
+    return UptrainError(f"{where}: {_at(keys)} must be a mapping (a provenance record), not {type(value).__name__}; "
+                        "it is not a record uptrain wrote: restore or remove the file")

@@ -187,7 +187,7 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
     group = root.name
     # One id per compare folder: a rerun (every run reused) updates this run instead of adding one.
     run_id = "compare-" + hashlib.sha1(str(root).encode()).hexdigest()[:12]
-    config = spec.to_json() if hasattr(spec, "to_json") else {"output_dir": spec.output_dir}
+    config = spec.to_dict()
     run = wandb.init(project="uptrain", group=group, name=f"{group}/results", job_type="compare", id=run_id,
                      resume="allow", dir=str(root), config=config, reinit="create_new")
     try:

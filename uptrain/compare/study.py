@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -20,45 +20,12 @@ from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.layouts import config_geometry
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec
+from uptrain.compare.spec import CompareSpec
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.train.metrics import read_metrics
 
 RESULT = "result.json"
 MHA = "mha"
-
-
-@dataclass
-class CompareSpec:
-    model: str
-    num_kv_heads: list[int]
-    pooling: list[str]
-    train_data: str
-    eval_data: str
-    output_dir: str
-    max_tokens: int | None = None
-    uptrain_fraction: float | None = None
-    pretrain_tokens: float | None = None
-    seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    eval_every: int = 10
-    eval_blocks: int = 64
-    seed: int = 0
-    report_to: list[str] = field(default_factory=lambda: ["wandb", "jsonl"])
-    # Grouping and calibration settings shared by every conversion; `pooling` above replaces its pooling.
-    conversion: ConversionOptions = field(default_factory=ConversionOptions)
-
-    def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
-        """The conversion of one run (calibrated on the training data, as `uptrain train` does)."""
-        shared = self.conversion.model_dump(exclude={"pooling"})
-        return conversion_spec(source=self.model, num_kv_heads=num_kv_heads, pooling=pooling, seed=self.seed,
-                               calibration_data=self.train_data, calibration_seq_len=self.seq_len, **shared)
-
-    def to_json(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "conversion"},
-                "conversion": self.conversion.model_dump()}
 
 
 @dataclass
@@ -87,13 +54,9 @@ def validate(spec: CompareSpec) -> None:
         from uptrain.train.tracking import ensure_wandb_never_prompts
 
         ensure_wandb_never_prompts()  # WANDB_MODE=online without a key: refused before compare.json
-    if spec.max_tokens is None:
-        if spec.uptrain_fraction is None:
-            raise UptrainError("give a budget: --max-tokens, or --uptrain-fraction with --pretrain-tokens")
-        if spec.pretrain_tokens is None:
-            spec.pretrain_tokens = pretrain_tokens(spec.model)
-    elif spec.uptrain_fraction is not None:
-        raise UptrainError("give either --max-tokens or --uptrain-fraction, not both")
+    if spec.uptrain_fraction is not None and spec.pretrain_tokens is None:  # the rule itself: CompareSpec
+        spec.pretrain_tokens = pretrain_tokens(spec.model)
+    _train_config(spec, Path(spec.model), Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     for _, g, pooling in run_names(spec):
         if g is not None:
             prepare(spec.conversion_spec(g, pooling)).close()
@@ -108,16 +71,14 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
 
 
 def _train_config(spec: CompareSpec, model: Path, out: Path, name: str):
-    from uptrain.train.config import TrainConfig
+    from uptrain.train.config import validated_config
 
-    budget = ({"max_tokens": spec.max_tokens} if spec.max_tokens is not None else
-              {"uptrain_fraction": spec.uptrain_fraction, "pretrain_tokens": spec.pretrain_tokens})
-    return TrainConfig(model=str(model), train_data=spec.train_data, eval_data=spec.eval_data, output_dir=str(out),
-                       seq_len=spec.seq_len, batch_size=spec.batch_size, lr=spec.lr,
-                       warmup_steps=spec.warmup_steps, eval_every=spec.eval_every, save_every=spec.eval_every,
-                       eval_blocks=spec.eval_blocks, seed=spec.seed, report_to=spec.report_to,
-                       run_name=f"{Path(spec.output_dir).name}/{name}", wandb_group=Path(spec.output_dir).name,
-                       resume=out.exists(), **budget)
+    values = dict(model=str(model), train_data=spec.train_data, eval_data=spec.eval_data, output_dir=str(out),
+                  seq_len=spec.seq_len, batch_size=spec.batch_size, lr=spec.lr, warmup_steps=spec.warmup_steps,
+                  eval_every=spec.eval_every, save_every=spec.eval_every, eval_blocks=spec.eval_blocks, seed=spec.seed,
+                  report_to=spec.report_to, run_name=f"{Path(spec.output_dir).name}/{name}",
+                  wandb_group=Path(spec.output_dir).name, resume=out.exists(), **spec.budget())
+    return validated_config(values, "compare")
 
 
 def _calibration(prepared, root: Path) -> Calibration:
@@ -153,7 +114,7 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "compare.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+    (root / "compare.json").write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     config = read_config(spec.model)
     geometry = config_geometry(config)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(config), 4)

@@ -20,10 +20,11 @@ from uptrain.convert.layouts import layout_for
 from uptrain.convert.pipeline import Calibration
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.plan import plan_conversion
+from uptrain.convert.spec import ConversionOptions
 from uptrain.convert.stream import compute_tensor
-from uptrain.convert.spec import ConversionOptions, validated
 from uptrain.model_info import attention_geometry, rotary_dim
 from uptrain.modeling import gqa_counterpart
+from uptrain.options import validated
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def convert_model(model, num_kv_heads: int, pooling: str = "mean", *, grouping: 
     state = model.state_dict()
     source = StateDictSource(state)
     plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping)
-    init_std = config.get("initializer_range", 0.02)
+    init_std = config.get(layout.init_std_key, 0.02)
     merger = LayerMerger(source, layout, geometry, num_kv_heads, strategy, options.grouping,
                          rotary_dim(config, geometry.head_dim), calibration.moments if calibration else None,
                          seed, init_std, progress=False)

@@ -40,6 +40,9 @@ class AttentionLayout:
     per_head_kv: tuple[str, ...] = ()
     # Config field that overrides hidden_size // heads; None where the modeling code ignores it.
     head_dim_key: str | None = "head_dim"
+    # Config field holding the std of the architecture's weight init, which `random` pooling draws
+    # fresh K/V weights with (transformers' default 0.02 when the config lacks it).
+    init_std_key: str = "initializer_range"
     # Other spellings of `attn_prefix` found in published checkpoints (GPT-2 and BLOOM were
     # saved without the base model's "transformer." prefix); the one the checkpoint uses is read.
     attn_prefix_alternatives: tuple[str, ...] = ()
@@ -102,7 +105,7 @@ LAYOUTS: dict[str, AttentionLayout] = {
     "opt": AttentionLayout(
         attn_prefix="model.decoder.layers.{layer}.self_attn",
         attn_prefix_alternatives=("decoder.layers.{layer}.self_attn",), o_proj="out_proj", head_dim_key=None,
-        notes="separate projections with biases; no RoPE"),
+        init_std_key="init_std", notes="separate projections with biases; no RoPE"),
     "gptj": AttentionLayout(
         attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj", head_dim_key=None,
         notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs"),

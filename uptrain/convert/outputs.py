@@ -15,8 +15,9 @@ from pathlib import Path
 
 import uptrain
 from uptrain.checkpoint.card import front_matter
-from uptrain.checkpoint.source import ResolvedSource
+from uptrain.checkpoint.source import ResolvedSource, portable
 from uptrain.convert.grouping import kv_groups, query_to_kv
+from uptrain.convert.layouts import AttentionLayout, layout_for
 from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import Strategy
 from uptrain.modeling_table import copy_modeling_files, gqa_config
@@ -67,13 +68,15 @@ def provenance(source: ResolvedSource, source_files: dict[str, dict], strategy: 
                plan: ConversionPlan, dtype: str | None, grouping: str = "contiguous",
                kv_orders: dict[int, list[int]] | None = None, calibration: dict | None = None) -> dict:
     """The `uptrain.json` record of a conversion: where from (with the Hub commit), how, and the
-    groups actually merged."""
+    groups actually merged. The source is named portably (`ResolvedSource.name`: its Hub id, else
+    its folder's name), with `base_model` the Hub id it derives from where one is known."""
     geo = plan.geometry
     record = {
         "uptrain_version": uptrain.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "source": source.label,
+        "source": source.name,
         "source_revision": source.revision,
+        "base_model": source.base_model,
         "source_files": source_files,
         "model_type": geo.model_type,
         "pooling": strategy.name,
@@ -90,15 +93,24 @@ def provenance(source: ResolvedSource, source_files: dict[str, dict], strategy: 
     if kv_orders:
         record["kv_head_order"] = {str(k): v for k, v in sorted(kv_orders.items())}
     if calibration:
-        record["calibration"] = calibration
+        # The calibration text as the user named it, each local path by its name (a comma joins several).
+        data = calibration.get("data")
+        named = ", ".join(portable(part) for part in data.split(", ")) if isinstance(data, str) else data
+        record["calibration"] = {**calibration, "data": named}
     return record
 
 
-def _grouping_text(p: dict) -> str:
+def _names(names) -> str:
+    """`a`, `a` and `b`, `a`, `b` and `c`: each name once, in order."""
+    quoted = [f"`{n}`" for n in dict.fromkeys(names)]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _grouping_text(p: dict, layout: AttentionLayout) -> str:
     h, kv, g = p["num_attention_heads"], p["source_num_key_value_heads"], p["num_key_value_heads"]
     if p.get("grouping", "contiguous") == "similarity":
-        return (f"Heads were first renumbered in each layer (query rows and biases, K/V rows and o_proj columns "
-                f"permuted together, which leaves the model's function unchanged) so that KV heads whose "
+        return (f"Heads were first renumbered in each layer (query rows and biases, K/V rows and `{layout.o_proj}` "
+                f"columns permuted together, which leaves the model's function unchanged) so that KV heads whose "
                 f"projections read similar input directions share a group; then each group of {kv // g} KV heads "
                 f"became one. The groups differ per layer: `kv_groups` in `uptrain.json` lists, per layer, the "
                 f"source KV heads merged into each new KV head. After renumbering, query head i reads KV head "
@@ -107,42 +119,66 @@ def _grouping_text(p: dict) -> str:
             f"query head i reads KV head i // {h // g}.")
 
 
-def _pooling_text(p: dict) -> str:
+def _pooling_text(p: dict, layout: AttentionLayout) -> str:
+    """What the strategy did, naming the tensors each layer's attention really has (`layout`):
+    separate K and V projections, or the K and V parts of a fused Q|K|V projection."""
     cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
     renumbered = p.get("grouping") == "similarity"
     moved = " except for the renumbering of heads" if renumbered else ""
+    q, o = layout.q_proj, layout.o_proj
     if p["pooling"] == "calibrated":
         calibration = p.get("calibration") or {}
         data = (f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
                 if calibration.get("tokens") else "calibration text")
         return (f"`calibrated` merge: the source model was run over {data} and the second "
                 "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
-                "with a per-head d×d map folded into that head's `o_proj` columns, and one shared K projection, "
-                "with a per-head scale for each RoPE frequency pair folded into that head's `q_proj` rows. So "
-                "`q_proj`, `k_proj`, `v_proj` and `o_proj` (weights and biases) of every layer are rewritten; "
+                f"with a per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
+                f"with a per-head scale for each RoPE frequency pair folded into that head's `{q}` rows. So "
+                f"{_names([q, *layout.kv_modules, o])} (weights and biases) of every layer are rewritten; "
                 f"every other tensor is copied unchanged{cast}.")
     how = {
-        "mean": "each group's K and V head projections (and biases and per-head key norms) are averaged",
-        "first": "each group keeps the K and V head projections (and biases and key norms) of its first head",
-        "random": "K and V projections are freshly initialised (normal(0, initializer_range), zero biases)",
+        "mean": "each group's K and V heads (weights, biases and per-head key norms) are averaged",
+        "first": "each group keeps the K and V heads (weights, biases and key norms) of its first head",
+        "random": f"the K and V heads are freshly initialised (normal(0, `{layout.init_std_key}` of config.json) "
+                  "weights, zero biases)",
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
-    return (f"`{p['pooling']}` pooling: {how}. `q_proj`, `o_proj` and every other tensor are copied "
-            f"unchanged{moved}{cast}.")
+    if layout.fused_qkv is not None:  # Q, K and V in one tensor: only its K and V parts change
+        fused = layout.fused_qkv.removesuffix(".weight")
+        where = (f"In each layer's fused `{fused}` (Q, K and V in one tensor) only the K and V parts are rewritten; "
+                 f"its Q part keeps its values, and `{o}` and every other tensor are copied unchanged")
+    else:
+        where = (f"{_names(layout.kv_modules)} of every layer are rewritten; `{q}`, `{o}` and every other tensor are "
+                 "copied unchanged")
+    return f"`{p['pooling']}` pooling: {how}. {where}{moved}{cast}."
+
+
+def _renames_text(layout: AttentionLayout) -> str:
+    """Tensors stored under another name than the source's (values unchanged)."""
+    return "".join(f" `{old.rstrip('.')}` is stored as `{new.rstrip('.')}`, the name uptrain's modeling reads; its "
+                   "values are unchanged." for old, new in layout.renames)
 
 
 def model_card(p: dict, source_card: dict | None = None) -> str:
     """README.md of a converted checkpoint: Hub metadata and what the conversion did."""
-    source = f"`{p['source']}`" + (f" (revision `{p['source_revision']}`)" if p.get("source_revision") else "")
+    layout = layout_for(p["model_type"])
+    base = p.get("base_model")
+    if base is not None and base == p["source"]:
+        source = f"`{p['source']}`"
+    else:  # a local folder, named by its folder name, and the Hub model it derives from where known
+        source = f"the local folder `{p['source']}`"
+        if base:
+            source += f" (derived from {_names([base] if isinstance(base, str) else base)})"
+    source += f" (revision `{p['source_revision']}`)" if p.get("source_revision") else ""
     body = f"""# {p['model_type']} with {p['num_key_value_heads']} KV heads (converted by uptrain)
 
 Converted from {source} ({p['num_attention_heads']} query heads, {p['source_num_key_value_heads']} KV heads) \
 to grouped-query attention with {p['num_key_value_heads']} KV heads.
 
-{_grouping_text(p)}
+{_grouping_text(p, layout)}
 
-{_pooling_text(p)} Strategy: {p['pooling_reference']}. Seed {p['seed']}.
+{_pooling_text(p, layout)}{_renames_text(layout)} Strategy: {p['pooling_reference']}. Seed {p['seed']}.
 
 The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
 `uptrain.json` records the source files' digests, the groups and the uptrain version ({p['uptrain_version']}).
 """
-    return front_matter(p["source"], source_card or {}, [p["model_type"]]) + "\n" + body
+    return front_matter(base, source_card or {}, [p["model_type"]]) + "\n" + body

@@ -147,7 +147,7 @@ def execute(prepared: PreparedConversion, out: str | Path, overwrite: bool = Fal
     if prepared.strategy.whole_layer and calibration is None:
         raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
     out = Path(out).absolute()
-    init_std = prepared.config.get("initializer_range", 0.02)
+    init_std = prepared.config.get(prepared.layout.init_std_key, 0.02)
     merger = LayerMerger(checkpoint, prepared.layout, geometry, spec.num_kv_heads, prepared.strategy, spec.grouping,
                          rotary_dim(prepared.config, geometry.head_dim),
                          calibration.moments if calibration else None, spec.seed, init_std, progress)

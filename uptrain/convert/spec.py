@@ -1,15 +1,18 @@
-"""What a conversion is, validated once: the schema that `uptrain convert`, `uptrain train`
-(converting `source` on the fly) and `uptrain compare` all build on."""
+"""What a conversion is, validated once: the schemas that `uptrain convert`, `uptrain train`
+(converting `source` on the fly) and `uptrain compare` all build on.
+
+Stdlib dataclasses (`uptrain.options`), so that validating `uptrain convert`'s arguments adds
+nothing to its start-up; `TrainConfig` embeds `ConversionOptions`' keys.
+"""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
 from uptrain import UptrainError
+from uptrain.options import Schema, option, validated
 
 Grouping = Literal["contiguous", "similarity"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -33,92 +36,87 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-class ConversionOptions(BaseModel):
+def strategies() -> dict[str, str]:
+    """The registered pooling strategies and where each comes from (imports torch: asked only
+    when a value is checked or `--help` is built)."""
+    from uptrain.convert.pooling import STRATEGIES
+
+    return {s.name: s.reference for s in STRATEGIES.values()}
+
+
+def _size_problem(value: int | str) -> str | None:
+    try:
+        parse_size(value)
+    except UptrainError as err:
+        return str(err)
+    return None
+
+
+def _device_problem(value: str) -> str | None:
+    return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else f"{value!r} is not auto, cpu, cuda or cuda:N"
+
+
+POOLING_HELP = "how each group's heads become one"
+GROUPING_HELP = ("which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or similarity (heads "
+                 "renumbered exactly so that similar K/V heads are grouped; uses the calibration text when given)")
+
+
+@dataclass(kw_only=True)
+class ConversionOptions(Schema):
     """How K/V heads are pooled: the keys every entry point shares (each also a `uptrain train` key)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    pooling: str = Field("mean", description="pooling strategy (mean, first, random, calibrated: calibrated on "
-                                             "`calibration_tokens` of the calibration text)")
-    grouping: Grouping = Field("contiguous", description="which heads share a KV head: contiguous (query head i → "
-                                                         "KV head i // (h/G)) or similarity (heads renumbered "
-                                                         "exactly so that similar K/V heads are grouped)")
-    calibration_tokens: int = Field(32768, ge=1, description="tokens of calibration text read through the source "
-                                                             "model (`calibrated` pooling, `similarity` grouping)")
-    calibration_device: str = Field("auto", description="where calibration runs the source model: auto (the first "
-                                                        "GPU when there is one), cpu, cuda or cuda:N")
-    calibration_dtype: DType = Field("float32", description="dtype of calibration's forward pass (moments are "
-                                                            "accumulated in float64); bfloat16 for GPUs")
-    source_hash: SourceHash = Field("blake3", description="digest of each source file recorded in uptrain.json")
-
-    @field_validator("pooling")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from uptrain.convert.pooling import STRATEGIES
-
-        if value not in STRATEGIES:
-            raise ValueError(f"unknown pooling {value!r}; choose from {', '.join(sorted(STRATEGIES))}")
-        return value
-
-    @field_validator("calibration_device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-            raise ValueError(f"{value!r} is not auto, cpu, cuda or cuda:N")
-        return value
+    pooling: str = option("mean", help=POOLING_HELP, choices=strategies)
+    grouping: Grouping = option("contiguous", help=GROUPING_HELP)
+    calibration_tokens: int = option(32768, at_least=1, help="tokens of calibration text read through the source "
+                                                            "model (`calibrated` pooling, `similarity` grouping)")
+    calibration_device: str = option("auto", metavar="auto|cpu|cuda[:N]", check=_device_problem,
+                                     help="where calibration runs the source model: auto (the first GPU when there "
+                                          "is one), cpu, cuda or cuda:N")
+    calibration_dtype: DType = option("float32", help="dtype of calibration's forward pass (moments are accumulated "
+                                                      "in float64); bfloat16 for GPUs")
+    source_hash: SourceHash = option("blake3", help="digest of each source file recorded in uptrain.json, computed "
+                                                    "beside the conversion; files from the Hub cache also get the "
+                                                    "Hub's sha256 for free, which sha256 checks")
 
 
+@dataclass(kw_only=True)
 class ConversionSpec(ConversionOptions):
     """One conversion: a source checkpoint, the KV heads it becomes, and how."""
 
-    source: str = Field(..., description="checkpoint folder or Hub id")
-    num_kv_heads: int = Field(..., description="KV heads after conversion")
-    seed: int = Field(0, description="seed of `random` pooling")
-    dtype: DType | None = Field(None, description="cast floating-point tensors (default: keep each tensor's dtype)")
-    calibration_data: str | list[str] | None = Field(None, description="calibration text (files or a datasets name)")
-    calibration_dataset_config: str | None = Field(None, description="configuration of a Hub calibration dataset")
-    calibration_split: str = Field("train", description="split of a Hub calibration dataset (streamed)")
-    calibration_seq_len: int = Field(256, ge=2, description="tokens per calibration block")
-    text_field: str = Field("text", description="column holding the text in jsonl/parquet/Hub data")
-    sample_by: Literal["line", "paragraph", "document"] = Field("paragraph", description="one document in .txt")
-    max_shard_size: int | str = Field("5GB", description="largest output shard")
-    allow_pickle: bool = Field(False, description="read pytorch_model*.bin with torch.load(weights_only=True)")
-
-    @field_validator("max_shard_size")
-    @classmethod
-    def _size(cls, value: int | str) -> int | str:
-        try:
-            parse_size(value)
-        except UptrainError as err:
-            raise ValueError(str(err)) from None
-        return value
-
-
-def format_validation_error(err: ValidationError, path: str | Path | None, command: str = "train") -> str:
-    """One line naming every offending key."""
-    problems = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            problems.append(f"unknown key `{key}` (see `uptrain {command} --help`)")
-        elif e["type"] == "missing":
-            problems.append(f"`{key}` is required")
-        else:
-            message = e["msg"].removeprefix("Value error, ")
-            problems.append(f"`{key}`: {message}" if key else message)
-    where = f"{path}: " if path else ""
-    what = "config" if command == "train" else "option"  # train reads YAML keys; the others flags
-    return f"{where}invalid {what}: " + "; ".join(problems)
+    source: str = option(positional=True, metavar="src",
+                         help="checkpoint folder (safetensors, single or sharded) or a Hub id")
+    num_kv_heads: int = option(flags=("-g",), metavar="G", help="KV heads after conversion; must divide the "
+                                                                "attention heads and the current KV heads")
+    seed: int = option(0, help="seed of `random` pooling")
+    dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")
+    calibration_data: str | list[str] | None = option(None, metavar="FILE", help="calibration text: text/jsonl/"
+                                                      "parquet file(s) or a datasets name; required by calibrated "
+                                                      "pooling")
+    max_shard_size: int | str = option("5GB", check=_size_problem, help="largest output shard, e.g. 5GB or 500MiB")
+    allow_pickle: bool = option(False, help="read pytorch_model*.bin checkpoints (with "
+                                            "torch.load(weights_only=True))")
+    # How calibration text is read: `uptrain train` and `uptrain compare` pass their data keys.
+    calibration_dataset_config: str | None = option(None, flag=False, help="configuration of a Hub calibration "
+                                                                           "dataset")
+    calibration_split: str = option("train", flag=False, help="split of a Hub calibration dataset (streamed)")
+    calibration_seq_len: int = option(256, at_least=2, flag=False, help="tokens per calibration block")
+    text_field: str = option("text", flag=False, help="column holding the text in jsonl/parquet/Hub data")
+    sample_by: Literal["line", "paragraph", "document"] = option("paragraph", flag=False,
+                                                                 help="one document in .txt")
 
 
-def validated(schema: type[BaseModel], command: str = "convert", **values) -> BaseModel:
-    """`schema(**values)`; bad values raise one UptrainError naming every offending key."""
-    try:
-        return schema(**values)
-    except ValidationError as err:
-        raise UptrainError(format_validation_error(err, None, command)) from None
+@dataclass(kw_only=True)
+class ConvertCommand(ConversionSpec):
+    """`uptrain convert`: a conversion and where it goes."""
+
+    out: str = option(positional=True, help="output folder; written to a temporary sibling and renamed when complete")
+    overwrite: bool = option(False, help="replace OUT if it exists")
+
+    def spec(self) -> ConversionSpec:
+        """The conversion alone."""
+        return ConversionSpec(**{k: v for k, v in vars(self).items() if k not in ("out", "overwrite")})
 
 
 def conversion_spec(**values) -> ConversionSpec:
-    """A validated ConversionSpec (see `validated`)."""
-    return validated(ConversionSpec, **values)
+    """A validated ConversionSpec; bad values raise one UptrainError naming every offending key."""
+    return validated(ConversionSpec, "convert", **values)

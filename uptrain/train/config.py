@@ -2,6 +2,9 @@
 
 Every field is a config key and a `--flag` of the same name; its description is the `--help` text.
 Unknown keys are refused (`extra="forbid"`) so that a typo never silently falls back to a default.
+The conversion keys and the budget keys are not declared here: they are the keys of
+`ConversionOptions` and `UptrainingBudget` (stdlib schemas, see `uptrain.options`), embedded
+as pydantic fields with the same types, defaults, help and checks.
 """
 
 from __future__ import annotations
@@ -9,26 +12,47 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from uptrain import UptrainError
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, format_validation_error
+from uptrain.budgets import UptrainingBudget, budget_problems
+from uptrain.convert.spec import ConversionOptions, ConversionSpec
+from uptrain.options import REQUIRED, Key, Option, add_arguments, given, key_problem, keys_of
 
 Reporter = Literal["wandb", "jsonl", "none"]
+EMBEDDED = (ConversionOptions, UptrainingBudget)
 
 
-class TrainConfig(ConversionOptions):
-    """Everything one uptraining run needs. Field descriptions double as `--help` text.
-
-    The conversion keys (pooling, grouping, calibration_*, source_hash) come from
-    `ConversionOptions` and apply when `source` is converted on the fly; calibration reads
-    `train_data`.
-    """
-
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _embedded(schema: type, base: type[BaseModel]) -> type[BaseModel]:
+    """`base` extended by the keys of a dataclass schema, as pydantic fields: the same names,
+    types, defaults and help, each value checked by the schema's own check."""
+    keys = {k.name: k for k in keys_of(schema)}
+
+    def check(cls, value: Any, info) -> Any:
+        problem, value = key_problem(keys[info.field_name], value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    fields: dict[str, Any] = {k.name: (k.annotation, Field(k.default, description=k.option.help))
+                              for k in keys.values()}
+    return create_model(f"_{schema.__name__}Keys", __base__=base,
+                        # named per schema: a subclass's validator of the same name would replace its base's
+                        __validators__={f"_check_{schema.__name__}": field_validator(*keys)(check)}, **fields)
+
+
+class _RunKeys(_embedded(ConversionOptions, _Strict)):
+    """The conversion keys (applied when `source` is converted on the fly; calibration reads
+    `train_data`), then what to train, on what data, and how. The budget keys follow (see
+    TrainConfig): the class is split only so that every key keeps its place in run_config.yaml
+    and `--help`."""
 
     # What to train.
     model: str | None = Field(None, description="checkpoint folder to uptrain (e.g. the output of `uptrain convert`); "
@@ -71,15 +95,20 @@ class TrainConfig(ConversionOptions):
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this "
                                                                "(null: no clipping)")
 
-    # Budget: exactly one of max_steps, max_tokens, uptrain_fraction × pretrain_tokens.
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps to train")
-    max_tokens: int | None = Field(None, ge=1, description="tokens to train on (rounded up to whole steps)")
-    uptrain_fraction: float | None = Field(None, gt=0, le=1, description="α: share of the original pretraining "
-                                                                         "tokens to uptrain for (paper: 0.05)")
-    pretrain_tokens: float | None = Field(None, gt=0, description="tokens the source model was pretrained on "
-                                                                 "(e.g. 2e12 for Llama-2); with uptrain_fraction; "
-                                                                 "default: the published budget of a known family "
-                                                                 "(Pythia, OPT, GPT-J, BLOOM, Llama-1/2)")
+    @field_validator("train_data", "eval_data")
+    @classmethod
+    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
+        if not value or (isinstance(value, list) and not all(value)):
+            raise ValueError("must name at least one file or dataset")
+        return value
+
+
+class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
+    """Everything one uptraining run needs. Field descriptions double as `--help` text.
+
+    Budget: exactly one of max_steps, max_tokens, uptrain_fraction × pretrain_tokens (the rule
+    `uptrain compare` checks too, `budgets.budget_problems`).
+    """
 
     # Distillation from the original MHA model.
     teacher: str | None = Field(None, description="frozen teacher checkpoint (same tokenizer) for distillation")
@@ -108,13 +137,6 @@ class TrainConfig(ConversionOptions):
     resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
     overwrite: bool = Field(False, description="delete an existing output_dir and start over")
 
-    @field_validator("train_data", "eval_data")
-    @classmethod
-    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
-        if not value or (isinstance(value, list) and not all(value)):
-            raise ValueError("must name at least one file or dataset")
-        return value
-
     @field_validator("report_to", mode="before")
     @classmethod
     def _split_reporters(cls, value: Any) -> Any:
@@ -138,15 +160,8 @@ class TrainConfig(ConversionOptions):
             raise ValueError("`source` needs `num_kv_heads`")
         if self.source is None and self.num_kv_heads is not None:
             raise ValueError("`num_kv_heads` only applies with `source`; `model` is trained as it is")
-        budgets = [name for name, given in (("max_steps", self.max_steps is not None),
-                                            ("max_tokens", self.max_tokens is not None),
-                                            ("uptrain_fraction", self.uptrain_fraction is not None))
-                   if given]
-        if len(budgets) != 1:
-            raise ValueError("give exactly one budget: `max_steps`, `max_tokens`, or `uptrain_fraction` (with "
-                             f"`pretrain_tokens` unless the model's family is known) (got {', '.join(budgets) or 'none'})")
-        if self.pretrain_tokens is not None and self.uptrain_fraction is None:
-            raise ValueError("`pretrain_tokens` only applies with `uptrain_fraction`")
+        if problems := budget_problems(self):
+            raise ValueError(problems[0])
         if "none" in self.report_to and len(self.report_to) > 1:
             raise ValueError("`report_to: none` cannot be combined with other reporters")
         if self.resume and self.overwrite:
@@ -155,7 +170,7 @@ class TrainConfig(ConversionOptions):
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        shared = self.model_dump(include=set(ConversionOptions.model_fields))
+        shared = {k.name: getattr(self, k.name) for k in keys_of(ConversionOptions)}
         return ConversionSpec(source=self.source, num_kv_heads=self.num_kv_heads, seed=self.seed,
                               calibration_data=self.train_data, calibration_dataset_config=self.dataset_config,
                               calibration_split=self.train_split, calibration_seq_len=self.seq_len,
@@ -185,6 +200,32 @@ OPERATIONAL_KEYS = frozenset({"resume", "overwrite", "report_to", "wandb_project
                               "data_workers", "batch_size", "grad_accum", "calibration_device", "source_hash"})
 
 
+def format_validation_error(err: ValidationError, path: str | Path | None, command: str = "train") -> str:
+    """One line naming every offending key."""
+    problems = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            problems.append(f"unknown key `{key}` (see `uptrain {command} --help`)")
+        elif e["type"] == "missing":
+            problems.append(f"`{key}` is required")
+        else:
+            message = e["msg"].removeprefix("Value error, ")
+            problems.append(f"`{key}`: {message}" if key else message)
+    where = f"{path}: " if path else ""
+    what = "config" if command == "train" else "option"  # train reads YAML keys; the others flags
+    return f"{where}invalid {what}: " + "; ".join(problems)
+
+
+def validated_config(values: dict[str, Any], command: str = "train", path: str | Path | None = None) -> TrainConfig:
+    """`TrainConfig(**values)`; bad values raise one UptrainError naming every offending key (and
+    `path`, the file they came from)."""
+    try:
+        return TrainConfig(**values)
+    except ValidationError as err:
+        raise UptrainError(format_validation_error(err, path, command)) from None
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
     """Read a YAML file (optional), apply `overrides` on top, validate. Raises UptrainError."""
     values: dict[str, Any] = {}
@@ -200,58 +241,28 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
             raise UptrainError(f"{path} must hold a mapping of config keys, not {type(loaded).__name__}")
         values.update(loaded or {})
     values.update(overrides)
-    try:
-        return TrainConfig(**values)
-    except ValidationError as err:
-        raise UptrainError(format_validation_error(err, path)) from None
+    return validated_config(values, path=path)
 
 
-def _is_text(annotation: Any) -> bool:
-    """Fields whose flag value is taken verbatim (a path named `123` or `no` stays a string)."""
-    args = get_args(annotation)
-    if annotation is str or get_origin(annotation) is Literal:
-        return True
-    return bool(args) and str in args
-
-
-def _parse_flag_value(text: str) -> Any:
-    # YAML scalars so `--lr 3e-4`, `--max_grad_norm null` and `--resume true` mean what they say in a file.
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+def config_keys() -> list[Key]:
+    """TrainConfig's keys as `uptrain.options` sees them: an embedded schema's keys as that
+    schema declares them (help, choices, group), the others from their pydantic fields."""
+    embedded = {k.name: k for schema in EMBEDDED for k in keys_of(schema)}
+    return [embedded.get(name) or Key(name, field.annotation, REQUIRED if field.is_required() else field.default,
+                                      Option(help=field.description or ""))
+            for name, field in TrainConfig.model_fields.items()]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--config` and one flag per config key (`--seq_len` and `--seq-len` both work)."""
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of config keys; flags override it")
-    group = parser.add_argument_group("config keys (each also a YAML key; flags override the file)")
-    for name, field in TrainConfig.model_fields.items():
-        flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        shown = " ".join(field.default) if isinstance(field.default, list) else field.default
-        default = "" if field.is_required() or field.default is None else f" (default: {shown})"
-        required = " [required]" if field.is_required() else ""
-        kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS,
-                                      help=f"{field.description}{default}{required}")
-        if field.annotation is bool:
-            # `--resume` alone means true; `--resume false` is accepted too.
-            kwargs.update(nargs="?", const=True, type=_parse_flag_value, metavar="BOOL")
-        elif name in ("report_to", "train_data", "eval_data"):
-            kwargs.update(nargs="+", metavar=name.upper())
-        elif _is_text(field.annotation):
-            kwargs.update(metavar=name.upper())
-        else:
-            kwargs.update(type=_parse_flag_value, metavar=name.upper())
-        group.add_argument(*flags, **kwargs)
+    add_arguments(parser, config_keys(), file_keys=True,
+                  group="config keys (each also a YAML key; flags override the file)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The validated config of a parsed `uptrain train` command line."""
-    overrides = {name: getattr(args, name) for name in TrainConfig.model_fields if hasattr(args, name)}
-    for name in ("train_data", "eval_data"):
-        if isinstance(overrides.get(name), list) and len(overrides[name]) == 1:
-            overrides[name] = overrides[name][0]
-    return load_config(getattr(args, "config", None), overrides)
+    return load_config(getattr(args, "config", None), given(args, config_keys()))
 
 
 def config_to_yaml(config: TrainConfig) -> str:

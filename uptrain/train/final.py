@@ -11,7 +11,8 @@ uptrained model with the wrong RoPE base and no error. Training changes only the
   a weight tied to another one (lm_head to the embeddings) is written only where the
   starting checkpoint had it, which is what transformers expects on load;
 - `uptrain.json`: this uptraining, with the starting checkpoint's `uptrain.json` embedded
-  (provenance as a chain), and a model card.
+  (provenance as a chain), and a model card. Both name local paths portably (a folder or file by
+  its name, a Hugging Face cache snapshot by its Hub id): `final/` is made to be shared.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch
 
 import uptrain
 from uptrain.checkpoint.atomic import atomic_directory
-from uptrain.checkpoint.card import CARD, card_metadata, front_matter
-from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, read_provenance
+from uptrain.checkpoint.card import CARD, card_metadata, front_matter, is_hub_id
+from uptrain.checkpoint.provenance import PROVENANCE, conversion_record
 from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SourceCheckpoint
+from uptrain.checkpoint.source import local_source, portable
 from uptrain.checkpoint.writer import write_tensors
 
 # Shards as `uptrain convert` writes them by default.
@@ -127,27 +129,35 @@ def write_final(out: Path, start: Path, model: torch.nn.Module, state: dict[str,
     return out
 
 
-def _hub_revision(folder: Path) -> str | None:
-    """The commit of a Hub snapshot folder (huggingface_hub lays them out as …/snapshots/<sha>/)."""
-    name = folder.name
-    is_commit = len(name) == 40 and all(c in "0123456789abcdef" for c in name)
-    return name if is_commit and folder.parent.name == "snapshots" else None
+def portable_config(value):
+    """The run's config as `final/` records it: every absolute local path (model, data, output_dir,
+    teacher) by its name, as `portable` gives it; everything else as it was."""
+    if isinstance(value, str):
+        return portable(value)
+    if isinstance(value, list):
+        return [portable_config(v) for v in value]
+    if isinstance(value, dict):
+        return {k: portable_config(v) for k, v in value.items()}
+    return value
 
 
 def uptraining_record(start: Path, config: dict, *, steps: int, tokens: int, num_processes: int,
                       global_batch: int, eval_before: dict | None, eval_after: dict, start_label: str | None = None
                       ) -> dict:
     """`uptrain.json` of `final/`: the uptraining run and where it started from (`start_label`:
-    what the user named, e.g. a Hub id, when not the folder itself)."""
+    what the user named, e.g. a Hub id, when not the folder itself), its Hub id and commit where
+    known, and the Hub model `final/` derives from (`base_model`, None where no Hub id is known)."""
+    given_id = start_label if start_label and not Path(start_label).exists() and is_hub_id(start_label) else None
+    started = local_source(start, hub_id=given_id)
     return {
         "uptrain_version": uptrain.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "uptraining": {
-            "config": config, "steps": steps, "tokens": tokens, "num_processes": num_processes,
+            "config": portable_config(config), "steps": steps, "tokens": tokens, "num_processes": num_processes,
             "global_batch": global_batch, "eval_before": eval_before, "eval_after": eval_after,
         },
-        "started_from": {"path": str(start), "name": start_label or str(start), "revision": _hub_revision(start),
-                         "provenance": read_provenance(start)},
+        "started_from": {"name": started.name, "revision": started.revision, "base_model": started.base_model,
+                         "provenance": started.provenance},
     }
 
 
@@ -158,22 +168,22 @@ def _loss(metrics: dict | None) -> str:
 
 
 def uptrained_card(record: dict, start: Path) -> str:
-    """README.md of `final/`: Hub metadata (base model and licence from the conversion, when
-    uptrain did it) and what was done: conversion, then uptraining."""
+    """README.md of `final/`: Hub metadata (the Hub model it derives from, where one is known; the
+    starting checkpoint's licence) and what was done: conversion, then uptraining."""
     run = record["uptraining"]
     c = run["config"]
     conversion = conversion_record(record["started_from"]["provenance"])
     start_card = card_metadata(start)
-    base_model = conversion["source"] if conversion else record["started_from"]["name"]
     tags = [conversion["model_type"]] if conversion else []
     if conversion:
-        what = (f"`{conversion['source']}` converted by uptrain to {conversion['num_key_value_heads']} KV heads "
+        # portable(): records written before sources were named portably hold the absolute path.
+        what = (f"`{portable(str(conversion['source']))}` converted by uptrain to {conversion['num_key_value_heads']} KV heads "
                 f"(from {conversion['source_num_key_value_heads']}; `{conversion['pooling']}` pooling, "
                 f"`{conversion.get('grouping', 'contiguous')}` grouping; details in the starting checkpoint's "
                 "record, embedded in `uptrain.json`), then uptrained.")
     else:
         revision = record["started_from"]["revision"]
-        what = (f"`{base_model}`" + (f" (revision `{revision}`)" if revision else "")
+        what = (f"`{record['started_from']['name']}`" + (f" (revision `{revision}`)" if revision else "")
                 + " uptrained (it was not converted by uptrain).")
     budget = f"{run['tokens']:,} tokens in {run['steps']:,} optimizer steps"
     if c.get("uptrain_fraction") is not None:
@@ -199,4 +209,4 @@ def uptrained_card(record: dict, start: Path) -> str:
 changed (each tensor in its dtype there). `uptrain.json` records the run's full config and the provenance chain \
 (uptrain {record['uptrain_version']}).
 """
-    return front_matter(base_model, start_card, tags + ["uptrained"]) + "\n" + body
+    return front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"]) + "\n" + body

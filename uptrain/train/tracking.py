@@ -23,7 +23,7 @@ TOKENS_SEEN = "train/tokens_seen"
 # Modes in which wandb talks to the server and so needs an API key.
 ONLINE_MODES = ("online", "run", "shared")
 # The conversion fields worth a column in wandb's run table (per-file digests and per-head maps are not).
-CONVERSION_FIELDS = ("source", "source_revision", "model_type", "pooling", "grouping", "seed", "dtype",
+CONVERSION_FIELDS = ("source", "source_revision", "base_model", "model_type", "pooling", "grouping", "seed", "dtype",
                      "num_attention_heads", "source_num_key_value_heads", "num_key_value_heads", "calibration",
                      "uptrain_version")
 

@@ -16,12 +16,31 @@ from uptrain.train.tracking import ensure_wandb_never_prompts
 
 
 def test_flops_and_mfu_by_hand():
-    # 6·N + 12·L·(heads·head_dim)·T with N = 1e6, L = 2, width 64, T = 32.
-    assert M.train_flops_per_token(10**6, 2, 64, 32) == 6e6 + 12 * 2 * 64 * 32
-    assert M.forward_flops_per_token(10**6, 2, 64, 32) == pytest.approx((6e6 + 49152) / 3)
+    # Causal: 6·N + 6·L·(heads·head_dim)·T with N = 1e6, L = 2, width 64, T = 32, i.e. half of
+    # PaLM's full-attention 12·L·H·Q·T = 49152.
+    assert M.train_flops_per_token(10**6, 2, 64, 32) == 6e6 + 24576
+    assert M.forward_flops_per_token(10**6, 2, 64, 32) == pytest.approx((6e6 + 24576) / 3)
     # 1000 tokens/s × 1e9 FLOPs each = 1e12 FLOP/s on 2 devices of 1e12 peak: 50%.
     assert M.mfu(1000, 1e9, 1e12, 2) == 0.5
     assert M.default_peak_flops(torch.device("cpu")) is None
+
+
+def test_attention_flops_count_the_causal_mask():
+    # By hand from the mask: forward, each query head spends 2·Q FLOPs per key on its scores and
+    # 2·Q on the values; under a causal mask position i sees i + 1 keys; backward costs twice the
+    # forward. Per token that is 3·4·H·Q·(T + 1)/2 per layer: the formula's T/2 within 1/T.
+    layers, heads, head_dim, seq_len = 3, 4, 16, 64
+    keys_seen = int(torch.ones(seq_len, seq_len).tril().sum())  # T(T + 1)/2 = 2080
+    by_hand = 3 * layers * 4 * heads * head_dim * keys_seen / seq_len
+    attention = M.train_flops_per_token(0, layers, heads * head_dim, seq_len)
+    assert attention == pytest.approx(by_hand, rel=1 / seq_len)
+    assert attention == pytest.approx(12 * layers * heads * head_dim * seq_len / 2)  # PaLM's term, halved
+    # The bench shape (~1B Llama, hidden 2048 × 22 layers, MLP 5632, vocab 32000, seq 2048): the
+    # full attention term would read MFU about 8% high.
+    hidden, n_layers, mlp, vocab = 2048, 22, 5632, 32000
+    params = n_layers * (2 * hidden * hidden + 2 * hidden * hidden // 4 + 3 * hidden * mlp) + hidden * vocab
+    full = 6 * params + 12 * n_layers * hidden * 2048
+    assert 1.07 < full / M.train_flops_per_token(params, n_layers, hidden, 2048) < 1.09
 
 
 def test_non_embedding_params_counts_a_tied_head_once(assets):

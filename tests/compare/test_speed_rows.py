@@ -141,3 +141,12 @@ def test_the_speed_plots_are_logged_to_wandb_with_the_table(tmp_path):
     table = json.loads((files["wandb"] / "files" / item["results.path"]).read_text())
     assert table["columns"] == COLUMNS
     assert [row[-3:] for row in table["data"]] == [[3.0, 8 / 3.0, 8192], [1.5, 8 / 1.5, 2048], [1.2, 8 / 1.2, 1024]]
+
+
+def test_the_demo_measures_speed_within_the_reference_models_positions(tmp_path):
+    """The defaults are fitted to the reference model: its 512 positions, at batch 8."""
+    from uptrain.compare.speed_rows import speed_setting
+    from uptrain.demo import demo_spec
+
+    assert speed_setting(demo_spec(tmp_path / "demo")) == {
+        "context": 480, "new_tokens": 32, "batch": 8, "repeats": 2, "device": "cpu", "dtype": "float32"}

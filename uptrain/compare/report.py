@@ -41,9 +41,9 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def markdown(rows: list[dict], speed: dict | None = None) -> str:
-    """The table for people; with `speed` (one row's measurement), a line saying how and where
-    the speed columns were measured."""
+def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
+    """The table for people; with the rows' speed measurements, a line saying how and where the
+    speed columns were measured."""
     head = ("| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
             "| KV bytes/token | uptrain tokens | time/sample s | decode tokens/s | KV cache MiB |")
     lines = [head, "|" + "---:|" * 2 + "---:|" * 11]
@@ -54,9 +54,10 @@ def markdown(rows: list[dict], speed: dict | None = None) -> str:
                      f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
                      f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
                      f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} | {measured} |")
-    if speed is not None:
-        lines += ["", f"Speed: {speed_setting_text(speed)}, measured on {speed['machine']}; one measurement per G "
-                      "(it does not depend on the weights), all G sampled in turn."]
+    if speeds:  # a resumed compare may have measured some G elsewhere: name every machine
+        machines = " and ".join(sorted({s["machine"] for s in speeds}))
+        lines += ["", f"Speed: {speed_setting_text(speeds[0])}, measured on {machines}; one measurement per G "
+                      "(speed does not depend on the weights' values)."]
     return "\n".join(lines) + "\n"
 
 
@@ -201,7 +202,7 @@ def _speed_plots(mha: RunResult, runs: list[RunResult], strategies: list[str], c
     setting = (f"greedy, batch {m['batch']}, {m['context']}-token prompt + {m['new_tokens']} new tokens, "
                f"{m['device']} {m['dtype']}, median of {m['repeats']}")
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    markers = {g: m for g, m in zip(sorted({r.num_kv_heads for r in runs}, reverse=True), "o^vDPX*")}
+    markers = dict(zip(sorted({r.num_kv_heads for r in runs}, reverse=True), "o^vDPX*"))
     for p in strategies:
         for r in (r for r in runs if r.pooling == p):
             ax.errorbar(r.speed["time_per_sample_s"], r.eval_loss_after, xerr=spread(r), marker=markers[r.num_kv_heads],
@@ -290,7 +291,7 @@ def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dic
     folder = Path(folder)
     rows = table_rows(results)
     write_csv(rows, folder / "results.csv")
-    text = markdown(rows, results[0].speed)
+    text = markdown(rows, [r.speed for r in results if r.speed])
     comparisons = against_mean(results)
     if comparisons:
         text += "\nAgainst mean pooling (gap = eval loss − MHA eval loss at the same point):\n\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.compare.spec import SPEED_CONTEXT, SPEED_NEW_TOKENS, CompareSpec
-from uptrain.speed import check_counts, measure_speed, model_shape, parse_device
+from uptrain.speed import measure_speed, model_shape, parse_device
 
 # The keys of a measurement that must match the options for a stored one to be reused.
 SETTING = ("context", "new_tokens", "batch", "repeats", "device")
@@ -44,7 +44,9 @@ def speed_setting(spec: CompareSpec) -> dict | None:
     if positions is not None and context + new_tokens > positions:
         raise UptrainError(f"--speed-context {context} + --speed-new-tokens {new_tokens} = {context + new_tokens} is "
                            f"beyond {spec.model}'s {positions} positions; lower them (or --speed-repeats 0: no speed)")
-    check_counts(context=context, new_tokens=new_tokens, batch=spec.speed_batch, repeats=spec.speed_repeats)
+    if context < 1:  # only a default can get here (the schema refuses a context under 1)
+        raise UptrainError(f"{spec.model}'s {positions} positions leave no prompt beside --speed-new-tokens "
+                           f"{new_tokens}; lower it (or --speed-repeats 0: no speed)")
     device = parse_device(spec.speed_device)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     # The MHA cache is the largest of the comparison: if it fits, every G's does.

@@ -97,8 +97,11 @@ def _stored(path: Path, setting: dict) -> dict | None:
     """The stored measurement at `path` if it was taken with `setting`, else None (remeasured)."""
     if not path.exists():
         return None
-    stored = json.loads(path.read_text())
-    return stored if all(stored.get(k) == setting[k] for k in SETTING) else None
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError:  # written whole, so only an edit breaks it: measured again, like a missing one
+        return None
+    return stored if isinstance(stored, dict) and all(stored.get(k) == setting[k] for k in SETTING) else None
 
 
 def _checkpoint(spec: CompareSpec, root: Path, g: int, names: list[str]) -> Path | None:

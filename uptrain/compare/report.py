@@ -1,5 +1,6 @@
-"""The comparison's table (CSV and Markdown) and its three plots, in the shapes of the GQA paper's
-Fig. 4 (strategies), Fig. 5 (quality vs uptraining) and Fig. 6 (quality and cost vs KV heads)."""
+"""The comparison's table (CSV and Markdown) and its plots, in the shapes of the GQA paper's
+Fig. 4 (strategies), Fig. 5 (quality vs uptraining), Fig. 6 (quality and cost vs KV heads, and
+time per sample vs KV heads) and Fig. 3 (quality vs time per sample)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from pathlib import Path
 
 from uptrain.compare.study import MHA, RunResult
 
+# Measured at each row's G (`uptrain.compare.speed_rows`); empty where speed was not measured.
+SPEED_COLUMNS = ["time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"]
+SPEED_PLOTS = ("quality_vs_time_per_sample.png", "time_per_sample_vs_kv_heads.png")
 COLUMNS = ["num_kv_heads", "pooling", "eval_loss_before", "perplexity_before", "eval_loss_after",
-           "perplexity_after", "gap_to_mha_before", "gap_to_mha_after", "kv_cache_bytes_per_token", "uptrain_tokens"]
+           "perplexity_after", "gap_to_mha_before", "gap_to_mha_after", "kv_cache_bytes_per_token", "uptrain_tokens",
+           *SPEED_COLUMNS]
 
 
 def table_rows(results: list[RunResult]) -> list[dict]:
@@ -25,6 +30,7 @@ def table_rows(results: list[RunResult]) -> list[dict]:
         "gap_to_mha_before": r.eval_loss_before - mha.eval_loss_before,
         "gap_to_mha_after": r.eval_loss_after - mha.eval_loss_after,
         "kv_cache_bytes_per_token": r.kv_cache_bytes_per_token, "uptrain_tokens": r.uptrain_tokens,
+        **{k: r.speed[k] if r.speed else None for k in SPEED_COLUMNS},
     } for r in results]
 
 
@@ -35,16 +41,29 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
+    """The table for people; with the rows' speed measurements, a line saying how and where the
+    speed columns were measured."""
     head = ("| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
-            "| KV bytes/token | uptrain tokens |")
-    lines = [head, "|" + "---:|" * 2 + "---:|" * 8]
+            "| KV bytes/token | uptrain tokens | time/sample s | decode tokens/s | KV cache MiB |")
+    lines = [head, "|" + "---:|" * 2 + "---:|" * 11]
     for r in rows:
+        measured = ("— | — | —" if r["time_per_sample_s"] is None else
+                    f"{r['time_per_sample_s']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['kv_cache_bytes'] / 2**20:.2f}")
         lines.append(f"| {r['num_kv_heads']} | {r['pooling']} | {r['eval_loss_before']:.4f} | "
                      f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
                      f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
-                     f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} |")
+                     f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} | {measured} |")
+    if speeds:  # a resumed compare may have measured some G elsewhere: name every machine
+        machines = " and ".join(sorted({s["machine"] for s in speeds}))
+        lines += ["", f"Speed: {speed_setting_text(speeds[0])}, measured on {machines}; one measurement per G "
+                      "(speed does not depend on the weights' values)."]
     return "\n".join(lines) + "\n"
+
+
+def speed_setting_text(speed: dict) -> str:
+    return (f"greedy decoding of batch {speed['batch']}, {speed['context']}-token prompt + {speed['new_tokens']} new "
+            f"tokens with the KV cache, {speed['device']} {speed['dtype']}, median of {speed['repeats']}")
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -162,6 +181,65 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     paths.append(_save(fig, folder / "strategies.png"))
+    if all(r.speed for r in results):
+        paths += _speed_plots(mha, runs, strategies, colors, folder)
+    else:  # a rerun without speed: no plot left from an earlier one contradicts the table
+        for name in SPEED_PLOTS:
+            (folder / name).unlink(missing_ok=True)
+    return paths
+
+
+def _speed_plots(mha: RunResult, runs: list[RunResult], strategies: list[str], colors: dict, folder: Path) -> list[Path]:
+    """Fig. 3 shape (quality after uptraining against time per sample) and Fig. 6's speed half
+    (time per sample against G), error bars spanning the repeats' min to max."""
+    import matplotlib.pyplot as plt
+
+    def spread(r: RunResult) -> list[list[float]]:
+        low, high = r.speed["spread"]["time_per_sample_s"]["min"], r.speed["spread"]["time_per_sample_s"]["max"]
+        return [[r.speed["time_per_sample_s"] - low], [high - r.speed["time_per_sample_s"]]]
+
+    m = mha.speed
+    setting = (f"greedy, batch {m['batch']}, {m['context']}-token prompt + {m['new_tokens']} new tokens, "
+               f"{m['device']} {m['dtype']}, median of {m['repeats']}")
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    markers = dict(zip(sorted({r.num_kv_heads for r in runs}, reverse=True), "o^vDPX*"))
+    for p in strategies:
+        for r in (r for r in runs if r.pooling == p):
+            ax.errorbar(r.speed["time_per_sample_s"], r.eval_loss_after, xerr=spread(r), marker=markers[r.num_kv_heads],
+                        color=colors[p], ms=7, capsize=3, ls="none")
+            ax.annotate(f"G={r.num_kv_heads} {p}", (r.speed["time_per_sample_s"], r.eval_loss_after), fontsize=8,
+                        xytext=(6, 3), textcoords="offset points")
+    ax.errorbar(mha.speed["time_per_sample_s"], mha.eval_loss_after, xerr=spread(mha), marker="s", color="black",
+                ms=7, capsize=3, ls="none")
+    ax.annotate(f"MHA (G={mha.num_kv_heads})", (mha.speed["time_per_sample_s"], mha.eval_loss_after), fontsize=8,
+                xytext=(6, 3), textcoords="offset points")
+    ax.margins(x=0.25, y=0.1)
+    ax.set_xlabel("time per sample, s (bars: min–max of the repeats)")
+    ax.set_ylabel("eval loss after uptraining (lower is better)")
+    ax.set_title(f"quality vs time per sample\n{setting}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths = [_save(fig, folder / SPEED_PLOTS[0])]
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    measured = sorted({r.num_kv_heads: r for r in [*runs, mha]}.items())  # one measurement per G
+    gs = [g for g, _ in measured]
+    ax.errorbar(gs, [r.speed["time_per_sample_s"] for _, r in measured],
+                yerr=[sum((spread(r)[i] for _, r in measured), []) for i in (0, 1)], marker="o", color="C0",
+                capsize=3, label="measured (one checkpoint per G)")
+    ax.plot([mha.num_kv_heads], [mha.speed["time_per_sample_s"]], marker="s", ms=8, color="black", ls="none",
+            label="MHA")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(gs, [str(g) for g in gs])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("KV heads G")
+    ax.set_ylabel("time per sample, s")
+    ax.set_title(f"time per sample vs KV heads\n{setting}", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, folder / SPEED_PLOTS[1]))
     return paths
 
 
@@ -176,7 +254,7 @@ def _save(fig, path: Path) -> Path:
 def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path:
     """Log the comparison to wandb as one more run of the compare's group (the group its
     training runs share): the results table (`wandb.Table`, the rows of results.csv), the
-    comparison against mean pooling when there is one, and the three plots. Offline without
+    comparison against mean pooling when there is one, and the plots. Offline without
     credentials, like the training runs. Returns the wandb run's folder."""
     import wandb
 
@@ -207,12 +285,13 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
 
 
 def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dict[str, Path]:
-    """results.csv, results.md and the three plots in `folder`; with a CompareSpec whose
+    """results.csv, results.md and the plots in `folder` (the two speed plots where every row
+    has its speed measured); with a CompareSpec whose
     `report_to` includes wandb, also logged to wandb (`log_to_wandb`)."""
     folder = Path(folder)
     rows = table_rows(results)
     write_csv(rows, folder / "results.csv")
-    text = markdown(rows)
+    text = markdown(rows, [r.speed for r in results if r.speed])
     comparisons = against_mean(results)
     if comparisons:
         text += "\nAgainst mean pooling (gap = eval loss − MHA eval loss at the same point):\n\n"

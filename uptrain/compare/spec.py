@@ -10,6 +10,13 @@ from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_s
 from uptrain.corpus import split_path
 from uptrain.options import keys_of, option
 
+SPEED = "speed (measured once per G after the runs, with `uptrain speed`'s method)"
+# The reference model's 512 positions as a 480-token prompt + 32 new tokens, at batch 8: MHA's cache
+# (50 MB) then outweighs the weights (28 MB), so decoding reads mostly cache, where fewer KV heads
+# pay (docs/DOMAIN.md §2); 32 new tokens keep the measurement a small share of the demo's time
+# (measured figures: the README's demo table and BENCHMARKS.md).
+SPEED_CONTEXT, SPEED_NEW_TOKENS = 480, 32
+
 
 @dataclass(kw_only=True)
 class CompareSpec(UptrainingBudget):
@@ -32,6 +39,24 @@ class CompareSpec(UptrainingBudget):
     seed: int = option(0, help="seed of data order, initialisation and random pooling")
     report_to: list[str] = option(["wandb", "jsonl"], choices=("wandb", "jsonl", "none"),
                                   help="wandb, jsonl, none (several allowed)")
+    speed_context: int | None = option(
+        None, at_least=1, group=SPEED, metavar="N",
+        help=f"prompt tokens of the speed measurement (default: {SPEED_CONTEXT}, or the model's positions less the "
+             "new tokens where that is fewer): the cache, and so what fewer KV heads save, grows with it")
+    speed_new_tokens: int | None = option(
+        None, at_least=2, group=SPEED, metavar="M",
+        help=f"tokens generated greedily after the prompt, with the cache (default: {SPEED_NEW_TOKENS}, or an eighth "
+             "of the model's positions where that is fewer); time per sample is the prompt's pass plus these")
+    speed_batch: int = option(
+        8, at_least=1, group=SPEED, metavar="B",
+        help="sequences decoded together: the cache grows with the batch, the weights read per step do not (at "
+             "batch 8 and 512 positions the reference model's MHA cache is twice its weights)")
+    speed_repeats: int = option(
+        2, at_least=0, group=SPEED, metavar="R",
+        help="timed samples per checkpoint after one warm-up, reported as their median; each takes seconds for "
+             "the reference model on 2 CPU cores; 0: no speed measurement, the columns stay empty")
+    speed_device: str = option("cpu", group=SPEED, metavar="DEVICE", help="device of the speed measurement: cpu, cuda or cuda:N "
+                                                        "(float32 on CPU, bfloat16 on CUDA)")
     # Shared by every conversion; `pooling` above replaces its pooling.
     conversion: ConversionOptions = option(ConversionOptions, keys=("grouping", "calibration_tokens",
                                                                     "calibration_device", "calibration_dtype"),

@@ -21,6 +21,7 @@ from uptrain.budgets import pretrain_tokens
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.layouts import config_geometry
 from uptrain.compare.spec import CompareSpec
+from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.train.metrics import read_metrics
 
@@ -38,6 +39,9 @@ class RunResult:
     uptrain_tokens: int
     kv_cache_bytes_per_token: int
     curve: list[tuple[int, float]]  # (tokens seen, eval loss)
+    # `measure_speed`'s result at this G, measured once per G after the runs (speed-g{G}.json);
+    # None in result.json, which is written before it, and with speed_repeats 0.
+    speed: dict | None = None
 
     @property
     def perplexity_before(self) -> float:
@@ -57,6 +61,7 @@ def validate(spec: CompareSpec) -> None:
     if spec.uptrain_fraction is not None and spec.pretrain_tokens is None:  # the rule itself: CompareSpec
         spec.pretrain_tokens = pretrain_tokens(spec.model)
     _train_config(spec, Path(spec.model), Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
+    speed_setting(spec)  # the speed measurement's refusals too
     for _, g, pooling in run_names(spec):
         if g is not None:
             prepare(spec.conversion_spec(g, pooling)).close()
@@ -140,4 +145,4 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         (run_dir / RESULT).write_text(json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)
-    return results
+    return with_speed(spec, results, log)

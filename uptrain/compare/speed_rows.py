@@ -1,0 +1,146 @@
+"""Speed beside quality in `uptrain compare`: each row's time per sample, decode tokens/s and
+measured KV-cache bytes (the paper's Table 1, Fig. 3 and Fig. 6).
+
+Speed depends on a checkpoint's shape, not on its weight values, so the runs at one G share one
+measurement: one checkpoint per G is measured (the source model at its own G, else the first
+run's conversion).
+Every G still to measure is measured in one `measure_speed` call, which samples the checkpoints
+in turn, so that a noisy moment on a shared machine hits them all alike. Each G's measurement
+is kept whole in `speed-g{G}.json` (temp file, then rename): a resumed compare reuses it unless
+the speed options changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from uptrain import UptrainError
+from uptrain.compare.spec import SPEED_CONTEXT, SPEED_NEW_TOKENS, CompareSpec
+from uptrain.speed import measure_speed, model_shape, parse_device
+
+# The keys of a measurement that must match the options for a stored one to be reused.
+SETTING = ("context", "new_tokens", "batch", "repeats", "device")
+
+
+def speed_setting(spec: CompareSpec) -> dict | None:
+    """The measurement the spec asks for, its defaults fitted to the model's positions; None
+    with `speed_repeats: 0`. Refuses (one line) what `measure_speed` would refuse, before any run."""
+    if spec.speed_repeats == 0:
+        return None
+    shape = model_shape(Path(spec.model), spec.model)
+    positions = shape.max_positions
+    new_tokens = spec.speed_new_tokens
+    if new_tokens is None:
+        new_tokens = SPEED_NEW_TOKENS if positions is None else max(2, min(SPEED_NEW_TOKENS, positions // 8))
+    context = spec.speed_context
+    if context is None:
+        context = SPEED_CONTEXT if positions is None else min(SPEED_CONTEXT, positions - new_tokens)
+    if positions is not None and context + new_tokens > positions:
+        raise UptrainError(f"--speed-context {context} + --speed-new-tokens {new_tokens} = {context + new_tokens} is "
+                           f"beyond {spec.model}'s {positions} positions; lower them (or --speed-repeats 0: no speed)")
+    if context < 1:  # only a default can get here (the schema refuses a context under 1)
+        raise UptrainError(f"{spec.model}'s {positions} positions leave no prompt beside --speed-new-tokens "
+                           f"{new_tokens}; lower it (or --speed-repeats 0: no speed)")
+    device = parse_device(spec.speed_device)
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    # The MHA cache is the largest of the comparison: if it fits, every G's does.
+    shape.check_cache_fits(spec.speed_batch, context + new_tokens, dtype, device)
+    return {"context": context, "new_tokens": new_tokens, "batch": spec.speed_batch, "repeats": spec.speed_repeats,
+            "device": str(device), "dtype": dtype}
+
+
+def with_speed(spec: CompareSpec, results: list, log=print) -> list:
+    """`results` (study's RunResults) with each row's `speed`: the measurement of its G, stored
+    or taken now."""
+    setting = speed_setting(spec)
+    if setting is None:
+        return results
+    root = Path(spec.output_dir)
+    speeds: dict[int, dict] = {}
+    to_measure: dict[int, Path] = {}
+    for r in results:
+        g = r.num_kv_heads
+        if g in speeds or g in to_measure:
+            continue
+        stored = _stored(root / f"speed-g{g}.json", setting)
+        if stored is not None:
+            log(f"[compare] speed at G = {g}: measured earlier, reusing {root / f'speed-g{g}.json'}")
+            speeds[g] = stored
+            continue
+        checkpoint = _checkpoint(spec, root, g, [s.name for s in results if s.num_kv_heads == g])
+        if checkpoint is None:
+            log(f"[compare] speed at G = {g}: no checkpoint of it left (converted/ and final/ removed); not measured")
+            continue
+        to_measure[g] = checkpoint
+    if to_measure:
+        log(f"[compare] speed: measuring G = {', '.join(map(str, to_measure))} (context {setting['context']} + "
+            f"{setting['new_tokens']} new tokens, batch {setting['batch']}, {setting['device']}, "
+            f"median of {setting['repeats']})")
+        measured = measure_speed(list(to_measure.values()), context=setting["context"],
+                                 new_tokens=setting["new_tokens"], batch=setting["batch"], dtype=setting["dtype"],
+                                 device=setting["device"], repeats=setting["repeats"])
+        for (g, checkpoint), m in zip(to_measure.items(), measured):
+            # Named as the compare names it (a folder inside the output is named relative to it).
+            name = checkpoint.relative_to(root) if checkpoint.is_relative_to(root) else checkpoint
+            speeds[g] = {**m, "model": str(name), "machine": machine(setting["device"])}
+            _write_json(root / f"speed-g{g}.json", speeds[g])
+    return [replace(r, speed=speeds.get(r.num_kv_heads)) for r in results]
+
+
+def _stored(path: Path, setting: dict) -> dict | None:
+    """The stored measurement at `path` if it was taken with `setting`, else None (remeasured)."""
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError:  # written whole, so only an edit breaks it: measured again, like a missing one
+        return None
+    return stored if isinstance(stored, dict) and all(stored.get(k) == setting[k] for k in SETTING) else None
+
+
+def _checkpoint(spec: CompareSpec, root: Path, g: int, names: list[str]) -> Path | None:
+    """A checkpoint with G KV heads: the source model at its own G (the MHA row), else a run's
+    conversion or, where that was removed, its uptrained final/."""
+    if model_shape(Path(spec.model), spec.model).geometry.num_kv_heads == g:
+        return Path(spec.model)
+    for name in names:
+        for folder in (root / "converted" / name, root / "runs" / name / "train" / "final"):
+            if (folder / "config.json").is_file():
+                return folder
+    return None
+
+
+def machine(device: str) -> str:
+    """Where the figures were measured, for the table: the CPU's model and the threads torch uses,
+    or the GPU's name."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or platform.machine()
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+        name = found.group(1).strip() if found else name
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Whole or not at all: a kill mid-write leaves no half file that a resume would read."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(value, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

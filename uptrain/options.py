@@ -252,7 +252,7 @@ def _parse_flag_value(text: str) -> Any:
 
     try:
         return yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError, TypeError, AttributeError, RecursionError):
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, LookupError, ArithmeticError, RecursionError):
         # Not a YAML scalar (or past Python's 4300 digits, or nested too deeply): the text itself,
         # which the schema then refuses in one line naming the key.
         return text

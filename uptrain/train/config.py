@@ -227,6 +227,8 @@ def validated_config(values: dict[str, Any], command: str = "train", path: str |
         raise UptrainError(format_validation_error(err, path, command)) from None
 
 
+# What PyYAML's constructors raise, beside YAMLError, on values its own resolver let through.
+YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, LookupError, ArithmeticError)
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of keys; anything larger is not one, and parsing it costs
 
 
@@ -247,7 +249,7 @@ def read_yaml(path: Path) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
-    except (ValueError, TypeError, AttributeError) as err:  # past Python's 4300 digits; 2024-13-01; !!timestamp x
+    except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
         if "integer string conversion" in str(err):
             raise UptrainError(f"{path}: a number has more digits than Python reads "
                                f"({sys.get_int_max_str_digits()})") from None
@@ -266,6 +268,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         loaded = read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise UptrainError(f"{path} must hold a mapping of config keys, not {type(loaded).__name__}")
+        if bad := [k for k in loaded or {} if not isinstance(k, str)]:  # `1: x`, `? [a]: x`, a bare `?`
+            raise UptrainError(f"{path}: config keys are names, not {bad[0]!r}")
         values.update(loaded or {})
     values.update(overrides)
     return validated_config(values, path=path)

@@ -9,14 +9,14 @@ from tests.train.train_helpers import reset_accelerate
 from uptrain.cli import main
 
 
-def compare_argv(assets: dict, out: Path, *extra: str) -> list[str]:
+def compare_argv(assets: dict, out: Path | str, *extra: str) -> list[str]:
     return ["compare", "--model", str(assets["mha"]), "--num-kv-heads", "2", "--pooling", "calibrated",
             "--calibration-tokens", "64", "--train-data", str(assets["train"]), "--eval-data", str(assets["eval"]),
             "--output-dir", str(out), "--max-steps", "2", "--seq-len", "32", "--batch-size", "4", "--eval-every",
             "2", "--eval-blocks", "2", "--warmup-steps", "1", "--report-to", "jsonl", *extra]
 
 
-def run_compare_cli(assets: dict, out: Path, *extra: str) -> int:
+def run_compare_cli(assets: dict, out: Path | str, *extra: str) -> int:
     reset_accelerate()
     return main(compare_argv(assets, out, *extra))
 

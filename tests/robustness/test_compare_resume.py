@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.robustness.compare_helpers import compare_argv, leftovers, results, run_compare_cli
-from tests.robustness.faults import EVERY_STEP, NEVER, run_and_kill_at
+from tests.robustness.faults import EVERY_STEP, run_and_kill_at
 from tests.robustness.opened_files import _writes
 from tests.robustness.test_kill_anywhere import snapshot
 from uptrain.checkpoint.atomic import OutputLock
@@ -258,3 +259,16 @@ def test_two_compares_of_one_name_have_their_own_wandb_groups(assets, finished, 
     shutil.move(other, moved)
     assert run_compare_cli(assets, moved) == 0
     assert groups(moved) == second
+
+
+@pytest.mark.parametrize("spelling", ["relative", "trailing slash", "absolute"])
+def test_an_unfinished_run_resumes_however_the_folder_is_spelled(tmp_path, assets, finished, monkeypatch, spelling):
+    monkeypatch.chdir(tmp_path)
+    assert run_compare_cli(assets, Path("cmp")) == 0
+    run = tmp_path / "cmp" / "runs" / "g2-calibrated"
+    shutil.rmtree(run / "train" / "final")  # as a kill before the run's end leaves it
+    (run / "result.json").unlink()
+    other = {"relative": "./x/../cmp", "trailing slash": "cmp/", "absolute": str(tmp_path / "cmp")}[spelling]
+    (tmp_path / "x").mkdir()
+    assert run_compare_cli(assets, other) == 0  # (a str: Path("cmp/") would drop the slash)
+    assert results(tmp_path / "cmp") == results(finished)

@@ -145,6 +145,21 @@ def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> Ru
     return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], kv_bytes, curve)
 
 
+def _as_recorded(model: Path, train_dir: Path) -> Path:
+    """`model` as the run's run_config.yaml names it, where that is the same folder: a resumed run
+    refuses another `model`, and the compare's output_dir may be spelled otherwise now (`cmp`,
+    `cmp/`, an absolute path) than when the run started."""
+    import yaml
+
+    try:
+        recorded = Path(yaml.safe_load((train_dir / "run_config.yaml").read_text())["model"])
+        if os.path.samefile(recorded, model):
+            return recorded
+    except (OSError, ValueError, RecursionError, yaml.YAMLError, TypeError, KeyError):
+        pass  # no run yet, or a damaged record: the run itself says so
+    return model
+
+
 def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -> RunResult | None:
     """The row an earlier compare recorded for this run, or None to make it (again) from the run:
     absent, or damaged (a kill cannot leave a part of one, but a full disk or a hand can)."""
@@ -297,7 +312,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                 with prepare(spec.conversion_spec(g, pooling), model) as prepared:
                     calibration = _calibration(prepared, root, log) if prepared.needs_calibration else None
                     execute(prepared, model, calibration=calibration, progress=False)
-        run_training(_train_config(spec, model, run_dir / "train", name, group))
+        run_training(_train_config(spec, _as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)

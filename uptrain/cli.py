@@ -88,9 +88,10 @@ def train(config: TrainConfig) -> int:
 
 def compare(spec: CompareSpec) -> int:
     from uptrain.compare.report import write_report
-    from uptrain.compare.study import run_compare
+    from uptrain.compare.study import hold_compare_dir, run_compare
 
-    files = write_report(run_compare(spec), spec.output_dir, spec)
+    with hold_compare_dir(spec):  # the report, too, is written under the compare's lock
+        files = write_report(run_compare(spec), spec.output_dir, spec)
     print(files["markdown"].read_text())
     print("plots:\n" + "\n".join(f"  {path}" for path in files.values() if path.suffix == ".png"))
     return 0

@@ -174,6 +174,10 @@ def _fits(annotation: Any, value: Any) -> tuple[bool, Any]:
     return False, value
 
 
+def _bound(limit: float) -> str:
+    return str(limit) if isinstance(limit, int) else f"{limit:g}"  # 4294967295, not 4.29497e+09
+
+
 def key_problem(key: Key, value: Any) -> tuple[str | None, Any]:
     """(what is wrong with `value` for `key` or None, the value to keep)."""
     ok, value = _fits(key.annotation, value)
@@ -188,11 +192,11 @@ def key_problem(key: Key, value: Any) -> tuple[str | None, Any]:
             return f"unknown {key.name} {item!r}; choose from {', '.join(sorted(allowed))}", value
         if isinstance(item, (int, float)):
             if o.at_least is not None and item < o.at_least:
-                return f"must be at least {o.at_least:g} (got {item!r})", value
+                return f"must be at least {_bound(o.at_least)} (got {item!r})", value
             if o.above is not None and item <= o.above:
-                return f"must be more than {o.above:g} (got {item!r})", value
+                return f"must be more than {_bound(o.above)} (got {item!r})", value
             if o.at_most is not None and item > o.at_most:
-                return f"must be at most {o.at_most:g} (got {item!r})", value
+                return f"must be at most {_bound(o.at_most)} (got {item!r})", value
         if o.check is not None and (problem := o.check(item)):
             return problem, value
     return None, value
@@ -248,7 +252,9 @@ def _parse_flag_value(text: str) -> Any:
 
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, LookupError, ArithmeticError, RecursionError):
+        # Not a YAML scalar (or past Python's 4300 digits, or nested too deeply): the text itself,
+        # which the schema then refuses in one line naming the key.
         return text
 
 

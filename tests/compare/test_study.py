@@ -109,3 +109,55 @@ def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
     assert (conversion.calibration_data, conversion.calibration_tokens, conversion.calibration_seq_len) == (
         str(setup / "train.jsonl"), 64, 32)
     assert json.loads(json.dumps(spec.to_dict()))["conversion"]["grouping"] == "similarity"
+
+
+def small_spec(out, **changes):
+    from uptrain.compare.spec import CompareSpec
+
+    return CompareSpec(**{"model": "m", "num_kv_heads": [2], "pooling": ["mean"], "train_data": "t", "eval_data": "e",
+                          "output_dir": str(out), "max_tokens": 200, **changes})
+
+
+def test_a_compare_record_is_compared_key_by_key():
+    from uptrain.compare.study import _changes
+
+    spec = small_spec("cmp")
+    old = spec.to_dict()
+    assert _changes(old, spec) == []
+    # A key the earlier uptrain did not have held its default; operational keys may change.
+    del old["seed"], old["conversion"]["grouping"]
+    assert _changes({**old, "report_to": ["none"], "pooling": ["first"], "output_dir": "elsewhere"}, spec) == []
+    old["conversion"]["calibration_tokens"] = 64
+    assert _changes({**old, "lr": 0.5}, spec) == ["lr: 0.5 → 0.001", "conversion.calibration_tokens: 64 → 32768"]
+
+
+def test_the_wandb_group_is_recorded_once_and_an_earlier_compare_keeps_its_own(tmp_path):
+    from uptrain.compare.study import _start, recorded_group
+
+    first, second = tmp_path / "a" / "cmp", tmp_path / "b" / "cmp"
+    for out in (first, second):
+        out.mkdir(parents=True)
+    groups = [_start(small_spec(out), out) for out in (first, second)]
+    assert groups[0] != groups[1] and all(g.startswith("cmp-") for g in groups)
+    assert [recorded_group(first), recorded_group(second)] == groups
+    assert _start(small_spec(first), first) == groups[0]  # a resume keeps it
+    # A compare recorded before groups were: its runs are in the folder's name's group, and stay there.
+    record = json.loads((first / "compare.json").read_text())
+    del record["wandb_group"]
+    (first / "compare.json").write_text(json.dumps(record))
+    assert _start(small_spec(first), first) == "cmp" == recorded_group(first)
+
+
+def test_the_results_run_joins_the_recorded_group(tmp_path):
+    from tests.train.test_tracking import leet
+    from uptrain.compare.report import write_report
+    from uptrain.compare.study import RunResult, _start
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    spec = small_spec(out, report_to=["wandb"])
+    group = _start(spec, out)
+    results = [RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)]),
+               RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, [(0, 5.0), (200, 4.2)])]
+    run = next(r["run"] for r in leet(write_report(results, out, spec)["wandb"]) if r["type"] == "run")
+    assert run["run_group"] == group and run["display_name"] == "cmp/results"

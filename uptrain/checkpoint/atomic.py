@@ -4,6 +4,8 @@
   renamed into place when complete; an existing OUT (with --overwrite) is exchanged with it in
   one step where the file system can (`renameat2(RENAME_EXCHANGE)`), else first moved aside to
   `.OUT.uptrain-old-PID`, and deleted once the new one is in.
+- `atomic_file`: one output file is written to a hidden sibling (`.NAME.uptrain-tmp-PID`) and
+  renamed over NAME when complete: a kill leaves the previous file or the new one, never a part.
 - `OutputLock`: an `fcntl.flock` on a lock file, held for as long as a run writes an output. A
   second run is refused at once, not after its work. The kernel drops a flock when its holder
   dies, even by kill -9, so a killed run never leaves a lock that blocks the next one.
@@ -218,6 +220,37 @@ def _swap_in(tmp: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old)
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` to write; it replaces `path` (one rename) only if the
+    body succeeds, and is removed otherwise. A kill leaves the temporary behind: whoever holds
+    the lock of the folder removes it (`remove_temporaries`)."""
+    path = Path(path)
+    tmp = _sibling(path, f"{TMP_TAG}{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_file(path: str | Path, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to `path` whole or not at all (`atomic_file`)."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Delete what killed writers left in `folder` (`atomic_file`'s and `atomic_directory`'s
+    temporaries). Call only while holding the lock that every writer there holds."""
+    for leftover in Path(folder).glob(f".*{TMP_TAG}*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 RENAME_EXCHANGE = 2  # <linux/fs.h>

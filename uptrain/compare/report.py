@@ -1,6 +1,7 @@
 """The comparison's table (CSV and Markdown) and its plots, in the shapes of the GQA paper's
 Fig. 4 (strategies), Fig. 5 (quality vs uptraining), Fig. 6 (quality and cost vs KV heads, and
-time per sample vs KV heads) and Fig. 3 (quality vs time per sample)."""
+time per sample vs KV heads) and Fig. 3 (quality vs time per sample). Each file is written whole
+or not at all (`checkpoint.atomic.atomic_file`): a kill leaves the previous report or the new one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import hashlib
 import math
 from pathlib import Path
 
-from uptrain.compare.study import MHA, RunResult
+from uptrain.checkpoint.atomic import atomic_file, write_file
+from uptrain.compare.study import MHA, RunResult, recorded_group
 
 # Measured at each row's G (`uptrain.compare.speed_rows`); empty where speed was not measured.
 SPEED_COLUMNS = ["time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"]
@@ -35,7 +37,7 @@ def table_rows(results: list[RunResult]) -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
@@ -246,7 +248,8 @@ def _speed_plots(mha: RunResult, runs: list[RunResult], strategies: list[str], c
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=path.suffix[1:])  # the temporary's name has no .png
     plt.close(fig)
     return path
 
@@ -262,11 +265,13 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
 
     ensure_wandb_never_prompts()
     root = Path(spec.output_dir).absolute()
-    group = root.name
-    # One id per compare folder: a rerun (every run reused) updates this run instead of adding one.
-    run_id = "compare-" + hashlib.sha1(str(root).encode()).hexdigest()[:12]
+    # The group compare.json records, unique to this compare (a report of results made otherwise:
+    # the folder's name). One id per compare: a rerun (every run reused) updates this run.
+    group = recorded_group(root)
+    run_id = "compare-" + hashlib.sha1((group or str(root)).encode()).hexdigest()[:12]
+    group = group or root.name
     config = spec.to_dict()
-    run = wandb.init(project="uptrain", group=group, name=f"{group}/results", job_type="compare", id=run_id,
+    run = wandb.init(project="uptrain", group=group, name=f"{root.name}/results", job_type="compare", id=run_id,
                      resume="allow", dir=str(root), config=config, reinit="create_new")
     try:
         rows = table_rows(results)
@@ -296,7 +301,7 @@ def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dic
     if comparisons:
         text += "\nAgainst mean pooling (gap = eval loss − MHA eval loss at the same point):\n\n"
         text += against_mean_markdown(comparisons)
-    (folder / "results.md").write_text(text)
+    write_file(folder / "results.md", text)
     plots = write_plots(results, folder)
     files = {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}
     if spec is not None and "wandb" in spec.report_to:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, strategies
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, seed_option, strategies
 from uptrain.corpus import split_path
 from uptrain.options import keys_of, option
 
@@ -36,7 +36,7 @@ class CompareSpec(UptrainingBudget):
     warmup_steps: int = option(10, help="linear warmup steps")
     eval_every: int = option(10, help="evaluate (and checkpoint) every N steps")
     eval_blocks: int = option(64, help="eval blocks of seq_len tokens")
-    seed: int = option(0, help="seed of data order, initialisation and random pooling")
+    seed: int = seed_option("seed of data order, initialisation and random pooling")
     report_to: list[str] = option(["wandb", "jsonl"], choices=("wandb", "jsonl", "none"),
                                   help="wandb, jsonl, none (several allowed)")
     speed_context: int | None = option(
@@ -57,6 +57,8 @@ class CompareSpec(UptrainingBudget):
              "the reference model on 2 CPU cores; 0: no speed measurement, the columns stay empty")
     speed_device: str = option("cpu", group=SPEED, metavar="DEVICE", help="device of the speed measurement: cpu, cuda or cuda:N "
                                                         "(float32 on CPU, bfloat16 on CUDA)")
+    overwrite: bool = option(False, help="delete an earlier compare in output_dir (or whatever else it holds) and "
+                                         "start over")
     # Shared by every conversion; `pooling` above replaces its pooling.
     conversion: ConversionOptions = option(ConversionOptions, keys=("grouping", "calibration_tokens",
                                                                     "calibration_device", "calibration_dtype"),

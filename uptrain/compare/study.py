@@ -5,12 +5,30 @@ evaluation) and uptrained with the same data, seed, schedule and token budget. T
 itself is trained with the same budget as the reference row, so that what uptraining alone buys
 an undertrained model is not credited to GQA. Each finished run leaves `result.json`; a killed
 compare picks those up and resumes the unfinished run from its last checkpoint.
+
+    output_dir/
+      compare.json              the settings (CompareSpec) and the wandb group; marks the folder as a compare
+      calibration.safetensors   attention-input moments, shared by every calibrated conversion
+      converted/NAME/           each conversion
+      runs/NAME/train/          each training run (`uptrain train`'s run folder)
+      runs/NAME/result.json     each finished run's row and curve
+      results.csv, results.md, *.png, wandb/
+      .uptrain-lock             while a compare (or a `uptrain train`) uses the folder
+
+Every file is written whole or not at all (`checkpoint.atomic.atomic_file`), under the folder's
+lock; a rerun refuses an earlier compare made with other settings (like `uptrain train --resume`)
+and makes again what it finds damaged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,15 +36,27 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
+from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.layouts import config_geometry
 from uptrain.compare.spec import CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.options import Schema, keys_of
+from uptrain.strict_json import parse_json, read_json
 from uptrain.train.metrics import read_metrics
+from uptrain.train.rundir import LOCK_FILE, hold_run_dir
 
 RESULT = "result.json"
+RECORD = "compare.json"
+CALIBRATION = "calibration.safetensors"
 MHA = "mha"
+# Settings a rerun may change: which runs there are (each run is made alike, whatever the others),
+# how the compare is reported, how often the runs evaluate, where calibration runs.
+# The speed keys too: a change remeasures speed (`speed_rows`) and retrains nothing.
+OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "report_to", "eval_every", "overwrite", "output_dir",
+                              "conversion.pooling", "conversion.calibration_device", "conversion.source_hash",
+                              "speed_context", "speed_new_tokens", "speed_batch", "speed_repeats", "speed_device"})
 
 
 @dataclass
@@ -75,30 +105,42 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
     return runs
 
 
-def _train_config(spec: CompareSpec, model: Path, out: Path, name: str):
+def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: str | None = None):
     from uptrain.train.config import validated_config
 
     values = dict(model=str(model), train_data=spec.train_data, eval_data=spec.eval_data, output_dir=str(out),
                   seq_len=spec.seq_len, batch_size=spec.batch_size, lr=spec.lr, warmup_steps=spec.warmup_steps,
                   eval_every=spec.eval_every, save_every=spec.eval_every, eval_blocks=spec.eval_blocks, seed=spec.seed,
                   report_to=spec.report_to, run_name=f"{Path(spec.output_dir).name}/{name}",
-                  wandb_group=Path(spec.output_dir).name, resume=out.exists(), **spec.budget())
+                  wandb_group=group, resume=out.exists(), **spec.budget())
     return validated_config(values, "compare")
 
 
-def _calibration(prepared, root: Path) -> Calibration:
+def _calibration(prepared, root: Path, log=print) -> Calibration:
     """Attention-input moments of the source model on the train data, computed once per compare:
-    every conversion of one compare reads the same model, text, tokens and block length."""
-    from safetensors.torch import load_file, save_file
+    every conversion of one compare reads the same model, text, tokens and block length. One
+    file, moments and description together (in its metadata), so that no kill leaves one
+    without the other; a damaged file is computed again."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
 
-    path = root / "calibration.safetensors"
+    path = root / CALIBRATION
     if path.exists():
-        stored = load_file(path)
-        info = json.loads((root / "calibration.json").read_text())
-        return Calibration({int(k): v for k, v in stored.items()}, info)
+        try:
+            with safe_open(path, "pt") as f:
+                info = parse_json((f.metadata() or {})["info"], str(path))
+                moments = {int(k): f.get_tensor(k) for k in f.keys()}
+            if isinstance(info, dict) and moments and all(m.ndim == 2 and m.shape[0] == m.shape[1]
+                                                          for m in moments.values()):
+                return Calibration(moments, info)
+        except (OSError, SafetensorError, UptrainError, KeyError, ValueError):
+            pass
+        log(f"[compare] {path} is damaged or incomplete; calibrating again")
     calibration = calibrate(prepared, progress=False)
-    save_file({str(k): calibration.moments[k].contiguous() for k in calibration.moments}, path)
-    (root / "calibration.json").write_text(json.dumps(calibration.info))
+    with atomic_file(path) as tmp:
+        save_file({str(k): calibration.moments[k].contiguous() for k in calibration.moments}, tmp,
+                  metadata={"info": json.dumps(calibration.info)})
+    (root / "calibration.json").unlink(missing_ok=True)  # where earlier compares kept the description
     return calibration
 
 
@@ -110,16 +152,152 @@ def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> Ru
     return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], kv_bytes, curve)
 
 
+def _as_recorded(model: Path, train_dir: Path) -> Path:
+    """`model` as the run's run_config.yaml names it, where that is the same folder: a resumed run
+    refuses another `model`, and the compare's output_dir may be spelled otherwise now (`cmp`,
+    `cmp/`, an absolute path) than when the run started."""
+    import yaml
+
+    try:
+        recorded = Path(yaml.safe_load((train_dir / "run_config.yaml").read_text())["model"])
+        if os.path.samefile(recorded, model):
+            return recorded
+    except (OSError, ValueError, RecursionError, yaml.YAMLError, TypeError, KeyError):
+        pass  # no run yet, or a damaged record: the run itself says so
+    return model
+
+
+def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -> RunResult | None:
+    """The row an earlier compare recorded for this run, or None to make it (again) from the run:
+    absent, or damaged (a kill cannot leave a part of one, but a full disk or a hand can)."""
+    if not path.exists():
+        return None
+    try:
+        result = RunResult(**read_json(path))  # a list, or missing or unknown fields: TypeError
+    except (UptrainError, TypeError) as err:
+        problem = str(err) if isinstance(err, UptrainError) else "not a record of a run"
+    else:
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        whole = (number(result.eval_loss_before) and number(result.eval_loss_after)
+                 and isinstance(result.uptrain_tokens, int) and isinstance(result.curve, list) and result.curve
+                 and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in result.curve))
+        if whole and (result.name, result.num_kv_heads, result.pooling,
+                      result.kv_cache_bytes_per_token) == (name, g, pooling, kv_bytes):
+            return result
+        problem = "not a record of this run"
+    log(f"[compare] {name}: {path} is damaged ({problem}); making it again from the run")
+    return None
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    """Nested settings as `conversion.grouping`-style keys."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _changes(old: dict, spec: CompareSpec) -> list[str]:
+    """The settings of `spec` that differ from an earlier compare's record, but operational ones.
+    A key the earlier compare's uptrain did not have yet held its default there."""
+    defaults = _flat({k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
+                      for k in keys_of(CompareSpec) if not k.required})
+    old = {**defaults, **_flat(old)}
+    current = _flat(spec.to_dict())
+    return [f"{k}: {old.get(k)!r} → {v!r}" for k, v in current.items() if k not in OPERATIONAL_KEYS
+            and old.get(k) != v]
+
+
+def _start(spec: CompareSpec, root: Path) -> str:
+    """Under the folder's lock: clear what killed compares left, refuse an earlier compare made
+    with other settings (or a folder of something else), empty the folder for --overwrite, and
+    record this compare in compare.json. Returns the compare's wandb group."""
+    for folder in (root, root / "converted", *(root / "runs").glob("*")):
+        if folder.is_dir() and not folder.is_symlink():
+            remove_temporaries(folder)  # every writer here is a compare, and this one holds the lock
+    if (root / "converted").is_dir():
+        remove_stale_locks(root / "converted")  # of conversions killed before they let go
+    contents = [p for p in root.iterdir() if p.name != LOCK_FILE]
+    record, group = root / RECORD, None
+    if spec.overwrite:
+        for entry in contents:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    elif contents:
+        if not record.is_file():
+            raise UptrainError(f"output_dir {root} already holds files of something else (no {RECORD}); use "
+                               "another output_dir, or --overwrite to delete them")
+        try:
+            old = read_json(record)
+        except UptrainError as err:
+            raise UptrainError(f"cannot resume: {err}; use another output_dir or --overwrite") from None
+        if not isinstance(old, dict):
+            raise UptrainError(f"cannot resume: {record} is damaged (not a JSON object); use another output_dir "
+                               "or --overwrite")
+        if changed := _changes(old, spec):
+            raise UptrainError(f"cannot resume the compare in {root}: its settings changed ({'; '.join(changed)}); "
+                               "use another output_dir or --overwrite")
+        # An earlier compare's runs are in its group; one recorded before groups were, in the folder's name.
+        group = old.get("wandb_group") if isinstance(old.get("wandb_group"), str) else root.name
+    # Unique per compare: two folders of one name (or one folder emptied by --overwrite) never share a group.
+    group = group or f"{root.name}-{secrets.token_hex(4)}"
+    write_file(record, json.dumps({**spec.to_dict(), "wandb_group": group}, indent=2) + "\n")
+    return group
+
+
+def recorded_group(root: str | Path) -> str | None:
+    """The wandb group compare.json records for the compare in `root` (None without one)."""
+    try:
+        group = read_json(Path(root) / RECORD).get("wandb_group")
+    except (UptrainError, AttributeError):
+        return None
+    return group if isinstance(group, str) else None
+
+
+_held: dict[Path, str] = {}  # the compare folders this process holds → their wandb groups
+
+
+@contextmanager
+def hold_compare_dir(spec: CompareSpec) -> Iterator[str]:
+    """Check the whole compare (`validate`), refuse an output_dir that is, lies in or holds one
+    of its inputs, take the folder's lock (a second compare, or a `uptrain train`, at it is
+    refused at once) and check what an earlier compare left (`_start`): all before the first
+    write. Yields the compare's wandb group. `run_compare` holds it; `uptrain compare` holds it
+    around the report too (entered again, the lock is not taken twice)."""
+    root = Path(spec.output_dir).absolute()
+    if root in _held:
+        yield _held[root]
+        return
+    validate(spec)
+    check_apart(root, [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)),
+                       ("`eval_data`", Path(spec.eval_data))], "output_dir")
+    with hold_run_dir(root):
+        _held[root] = _start(spec, root)
+        try:
+            yield _held[root]
+        finally:
+            del _held[root]
+
+
 def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
     """Run (or pick up) every run of the comparison; returns the MHA row first."""
+    with hold_compare_dir(spec) as group:
+        return _run_compare(spec, group, log)
+
+
+def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     from uptrain.train.loop import run_training
 
-    validate(spec)
     # One summary per run from wandb would bury the comparison; wandb still records everything.
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "compare.json").write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     config = read_config(spec.model)
     geometry = config_geometry(config)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(config), 4)
@@ -128,9 +306,9 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
         run_dir = root / "runs" / name
         g_eff = geometry.num_kv_heads if g is None else g
         kv_bytes = geometry.kv_cache_bytes_per_token(dtype_bytes, g_eff)
-        if (run_dir / RESULT).exists():
+        if (earlier := _finished(run_dir / RESULT, name, g_eff, pooling, kv_bytes, log)) is not None:
             log(f"[compare] {name}: finished earlier, reusing {run_dir / RESULT}")
-            results.append(RunResult(**json.loads((run_dir / RESULT).read_text())))
+            results.append(earlier)
             continue
         log(f"[compare] {name}: " + ("MHA reference" if g is None else f"G = {g}, {pooling} pooling"))
         model = Path(spec.model)
@@ -139,10 +317,10 @@ def run_compare(spec: CompareSpec, log=print) -> list[RunResult]:
             if not model.exists():
                 model.parent.mkdir(parents=True, exist_ok=True)
                 with prepare(spec.conversion_spec(g, pooling), model) as prepared:
-                    calibration = _calibration(prepared, root) if prepared.needs_calibration else None
+                    calibration = _calibration(prepared, root, log) if prepared.needs_calibration else None
                     execute(prepared, model, calibration=calibration, progress=False)
-        run_training(_train_config(spec, model, run_dir / "train", name))
+        run_training(_train_config(spec, _as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
-        (run_dir / RESULT).write_text(json.dumps(asdict(result), indent=2) + "\n")
+        write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)
     return with_speed(spec, results, log)

@@ -56,6 +56,17 @@ def _device_problem(value: str) -> str | None:
     return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else f"{value!r} is not auto, cpu, cuda or cuda:N"
 
 
+# Every seed uptrain takes: accelerate's set_seed seeds numpy too, whose legacy seeding takes
+# 0 … 2**32 − 1 only. Checked with the other options, so that a bad seed is refused before a run
+# writes its folder (where the corrected command would then need --overwrite).
+SEED_RANGE = (0, 2 ** 32 - 1)
+
+
+def seed_option(help: str):
+    """The `seed` key of a schema."""
+    return option(0, at_least=SEED_RANGE[0], at_most=SEED_RANGE[1], help=help)
+
+
 POOLING_HELP = "how each group's heads become one"
 GROUPING_HELP = ("which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or similarity (heads "
                  "renumbered exactly so that similar K/V heads are grouped; uses the calibration text when given)")
@@ -87,7 +98,7 @@ class ConversionSpec(ConversionOptions):
                          help="checkpoint folder (safetensors, single or sharded) or a Hub id")
     num_kv_heads: int = option(flags=("-g",), metavar="G", help="KV heads after conversion; must divide the "
                                                                 "attention heads and the current KV heads")
-    seed: int = option(0, help="seed of `random` pooling")
+    seed: int = seed_option("seed of `random` pooling")
     dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")
     calibration_data: str | list[str] | None = option(None, metavar="FILE", help="calibration text: text/jsonl/"
                                                       "parquet file(s) or a datasets name; required by calibrated "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from uptrain import UptrainError
 from uptrain.budgets import UptrainingBudget, budget_problems
-from uptrain.convert.spec import ConversionOptions, ConversionSpec
+from uptrain.convert.spec import SEED_RANGE, ConversionOptions, ConversionSpec
 from uptrain.options import REQUIRED, Key, Option, add_arguments, given, key_problem, keys_of
 
 Reporter = Literal["wandb", "jsonl", "none"]
@@ -120,7 +121,7 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
     save_every: int = Field(500, ge=1, description="checkpoint (accelerator.save_state) every N optimizer steps")
     keep_checkpoints: int = Field(2, ge=1, description="keep the last K checkpoints")
     log_every: int = Field(1, ge=1, description="log training metrics every N optimizer steps")
-    seed: int = Field(0, description="seed for data order and initialisation")
+    seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="seed for data order and initialisation")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="autocast; auto: `accelerate launch --mixed_precision` if given, else bf16 on GPUs "
                             "that support it and no on CPU")
@@ -226,6 +227,37 @@ def validated_config(values: dict[str, Any], command: str = "train", path: str |
         raise UptrainError(format_validation_error(err, path, command)) from None
 
 
+# What PyYAML's constructors raise, beside YAMLError, on values its own resolver let through.
+YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, LookupError, ArithmeticError)
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of keys; anything larger is not one, and parsing it costs
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in `path`; anything that is not a config file is one UptrainError."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # read no more than the bound, whatever the file holds
+    except OSError as err:
+        raise UptrainError(f"cannot read {path}: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UptrainError(f"{path} is larger than a config can be ({MAX_CONFIG_BYTES // 2 ** 20} MiB)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UptrainError(f"{path} is not UTF-8 text (byte {err.start})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
+        if "integer string conversion" in str(err):
+            raise UptrainError(f"{path}: a number has more digits than Python reads "
+                               f"({sys.get_int_max_str_digits()})") from None
+        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
     """Read a YAML file (optional), apply `overrides` on top, validate. Raises UptrainError."""
     values: dict[str, Any] = {}
@@ -233,12 +265,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         path = Path(path)
         if not path.is_file():
             raise UptrainError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        loaded = read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise UptrainError(f"{path} must hold a mapping of config keys, not {type(loaded).__name__}")
+        if bad := [k for k in loaded or {} if not isinstance(k, str)]:  # `1: x`, `? [a]: x`, a bare `?`
+            raise UptrainError(f"{path}: config keys are names, not {bad[0]!r}")
         values.update(loaded or {})
     values.update(overrides)
     return validated_config(values, path=path)

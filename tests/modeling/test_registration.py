@@ -160,7 +160,7 @@ def test_modeling_files_import_only_torch_and_transformers():
             for line in path.read_text().splitlines():
                 if line.startswith(("import ", "from ")):
                     module = line.split()[1]
-                    assert module.split(".")[0] in {"__future__", "torch", "transformers", "math"} or \
+                    assert module.split(".")[0] in {"__future__", "inspect", "torch", "transformers"} or \
                         (module.startswith(".") and f"{module[1:]}.py" in files), (name, line)
 
 

@@ -65,9 +65,14 @@ class GroupedHeadsConfig:
     def _check_gqa(self) -> None:
         pass
 
+    @staticmethod
+    def _kwargs_for_4x(kwargs: dict) -> dict:
+        """config.json's fields as this config's 4.x `__init__` takes them (where 5.x renamed some)."""
+        return kwargs
+
     if TRANSFORMERS_4:  # configs built by `__init__(**kwargs)`
         def __init__(self, num_key_value_heads=None, **kwargs):
-            super().__init__(**kwargs)
+            super().__init__(**self._kwargs_for_4x(kwargs))
             self.num_key_value_heads = num_key_value_heads
             self._grouped_heads()
     else:  # transformers 5 builds configs as dataclasses: fields, then `__post_init__`
@@ -184,6 +189,7 @@ def alibi_as_mask(alibi: torch.Tensor, attention_mask: torch.Tensor | None, t: i
     passes a float mask through) adds to the scores."""
     if attention_mask is None:
         attention_mask = _bottom_right_causal(t, s, alibi.device)
+    attention_mask = attention_mask[..., :s]  # 4.x's may cover the whole cache length
     return alibi.to(dtype) + _as_additive(attention_mask, dtype)
 
 
@@ -193,6 +199,9 @@ def eager_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     """The "eager" entry of transformers' attention interface for these models: the explicit,
     per-group softmax of `grouped_query_attention` (bit-identical to transformers' own eager
     attention at G = h). Returns `[B, T, h, d]` and the weights, as every interface function."""
+    if isinstance(attention_mask, torch.Tensor):
+        # 4.x builds GPT-J's and BLOOM's masks for the whole cache length: the keys so far only.
+        attention_mask = attention_mask[..., :key.shape[-2]]
     out, weights = grouped_query_attention(query, key, value, attention_mask=attention_mask, scale=scaling,
                                            alibi=alibi, dropout=dropout, eager=True)
     return out.transpose(1, 2).contiguous(), weights

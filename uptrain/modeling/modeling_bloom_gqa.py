@@ -21,6 +21,16 @@ from .attention import (ALL_ATTENTION_FUNCTIONS, AttentionBackends, GroupedHeads
 
 # Flex attention takes a per-head bias (`position_bias`) in transformers 5; 4.x's would drop ALiBi silently.
 FLEX_TAKES_BIAS = "position_bias" in inspect.signature(ALL_ATTENTION_FUNCTIONS["flex_attention"]).parameters
+# The attention implementations that apply ALiBi (see BloomGQAAttention.forward).
+BACKENDS = ("eager", "sdpa", "flex_attention") if FLEX_TAKES_BIAS else ("eager", "sdpa")
+
+
+def check_backend(implementation: str | None) -> None:
+    """Refuse, in one line, an attention implementation that has no place for ALiBi (flash
+    attention, a registered kernel, 4.x's flex): it would run, without ALiBi, and be wrong."""
+    if implementation is not None and implementation not in BACKENDS:
+        raise ValueError(f"bloom_gqa cannot use attn_implementation={implementation!r}: ALiBi needs one of "
+                         f"{', '.join(BACKENDS)}")
 
 
 class BloomGQAConfig(GroupedHeadsConfig, BloomConfig):
@@ -58,6 +68,7 @@ class BloomGQAAttention(BloomAttention):
         # `position_bias`, SDPA inside its additive mask.
         alibi = alibi.view(b, self.num_heads, 1, -1)
         implementation = self.config._attn_implementation
+        check_backend(implementation)
         if implementation in (None, "eager"):
             kwargs["alibi"] = alibi
         elif implementation == "flex_attention":
@@ -78,7 +89,8 @@ def _use_gqa_attention(model: BloomModel, config: BloomGQAConfig) -> None:
 class BloomBackends(AttentionBackends):
     """ALiBi is a per-head bias on the scores: eager, SDPA (as an additive mask) and flex (where
     it takes a per-head bias) apply it; flash attention and registered kernels have no place
-    for it, so they are refused when the model is loaded rather than run without it."""
+    for it, so they are refused when the model is built (`check_backend`) rather than run
+    without it, and engines that ask `is_backend_compatible()` are told no."""
     _supports_flash_attn = False
     _supports_flex_attn = FLEX_TAKES_BIAS
     _supports_attention_backend = False
@@ -89,6 +101,7 @@ class BloomGQAModel(BloomBackends, BloomModel):
 
     def __init__(self, config: BloomGQAConfig):
         build_as_eager(super().__init__, self, config)
+        check_backend(self.config._attn_implementation)
         _use_gqa_attention(self, config)
         self.post_init()
 
@@ -98,5 +111,6 @@ class BloomGQAForCausalLM(BloomBackends, BloomForCausalLM):
 
     def __init__(self, config: BloomGQAConfig):
         build_as_eager(super().__init__, self, config)
+        check_backend(self.config._attn_implementation)
         _use_gqa_attention(self.transformer, config)
         self.post_init()

@@ -19,8 +19,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 MIN_TRANSFORMERS = (4, 57)
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 if TRANSFORMERS_VERSION < MIN_TRANSFORMERS:
-    raise ImportError(f"uptrain's GQA modeling needs transformers >= 4.57 (found {transformers.__version__}): "
-                      "pip install -U 'transformers>=4.57'")
+    needed = ".".join(map(str, MIN_TRANSFORMERS))
+    raise ImportError(f"uptrain's GQA modeling needs transformers >= {needed} (found {transformers.__version__}): "
+                      f"pip install -U 'transformers>={needed}'")
 TRANSFORMERS_4 = TRANSFORMERS_VERSION < (5, 0)
 
 # What the layer above passes the KV cache as: 5.x `cache`, 4.57 `past_key_values` (GPT-2, OPT)

@@ -14,8 +14,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: `load` uses plain AutoModelForCausalLM
-from tests.modeling.classic_models import (ARCHITECTURES, HEAD_DIM, HEADS, build, make_heads_identical,
-                                           reads_config_aliases, token_ids)
+from tests.modeling.classic_models import (
+    ARCHITECTURES,
+    HEAD_DIM,
+    HEADS,
+    build,
+    make_heads_identical,
+    reads_config_aliases,
+    token_ids,
+)
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 

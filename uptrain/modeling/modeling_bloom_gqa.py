@@ -16,8 +16,16 @@ from torch import nn
 from transformers import BloomConfig
 from transformers.models.bloom.modeling_bloom import BloomAttention, BloomForCausalLM, BloomModel, dropout_add
 
-from .attention import (ALL_ATTENTION_FUNCTIONS, AttentionBackends, GroupedHeadsConfig, alibi_as_mask, attend,
-                        build_as_eager, pop_cache, update_cache)
+from .attention import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionBackends,
+    GroupedHeadsConfig,
+    alibi_as_mask,
+    attend,
+    build_as_eager,
+    pop_cache,
+    update_cache,
+)
 
 # Flex attention takes a per-head bias (`position_bias`) in transformers 5; 4.x's would drop ALiBi silently.
 FLEX_TAKES_BIAS = "position_bias" in inspect.signature(ALL_ATTENTION_FUNCTIONS["flex_attention"]).parameters

@@ -14,11 +14,22 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import GPTNeoXConfig
-from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GPTNeoXForCausalLM, GPTNeoXModel,
-                                                            apply_rotary_pos_emb)
+from transformers.models.gpt_neox.modeling_gpt_neox import (
+    GPTNeoXAttention,
+    GPTNeoXForCausalLM,
+    GPTNeoXModel,
+    apply_rotary_pos_emb,
+)
 
-from .attention import (TRANSFORMERS_4, AttentionBackends, GroupedHeadsConfig, attend, build_as_eager, pop_cache,
-                        update_cache)
+from .attention import (
+    TRANSFORMERS_4,
+    AttentionBackends,
+    GroupedHeadsConfig,
+    attend,
+    build_as_eager,
+    pop_cache,
+    update_cache,
+)
 
 
 class GPTNeoXGQAConfig(GroupedHeadsConfig, GPTNeoXConfig):

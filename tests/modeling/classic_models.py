@@ -36,8 +36,11 @@ def reads_config_aliases() -> bool:
         return False
 
 
-def build(model_type: str, seed: int = 0):
-    config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **SHARED)
+def build(model_type: str, seed: int = 0, init_std: float | None = None):
+    """A tiny random model. `init_std` (transformers' `initializer_range`, 0.02 by default) set
+    to ~0.5 makes greedy generation depend on the context, rather than repeat one token."""
+    std = {} if init_std is None else {"initializer_range": init_std}
+    config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **SHARED, **std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     # Fresh biases are zeros and norms ones: randomise them so pooling them is tested.

@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from uptrain.modeling.attention import grouped_query_attention
+from uptrain.modeling.attention import alibi_as_mask, grouped_query_attention
 
 
 def naive(q, k, v, *, causal=True, keep=None, scale=None, alibi=None):
@@ -100,3 +101,24 @@ def test_heads_must_divide():
     q, k, v = inputs(4, 3, 2, 2)
     with pytest.raises(ValueError, match="cannot be grouped"):
         grouped_query_attention(q, k, v)
+
+
+@pytest.mark.parametrize("g", [4, 2])
+@pytest.mark.parametrize("t,s", [(5, 5), (1, 5), (2, 5)])
+def test_alibi_as_mask_is_what_sdpa_needs(g, t, s):
+    """BLOOM on SDPA: ALiBi folded with the causal (None) or padding mask into one additive
+    mask, which SDPA adds to the scores, gives the naive ALiBi attention."""
+    q, k, v = inputs(4, g, t, s)
+    alibi = torch.randn(2, 4, 1, s)
+    keep = torch.ones(2, t, s, dtype=torch.bool).tril(diagonal=s - t)
+    keep[0, :, 0] = False  # a padded first key in one row …
+    keep[0, :, 0] |= ~keep[0, :, 1:].any(-1)  # … that a query with nothing else to see still sees
+    for mask, expected_keep in ((None, None), (keep[:, None], keep)):
+        additive = alibi_as_mask(alibi, mask, t, s, torch.float32)
+        assert additive.shape == (2, 4, t, s)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // g, 1), v.repeat_interleave(4 // g, 1),
+                                             attn_mask=additive)
+        expected = torch.stack([naive(q[i:i + 1], k[i:i + 1], v[i:i + 1], alibi=alibi[i:i + 1],
+                                      keep=None if expected_keep is None else expected_keep[i:i + 1])[0][0]
+                                for i in range(2)])
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

@@ -160,8 +160,29 @@ def test_modeling_files_import_only_torch_and_transformers():
             for line in path.read_text().splitlines():
                 if line.startswith(("import ", "from ")):
                     module = line.split()[1]
-                    assert module.split(".")[0] in {"__future__", "torch", "transformers", "math"} or \
+                    assert module.split(".")[0] in {"__future__", "inspect", "torch", "transformers"} or \
                         (module.startswith(".") and f"{module[1:]}.py" in files), (name, line)
+
+
+OLD_TRANSFORMERS = """
+import importlib.util
+import transformers
+transformers.__version__ = "4.56.2"  # what an older install reports; the files' own check reads it
+spec = importlib.util.spec_from_file_location("attention", {path!r})
+try:
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+except ImportError as error:
+    print(error)
+"""
+
+
+def test_older_transformers_are_refused_in_one_line():
+    """The files beside the weights refuse a transformers they were not tested with (their
+    cache and mask conventions differ without an error) in one line naming the version needed."""
+    result = run(OLD_TRANSFORMERS.format(path=str(modeling_files("gpt2")["attention.py"])), PYTHONPATH="")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == ("uptrain's GQA modeling needs transformers >= 4.57 (found 4.56.2): "
+                                     "pip install -U 'transformers>=4.57'")
 
 
 @pytest.mark.parametrize("model_type", ["gpt_neox", "opt"])

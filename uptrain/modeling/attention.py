@@ -1,22 +1,115 @@
 """Grouped-query attention shared by every GQA modeling file uptrain ships.
 
 This file is copied beside converted weights and loaded by `trust_remote_code=True` without
-uptrain installed: it imports only torch.
+uptrain installed: it imports only torch and transformers, and works under transformers 4.57
+(the last 4.x) and 5.x. The two differ in what an attention layer is called with (4.x:
+`past_key_values=` or `layer_past=`, 5.x: `cache=`) and in how configs are built (5.x configs
+are dataclasses): the helpers here absorb both, so each modeling file has one code path.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# The oldest transformers these files were tested with. Older ones differ in ways that give no
+# error (cache and mask conventions): refuse them rather than compute something else.
+MIN_TRANSFORMERS = (4, 57)
+TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+if TRANSFORMERS_VERSION < MIN_TRANSFORMERS:
+    needed = ".".join(map(str, MIN_TRANSFORMERS))
+    raise ImportError(f"uptrain's GQA modeling needs transformers >= {needed} (found {transformers.__version__}): "
+                      f"pip install -U 'transformers>={needed}'")
+TRANSFORMERS_4 = TRANSFORMERS_VERSION < (5, 0)
+
+# What the layer above passes the KV cache as: 5.x `cache`, 4.57 `past_key_values` (GPT-2, OPT)
+# or `layer_past` (NeoX, GPT-J, BLOOM), earlier 4.x `past_key_value`.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
+def pop_cache(kwargs: dict):
+    """The KV cache among an attention layer's keyword arguments (removed from them), or None."""
+    found = None
+    for name in CACHE_ARGUMENTS:
+        value = kwargs.pop(name, None)
+        if value is not None:  # not `or`: an empty cache is falsy
+            found = value
+    return found
 
-class GroupedAttentionOnly:
-    """Mixin for the GQA model classes: SDPA and eager attention only. Flash/flex kernels and
-    pluggable attention backends would bypass `grouped_query_attention`."""
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
+
+def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
+    """K and V of every position so far, after adding these (G heads, never repeated) to `cache`.
+    The layer's keyword arguments go along positionally: 4.x caches read `cache_position` from
+    them, 5.x's paged cache (continuous batching) writes its read/write indices into them for
+    the attention function."""
+    if cache is None:
+        return key, value
+    return cache.update(key, value, layer_idx, kwargs)
+
+
+class GroupedHeadsConfig:
+    """Mixin for the GQA configs: `num_key_value_heads` defaults to the number of attention
+    heads and must divide it, under transformers 4.x (`__init__`) and 5.x (`__post_init__`).
+    Each config declares the field itself (`num_key_value_heads: int | None = None`), so that 5.x
+    makes it a dataclass field. `_check_gqa` holds a config's own further checks."""
+
+    def _grouped_heads(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} does not divide "
+                             f"num_attention_heads {self.num_attention_heads}")
+        self._check_gqa()
+
+    def _check_gqa(self) -> None:
+        pass
+
+    @staticmethod
+    def _kwargs_for_4x(kwargs: dict) -> dict:
+        """config.json's fields as this config's 4.x `__init__` takes them (where 5.x renamed some)."""
+        return kwargs
+
+    if TRANSFORMERS_4:  # configs built by `__init__(**kwargs)`
+        def __init__(self, num_key_value_heads=None, **kwargs):
+            super().__init__(**self._kwargs_for_4x(kwargs))
+            self.num_key_value_heads = num_key_value_heads
+            self._grouped_heads()
+    else:  # transformers 5 builds configs as dataclasses: fields, then `__post_init__`
+        def __post_init__(self, **kwargs):
+            if self.num_key_value_heads is None:
+                self.num_key_value_heads = self.num_attention_heads
+            super().__post_init__(**kwargs)
+            self._grouped_heads()
+
+
+class AttentionBackends:
+    """Mixin for the GQA model classes: every attention backend transformers offers goes through
+    `attend` below (transformers' attention interface), so eager, SDPA, flash, flex and
+    registered kernels all see K/V at G heads; `num_key_value_groups` on each attention layer
+    tells them to share each KV head among its queries."""
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
+def build_as_eager(init, model, config) -> None:
+    """Run `init(config)`, the transformers class's `__init__`, with the attention implementation
+    set to "eager", then check the requested one against `model`'s own flags (AttentionBackends).
+    transformers' classes check it against theirs while they build (its BLOOM allows eager only,
+    4.x GPT-J has no SDPA), although every attention layer they build is replaced by a GQA one
+    right after, which serves each backend."""
+    requested = config._attn_implementation
+    config._attn_implementation_internal = "eager"
+    try:
+        init(config)
+    finally:
+        config._attn_implementation_internal = requested
+    model.config._attn_implementation_internal = model._check_and_adjust_attn_implementation(requested,
+                                                                                             is_init_check=True)
+
 
 def _bottom_right_causal(t: int, s: int, device: torch.device) -> torch.Tensor:
     """Query i (of the last t positions) sees keys 0 … s − t + i: aligned to the end, as with a cache."""
@@ -88,3 +181,39 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     else:
         out = torch.matmul(weights.view(b, g, r, t, s), v.unsqueeze(2)).view(b, h, t, d)
     return out, weights
+
+
+def alibi_as_mask(alibi: torch.Tensor, attention_mask: torch.Tensor | None, t: int, s: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi `[B, h, 1, S]` and the causal/padding mask (boolean, additive or None = causal) as
+    one additive mask `[B, h, T, S]`: the form SDPA (and the interface's sdpa function, which
+    passes a float mask through) adds to the scores."""
+    if attention_mask is None:
+        attention_mask = _bottom_right_causal(t, s, alibi.device)
+    attention_mask = attention_mask[..., :s]  # 4.x's may cover the whole cache length
+    return alibi.to(dtype) + _as_additive(attention_mask, dtype)
+
+
+def eager_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            alibi: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "eager" entry of transformers' attention interface for these models: the explicit,
+    per-group softmax of `grouped_query_attention` (bit-identical to transformers' own eager
+    attention at G = h). Returns `[B, T, h, d]` and the weights, as every interface function."""
+    if isinstance(attention_mask, torch.Tensor):
+        # 4.x builds GPT-J's and BLOOM's masks for the whole cache length: the keys so far only.
+        attention_mask = attention_mask[..., :key.shape[-2]]
+    out, weights = grouped_query_attention(query, key, value, attention_mask=attention_mask, scale=scaling,
+                                           alibi=alibi, dropout=dropout, eager=True)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, *,
+           scaling: float, dropout: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention through transformers' attention interface, as its own models do: "eager" is
+    `eager_attention_forward` above, any other `config._attn_implementation` (sdpa, flash, flex,
+    paged, a registered kernel) the function transformers registered under that name. q
+    `[B, h, T, d]`, K/V `[B, G, S, d]`; returns `[B, T, h, d]` and the weights (or None)."""
+    implementation = module.config._attn_implementation
+    function = eager_attention_forward if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
+    return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

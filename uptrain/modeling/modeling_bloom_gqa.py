@@ -10,24 +10,43 @@ attention file next to it.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 from transformers import BloomConfig
 from transformers.models.bloom.modeling_bloom import BloomAttention, BloomForCausalLM, BloomModel, dropout_add
 
-from .attention import grouped_query_attention
+from .attention import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionBackends,
+    GroupedHeadsConfig,
+    alibi_as_mask,
+    attend,
+    build_as_eager,
+    pop_cache,
+    update_cache,
+)
+
+# Flex attention takes a per-head bias (`position_bias`) in transformers 5; 4.x's would drop ALiBi silently.
+FLEX_TAKES_BIAS = "position_bias" in inspect.signature(ALL_ATTENTION_FUNCTIONS["flex_attention"]).parameters
+# The attention implementations that apply ALiBi (see BloomGQAAttention.forward).
+BACKENDS = ("eager", "sdpa", "flex_attention") if FLEX_TAKES_BIAS else ("eager", "sdpa")
 
 
-class BloomGQAConfig(BloomConfig):
+def check_backend(implementation: str | None) -> None:
+    """Refuse, in one line, an attention implementation that has no place for ALiBi (flash
+    attention, a registered kernel, 4.x's flex): it would run, without ALiBi, and be wrong."""
+    if implementation is not None and implementation not in BACKENDS:
+        raise ValueError(f"bloom_gqa cannot use attn_implementation={implementation!r}: ALiBi needs one of "
+                         f"{', '.join(BACKENDS)}")
+
+
+class BloomGQAConfig(GroupedHeadsConfig, BloomConfig):
     model_type = "bloom_gqa"
 
     num_key_value_heads: int | None = None
 
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.n_head
-        super().__post_init__(**kwargs)
-        if self.n_head % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} does not divide n_head {self.n_head}")
+    def _check_gqa(self) -> None:
         if self.pretraining_tp > 1 and self.slow_but_exact:
             raise ValueError("bloom_gqa does not implement slow_but_exact tensor-parallel output projection")
 
@@ -38,25 +57,35 @@ class BloomGQAAttention(BloomAttention):
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
         self.num_key_value_heads = config.num_key_value_heads
-        self.queries_per_group = self.num_heads // self.num_key_value_heads
+        self.queries_per_group = self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.config = config  # read by the attention interface (transformers' BLOOM attention keeps none)
+        self.is_causal = True
         rows = (self.num_heads + 2 * self.num_key_value_heads) * self.head_dim
         self.query_key_value = nn.Linear(self.hidden_size, rows, bias=True)
 
-    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
-                output_attentions=False, **kwargs):
+    def forward(self, hidden_states, residual, alibi, attention_mask, **kwargs):
+        cache = pop_cache(kwargs)
         b, t, _ = hidden_states.shape
         r, d = self.queries_per_group, self.head_dim
         qkv = self.query_key_value(hidden_states).view(b, t, self.num_key_value_heads, r + 2, d)
         q = qkv[..., :r, :].reshape(b, t, -1, d).transpose(1, 2)
         k, v = qkv[..., r, :].transpose(1, 2), qkv[..., r + 1, :].transpose(1, 2)
-        if layer_past is not None:
-            k, v = layer_past.update(k, v, self.layer_idx)
-        # transformers builds ALiBi as [B·h, 1, S]: one slope per query head.
-        out, weights = grouped_query_attention(
-            q, k, v, attention_mask=attention_mask, scale=self.inv_norm_factor,
-            alibi=alibi.view(b, self.num_heads, 1, -1), dropout=self.attention_dropout.p if self.training else 0.0,
-            eager=True)  # transformers' BLOOM is eager-only: its masks are additive
-        out = self.dense(out.transpose(1, 2).reshape(b, t, -1))
+        k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
+        # transformers builds ALiBi as [B·h, 1, S]: one slope per query head. Each backend takes
+        # it its own way: eager adds it to the scores (fused, as BLOOM does), flex as a per-head
+        # `position_bias`, SDPA inside its additive mask.
+        alibi = alibi.view(b, self.num_heads, 1, -1)
+        implementation = self.config._attn_implementation
+        check_backend(implementation)
+        if implementation in (None, "eager"):
+            kwargs["alibi"] = alibi
+        elif implementation == "flex_attention":
+            kwargs["position_bias"] = alibi.expand(b, self.num_heads, t, k.shape[2])
+        else:
+            attention_mask = alibi_as_mask(alibi, attention_mask, t, k.shape[2], q.dtype)
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.inv_norm_factor,
+                              dropout=self.attention_dropout.p if self.training else 0.0, **kwargs)
+        out = self.dense(out.reshape(b, t, -1))
         return dropout_add(out, residual, self.hidden_dropout, self.training), weights
 
 
@@ -65,19 +94,31 @@ def _use_gqa_attention(model: BloomModel, config: BloomGQAConfig) -> None:
         block.self_attention = BloomGQAAttention(config, layer_idx=i)
 
 
-class BloomGQAModel(BloomModel):
+class BloomBackends(AttentionBackends):
+    """ALiBi is a per-head bias on the scores: eager, SDPA (as an additive mask) and flex (where
+    it takes a per-head bias) apply it; flash attention and registered kernels have no place
+    for it, so they are refused when the model is built (`check_backend`) rather than run
+    without it, and engines that ask `is_backend_compatible()` are told no."""
+    _supports_flash_attn = False
+    _supports_flex_attn = FLEX_TAKES_BIAS
+    _supports_attention_backend = False
+
+
+class BloomGQAModel(BloomBackends, BloomModel):
     config_class = BloomGQAConfig
 
     def __init__(self, config: BloomGQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
+        check_backend(self.config._attn_implementation)
         _use_gqa_attention(self, config)
         self.post_init()
 
 
-class BloomGQAForCausalLM(BloomForCausalLM):
+class BloomGQAForCausalLM(BloomBackends, BloomForCausalLM):
     config_class = BloomGQAConfig
 
     def __init__(self, config: BloomGQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
+        check_backend(self.config._attn_implementation)
         _use_gqa_attention(self.transformer, config)
         self.post_init()

@@ -12,20 +12,15 @@ from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2LMHeadModel, GPT2Model
 from transformers.pytorch_utils import Conv1D
 
-from .attention import GroupedAttentionOnly, grouped_query_attention
+from .attention import AttentionBackends, GroupedHeadsConfig, attend, build_as_eager, pop_cache, update_cache
 
 
-class GPT2GQAConfig(GPT2Config):
+class GPT2GQAConfig(GroupedHeadsConfig, GPT2Config):
     model_type = "gpt2_gqa"
 
     num_key_value_heads: int | None = None
 
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.n_head
-        super().__post_init__(**kwargs)
-        if self.n_head % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} does not divide n_head {self.n_head}")
+    def _check_gqa(self) -> None:
         if self.add_cross_attention:
             raise ValueError("gpt2_gqa has no cross-attention")
 
@@ -36,20 +31,23 @@ class GPT2GQAAttention(GPT2Attention):
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
         self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.kv_dim = self.num_key_value_heads * self.head_dim
         self.c_attn = Conv1D(self.embed_dim + 2 * self.kv_dim, self.embed_dim)
+        # transformers 4.x GPT-2 has no `scaling` (it divides inside its attention): the same rule.
+        self.scaling = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scaling /= float(layer_idx + 1)
 
-    def forward(self, hidden_states, cache=None, attention_mask=None, output_attentions=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        cache = pop_cache(kwargs)
         q, k, v = self.c_attn(hidden_states).split([self.embed_dim, self.kv_dim, self.kv_dim], dim=2)
         heads = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (x.view(heads).transpose(1, 2) for x in (q, k, v))
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        out, weights = grouped_query_attention(
-            q, k, v, attention_mask=attention_mask, scale=self.scaling,
-            dropout=self.attn_dropout.p if self.training else 0.0,
-            eager=self.config._attn_implementation == "eager")
-        out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous()
+        k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+                              dropout=self.attn_dropout.p if self.training else 0.0, **kwargs)
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
         return self.resid_dropout(self.c_proj(out)), weights
 
 
@@ -58,19 +56,19 @@ def _use_gqa_attention(model: GPT2Model, config: GPT2GQAConfig) -> None:
         block.attn = GPT2GQAAttention(config, layer_idx=i)
 
 
-class GPT2GQAModel(GroupedAttentionOnly, GPT2Model):
+class GPT2GQAModel(AttentionBackends, GPT2Model):
     config_class = GPT2GQAConfig
 
     def __init__(self, config: GPT2GQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
         _use_gqa_attention(self, config)
         self.post_init()
 
 
-class GPT2GQAForCausalLM(GroupedAttentionOnly, GPT2LMHeadModel):
+class GPT2GQAForCausalLM(AttentionBackends, GPT2LMHeadModel):
     config_class = GPT2GQAConfig
 
     def __init__(self, config: GPT2GQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
         _use_gqa_attention(self.transformer, config)
         self.post_init()

@@ -3,34 +3,57 @@ transformers' GPT-NeoX.
 
 Stored form: `query_key_value` stays one Linear whose output rows are grouped per KV head,
 `[G, r + 2, d]` with r = h / G: the group's r query heads, then its K head, then its V head.
-At G = h that is NeoX's own per-head `[h, 3, d]` interleaving. Everything else (partial
-rotary, parallel residual) is transformers' GPT-NeoX unchanged. Copied beside converted
-weights under this name: imports only torch, transformers and the attention
-file next to it.
+At G = h that is NeoX's own per-head `[h, 3, d]` interleaving. The output head is stored as
+`lm_head` (transformers 5's name; 4.x calls the module `embed_out` and is given the same
+tensor, see `GPTNeoXGQAForCausalLM`). Everything else (partial rotary, parallel residual) is
+transformers' GPT-NeoX unchanged. Copied beside converted weights under this name: imports
+only torch, transformers and the attention file next to it.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from transformers import GPTNeoXConfig
-from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GPTNeoXForCausalLM, GPTNeoXModel,
-                                                            apply_rotary_pos_emb)
+from transformers.models.gpt_neox.modeling_gpt_neox import (
+    GPTNeoXAttention,
+    GPTNeoXForCausalLM,
+    GPTNeoXModel,
+    apply_rotary_pos_emb,
+)
 
-from .attention import GroupedAttentionOnly, grouped_query_attention
+from .attention import (
+    TRANSFORMERS_4,
+    AttentionBackends,
+    GroupedHeadsConfig,
+    attend,
+    build_as_eager,
+    pop_cache,
+    update_cache,
+)
 
 
-class GPTNeoXGQAConfig(GPTNeoXConfig):
+class GPTNeoXGQAConfig(GroupedHeadsConfig, GPTNeoXConfig):
     model_type = "gpt_neox_gqa"
 
     num_key_value_heads: int | None = None
 
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        super().__post_init__(**kwargs)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} does not divide "
-                             f"num_attention_heads {self.num_attention_heads}")
+    @staticmethod
+    def _kwargs_for_4x(kwargs: dict) -> dict:
+        """transformers 5 writes NeoX's rotary settings only inside `rope_parameters`, which 4.x
+        ignores (it would rotate a quarter of each head, at base 10000, whatever the model has):
+        give 4.x its own names for them."""
+        rope = kwargs.get("rope_parameters")
+        if not isinstance(rope, dict):
+            return kwargs
+        kwargs = dict(kwargs)
+        if "partial_rotary_factor" in rope:
+            kwargs.setdefault("rotary_pct", rope["partial_rotary_factor"])
+        if "rope_theta" in rope:
+            kwargs.setdefault("rotary_emb_base", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            kwargs.setdefault("rope_scaling", {k: v for k, v in rope.items() if k not in ("rope_theta",
+                                                                                        "partial_rotary_factor")})
+        return kwargs
 
 
 class GPTNeoXGQAAttention(GPTNeoXAttention):
@@ -39,11 +62,12 @@ class GPTNeoXGQAAttention(GPTNeoXAttention):
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
         self.num_key_value_heads = config.num_key_value_heads
-        self.queries_per_group = config.num_attention_heads // config.num_key_value_heads
+        self.queries_per_group = self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         rows = (config.num_attention_heads + 2 * self.num_key_value_heads) * self.head_size
         self.query_key_value = nn.Linear(config.hidden_size, rows, bias=config.attention_bias)
 
-    def forward(self, hidden_states, attention_mask, layer_past=None, position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        cache = pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         r, d = self.queries_per_group, self.head_size
         qkv = self.query_key_value(hidden_states).view(*input_shape, self.num_key_value_heads, r + 2, d)
@@ -51,13 +75,10 @@ class GPTNeoXGQAAttention(GPTNeoXAttention):
         k, v = qkv[..., r, :].transpose(1, 2), qkv[..., r + 1, :].transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if layer_past is not None:
-            k, v = layer_past.update(k, v, self.layer_idx)
-        out, weights = grouped_query_attention(
-            q, k, v, attention_mask=attention_mask, scale=self.scaling,
-            dropout=self.attention_dropout if self.training else 0.0,
-            eager=self.config._attn_implementation == "eager")
-        out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+                              dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        out = out.reshape(*input_shape, -1).contiguous()
         return self.dense(out), weights
 
 
@@ -66,19 +87,34 @@ def _use_gqa_attention(model: GPTNeoXModel, config: GPTNeoXGQAConfig) -> None:
         layer.attention = GPTNeoXGQAAttention(config, layer_idx=i)
 
 
-class GPTNeoXGQAModel(GroupedAttentionOnly, GPTNeoXModel):
+class GPTNeoXGQAModel(AttentionBackends, GPTNeoXModel):
     config_class = GPTNeoXGQAConfig
 
     def __init__(self, config: GPTNeoXGQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
         _use_gqa_attention(self, config)
         self.post_init()
 
 
-class GPTNeoXGQAForCausalLM(GroupedAttentionOnly, GPTNeoXForCausalLM):
+class GPTNeoXGQAForCausalLM(AttentionBackends, GPTNeoXForCausalLM):
     config_class = GPTNeoXGQAConfig
 
     def __init__(self, config: GPTNeoXGQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
         _use_gqa_attention(self.gpt_neox, config)
         self.post_init()
+
+    if TRANSFORMERS_4:
+        # transformers 4.x names the head `embed_out` and loads a stored `lm_head` into nothing
+        # (a fresh head, wrong logits): map the name both ways with 4.x's own hooks for it.
+        @staticmethod
+        def _fix_state_dict_key_on_load(key):
+            if key.startswith("lm_head."):
+                return "embed_out." + key[len("lm_head."):], True
+            return GPTNeoXForCausalLM._fix_state_dict_key_on_load(key)
+
+        @staticmethod
+        def _fix_state_dict_key_on_save(key):
+            if key.startswith("embed_out."):
+                return "lm_head." + key[len("embed_out."):], True
+            return GPTNeoXForCausalLM._fix_state_dict_key_on_save(key)

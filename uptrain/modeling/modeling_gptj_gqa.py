@@ -14,20 +14,13 @@ from torch import nn
 from transformers import GPTJConfig
 from transformers.models.gptj.modeling_gptj import GPTJAttention, GPTJForCausalLM, GPTJModel, apply_rotary_pos_emb
 
-from .attention import GroupedAttentionOnly, grouped_query_attention
+from .attention import AttentionBackends, GroupedHeadsConfig, attend, build_as_eager, pop_cache, update_cache
 
 
-class GPTJGQAConfig(GPTJConfig):
+class GPTJGQAConfig(GroupedHeadsConfig, GPTJConfig):
     model_type = "gptj_gqa"
 
     num_key_value_heads: int | None = None
-
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.n_head
-        super().__post_init__(**kwargs)
-        if self.n_head % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} does not divide n_head {self.n_head}")
 
 
 def _rotate(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, rotary_dim: int | None) -> torch.Tensor:
@@ -42,24 +35,34 @@ class GPTJGQAAttention(GPTJAttention):
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         kv_dim = config.num_key_value_heads * self.head_dim
         self.k_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
+        self.scaling = self.head_dim ** -0.5  # 4.x GPT-J divides by √d inside its attention instead
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    def _sin_cos(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers 4.x computes GPT-J's rotary table inside attention (5.x passes
+        `position_embeddings`): the same values, from the table 4.x's GPTJAttention holds."""
+        table = self.embed_positions.to(position_ids.device)
+        sincos = table[position_ids].to(dtype)
+        return torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, **kwargs):
+        cache = pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         heads = (*input_shape, -1, self.head_dim)
+        if position_embeddings is None:
+            position_embeddings = self._sin_cos(position_ids, hidden_states.dtype)
         sin, cos = position_embeddings
         q = _rotate(self.q_proj(hidden_states).view(heads), sin, cos, self.rotary_dim).transpose(1, 2)
         k = _rotate(self.k_proj(hidden_states).view(heads), sin, cos, self.rotary_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        out, weights = grouped_query_attention(
-            q, k, v, attention_mask=attention_mask, scale=self.scaling,
-            dropout=self.attention_dropout if self.training else 0.0,
-            eager=self.config._attn_implementation == "eager")
-        out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+                              dropout=self.config.attn_pdrop if self.training else 0.0, position_ids=position_ids,
+                              **kwargs)
+        out = out.reshape(*input_shape, -1).contiguous()
         return self.resid_dropout(self.out_proj(out)), weights
 
 
@@ -68,19 +71,19 @@ def _use_gqa_attention(model: GPTJModel, config: GPTJGQAConfig) -> None:
         block.attn = GPTJGQAAttention(config, i)
 
 
-class GPTJGQAModel(GroupedAttentionOnly, GPTJModel):
+class GPTJGQAModel(AttentionBackends, GPTJModel):
     config_class = GPTJGQAConfig
 
     def __init__(self, config: GPTJGQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
         _use_gqa_attention(self, config)
         self.post_init()
 
 
-class GPTJGQAForCausalLM(GroupedAttentionOnly, GPTJForCausalLM):
+class GPTJGQAForCausalLM(AttentionBackends, GPTJForCausalLM):
     config_class = GPTJGQAConfig
 
     def __init__(self, config: GPTJGQAConfig):
-        super().__init__(config)
+        build_as_eager(super().__init__, self, config)
         _use_gqa_attention(self.transformer, config)
         self.post_init()

@@ -1,0 +1,81 @@
+"""A second Python environment with transformers 4.57 (the last 4.x), for the tests that load
+converted checkpoints the way a transformers 4 user does: without uptrain, from the files
+beside the weights.
+
+Built once from the package registry with pip and cached under
+`~/.cache/uptrain-tests/`, keyed by the versions it holds (Python, torch, the transformers
+requirement): transformers 4.57 and its dependencies, safetensors, and the torch this test
+run uses (the local CPU build pip finds on disk here, pinned by the repository's
+constraints.txt). Nothing of uptrain is installed in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+TRANSFORMERS_4 = "transformers==4.57.*"
+CACHE = Path(os.environ.get("UPTRAIN_TEST_CACHE", Path.home() / ".cache" / "uptrain-tests"))
+CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
+BUILD_TIMEOUT = 600
+
+
+def torch_requirement() -> str:
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
+def key() -> str:
+    python = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    return f"{TRANSFORMERS_4.replace('==', '-').replace('.*', '')}-{torch_requirement().replace('==', '-')}-{python}"
+
+
+def transformers4_python() -> tuple[Path, dict]:
+    """The Python of the cached environment (built when missing) and what it holds
+    (`versions.json`: package → version). Skips the calling test when the registry cannot be
+    reached, except under CI (`CI=true`), where it fails: CI must run these tests."""
+    folder = CACHE / key()
+    record = folder / "versions.json"  # written last: its presence means the build completed
+    if not record.exists():
+        _build(folder)
+    return folder / "bin" / "python", json.loads(record.read_text())
+
+
+def _build(folder: Path) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final place and renamed in: a killed build leaves no half environment
+    # that a later run would take for a complete one.
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    started = time.monotonic()
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(staging)], check=True, capture_output=True, text=True)
+        python = staging / "bin" / "python"
+        pip = subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(CONSTRAINTS),
+             TRANSFORMERS_4, torch_requirement(), "safetensors"],
+            capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+        if pip.returncode != 0:
+            message = f"cannot build the transformers 4.57 environment from the registry: {pip.stderr.strip()[-1500:]}"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(message)
+            pytest.skip(message)
+        listed = subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], check=True,
+                                capture_output=True, text=True).stdout
+        versions = {p["name"].lower(): p["version"] for p in json.loads(listed)}
+        versions["build_seconds"] = round(time.monotonic() - started, 1)
+        (staging / "versions.json").write_text(json.dumps(versions, indent=1))
+        try:
+            staging.rename(folder)
+        except OSError:  # another run finished the same build first: use that one
+            if not (folder / "versions.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,175 @@
+"""The GQA modeling of GPT-2, GPT-NeoX, OPT, GPT-J and BLOOM runs on every attention backend
+that runs on CPU (eager, SDPA, flex attention, a function registered with transformers'
+attention interface, continuous batching's paged attention) and gives the same model on
+each: the same logits within float32 noise and the same tokens, with K/V at G heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …
+from tests.modeling.classic_models import ARCHITECTURES, HEADS, build, token_ids
+from uptrain.convert import convert_checkpoint
+
+BACKENDS = ["eager", "sdpa", "flex_attention"]
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # float32 noise on logits of ~10: a wrong mask, scale or head is orders larger
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """`converted(model_type, G)`: the source model and its conversion to G KV heads, made once."""
+    made = {}
+
+    def get(model_type, num_kv_heads):
+        if (model_type, num_kv_heads) not in made:
+            root = tmp_path_factory.mktemp(model_type)
+            source = build(model_type, init_std=0.5)  # lively weights: greedy tokens depend on the context
+            source.save_pretrained(root / "src")
+            made[model_type, num_kv_heads] = source, convert_checkpoint(root / "src", root / "out", num_kv_heads,
+                                                                        progress=False)
+        return made[model_type, num_kv_heads]
+    return get
+
+
+def padded_batch():
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding in one row
+    return ids, mask
+
+
+def outputs(model, padding=True):
+    """Logits (whole batch, and the real positions of a left-padded one), greedy tokens with the
+    cache (from the padded batch), and the number of KV heads the cache holds. `padding=False`:
+    no padded inputs (inductor fails to compile flex attention with a padding mask on CPU, for
+    transformers' own models too), tokens from the unpadded batch."""
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        result = model(ids, use_cache=True)
+        generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None, **(dict(attention_mask=mask) if padding else {}))
+        padded = model(ids, attention_mask=mask).logits[mask.bool()] if padding else None
+    return {"logits": result.logits, "padded": padded, "generated": generated[:, -NEW_TOKENS:],
+            "kv_heads": result.cache.layers[0].keys.shape[1]}
+
+
+def load(folder, backend):
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend).eval()
+    assert model.config._attn_implementation == backend
+    return model
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_every_backend_gives_the_same_model(model_type, converted):
+    """G = 2 of 8 heads: eager, SDPA and flex attention agree on logits and tokens, and each
+    caches K/V at 2 heads (never repeated to 8 before caching)."""
+    _, folder = converted(model_type, 2)
+    eager = load(folder, "eager")
+    reference = {True: outputs(eager), False: outputs(eager, padding=False)}
+    assert len({t for row in reference[True]["generated"].tolist() for t in row}) > 3  # not one token repeated
+    for backend in BACKENDS:
+        padding = backend != "flex_attention"
+        model = load(folder, backend)
+        if backend == "flex_attention" and model_type == "bloom":
+            # Inductor's CPU flex template fails to compile ALiBi's per-head bias when decoding
+            # with a cache (torch 2.13): the forward only.
+            with torch.no_grad():
+                result = model(padded_batch()[0], use_cache=True)
+            assert result.cache.layers[0].keys.shape[1] == 2
+            torch.testing.assert_close(result.logits, reference[False]["logits"], **TOLERANCE, msg=backend)
+            continue
+        result, expected = outputs(model, padding=padding), reference[padding]
+        assert result["kv_heads"] == 2, backend
+        torch.testing.assert_close(result["logits"], expected["logits"], **TOLERANCE, msg=backend)
+        if padding:
+            torch.testing.assert_close(result["padded"], expected["padded"], **TOLERANCE, msg=backend)
+        assert torch.equal(result["generated"], expected["generated"]), backend
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_g_equals_h_is_the_original_model_on_every_backend(model_type, backend, converted):
+    """G = h on each backend against transformers' own model (eager: every architecture has it;
+    bit for bit where transformers has the same backend is tests/convert/test_classic.py)."""
+    source, folder = converted(model_type, HEADS)
+    ids, mask = padded_batch()
+    model = load(folder, backend)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, **TOLERANCE)
+        if backend != "flex_attention":  # see `outputs`
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits[mask.bool()],
+                                       source(ids, attention_mask=mask).logits[mask.bool()], **TOLERANCE)
+
+
+def test_a_registered_attention_function_sees_g_heads(converted):
+    """Engines plug their kernels in through transformers' attention interface: a function
+    registered under a new name gets every layer's K/V at G heads, and its result is used."""
+    calls = []
+
+    def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[1], key.shape[1], value.shape[1]))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("uptrain_test_recording", recording_sdpa)
+    ids, _ = padded_batch()
+    for model_type in ("gpt2", "gpt_neox", "opt", "gptj"):
+        _, folder = converted(model_type, 2)
+        calls.clear()
+        with torch.no_grad():
+            logits = load(folder, "uptrain_test_recording")(ids).logits
+            expected = load(folder, "sdpa")(ids).logits
+        assert calls == [(HEADS, 2, 2)] * 2, model_type  # both layers
+        assert torch.equal(logits, expected), model_type
+        assert AutoModelForCausalLM.from_pretrained(folder).is_backend_compatible()
+
+
+def test_bloom_refuses_backends_without_alibi(converted):
+    """ALiBi is a per-head bias: a backend with no place for it is refused in one line when the
+    model is built, not run without it."""
+    _, folder = converted("bloom", 2)
+    AttentionInterface.register("uptrain_test_plain", sdpa_attention_forward)
+    with pytest.raises(ValueError, match="bloom_gqa cannot use attn_implementation='uptrain_test_plain'"):
+        AutoModelForCausalLM.from_pretrained(folder, attn_implementation="uptrain_test_plain")
+    with pytest.raises(ValueError, match="does not support Flash Attention"):
+        AutoModelForCausalLM.from_pretrained(folder, attn_implementation="flash_attention_2")
+    assert not AutoModelForCausalLM.from_pretrained(folder).is_backend_compatible()
+
+
+def continuous_batching(model, prompts):
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch(inputs=prompts, generation_config=config, warmup=False)
+    return [out[request].generated_tokens for request in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+
+
+PROMPTS = [[5, 9, 17, 33, 12], [40, 41, 7, 8, 90, 91, 3, 4], [100, 3]]
+
+
+# transformers 5's own OPT and BLOOM model code (outside attention) calls `cache.get_seq_length()`,
+# which the paged cache lacks: their requests fail under continuous batching, GQA or not. Strict,
+# so that the day transformers runs them this says so.
+CB_UNSUPPORTED = pytest.mark.xfail(strict=True, reason="transformers' OPT and BLOOM do not run continuous batching")
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=[CB_UNSUPPORTED] if t in ("opt", "bloom") else [])
+                                        for t in ARCHITECTURES])
+def test_continuous_batching_generates_what_generate_does(model_type, converted):
+    """transformers 5's continuous batching (`generate_batch`: a paged KV cache, requests of
+    different lengths in one batch, the paged attention functions) gives each prompt the tokens
+    `generate()` gives it alone. (transformers' own GPT-NeoX fails here: its attention calls
+    the cache without the indices the paged cache needs; the GQA one passes them.)"""
+    _, folder = converted(model_type, 2)
+    model = load(folder, "sdpa")
+    expected = [generated(model, p) for p in PROMPTS]
+    assert len({t for row in expected for t in row}) > 3
+    assert continuous_batching(model, PROMPTS) == expected
+
+
+def generated(model, prompt):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+    return out[0, len(prompt):].tolist()

@@ -38,21 +38,33 @@ def numbers(value):
 
 def test_bench_convert_tiny(tmp_path):
     result = run_script("bench_convert.py", "--size-gb", "0.02", "--repeats", "1", "--workdir", str(tmp_path))
-    for key in ("time_ratio_vs_floor", "time_ratio_vs_naive", "rss_ratio_vs_naive", "peak_rss_bytes",
-                "baseline_rss_bytes", "largest_tensor_bytes", "largest_shard_bytes"):
+    for key in (
+        "time_ratio_vs_floor",
+        "time_ratio_vs_naive",
+        "rss_ratio_vs_naive",
+        "peak_rss_bytes",
+        "baseline_rss_bytes",
+        "largest_tensor_bytes",
+        "largest_shard_bytes",
+    ):
         assert isinstance(result[key], (int, float)) and result[key] > 0, key
     assert all(math.isfinite(x) for x in numbers(result))
     assert result["largest_tensor_bytes"] <= result["largest_shard_bytes"]
     assert set(result["time_ratio_vs_floor_by_source_hash"]) == {"blake3", "sha256", "none"}
     assert result["double_layers"]["layers"] == 2 * result["layers"]
-    assert set(result["targets_met"]) >= {"time_ratio_vs_floor<=1.2", "rss_over_baseline<=3x_largest_tensor",
-                                          "rss_ratio_vs_naive<=0.2", "double_layers_rss_not_higher"}
+    assert set(result["targets_met"]) >= {
+        "time_ratio_vs_floor<=1.2",
+        "rss_over_baseline<=3x_largest_tensor",
+        "rss_ratio_vs_naive<=0.2",
+        "double_layers_rss_not_higher",
+    }
     assert list(tmp_path.iterdir()) == []  # checkpoints cleaned up
 
 
 def test_bench_copy_chunks_tiny(tmp_path):
-    result = run_script("bench_copy_chunks.py", "--size-gb", "0.02", "--repeats", "1", "--chunks", "64K,1M",
-                        "--workdir", str(tmp_path))
+    result = run_script(
+        "bench_copy_chunks.py", "--size-gb", "0.02", "--repeats", "1", "--chunks", "64K,1M", "--workdir", str(tmp_path)
+    )
     assert set(result["seconds"]) == {"chunks 64K", "chunks 1M", "copy_file_range"}
     assert result["bytes"] > 0 and all(math.isfinite(x) and x >= 0 for x in numbers(result))
     assert list(tmp_path.iterdir()) == []
@@ -60,9 +72,29 @@ def test_bench_copy_chunks_tiny(tmp_path):
 
 def test_bench_decode_tiny():
     heads, kv_heads = 8, 2
-    result = run_script("bench_decode.py", "--contexts", "8,16", "--batches", "1,2", "--new-tokens", "2",
-                        "--repeats", "1", "--hidden", "64", "--heads", str(heads), "--num-kv-heads", str(kv_heads),
-                        "--layers", "2", "--vocab", "128", "--threads", "1")
+    result = run_script(
+        "bench_decode.py",
+        "--contexts",
+        "8,16",
+        "--batches",
+        "1,2",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--hidden",
+        "64",
+        "--heads",
+        str(heads),
+        "--num-kv-heads",
+        str(kv_heads),
+        "--layers",
+        "2",
+        "--vocab",
+        "128",
+        "--threads",
+        "1",
+    )
     assert result["kv_bytes_ratio"] == kv_heads / heads
     assert set(result["decode_speedup"]) == {f"ctx{c}_batch{b}" for c in (8, 16) for b in (1, 2)}
     for row in result["settings"]:
@@ -71,16 +103,46 @@ def test_bench_decode_tiny():
 
 
 def test_bench_train_tiny():
-    result = run_script("bench_train.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-                        "--seq-len", "32", "--batch-size", "2", "--steps", "3", "--warmup", "1", "--repeats", "1")
+    result = run_script(
+        "bench_train.py",
+        "--hidden",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+    )
     assert result["tokens_per_second_ratio"] > 0 and result["mfu"] is None  # no MFU on CPU without peak_flops
     assert all(math.isfinite(x) and x > 0 for x in numbers(result))
 
 
 @pytest.mark.slow  # six child interpreters that each import torch and transformers: ~40 s
 def test_bench_calibrate_tiny(tmp_path):
-    result = run_script("bench_calibrate.py", "--size-gb", "0.02", "--tokens", "128", "--seq-len", "64",
-                        "--threads", "1", "--workdir", str(tmp_path))
+    result = run_script(
+        "bench_calibrate.py",
+        "--size-gb",
+        "0.02",
+        "--tokens",
+        "128",
+        "--seq-len",
+        "64",
+        "--threads",
+        "1",
+        "--workdir",
+        str(tmp_path),
+    )
     assert result["tokens"] == 128 and result["device"] == "cpu"
     assert set(result["rss_over_baseline_bytes"]) == {"layerwise", "whole"}
     assert all(result["seconds_per_token"][p] > 0 for p in ("layerwise", "whole"))
@@ -98,10 +160,18 @@ def device_check(env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
     (this venv has every package, and a checkout's .whl/ holds the GPU machine's Python 3.12 ones)."""
     import os
 
-    full_env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path),
-                "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "no-wheels"), **env}
-    return subprocess.run(["bash", str(SCRIPTS / "device_check.sh")], env=full_env, capture_output=True, text=True,
-                          timeout=900)
+    full_env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(tmp_path),
+        "OUT": str(tmp_path / "out"),
+        "WHEELS": str(tmp_path / "no-wheels"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPTS / "device_check.sh")], env=full_env, capture_output=True, text=True, timeout=900
+    )
 
 
 def last_json(proc: subprocess.CompletedProcess) -> dict:
@@ -120,8 +190,12 @@ def test_device_check_gpu_arguments_parse(tmp_path):
     proc = device_check({"DEVICE_CHECK_PRINT_ARGS": "1"}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     args = json.loads(proc.stdout)
-    for step, script in (("train", "train"), ("decode", "decode"), ("decode_compile", "decode"),
-                         ("calibrate", "calibrate")):
+    for step, script in (
+        ("train", "train"),
+        ("decode", "decode"),
+        ("decode_compile", "decode"),
+        ("calibrate", "calibrate"),
+    ):
         spec = importlib.util.spec_from_file_location(f"bench_{script}", SCRIPTS / f"bench_{script}.py")
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, str(SCRIPTS))  # bench_calibrate imports bench_convert
@@ -137,9 +211,22 @@ def test_device_check_gpu_arguments_parse(tmp_path):
     hidden, layers, heads, intermediate = map(int, args["uptrain_model"].split())
     flat = 12 * hidden * hidden * layers  # ≈ attention + MLP at intermediate 2.75 × hidden
     assert 0.8e9 < flat < 1.5e9 and intermediate == int(2.75 * hidden)  # "~1B"
-    config = config_from_args(build_parser("train").parse_args(
-        ["train", "--source", "SRC", "--train_data", "t.txt", "--eval_data", "e.txt", "--output_dir", "out",
-         *shlex.split(args["uptrain"])]))
+    config = config_from_args(
+        build_parser("train").parse_args(
+            [
+                "train",
+                "--source",
+                "SRC",
+                "--train_data",
+                "t.txt",
+                "--eval_data",
+                "e.txt",
+                "--output_dir",
+                "out",
+                *shlex.split(args["uptrain"]),
+            ]
+        )
+    )
     assert config.mixed_precision == "bf16" and config.num_kv_heads == 4
     # Within 8 minutes: the steps' limits, 5 s of --kill-after each, ~15 s of wheels and checks and
     # ~10 s of summary (the budget holds the total anyway: each limit is cut to what is left).
@@ -164,9 +251,11 @@ def write_wheel(folder: Path, name: str, version: str) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     info = f"{name}-{version}.dist-info"
-    files = {f"{name}.py": f"VERSION = {version!r}\n",
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        f"{name}.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
     wheel = folder / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
@@ -179,15 +268,17 @@ def test_device_check_installs_wheels_and_keeps_to_its_budget(tmp_path):
     # A budget too short for any step: the wheels are installed and used, every step is recorded
     # as skipped, and the summary still comes out, in $OUT as well.
     write_wheel(tmp_path / "wheels", "device_check_probe", "0.1")
-    proc = device_check({"DEVICE_CHECK_SIZE": "tiny", "WHEELS": str(tmp_path / "wheels"), "CHECK_BUDGET": "15"},
-                        tmp_path)
+    proc = device_check(
+        {"DEVICE_CHECK_SIZE": "tiny", "WHEELS": str(tmp_path / "wheels"), "CHECK_BUDGET": "15"}, tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc)
     assert summary["versions"]["wheels"] == {"device_check_probe": "0.1"}
     assert summary["versions"]["torch"] and summary["logs"] == str(tmp_path / "out")
     assert {name: (s["ok"], s["error"], s["limit"]) for name, s in summary["steps"].items()} == {
-        name: (False, "skipped: no time left", 0) for name in ("train", "decode", "decode_compile", "calibrate",
-                                                               "uptrain")}
+        name: (False, "skipped: no time left", 0)
+        for name in ("train", "decode", "decode_compile", "calibrate", "uptrain")
+    }
     assert (tmp_path / "out" / "summary.json").read_text().strip() == proc.stdout.strip().splitlines()[-1]
     assert not list(tmp_path.glob("device-check-*"))  # the work folder, with the installed wheels, is removed
 
@@ -205,9 +296,17 @@ def test_device_check_reports_a_broken_wheel(tmp_path):
 def test_device_check_records_failing_steps_and_goes_on(tmp_path):
     # Every step fails at once; each is recorded with its exit status and its log's tail, and the
     # check goes on to the next one and ends with its summary.
-    proc = device_check({"DEVICE_CHECK_SIZE": "tiny", "TRAIN_ARGS": "--bogus", "DECODE_ARGS": "--bogus",
-                         "DECODE_COMPILE_ARGS": "--bogus", "CALIBRATE_ARGS": "--bogus", "UPTRAIN_MODEL": "x"},
-                        tmp_path)
+    proc = device_check(
+        {
+            "DEVICE_CHECK_SIZE": "tiny",
+            "TRAIN_ARGS": "--bogus",
+            "DECODE_ARGS": "--bogus",
+            "DECODE_COMPILE_ARGS": "--bogus",
+            "CALIBRATE_ARGS": "--bogus",
+            "UPTRAIN_MODEL": "x",
+        },
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = last_json(proc)["steps"]
     assert list(steps) == ["train", "decode", "decode_compile", "calibrate", "uptrain"]
@@ -219,7 +318,8 @@ def test_device_check_records_failing_steps_and_goes_on(tmp_path):
     assert "ValueError" in steps["uptrain"]["error"]
     # What comes back from the device machine: at most 8 files, all in $OUT.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        [f"{name}.log" for name in steps] + ["setup.log", "summary.json"])
+        [f"{name}.log" for name in steps] + ["setup.log", "summary.json"]
+    )
 
 
 @pytest.mark.slow  # five steps, ten interpreters importing torch, two torch.compiles: 100-150 s on 2 shared cores

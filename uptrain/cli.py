@@ -7,8 +7,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from uptrain import UptrainError, __version__
 from uptrain.options import add_arguments, flag_keys, from_args
@@ -72,9 +73,16 @@ def inspect(options: InspectOptions) -> int:
 def speed(options: SpeedOptions) -> int:
     from uptrain.speed import format_speed_table, measure_speed
 
-    results = measure_speed(options.models, context=options.context, new_tokens=options.new_tokens,
-                            batch=options.batch, dtype=options.dtype, device=options.device,
-                            repeats=options.repeats, compile=options.compile)
+    results = measure_speed(
+        options.models,
+        context=options.context,
+        new_tokens=options.new_tokens,
+        batch=options.batch,
+        dtype=options.dtype,
+        device=options.device,
+        repeats=options.repeats,
+        compile=options.compile,
+    )
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
     return 0
 
@@ -174,36 +182,53 @@ class Command:
 
 COMMANDS = {
     "convert": Command(
-        convert, schema=_convert_schema, help="pool K/V heads of a checkpoint into fewer KV heads (MHA → GQA)",
+        convert,
+        schema=_convert_schema,
+        help="pool K/V heads of a checkpoint into fewer KV heads (MHA → GQA)",
         description="Convert a Hugging Face checkpoint to grouped-query attention with G KV heads, streaming tensor "
-                    "by tensor. Query head i reads KV head i // (heads / G)."),
+        "by tensor. Query head i reads KV head i // (heads / G).",
+    ),
     "inspect": Command(
-        inspect, schema=_inspect_schema, help="attention layout and KV-cache size for every valid number of KV heads",
+        inspect,
+        schema=_inspect_schema,
+        help="attention layout and KV-cache size for every valid number of KV heads",
         description="Show a checkpoint's architecture, heads and parameter count, and its KV-cache bytes for the "
-                    "current layout and every G it can be pooled to."),
+        "current layout and every G it can be pooled to.",
+    ),
     "speed": Command(
-        speed, schema=_speed_schema, help="inference speed and KV-cache memory of checkpoints, measured side by side",
+        speed,
+        schema=_speed_schema,
+        help="inference speed and KV-cache memory of checkpoints, measured side by side",
         description="Time the N-token prompt and M greedy new tokens with the KV cache, for B sequences, of each "
-                    "checkpoint in turn: prefill_s, decode_s_per_token, time_per_sample_s, decode_tokens_per_s, "
-                    "and kv_cache_bytes and peak_memory_bytes measured on the run. Give the MHA original and its "
-                    "conversions together to see what each G buys."),
+        "checkpoint in turn: prefill_s, decode_s_per_token, time_per_sample_s, decode_tokens_per_s, "
+        "and kv_cache_bytes and peak_memory_bytes measured on the run. Give the MHA original and its "
+        "conversions together to see what each G buys.",
+    ),
     "train": Command(
-        train, arguments=_train_arguments, parse=_train_config, help="uptrain a (converted) checkpoint with Accelerate",
+        train,
+        arguments=_train_arguments,
+        parse=_train_config,
+        help="uptrain a (converted) checkpoint with Accelerate",
         description="Continue pretraining a checkpoint for a budget of tokens or steps; runs alone or under "
-                    "`accelerate launch -m uptrain train`.",
-        epilog="Several processes: accelerate launch [options] -m uptrain train --config FILE.yaml"),
+        "`accelerate launch -m uptrain train`.",
+        epilog="Several processes: accelerate launch [options] -m uptrain train --config FILE.yaml",
+    ),
     "compare": Command(
-        compare, schema=_compare_schema,
+        compare,
+        schema=_compare_schema,
         help="compare pooling strategies and KV-head counts, before and after uptraining",
         description="For every (G, pooling): convert, evaluate at α = 0, uptrain with identical data, seed and "
-                    "budget, evaluate along the way. The MHA model, trained with the same budget, is the reference "
-                    "row. Writes results.csv, results.md and PNG plots; a killed compare resumes where it stopped."),
+        "budget, evaluate along the way. The MHA model, trained with the same budget, is the reference "
+        "row. Writes results.csv, results.md and PNG plots; a killed compare resumes where it stopped.",
+    ),
     "demo": Command(
-        demo, schema=_demo_schema,
+        demo,
+        schema=_demo_schema,
         help="the pooling study on the shipped reference model (about ten minutes on 2 cores)",
         description="`uptrain compare` on the shipped MHA reference model and corpus: G = 2 and G = 1 with mean, "
-                    "first and random pooling, each uptrained for α = 5% of the model's pretraining. Prints the "
-                    "table and where the plots are; rerunning picks up finished runs."),
+        "first and random pooling, each uptrained for α = 5% of the model's pretraining. Prints the "
+        "table and where the plots are; rerunning picks up finished runs.",
+    ),
 }
 
 

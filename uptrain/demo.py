@@ -38,12 +38,24 @@ class DemoOptions(Schema):
 
 def demo_spec(output_dir: str | Path) -> CompareSpec:
     if not (REFERENCE / "model.safetensors").exists():
-        raise UptrainError(f"the reference model is missing from {REFERENCE}; "
-                           "make it with `python scripts/make_reference_model.py`")
-    return CompareSpec(model=str(REFERENCE), num_kv_heads=[2, 1], pooling=["mean", "first", "random"],
-                       train_data=str(split_path("train")), eval_data=str(split_path("validation")),
-                       output_dir=str(output_dir), uptrain_fraction=0.05, seq_len=256, batch_size=16, lr=6e-4,
-                       warmup_steps=4, eval_every=6, eval_blocks=64)
+        raise UptrainError(
+            f"the reference model is missing from {REFERENCE}; make it with `python scripts/make_reference_model.py`"
+        )
+    return CompareSpec(
+        model=str(REFERENCE),
+        num_kv_heads=[2, 1],
+        pooling=["mean", "first", "random"],
+        train_data=str(split_path("train")),
+        eval_data=str(split_path("validation")),
+        output_dir=str(output_dir),
+        uptrain_fraction=0.05,
+        seq_len=256,
+        batch_size=16,
+        lr=6e-4,
+        warmup_steps=4,
+        eval_every=6,
+        eval_blocks=64,
+    )
 
 
 def prepare_output(output_dir: str | Path, overwrite: bool) -> None:

@@ -64,11 +64,15 @@ def gqa_config(config: dict, num_kv_heads: int) -> dict:
         # readers of config.json (inspect, train) understand the converted checkpoint.
         config = standard_config_names(config)
         module = modeling.module
-        config.update(model_type=modeling.model_type, architectures=[modeling.causal_lm_class], auto_map={
-            "AutoConfig": f"{module}.{modeling.config_class}",
-            "AutoModel": f"{module}.{modeling.model_class}",
-            "AutoModelForCausalLM": f"{module}.{modeling.causal_lm_class}",
-        })
+        config.update(
+            model_type=modeling.model_type,
+            architectures=[modeling.causal_lm_class],
+            auto_map={
+                "AutoConfig": f"{module}.{modeling.config_class}",
+                "AutoModel": f"{module}.{modeling.model_class}",
+                "AutoModelForCausalLM": f"{module}.{modeling.causal_lm_class}",
+            },
+        )
     return config
 
 
@@ -78,8 +82,10 @@ def modeling_files(model_type: str | None) -> dict[str, Path]:
     modeling = modeling_for(model_type)
     if modeling is None:
         return {}
-    return {f"{modeling.module}.py": MODELING_DIR / f"{modeling.module}.py",
-            ATTENTION_FILE: MODELING_DIR / ATTENTION_FILE}
+    return {
+        f"{modeling.module}.py": MODELING_DIR / f"{modeling.module}.py",
+        ATTENTION_FILE: MODELING_DIR / ATTENTION_FILE,
+    }
 
 
 def copy_modeling_files(model_type: str | None, folder: Path) -> None:

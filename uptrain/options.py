@@ -111,8 +111,11 @@ def keys_of(schema: type) -> tuple[Key, ...]:
     hints = typing.get_type_hints(schema)
     keys = []
     for f in dataclasses.fields(schema):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED)
+        )
         keys.append(Key(f.name, hints[f.name], default, f.metadata.get("option") or Option(help="")))
     return tuple(keys)
 
@@ -122,6 +125,7 @@ def choices_of(option: Option) -> Sequence[str] | Mapping[str, str] | None:
 
 
 # Checking values.
+
 
 def _members(annotation: Any) -> tuple[Any, ...]:
     if typing.get_origin(annotation) in (Union, types.UnionType):
@@ -145,8 +149,11 @@ def _describe(annotation: Any) -> str:
         elif typing.get_origin(m) is list:
             words.append(f"a list of ({_describe(typing.get_args(m)[0])})")
         else:
-            words.append({bool: "true or false", int: "a whole number", float: "a number", str: "text",
-                          type(None): "null"}.get(m, getattr(m, "__name__", str(m))))
+            words.append(
+                {bool: "true or false", int: "a whole number", float: "a number", str: "text", type(None): "null"}.get(
+                    m, getattr(m, "__name__", str(m))
+                )
+            )
     return " or ".join(words)
 
 
@@ -216,6 +223,7 @@ def validated(schema: type[Schema], command: str | None = None, **values: Any) -
 
 # Flags.
 
+
 def flag_keys(schema: type[Schema]) -> list[Key]:
     """The keys of `schema` that are flags, nested schemas' chosen keys in their place."""
     found = []
@@ -225,8 +233,10 @@ def flag_keys(schema: type[Schema]) -> list[Key]:
         if isinstance(key.annotation, type) and issubclass(key.annotation, Schema):
             nested = {k.name: k for k in keys_of(key.annotation)}
             group = key.option.help or None
-            found += [k._replace(option=dataclasses.replace(k.option, group=group)) for k in
-                      (nested[name] for name in key.option.keys)]
+            found += [
+                k._replace(option=dataclasses.replace(k.option, group=group))
+                for k in (nested[name] for name in key.option.keys)
+            ]
         else:
             found.append(key)
     return found
@@ -263,8 +273,9 @@ def _is_text(annotation: Any) -> bool:
     return any(m is str or typing.get_origin(m) is Literal for m in _members(annotation))
 
 
-def add_arguments(parser: argparse.ArgumentParser, keys: Iterable[Key], file_keys: bool = False,
-                  group: str | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, keys: Iterable[Key], file_keys: bool = False, group: str | None = None
+) -> None:
     """One flag per key. Plain (`uptrain convert`): `--num-kv-heads`, argparse types and choices,
     `--overwrite` alone for true, required keys required. With `file_keys` (`uptrain train`, whose
     keys can come from a YAML file): `--seq_len` and `--seq-len`, values read as YAML scalars and

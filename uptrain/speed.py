@@ -38,29 +38,48 @@ DTYPES = ("float32", "bfloat16", "float16")
 class SpeedOptions(Schema):
     """`uptrain speed`: the options of `measure_speed`, as flags."""
 
-    models: list[str] = option(positional=True, metavar="MODEL",
-                               help="checkpoint folders or Hub ids, converted or not; measured in alternation, "
-                                    "one sample of each in turn")
-    context: int = option(1024, at_least=1, help="prompt length N in tokens (random token ids: speed does not "
-                                                 "depend on them)")
-    new_tokens: int = option(32, at_least=2, help="tokens M generated greedily after the prompt, with the KV cache; "
-                                                  "the first comes from the prompt's pass")
+    models: list[str] = option(
+        positional=True,
+        metavar="MODEL",
+        help="checkpoint folders or Hub ids, converted or not; measured in alternation, one sample of each in turn",
+    )
+    context: int = option(
+        1024, at_least=1, help="prompt length N in tokens (random token ids: speed does not depend on them)"
+    )
+    new_tokens: int = option(
+        32,
+        at_least=2,
+        help="tokens M generated greedily after the prompt, with the KV cache; the first comes from the prompt's pass",
+    )
     batch: int = option(1, at_least=1, help="sequences B decoded together")
-    dtype: str | None = option(None, choices=DTYPES, help="weights and cache dtype (default: float32 on CPU, "
-                                                          "bfloat16 on CUDA)")
+    dtype: str | None = option(
+        None, choices=DTYPES, help="weights and cache dtype (default: float32 on CPU, bfloat16 on CUDA)"
+    )
     device: str = option("cpu", metavar="cpu|cuda[:N]", help="where the models run")
-    repeats: int = option(3, at_least=1, help="timed samples per model after one warm-up; medians are reported, "
-                                              "with min and max")
-    compile: bool = option(False, help="GPU only: also time a static cache with torch.compile'd decode steps "
-                                       "(compile time reported apart)")
+    repeats: int = option(
+        3, at_least=1, help="timed samples per model after one warm-up; medians are reported, with min and max"
+    )
+    compile: bool = option(
+        False, help="GPU only: also time a static cache with torch.compile'd decode steps (compile time reported apart)"
+    )
     json: bool = option(False, help="one JSON object per model, for scripts")
+
+
 TIMINGS = ("prefill_s", "decode_s_per_token", "time_per_sample_s", "decode_tokens_per_s")
 PROMPT_SEED = 0
 
 
-def measure_speed(models: list[str | Path], *, context: int = 1024, new_tokens: int = 32, batch: int = 1,
-                  dtype: str | None = None, device: str = "cpu", repeats: int = 3,
-                  compile: bool = False) -> list[dict]:
+def measure_speed(
+    models: list[str | Path],
+    *,
+    context: int = 1024,
+    new_tokens: int = 32,
+    batch: int = 1,
+    dtype: str | None = None,
+    device: str = "cpu",
+    repeats: int = 3,
+    compile: bool = False,
+) -> list[dict]:
     """Measure greedy decoding of each checkpoint in `models`; one result dict per model, in order.
 
     Options (the `uptrain speed` flags):
@@ -106,11 +125,29 @@ def measure_speed(models: list[str | Path], *, context: int = 1024, new_tokens: 
     loaded = {s.label: load_model(s.folder, dtype, torch_device) for s in sources}
     for shape in shapes:  # again, now that the weights hold their share of the memory
         shape.check_cache_fits(batch, context + new_tokens, dtype, torch_device)
-    measured = measure_models(loaded, context=context, new_tokens=new_tokens, batch=batch, repeats=repeats,
-                              device=torch_device, compile=compile)
-    return [{"model": shape.label, "num_kv_heads": shape.geometry.num_kv_heads, "context": context,
-             "new_tokens": new_tokens, "batch": batch, "dtype": dtype, "device": str(torch_device),
-             "repeats": repeats, **measured[shape.label]} for shape in shapes]
+    measured = measure_models(
+        loaded,
+        context=context,
+        new_tokens=new_tokens,
+        batch=batch,
+        repeats=repeats,
+        device=torch_device,
+        compile=compile,
+    )
+    return [
+        {
+            "model": shape.label,
+            "num_kv_heads": shape.geometry.num_kv_heads,
+            "context": context,
+            "new_tokens": new_tokens,
+            "batch": batch,
+            "dtype": dtype,
+            "device": str(torch_device),
+            "repeats": repeats,
+            **measured[shape.label],
+        }
+        for shape in shapes
+    ]
 
 
 def parse_device(device: str, compile: bool = False):
@@ -119,8 +156,10 @@ def parse_device(device: str, compile: bool = False):
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise UptrainError(f"--device {device!r}: use cpu, cuda or cuda:N")
     if compile and device == "cpu":
-        raise UptrainError("--compile needs a CUDA device (static cache + torch.compile is the GPU serving path); "
-                           "drop --compile or pass --device cuda")
+        raise UptrainError(
+            "--compile needs a CUDA device (static cache + torch.compile is the GPU serving path); "
+            "drop --compile or pass --device cuda"
+        )
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
         if not torch.cuda.is_available():
@@ -134,8 +173,9 @@ def check_counts(**counts: int) -> None:
     least = {"new_tokens": 2}  # the prompt's pass gives the first token; a decode step needs a second
     for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < least.get(name, 1):
-            raise UptrainError(f"--{name.replace('_', '-')} must be a whole number ≥ {least.get(name, 1)} "
-                               f"(got {value!r})")
+            raise UptrainError(
+                f"--{name.replace('_', '-')} must be a whole number ≥ {least.get(name, 1)} (got {value!r})"
+            )
 
 
 @dataclass(frozen=True)
@@ -148,8 +188,10 @@ class ModelShape:
 
     def check(self, context: int, new_tokens: int, batch: int, dtype: str, device) -> None:
         if self.max_positions is not None and context + new_tokens > self.max_positions:
-            raise UptrainError(f"{self.label}: context {context} + new tokens {new_tokens} = {context + new_tokens} "
-                               f"is beyond the model's {self.max_positions} positions")
+            raise UptrainError(
+                f"{self.label}: context {context} + new tokens {new_tokens} = {context + new_tokens} "
+                f"is beyond the model's {self.max_positions} positions"
+            )
         self.check_cache_fits(batch, context + new_tokens, dtype, device)
 
     def check_cache_fits(self, batch: int, positions: int, dtype: str, device) -> None:
@@ -158,9 +200,11 @@ class ModelShape:
         need = self.geometry.kv_cache_bytes_per_token(DTYPE_BYTES[dtype]) * batch * positions
         free = free_memory_bytes(device)
         if free is not None and need > free:
-            raise UptrainError(f"{self.label}: the KV cache of batch {batch} × {positions} positions needs "
-                               f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; "
-                               f"lower --batch or --context")
+            raise UptrainError(
+                f"{self.label}: the KV cache of batch {batch} × {positions} positions needs "
+                f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; "
+                f"lower --batch or --context"
+            )
 
 
 def model_shape(folder: Path, label: str) -> ModelShape:
@@ -197,8 +241,9 @@ def load_model(folder: str | Path, dtype: str, device):
     return model.eval()
 
 
-def measure_models(models: dict, *, context: int, new_tokens: int, batch: int, repeats: int, device,
-                   compile: bool = False) -> dict[str, dict]:
+def measure_models(
+    models: dict, *, context: int, new_tokens: int, batch: int, repeats: int, device, compile: bool = False
+) -> dict[str, dict]:
     """Time loaded models on the same random prompt: one warm-up sample each (which also gives
     the peak memory), then `repeats` samples taken in turn, model after model. Returns, per
     name, the measurement keys of `measure_speed`'s results."""
@@ -217,8 +262,15 @@ def measure_models(models: dict, *, context: int, new_tokens: int, batch: int, r
         for _ in range(repeats):
             for name, model in models.items():  # in turn, so a noisy moment hits every model
                 samples[name].append(greedy_sample(model, prompts[name], new_tokens, device))
-        results = {name: {**summarise(samples[name], batch), "kv_cache_bytes": samples[name][-1].kv_cache_bytes,
-                          "peak_memory_bytes": peaks[name], "compiled": None} for name in models}
+        results = {
+            name: {
+                **summarise(samples[name], batch),
+                "kv_cache_bytes": samples[name][-1].kv_cache_bytes,
+                "peak_memory_bytes": peaks[name],
+                "compiled": None,
+            }
+            for name in models
+        }
         if compile:
             for name, model in models.items():
                 results[name]["compiled"] = measure_compiled(model, prompts[name], new_tokens, repeats, device)
@@ -326,8 +378,7 @@ def measure_compiled(model, prompt, new_tokens: int, repeats: int, device) -> di
     for _ in range(repeats):
         cache.reset()
         samples.append(greedy_sample(model, prompt, new_tokens, device, cache=cache, decode=decode))
-    return {**summarise(samples, prompt.shape[0]), "kv_cache_bytes": samples[-1].kv_cache_bytes,
-            "compile_s": compile_s}
+    return {**summarise(samples, prompt.shape[0]), "kv_cache_bytes": samples[-1].kv_cache_bytes, "compile_s": compile_s}
 
 
 class PeakMemory:
@@ -391,24 +442,36 @@ def format_speed_table(results: list[dict]) -> str:
     if not results:
         return ""
     first = results[0]
-    title = (f"greedy decoding: context {first['context']}, {first['new_tokens']} new tokens, batch {first['batch']}, "
-             f"{first['device']} {first['dtype']}, median of {first['repeats']} (min–max)")
-    header = (f"{'model':<32} {'G':>3} {'prefill s':>9} {'decode ms/token':>21} {'tokens/s':>9} "
-              f"{'time/sample s':>22} {'KV cache MiB':>12} {'peak MiB':>9}")
+    title = (
+        f"greedy decoding: context {first['context']}, {first['new_tokens']} new tokens, batch {first['batch']}, "
+        f"{first['device']} {first['dtype']}, median of {first['repeats']} (min–max)"
+    )
+    header = (
+        f"{'model':<32} {'G':>3} {'prefill s':>9} {'decode ms/token':>21} {'tokens/s':>9} "
+        f"{'time/sample s':>22} {'KV cache MiB':>12} {'peak MiB':>9}"
+    )
     lines = [title, header, "-" * len(header)]
     for r in results:
         rows = [(r["model"], r)] + ([(r["model"] + " (compiled)", r["compiled"])] if r.get("compiled") else [])
         for name, m in rows:
             spread = m["spread"]
-            decode = (f"{m['decode_s_per_token'] * 1e3:.2f} ({spread['decode_s_per_token']['min'] * 1e3:.2f}–"
-                      f"{spread['decode_s_per_token']['max'] * 1e3:.2f})")
-            total = (f"{m['time_per_sample_s']:.3f} ({spread['time_per_sample_s']['min']:.3f}–"
-                     f"{spread['time_per_sample_s']['max']:.3f})")
+            decode = (
+                f"{m['decode_s_per_token'] * 1e3:.2f} ({spread['decode_s_per_token']['min'] * 1e3:.2f}–"
+                f"{spread['decode_s_per_token']['max'] * 1e3:.2f})"
+            )
+            total = (
+                f"{m['time_per_sample_s']:.3f} ({spread['time_per_sample_s']['min']:.3f}–"
+                f"{spread['time_per_sample_s']['max']:.3f})"
+            )
             peak = r["peak_memory_bytes"] if m is r else None
-            lines.append(f"{name[-32:]:<32} {r['num_kv_heads']:>3} {m['prefill_s']:>9.3f} {decode:>21} "
-                         f"{m['decode_tokens_per_s']:>9.1f} {total:>22} {m['kv_cache_bytes'] / 2**20:>12.2f} "
-                         f"{'-' if peak is None else f'{peak / 2**20:.1f}':>9}")
+            lines.append(
+                f"{name[-32:]:<32} {r['num_kv_heads']:>3} {m['prefill_s']:>9.3f} {decode:>21} "
+                f"{m['decode_tokens_per_s']:>9.1f} {total:>22} {m['kv_cache_bytes'] / 2**20:>12.2f} "
+                f"{'-' if peak is None else f'{peak / 2**20:.1f}':>9}"
+            )
     if any(r.get("compiled") for r in results):
-        lines.append("compile time (apart from the timings): "
-                     + ", ".join(f"{r['model']} {r['compiled']['compile_s']:.1f} s" for r in results if r["compiled"]))
+        lines.append(
+            "compile time (apart from the timings): "
+            + ", ".join(f"{r['model']} {r['compiled']['compile_s']:.1f} s" for r in results if r["compiled"])
+        )
     return "\n".join(lines)

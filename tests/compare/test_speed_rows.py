@@ -21,10 +21,18 @@ HEADS, POSITIONS = 4, 64
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("speed_rows")
     tokenizer = load_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=HEADS,
-                         num_key_value_heads=HEADS, num_hidden_layers=2, max_position_embeddings=POSITIONS,
-                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        num_hidden_layers=2,
+        max_position_embeddings=POSITIONS,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(root / "mha")
     tokenizer.save_pretrained(root / "mha")
@@ -35,11 +43,44 @@ def setup(tmp_path_factory):
 
 
 def compare(root, out, *extra):
-    return main(["compare", "--model", str(root / "mha"), "--num-kv-heads", "2", "1", "--pooling", "mean", "first",
-                 "--train-data", str(root / "train.jsonl"), "--eval-data", str(root / "eval.jsonl"),
-                 "--output-dir", str(out), "--max-tokens", "128", "--seq-len", "32", "--batch-size", "4",
-                 "--eval-every", "1", "--eval-blocks", "4", "--warmup-steps", "1", "--report-to", "jsonl",
-                 "--speed-batch", "2", "--speed-repeats", "1", *extra])
+    return main(
+        [
+            "compare",
+            "--model",
+            str(root / "mha"),
+            "--num-kv-heads",
+            "2",
+            "1",
+            "--pooling",
+            "mean",
+            "first",
+            "--train-data",
+            str(root / "train.jsonl"),
+            "--eval-data",
+            str(root / "eval.jsonl"),
+            "--output-dir",
+            str(out),
+            "--max-tokens",
+            "128",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--eval-every",
+            "1",
+            "--eval-blocks",
+            "4",
+            "--warmup-steps",
+            "1",
+            "--report-to",
+            "jsonl",
+            "--speed-batch",
+            "2",
+            "--speed-repeats",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -52,14 +93,22 @@ def test_every_row_carries_its_measured_speed_and_a_resume_reuses_it(setup, tmp_
     assert compare(setup, out) == 0
     rows = read_rows(out)
     assert [(r["num_kv_heads"], r["pooling"]) for r in rows] == [
-        ("4", "mha"), ("2", "mean"), ("2", "first"), ("1", "mean"), ("1", "first")]
+        ("4", "mha"),
+        ("2", "mean"),
+        ("2", "first"),
+        ("1", "mean"),
+        ("1", "first"),
+    ]
     for r in rows:
         assert float(r["time_per_sample_s"]) > 0 and float(r["decode_tokens_per_s"]) > 0, r
     # One measurement per G, shared by the rows at that G and kept in its own file.
     assert sorted(p.name for p in out.glob("speed-g*.json")) == ["speed-g1.json", "speed-g2.json", "speed-g4.json"]
     for g in ("2", "1"):
-        same = {tuple(r[k] for k in ("time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"))
-                for r in rows if r["num_kv_heads"] == g}
+        same = {
+            tuple(r[k] for k in ("time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"))
+            for r in rows
+            if r["num_kv_heads"] == g
+        }
         assert len(same) == 1, (g, same)
     stored = {g: json.loads((out / f"speed-g{g}.json").read_text()) for g in (4, 2, 1)}
     assert stored[2]["model"] == str(Path("converted") / "g2-mean") and stored[4]["model"] == str(setup / "mha")
@@ -124,15 +173,35 @@ def test_the_speed_plots_are_logged_to_wandb_with_the_table(tmp_path):
     from uptrain.compare.study import RunResult
 
     def speed(g: int, seconds: float) -> dict:
-        return {"time_per_sample_s": seconds, "decode_tokens_per_s": 8 / seconds, "kv_cache_bytes": 1024 * g,
-                "spread": {"time_per_sample_s": {"min": seconds * 0.9, "max": seconds * 1.2}}, "context": 448,
-                "new_tokens": 64, "batch": 8, "device": "cpu", "dtype": "float32", "repeats": 2, "machine": "a CPU"}
+        return {
+            "time_per_sample_s": seconds,
+            "decode_tokens_per_s": 8 / seconds,
+            "kv_cache_bytes": 1024 * g,
+            "spread": {"time_per_sample_s": {"min": seconds * 0.9, "max": seconds * 1.2}},
+            "context": 448,
+            "new_tokens": 64,
+            "batch": 8,
+            "device": "cpu",
+            "dtype": "float32",
+            "repeats": 2,
+            "machine": "a CPU",
+        }
 
-    results = [RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)], speed(8, 3.0)),
-               RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, [(0, 5.0), (200, 4.2)], speed(2, 1.5)),
-               RunResult("g1-mean", 1, "mean", 5.5, 4.4, 200, 512, [(0, 5.5), (200, 4.4)], speed(1, 1.2))]
-    spec = CompareSpec(model="m", num_kv_heads=[2, 1], pooling=["mean"], train_data="t", eval_data="e",
-                       output_dir=str(tmp_path / "study"), max_tokens=200, report_to=["wandb"])
+    results = [
+        RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)], speed(8, 3.0)),
+        RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, [(0, 5.0), (200, 4.2)], speed(2, 1.5)),
+        RunResult("g1-mean", 1, "mean", 5.5, 4.4, 200, 512, [(0, 5.5), (200, 4.4)], speed(1, 1.2)),
+    ]
+    spec = CompareSpec(
+        model="m",
+        num_kv_heads=[2, 1],
+        pooling=["mean"],
+        train_data="t",
+        eval_data="e",
+        output_dir=str(tmp_path / "study"),
+        max_tokens=200,
+        report_to=["wandb"],
+    )
     Path(spec.output_dir).mkdir()
     files = write_report(results, spec.output_dir, spec)
     item = next(r["history"]["item"] for r in leet(files["wandb"]) if r["type"] == "history")
@@ -149,4 +218,10 @@ def test_the_demo_measures_speed_within_the_reference_models_positions(tmp_path)
     from uptrain.demo import demo_spec
 
     assert speed_setting(demo_spec(tmp_path / "demo")) == {
-        "context": 480, "new_tokens": 32, "batch": 8, "repeats": 2, "device": "cpu", "dtype": "float32"}
+        "context": 480,
+        "new_tokens": 32,
+        "batch": 8,
+        "repeats": 2,
+        "device": "cpu",
+        "dtype": "float32",
+    }

@@ -18,10 +18,18 @@ from uptrain.corpus import load_tokenizer, read_documents
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
     tokenizer = load_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=4, num_hidden_layers=2, max_position_embeddings=64,
-                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(root / "mha")
     tokenizer.save_pretrained(root / "mha")
@@ -33,10 +41,40 @@ def setup(tmp_path_factory):
 
 
 def compare(root, out, *extra):
-    return main(["compare", "--model", str(root / "mha"), "--num-kv-heads", "2", "1", "--pooling", "mean", "random",
-                 "--train-data", str(root / "train.jsonl"), "--eval-data", str(root / "eval.jsonl"),
-                 "--output-dir", str(out), "--uptrain-fraction", "0.05", "--seq-len", "32", "--batch-size", "4",
-                 "--eval-every", "2", "--eval-blocks", "8", "--warmup-steps", "1", "--report-to", "jsonl", *extra])
+    return main(
+        [
+            "compare",
+            "--model",
+            str(root / "mha"),
+            "--num-kv-heads",
+            "2",
+            "1",
+            "--pooling",
+            "mean",
+            "random",
+            "--train-data",
+            str(root / "train.jsonl"),
+            "--eval-data",
+            str(root / "eval.jsonl"),
+            "--output-dir",
+            str(out),
+            "--uptrain-fraction",
+            "0.05",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-blocks",
+            "8",
+            "--warmup-steps",
+            "1",
+            "--report-to",
+            "jsonl",
+            *extra,
+        ]
+    )
 
 
 def test_compare_writes_table_plots_and_resumes(setup, tmp_path, capsys):
@@ -45,10 +83,21 @@ def test_compare_writes_table_plots_and_resumes(setup, tmp_path, capsys):
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["num_kv_heads"], r["pooling"]) for r in rows] == [
-        ("4", "mha"), ("2", "mean"), ("2", "random"), ("1", "mean"), ("1", "random")]
+        ("4", "mha"),
+        ("2", "mean"),
+        ("2", "random"),
+        ("1", "mean"),
+        ("1", "random"),
+    ]
     for r in rows:
-        for key in ("eval_loss_before", "eval_loss_after", "perplexity_before", "perplexity_after",
-                    "gap_to_mha_before", "gap_to_mha_after"):
+        for key in (
+            "eval_loss_before",
+            "eval_loss_after",
+            "perplexity_before",
+            "perplexity_after",
+            "gap_to_mha_before",
+            "gap_to_mha_after",
+        ):
             assert math.isfinite(float(r[key])), (r, key)
         # α = 0.05 of the card's 20,480 pretraining tokens = 1,024 = 8 steps of 4 × 32 tokens.
         assert int(r["uptrain_tokens"]) == 1024
@@ -90,9 +139,29 @@ def test_compare_checks_every_conversion_before_any_work(setup, tmp_path, capsys
     out = tmp_path / "cmp"
     assert compare(setup, out, "--pooling", "mean", "meen") == 2
     assert "unknown pooling 'meen'" in capsys.readouterr().err
-    assert main(["compare", "--model", str(setup / "mha"), "--num-kv-heads", "2", "3", "--train-data",
-                 str(setup / "train.jsonl"), "--eval-data", str(setup / "eval.jsonl"), "--output-dir", str(out),
-                 "--max-tokens", "128", "--report-to", "jsonl"]) == 2
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                str(setup / "mha"),
+                "--num-kv-heads",
+                "2",
+                "3",
+                "--train-data",
+                str(setup / "train.jsonl"),
+                "--eval-data",
+                str(setup / "eval.jsonl"),
+                "--output-dir",
+                str(out),
+                "--max-tokens",
+                "128",
+                "--report-to",
+                "jsonl",
+            ]
+        )
+        == 2
+    )
     assert "--num-kv-heads 3 does not divide" in capsys.readouterr().err
     assert not out.exists()
 
@@ -100,22 +169,55 @@ def test_compare_checks_every_conversion_before_any_work(setup, tmp_path, capsys
 def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
     from uptrain.cli import COMMANDS, build_parser
 
-    argv = ["compare", "--model", str(setup / "mha"), "--num-kv-heads", "2", "--pooling", "first", "--train-data",
-            str(setup / "train.jsonl"), "--eval-data", str(setup / "eval.jsonl"), "--output-dir", str(tmp_path),
-            "--max-tokens", "128", "--seq-len", "32", "--grouping", "similarity", "--calibration-tokens", "64"]
+    argv = [
+        "compare",
+        "--model",
+        str(setup / "mha"),
+        "--num-kv-heads",
+        "2",
+        "--pooling",
+        "first",
+        "--train-data",
+        str(setup / "train.jsonl"),
+        "--eval-data",
+        str(setup / "eval.jsonl"),
+        "--output-dir",
+        str(tmp_path),
+        "--max-tokens",
+        "128",
+        "--seq-len",
+        "32",
+        "--grouping",
+        "similarity",
+        "--calibration-tokens",
+        "64",
+    ]
     spec = COMMANDS["compare"].options(build_parser("compare").parse_args(argv), "compare")
     conversion = spec.conversion_spec(2, "first")
     assert (conversion.pooling, conversion.grouping, conversion.num_kv_heads) == ("first", "similarity", 2)
     assert (conversion.calibration_data, conversion.calibration_tokens, conversion.calibration_seq_len) == (
-        str(setup / "train.jsonl"), 64, 32)
+        str(setup / "train.jsonl"),
+        64,
+        32,
+    )
     assert json.loads(json.dumps(spec.to_dict()))["conversion"]["grouping"] == "similarity"
 
 
 def small_spec(out, **changes):
     from uptrain.compare.spec import CompareSpec
 
-    return CompareSpec(**{"model": "m", "num_kv_heads": [2], "pooling": ["mean"], "train_data": "t", "eval_data": "e",
-                          "output_dir": str(out), "max_tokens": 200, **changes})
+    return CompareSpec(
+        **{
+            "model": "m",
+            "num_kv_heads": [2],
+            "pooling": ["mean"],
+            "train_data": "t",
+            "eval_data": "e",
+            "output_dir": str(out),
+            "max_tokens": 200,
+            **changes,
+        }
+    )
 
 
 def test_a_compare_record_is_compared_key_by_key():
@@ -157,7 +259,9 @@ def test_the_results_run_joins_the_recorded_group(tmp_path):
     out.mkdir()
     spec = small_spec(out, report_to=["wandb"])
     group = _start(spec, out)
-    results = [RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)]),
-               RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, [(0, 5.0), (200, 4.2)])]
+    results = [
+        RunResult("mha", 8, "mha", 4.0, 4.1, 200, 4096, [(0, 4.0), (200, 4.1)]),
+        RunResult("g2-mean", 2, "mean", 5.0, 4.2, 200, 1024, [(0, 5.0), (200, 4.2)]),
+    ]
     run = next(r["run"] for r in leet(write_report(results, out, spec)["wandb"]) if r["type"] == "run")
     assert run["run_group"] == group and run["display_name"] == "cmp/results"

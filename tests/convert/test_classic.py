@@ -33,8 +33,10 @@ NEEDS_ALIASES = {"gpt2", "gptj", "bloom"}
 def arch_params(cases=ARCHITECTURES):
     """One pytest parameter per case (an architecture's name, or a tuple starting with it),
     skipped while uptrain cannot read that architecture's config."""
-    mark = pytest.mark.skipif(not reads_config_aliases(),
-                              reason="uptrain.model_info.attention_geometry does not read n_head/n_layer/n_embd yet")
+    mark = pytest.mark.skipif(
+        not reads_config_aliases(),
+        reason="uptrain.model_info.attention_geometry does not read n_head/n_layer/n_embd yet",
+    )
     params = []
     for case in cases:
         values = case if isinstance(case, tuple) else (case,)
@@ -65,6 +67,7 @@ def sources(tmp_path_factory):
             model.save_pretrained(folder)
             built[model_type] = (model, folder)
         return built[model_type]
+
     return get
 
 
@@ -74,8 +77,10 @@ def test_g_equals_h_reproduces_transformers_exactly(model_type, attn, sources, t
     """G = h: every tensor keeps its bits (fused Q/K/V layouts included) and the GQA modeling's
     logits equal the unmodified transformers model's, bit for bit."""
     if model_type == "bloom" and attn == "sdpa":
-        pytest.skip("transformers' BLOOM has no SDPA to match bit for bit (tests/modeling/test_backends.py compares "
-                    "bloom_gqa's SDPA with its eager within float32 noise)")
+        pytest.skip(
+            "transformers' BLOOM has no SDPA to match bit for bit (tests/modeling/test_backends.py compares "
+            "bloom_gqa's SDPA with its eager within float32 noise)"
+        )
     model, src = sources(model_type)
     out = convert_checkpoint(src, tmp_path / "out", HEADS, progress=False)
     before, after = state(src), state(out)
@@ -162,14 +167,15 @@ model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=Tru
 ids = torch.tensor({token_ids().tolist()})
 with torch.no_grad():
     output = model(ids, use_cache=True)
-torch.save(output.logits, {str(tmp_path / 'logits.pt')!r})
+torch.save(output.logits, {str(tmp_path / "logits.pt")!r})
 assert output.cache.layers[0].keys.shape[1] == 2
 assert not [m for m in sys.modules if m.split('.')[0] == 'uptrain'], 'uptrain was imported'
 print(type(model).__module__)
 """
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONPATH="")
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().startswith("transformers_modules.")
     with torch.no_grad():
@@ -193,8 +199,7 @@ def test_converted_checkpoint_pools_further(model_type, sources, tmp_path):
 
 
 @pytest.mark.parametrize("model_type", arch_params())
-@pytest.mark.parametrize("options", [dict(pooling="calibrated", calibration_data="x.txt"),
-                                     dict(grouping="similarity")])
+@pytest.mark.parametrize("options", [dict(pooling="calibrated", calibration_data="x.txt"), dict(grouping="similarity")])
 def test_whole_layer_merges_are_refused(model_type, options, sources, tmp_path):
     _, src = sources(model_type)
     with pytest.raises(UptrainError, match=f"does not support {model_type} yet"):
@@ -208,12 +213,14 @@ def test_per_head_fused_stored_form_is_per_group(model_type, sources, tmp_path):
     heads in order, then the mean of its K heads, then the mean of its V heads."""
     _, src = sources(model_type)
     out = convert_checkpoint(src, tmp_path / "out", 2, progress=False)
-    name = {"gpt_neox": "gpt_neox.layers.1.attention.query_key_value.weight",
-            "bloom": "transformer.h.1.self_attention.query_key_value.weight"}[model_type]
+    name = {
+        "gpt_neox": "gpt_neox.layers.1.attention.query_key_value.weight",
+        "bloom": "transformer.h.1.self_attention.query_key_value.weight",
+    }[model_type]
     before = state(src)[name].view(HEADS, 3, HEAD_DIM, -1)
     after = state(out)[name].view(2, HEADS // 2 + 2, HEAD_DIM, -1)
     for j in range(2):
-        group = before[4 * j:4 * (j + 1)]
+        group = before[4 * j : 4 * (j + 1)]
         assert torch.equal(after[j, :4], group[:, 0])
         torch.testing.assert_close(after[j, 4], group[:, 1].mean(0), rtol=0, atol=1e-7)
         torch.testing.assert_close(after[j, 5], group[:, 2].mean(0), rtol=0, atol=1e-7)
@@ -230,13 +237,14 @@ def test_gpt2_stored_form(model_type, sources, tmp_path):
         assert after.shape[-1] == 64 + 2 * 2 * HEAD_DIM
         assert torch.equal(after[..., :64], before[..., :64])
         for block in (1, 2):  # K, V
-            heads = before[..., 64 * block:64 * (block + 1)].reshape(*before.shape[:-1], 2, 4, HEAD_DIM)
-            pooled = after[..., 64 + 16 * (block - 1):64 + 16 * block]
+            heads = before[..., 64 * block : 64 * (block + 1)].reshape(*before.shape[:-1], 2, 4, HEAD_DIM)
+            pooled = after[..., 64 + 16 * (block - 1) : 64 + 16 * block]
             torch.testing.assert_close(pooled, heads.mean(-2).reshape(pooled.shape), rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("model_type,prefix", arch_params([("gpt2", "transformer."), ("opt", "model."),
-                                                           ("bloom", "transformer.")]))
+@pytest.mark.parametrize(
+    "model_type,prefix", arch_params([("gpt2", "transformer."), ("opt", "model."), ("bloom", "transformer.")])
+)
 def test_checkpoints_saved_without_the_base_prefix(model_type, prefix, sources, tmp_path):
     """The original GPT-2, OPT and BLOOM checkpoints name tensors without the base model's
     prefix (h.0.attn.…, decoder.layers.0.…): they convert and load the same."""

@@ -15,10 +15,22 @@ SHARED = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 CONFIGS = {
     "gpt2": dict(n_embd=HIDDEN, n_head=HEADS, n_layer=2, n_positions=64),
     # partial rotary: half of each head rotated, half passed through
-    "gpt_neox": dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, intermediate_size=96,
-                     max_position_embeddings=64, rotary_pct=0.5),
-    "opt": dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, ffn_dim=96,
-                word_embed_proj_dim=HIDDEN, max_position_embeddings=64),
+    "gpt_neox": dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        rotary_pct=0.5,
+    ),
+    "opt": dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_hidden_layers=2,
+        ffn_dim=96,
+        word_embed_proj_dim=HIDDEN,
+        max_position_embeddings=64,
+    ),
     # rotary on the first 4 of 8 dims of each head, in adjacent pairs
     "gptj": dict(n_embd=HIDDEN, n_head=HEADS, n_layer=2, n_positions=64, rotary_dim=4),
     "bloom": dict(hidden_size=HIDDEN, n_head=HEADS, n_layer=2),
@@ -97,8 +109,9 @@ def word_tokenizer(text: str):
     tok = Tokenizer(WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()
     tok.train_from_iterator([text], WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
 
 
 def text(seed: int, words: int) -> str:
@@ -106,5 +119,5 @@ def text(seed: int, words: int) -> str:
     gen = torch.Generator().manual_seed(seed)
     vocab = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "house", "of", "king", "queen"]
     picks = torch.randint(0, len(vocab), (words,), generator=gen).tolist()
-    lines = [" ".join(vocab[i] for i in picks[j:j + 12]) + " ." for j in range(0, words, 12)]
+    lines = [" ".join(vocab[i] for i in picks[j : j + 12]) + " ." for j in range(0, words, 12)]
     return "\n\n".join(lines) + "\n"

@@ -36,10 +36,20 @@ def results(spec: dict, load) -> dict:
             with torch.no_grad():
                 logits = model(ids).logits
                 padded = model(ids, attention_mask=mask).logits[mask.bool()]
-                generated = model.generate(ids, attention_mask=mask, max_new_tokens=spec["new_tokens"],
-                                           do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
-            out[f"{name}/{backend}"] = {"logits": hexes(logits), "padded": hexes(padded),
-                                        "generated": generated.tolist()}
+                generated = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=spec["new_tokens"],
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+            out[f"{name}/{backend}"] = {
+                "logits": hexes(logits),
+                "padded": hexes(padded),
+                "generated": generated.tolist(),
+            }
     return out
 
 

@@ -59,16 +59,31 @@ def _build(folder: Path) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(staging)], check=True, capture_output=True, text=True)
         python = staging / "bin" / "python"
         pip = subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(CONSTRAINTS),
-             TRANSFORMERS_4, torch_requirement(), "safetensors"],
-            capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-c",
+                str(CONSTRAINTS),
+                TRANSFORMERS_4,
+                torch_requirement(),
+                "safetensors",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT,
+        )
         if pip.returncode != 0:
             message = f"cannot build the transformers 4.57 environment from the registry: {pip.stderr.strip()[-1500:]}"
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(message)
             pytest.skip(message)
-        listed = subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], check=True,
-                                capture_output=True, text=True).stdout
+        listed = subprocess.run(
+            [str(python), "-m", "pip", "list", "--format", "json"], check=True, capture_output=True, text=True
+        ).stdout
         versions = {p["name"].lower(): p["version"] for p in json.loads(listed)}
         versions["build_seconds"] = round(time.monotonic() - started, 1)
         (staging / "versions.json").write_text(json.dumps(versions, indent=1))

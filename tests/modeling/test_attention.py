@@ -38,8 +38,11 @@ def naive(q, k, v, *, causal=True, keep=None, scale=None, alibi=None):
 
 def inputs(h, g, t, s, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, h, t, 8, generator=gen), torch.randn(2, g, s, 8, generator=gen),
-            torch.randn(2, g, s, 8, generator=gen))
+    return (
+        torch.randn(2, h, t, 8, generator=gen),
+        torch.randn(2, g, s, 8, generator=gen),
+        torch.randn(2, g, s, 8, generator=gen),
+    )
 
 
 @pytest.mark.parametrize("g", [4, 2, 1])  # MHA, GQA, MQA
@@ -116,9 +119,19 @@ def test_alibi_as_mask_is_what_sdpa_needs(g, t, s):
     for mask, expected_keep in ((None, None), (keep[:, None], keep)):
         additive = alibi_as_mask(alibi, mask, t, s, torch.float32)
         assert additive.shape == (2, 4, t, s)
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // g, 1), v.repeat_interleave(4 // g, 1),
-                                             attn_mask=additive)
-        expected = torch.stack([naive(q[i:i + 1], k[i:i + 1], v[i:i + 1], alibi=alibi[i:i + 1],
-                                      keep=None if expected_keep is None else expected_keep[i:i + 1])[0][0]
-                                for i in range(2)])
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(4 // g, 1), v.repeat_interleave(4 // g, 1), attn_mask=additive
+        )
+        expected = torch.stack(
+            [
+                naive(
+                    q[i : i + 1],
+                    k[i : i + 1],
+                    v[i : i + 1],
+                    alibi=alibi[i : i + 1],
+                    keep=None if expected_keep is None else expected_keep[i : i + 1],
+                )[0][0]
+                for i in range(2)
+            ]
+        )
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

@@ -29,9 +29,12 @@ def converted(tmp_path_factory):
             root = tmp_path_factory.mktemp(model_type)
             source = build(model_type, init_std=0.5)  # lively weights: greedy tokens depend on the context
             source.save_pretrained(root / "src")
-            made[model_type, num_kv_heads] = source, convert_checkpoint(root / "src", root / "out", num_kv_heads,
-                                                                        progress=False)
+            made[model_type, num_kv_heads] = (
+                source,
+                convert_checkpoint(root / "src", root / "out", num_kv_heads, progress=False),
+            )
         return made[model_type, num_kv_heads]
+
     return get
 
 
@@ -50,11 +53,21 @@ def outputs(model, padding=True):
     ids, mask = padded_batch()
     with torch.no_grad():
         result = model(ids, use_cache=True)
-        generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                   eos_token_id=None, **(dict(attention_mask=mask) if padding else {}))
+        generated = model.generate(
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            **(dict(attention_mask=mask) if padding else {}),
+        )
         padded = model(ids, attention_mask=mask).logits[mask.bool()] if padding else None
-    return {"logits": result.logits, "padded": padded, "generated": generated[:, -NEW_TOKENS:],
-            "kv_heads": result.cache.layers[0].keys.shape[1]}
+    return {
+        "logits": result.logits,
+        "padded": padded,
+        "generated": generated[:, -NEW_TOKENS:],
+        "kv_heads": result.cache.layers[0].keys.shape[1],
+    }
 
 
 def load(folder, backend):
@@ -101,8 +114,11 @@ def test_g_equals_h_is_the_original_model_on_every_backend(model_type, backend, 
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, source(ids).logits, **TOLERANCE)
         if backend != "flex_attention":  # see `outputs`
-            torch.testing.assert_close(model(ids, attention_mask=mask).logits[mask.bool()],
-                                       source(ids, attention_mask=mask).logits[mask.bool()], **TOLERANCE)
+            torch.testing.assert_close(
+                model(ids, attention_mask=mask).logits[mask.bool()],
+                source(ids, attention_mask=mask).logits[mask.bool()],
+                **TOLERANCE,
+            )
 
 
 def test_a_registered_attention_function_sees_g_heads(converted):
@@ -154,8 +170,9 @@ PROMPTS = [[5, 9, 17, 33, 12], [40, 41, 7, 8, 90, 91, 3, 4], [100, 3]]
 CB_UNSUPPORTED = pytest.mark.xfail(strict=True, reason="transformers' OPT and BLOOM do not run continuous batching")
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(t, marks=[CB_UNSUPPORTED] if t in ("opt", "bloom") else [])
-                                        for t in ARCHITECTURES])
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(t, marks=[CB_UNSUPPORTED] if t in ("opt", "bloom") else []) for t in ARCHITECTURES]
+)
 def test_continuous_batching_generates_what_generate_does(model_type, converted):
     """transformers 5's continuous batching (`generate_batch`: a paged KV cache, requests of
     different lengths in one batch, the paged attention functions) gives each prompt the tokens
@@ -170,6 +187,7 @@ def test_continuous_batching_generates_what_generate_does(model_type, converted)
 
 def generated(model, prompt):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return out[0, len(prompt) :].tolist()

@@ -24,8 +24,13 @@ GQA_TYPES = sorted({m.model_type for m in MODELING.values()})
 
 
 def run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", **env))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
+    )
 
 
 def test_the_table_names_the_classes_the_package_registers():
@@ -35,8 +40,11 @@ def test_the_table_names_the_classes_the_package_registers():
     for model_type in GQA_TYPES:
         entry = MODELING[model_type]
         config, model, causal_lm = CLASSES[model_type]
-        assert (config.__name__, model.__name__, causal_lm.__name__) == \
-            (entry.config_class, entry.model_class, entry.causal_lm_class)
+        assert (config.__name__, model.__name__, causal_lm.__name__) == (
+            entry.config_class,
+            entry.model_class,
+            entry.causal_lm_class,
+        )
         assert {c.__module__ for c in (config, model, causal_lm)} == {f"uptrain.modeling.{entry.module}"}
         assert config.model_type == model_type
         assert CONFIG_MAPPING[model_type] is config
@@ -74,8 +82,9 @@ def test_save_pretrained_of_a_loaded_model_carries_its_code(tmp_path):
     expected = {}
     for model_type in ARCHITECTURES:
         build(model_type).save_pretrained(tmp_path / model_type / "src")
-        converted = convert_checkpoint(tmp_path / model_type / "src", tmp_path / model_type / "converted", 2,
-                                       progress=False)
+        converted = convert_checkpoint(
+            tmp_path / model_type / "src", tmp_path / model_type / "converted", 2, progress=False
+        )
         model = AutoModelForCausalLM.from_pretrained(converted).eval()
         assert not model.__module__.startswith("transformers_modules.")  # uptrain's class, not the file's
         model.save_pretrained(tmp_path / model_type / "resaved")
@@ -100,11 +109,15 @@ def test_save_pretrained_of_a_loaded_model_carries_its_code(tmp_path):
     resaved["bare"] = str(tmp_path / "bare")
     with torch.no_grad():
         expected["bare"] = bare(token_ids()).logits
-    assert set(json.loads((tmp_path / "bare" / "config.json").read_text())["auto_map"]) == \
-        {"AutoConfig", "AutoModelForCausalLM"}
+    assert set(json.loads((tmp_path / "bare" / "config.json").read_text())["auto_map"]) == {
+        "AutoConfig",
+        "AutoModelForCausalLM",
+    }
     uptrain.modeling.GPT2GQAModel(bare_config()).save_pretrained(tmp_path / "bare_base")
-    assert set(json.loads((tmp_path / "bare_base" / "config.json").read_text())["auto_map"]) == \
-        {"AutoConfig", "AutoModel"}
+    assert set(json.loads((tmp_path / "bare_base" / "config.json").read_text())["auto_map"]) == {
+        "AutoConfig",
+        "AutoModel",
+    }
 
     script = RELOAD_WITHOUT_UPTRAIN.format(folders=resaved, ids=token_ids().tolist())
     result = run(script, HF_HOME=str(tmp_path / "hf"), PYTHONPATH="")
@@ -136,15 +149,29 @@ def test_uptrain_convert_neither_imports_transformers_nor_registers(tmp_path):
 
 
 def test_gqa_config_edits_only_what_the_modeling_needs():
-    source = {"model_type": "gpt2", "n_head": 8, "n_layer": 2, "n_embd": 64, "architectures": ["GPT2LMHeadModel"],
-              "vocab_size": 128}
+    source = {
+        "model_type": "gpt2",
+        "n_head": 8,
+        "n_layer": 2,
+        "n_embd": 64,
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 128,
+    }
     config = gqa_config(source, 2)
-    assert config == {**source, "model_type": "gpt2_gqa", "num_key_value_heads": 2,
-                      "architectures": ["GPT2GQAForCausalLM"], "num_attention_heads": 8, "num_hidden_layers": 2,
-                      "hidden_size": 64, "auto_map": {
-                          "AutoConfig": "modeling_gpt2_gqa.GPT2GQAConfig",
-                          "AutoModel": "modeling_gpt2_gqa.GPT2GQAModel",
-                          "AutoModelForCausalLM": "modeling_gpt2_gqa.GPT2GQAForCausalLM"}}
+    assert config == {
+        **source,
+        "model_type": "gpt2_gqa",
+        "num_key_value_heads": 2,
+        "architectures": ["GPT2GQAForCausalLM"],
+        "num_attention_heads": 8,
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "auto_map": {
+            "AutoConfig": "modeling_gpt2_gqa.GPT2GQAConfig",
+            "AutoModel": "modeling_gpt2_gqa.GPT2GQAModel",
+            "AutoModelForCausalLM": "modeling_gpt2_gqa.GPT2GQAForCausalLM",
+        },
+    }
     assert gqa_config(config, 1)["model_type"] == "gpt2_gqa"  # pooling a converted checkpoint further
     llama = {"model_type": "llama", "num_attention_heads": 8}
     assert gqa_config(llama, 2) == {**llama, "num_key_value_heads": 2}
@@ -160,8 +187,9 @@ def test_modeling_files_import_only_torch_and_transformers():
             for line in path.read_text().splitlines():
                 if line.startswith(("import ", "from ")):
                     module = line.split()[1]
-                    assert module.split(".")[0] in {"__future__", "inspect", "torch", "transformers"} or \
-                        (module.startswith(".") and f"{module[1:]}.py" in files), (name, line)
+                    assert module.split(".")[0] in {"__future__", "inspect", "torch", "transformers"} or (
+                        module.startswith(".") and f"{module[1:]}.py" in files
+                    ), (name, line)
 
 
 OLD_TRANSFORMERS = """
@@ -181,8 +209,9 @@ def test_older_transformers_are_refused_in_one_line():
     cache and mask conventions differ without an error) in one line naming the version needed."""
     result = run(OLD_TRANSFORMERS.format(path=str(modeling_files("gpt2")["attention.py"])), PYTHONPATH="")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == ("uptrain's GQA modeling needs transformers >= 4.57 (found 4.56.2): "
-                                     "pip install -U 'transformers>=4.57'")
+    assert result.stdout.strip() == (
+        "uptrain's GQA modeling needs transformers >= 4.57 (found 4.56.2): pip install -U 'transformers>=4.57'"
+    )
 
 
 @pytest.mark.parametrize("model_type", ["gpt_neox", "opt"])
@@ -205,5 +234,6 @@ def test_gqa_counterpart_of_a_model_in_memory(model_type):
 def build_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4))
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    )

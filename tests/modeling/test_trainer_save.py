@@ -53,9 +53,19 @@ def test_a_trainer_checkpoint_loads_without_uptrain(model_type, tmp_path):
     with torch.no_grad():
         before = model.eval()(token_ids()).logits
 
-    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=STEPS, save_steps=STEPS,
-                             per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="constant",
-                             use_cpu=True, report_to=[], logging_steps=STEPS, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=STEPS,
+        save_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        logging_steps=STEPS,
+        seed=0,
+        disable_tqdm=True,
+    )
     Trainer(model=model.train(), args=args, train_dataset=Blocks(model.config.vocab_size)).train()
     checkpoint = tmp_path / "trainer" / f"checkpoint-{STEPS}"
     with torch.no_grad():
@@ -74,7 +84,8 @@ def test_a_trainer_checkpoint_loads_without_uptrain(model_type, tmp_path):
     logits = tmp_path / "logits.pt"
     script = RELOAD_WITHOUT_UPTRAIN.format(folder=str(checkpoint), ids=token_ids().tolist(), logits=str(logits))
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(empty))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=empty,
-                            env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=empty, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert torch.equal(torch.load(logits), expected)

@@ -41,8 +41,9 @@ def converted(tmp_path_factory):
     folders = {}
     for model_type in ARCHITECTURES:
         build(model_type, init_std=0.5).save_pretrained(root / f"{model_type}-src")
-        folders[model_type] = str(convert_checkpoint(root / f"{model_type}-src", root / f"{model_type}-gqa", 2,
-                                                     progress=False))
+        folders[model_type] = str(
+            convert_checkpoint(root / f"{model_type}-src", root / f"{model_type}-gqa", 2, progress=False)
+        )
     ids = token_ids()
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding in one row
@@ -61,8 +62,14 @@ def run_in(python, root) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_"))}
     env.update(HF_HOME=str(root / "hf"), HF_HUB_OFFLINE="1", PYTHONPATH="")
     # -I: nothing but the environment's own packages on the path (no script folder, no user site).
-    result = subprocess.run([str(python), "-I", load_without_uptrain.__file__, str(root / "spec.json")], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [str(python), "-I", load_without_uptrain.__file__, str(root / "spec.json")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -71,7 +78,8 @@ def test_transformers_4_57_and_5_give_the_same_logits_and_tokens(transformers4, 
     spec, old = converted[1], under_4_57
     assert old["transformers"].startswith("4.57.") and old["transformers"] == transformers4[1]["transformers"]
     new = load_without_uptrain.results(
-        spec, lambda folder, backend: AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend))
+        spec, lambda folder, backend: AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend)
+    )
     assert sorted(old["results"]) == sorted(new) == sorted(f"{t}/{b}" for t in ARCHITECTURES for b in BACKENDS)
     for case, expected in new.items():
         got = old["results"][case]
@@ -79,7 +87,7 @@ def test_transformers_4_57_and_5_give_the_same_logits_and_tokens(transformers4, 
             assert got[what] == expected[what], f"{case}: {what} differ under transformers {old['transformers']}"
     # The generation is not degenerate (one token repeated), so equal tokens say something.
     for case, result in new.items():
-        assert len({t for row in result["generated"] for t in row[-spec["new_tokens"]:]}) > 3, case
+        assert len({t for row in result["generated"] for t in row[-spec["new_tokens"] :]}) > 3, case
 
 
 def test_eager_and_sdpa_agree_under_transformers_4_57(under_4_57):

@@ -24,7 +24,7 @@ def eval_loss(model_dir: Path, tokenizer, eval_text: str, seq_len: int, blocks: 
     followed by EOS, the stream cut into `seq_len` blocks."""
     docs = [d for d in eval_text.split("\n\n") if d.strip()]
     stream = [t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
-    ids = torch.tensor(stream[:len(stream) // seq_len * seq_len]).view(-1, seq_len)[:blocks]
+    ids = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)[:blocks]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
@@ -38,17 +38,48 @@ def test_train_from_an_mha_source_and_inspect(tmp_path, capsys):
     tokenizer = word_tokenizer(corpus)
     model = build("gpt_neox")
     model.resize_token_embeddings(len(tokenizer))
-    model.config.update(dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id))
+    model.config.update(
+        dict(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     model.save_pretrained(tmp_path / "mha")
     tokenizer.save_pretrained(tmp_path / "mha")
     run = tmp_path / "run"
     try:
-        code = main(["train", "--source", str(tmp_path / "mha"), "--num_kv_heads", "2",
-                     "--train_data", str(tmp_path / "train.txt"), "--eval_data", str(tmp_path / "eval.txt"),
-                     "--output_dir", str(run), "--seq_len", "16", "--batch_size", "4", "--max_steps", "4",
-                     "--eval_every", "2", "--eval_blocks", "4", "--warmup_steps", "1", "--lr", "3e-3",
-                     "--report_to", "jsonl"])
+        code = main(
+            [
+                "train",
+                "--source",
+                str(tmp_path / "mha"),
+                "--num_kv_heads",
+                "2",
+                "--train_data",
+                str(tmp_path / "train.txt"),
+                "--eval_data",
+                str(tmp_path / "eval.txt"),
+                "--output_dir",
+                str(run),
+                "--seq_len",
+                "16",
+                "--batch_size",
+                "4",
+                "--max_steps",
+                "4",
+                "--eval_every",
+                "2",
+                "--eval_blocks",
+                "4",
+                "--warmup_steps",
+                "1",
+                "--lr",
+                "3e-3",
+                "--report_to",
+                "jsonl",
+            ]
+        )
     finally:
         reset_accelerate()
     assert code == 0, capsys.readouterr().err
@@ -89,10 +120,30 @@ def test_compare_runs_on_gpt_neox(tmp_path, capsys):
     tokenizer.save_pretrained(tmp_path / "mha")
     cmp = tmp_path / "cmp"
     try:
-        code = main(["compare", "--model", str(tmp_path / "mha"), "--num-kv-heads", "2", "--pooling", "mean", "first",
-                     "--output-dir", str(cmp), "--max-tokens", "256", "--train-data",
-                     str(tmp_path / "train.txt"), "--eval-data", str(tmp_path / "eval.txt"), "--seq-len", "16",
-                     "--batch-size", "4"])
+        code = main(
+            [
+                "compare",
+                "--model",
+                str(tmp_path / "mha"),
+                "--num-kv-heads",
+                "2",
+                "--pooling",
+                "mean",
+                "first",
+                "--output-dir",
+                str(cmp),
+                "--max-tokens",
+                "256",
+                "--train-data",
+                str(tmp_path / "train.txt"),
+                "--eval-data",
+                str(tmp_path / "eval.txt"),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "4",
+            ]
+        )
     finally:
         reset_accelerate()
     assert code == 0, capsys.readouterr().err
@@ -106,8 +157,11 @@ def test_compare_runs_on_gpt_neox(tmp_path, capsys):
     # Each α = 0 loss is that of the model it names (the source, or its conversion) on the eval text;
     # 600 words give 43 blocks of 16 tokens, all under the default of 64 eval blocks.
     eval_text = text(2, 600)
-    for pooling, model_dir in [("mha", tmp_path / "mha"), ("mean", cmp / "converted" / "g2-mean"),
-                               ("first", cmp / "converted" / "g2-first")]:
+    for pooling, model_dir in [
+        ("mha", tmp_path / "mha"),
+        ("mean", cmp / "converted" / "g2-mean"),
+        ("first", cmp / "converted" / "g2-first"),
+    ]:
         if pooling != "mha":
             config = json.loads((model_dir / "config.json").read_text())
             assert config["model_type"] == "gpt_neox_gqa" and config["num_key_value_heads"] == 2

@@ -10,12 +10,41 @@ from uptrain.cli import main
 
 
 def compare_argv(assets: dict, out: Path | str, *extra: str) -> list[str]:
-    return ["compare", "--model", str(assets["mha"]), "--num-kv-heads", "2", "--pooling", "calibrated",
-            "--calibration-tokens", "64", "--train-data", str(assets["train"]), "--eval-data", str(assets["eval"]),
-            "--output-dir", str(out), "--max-steps", "2", "--seq-len", "32", "--batch-size", "4", "--eval-every",
-            "2", "--eval-blocks", "2", "--warmup-steps", "1", "--report-to", "jsonl",
-            # Speed off: timings differ between runs, and its files are tested in tests/compare/test_speed_rows.py.
-            "--speed-repeats", "0", *extra]
+    return [
+        "compare",
+        "--model",
+        str(assets["mha"]),
+        "--num-kv-heads",
+        "2",
+        "--pooling",
+        "calibrated",
+        "--calibration-tokens",
+        "64",
+        "--train-data",
+        str(assets["train"]),
+        "--eval-data",
+        str(assets["eval"]),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-blocks",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--report-to",
+        "jsonl",
+        # Speed off: timings differ between runs, and its files are tested in tests/compare/test_speed_rows.py.
+        "--speed-repeats",
+        "0",
+        *extra,
+    ]
 
 
 def run_compare_cli(assets: dict, out: Path | str, *extra: str) -> int:
@@ -30,5 +59,8 @@ def results(out: Path) -> str:
 
 def leftovers(out: Path) -> list[str]:
     """Temporaries, locks and other hidden entries under a compare folder (a finished one has none)."""
-    return sorted(str(p.relative_to(out)) for p in out.rglob("*")
-                  if p.name.startswith(".") or p.suffix == ".tmp" or ".uptrain-" in p.name)
+    return sorted(
+        str(p.relative_to(out))
+        for p in out.rglob("*")
+        if p.name.startswith(".") or p.suffix == ".tmp" or ".uptrain-" in p.name
+    )

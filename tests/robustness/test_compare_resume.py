@@ -71,7 +71,7 @@ def compare_steps(root: Path, body) -> list[tuple[str, str]]:
                     return
                 path = str(Path(os.fsdecode(args[0])).absolute())
                 if (path + os.sep).startswith(prefix):
-                    steps.append((event, path[len(prefix):]))
+                    steps.append((event, path[len(prefix) :]))
 
             sys.addaudithook(hook)
             code = body()
@@ -93,8 +93,7 @@ def test_compare_killed_at_every_step_resumes_to_the_same_results(assets, finish
     steps = compare_steps(out, lambda: run_compare_cli(assets, out))
     renamed = {path.split(".uptrain-tmp-")[0] for event, path in steps if event == "os.rename"}
     assert {".compare.json", ".calibration.safetensors", "runs/mha/.result.json", ".results.csv"} <= renamed
-    kill_at = [n for n, (_, path) in enumerate(steps, 1)
-               if kind == "every step" or not path.startswith(NOT_COMPARES)]
+    kill_at = [n for n, (_, path) in enumerate(steps, 1) if kind == "every step" or not path.startswith(NOT_COMPARES)]
     expected = results(finished)
     for n in kill_at:
         shutil.rmtree(out, ignore_errors=True)
@@ -107,6 +106,7 @@ def test_compare_killed_at_every_step_resumes_to_the_same_results(assets, finish
 
 # Damaged records: what a disk or a hand may leave (a kill no longer can). Each is made again.
 
+
 def test_a_damaged_result_is_made_again_from_its_run(tmp_path, assets, finished, capsys):
     # A compare of its own: the run is resumed, and a run resumes only where it was made.
     copy = tmp_path / "cmp"
@@ -114,13 +114,30 @@ def test_a_damaged_result_is_made_again_from_its_run(tmp_path, assets, finished,
     record = copy / "runs" / "g2-calibrated" / "result.json"
     good = record.read_bytes()
 
-    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(st.one_of(st.integers(0, len(good) - 1).map(lambda n: good[:n]),  # cut short
-                     st.sampled_from([b"[]", b"{}", b"null", b"\xff\xfe", b'{"name": 1}',
-                                      good.replace(b'"calibrated"', b'"mean"'),
-                                      good.replace(b'"curve": [', b'"curve": 7, "x": ['),
-                                      b'{"name": ' + b"9" * 5000 + b"}"])))
+    @settings(
+        max_examples=12,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+    @given(
+        st.one_of(
+            st.integers(0, len(good) - 1).map(lambda n: good[:n]),  # cut short
+            st.sampled_from(
+                [
+                    b"[]",
+                    b"{}",
+                    b"null",
+                    b"\xff\xfe",
+                    b'{"name": 1}',
+                    good.replace(b'"calibrated"', b'"mean"'),
+                    good.replace(b'"curve": [', b'"curve": 7, "x": ['),
+                    b'{"name": ' + b"9" * 5000 + b"}",
+                ]
+            ),
+        )
+    )
     def damaged(data: bytes) -> None:
         record.write_bytes(data)
         capsys.readouterr()
@@ -131,8 +148,7 @@ def test_a_damaged_result_is_made_again_from_its_run(tmp_path, assets, finished,
     damaged()
 
 
-@pytest.mark.parametrize("damage", ["empty", "cut short", "not safetensors", "no description",
-                                    "description not JSON"])
+@pytest.mark.parametrize("damage", ["empty", "cut short", "not safetensors", "no description", "description not JSON"])
 def test_a_damaged_calibration_is_computed_again(copy, assets, finished, capsys, damage):
     from safetensors.torch import load_file, save_file
 
@@ -159,6 +175,7 @@ def test_a_damaged_calibration_is_computed_again(copy, assets, finished, capsys,
 
 
 # Settings: a rerun continues only a compare made the same way.
+
 
 def test_a_rerun_with_other_settings_is_refused_in_one_line(copy, assets, capsys):
     before = snapshot(copy)
@@ -209,6 +226,7 @@ def test_a_folder_of_something_else_is_refused(tmp_path, assets, capsys):
 
 # The lock and the overlap rule: nothing written before either refuses.
 
+
 def test_a_second_compare_is_refused_before_it_writes(copy, assets, capsys):
     before = snapshot(copy)
     with OutputLock(copy / ".uptrain-lock", copy):  # as a compare (or `uptrain train`) in progress holds it
@@ -236,11 +254,11 @@ def test_output_dir_never_overlaps_an_input(tmp_path, assets, capsys, key, relat
     before = snapshot(inputs)
     assert main(argv) == 2
     assert "overlaps the" in one_line(capsys)
-    assert snapshot(inputs) == before and sorted(p.name for p in inputs.iterdir()) == ["eval.txt", "mha",
-                                                                                     "train.txt"]
+    assert snapshot(inputs) == before and sorted(p.name for p in inputs.iterdir()) == ["eval.txt", "mha", "train.txt"]
 
 
 # wandb: one group per compare.
+
 
 def test_two_compares_of_one_name_have_their_own_wandb_groups(assets, finished, tmp_path):
     other = tmp_path / "elsewhere" / finished.name
@@ -248,8 +266,10 @@ def test_two_compares_of_one_name_have_their_own_wandb_groups(assets, finished, 
 
     def groups(out: Path) -> set[str]:
         recorded = {json.loads((out / "compare.json").read_text())["wandb_group"]}
-        return recorded | {yaml.safe_load((run / "train" / "run_config.yaml").read_text())["wandb_group"]
-                           for run in (out / "runs").iterdir()}
+        return recorded | {
+            yaml.safe_load((run / "train" / "run_config.yaml").read_text())["wandb_group"]
+            for run in (out / "runs").iterdir()
+        }
 
     first, second = groups(finished), groups(other)
     assert len(first) == len(second) == 1 and first != second  # every run of a compare in its group, alone

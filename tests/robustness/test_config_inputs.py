@@ -62,14 +62,58 @@ def test_a_config_of_the_largest_size_is_read(tmp_path, base_config):
     assert load_config(path, {}).lr == base_config["lr"]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(st.one_of(st.binary(max_size=300), st.text(max_size=300),
-                 # YAML-looking documents: keys, flow and block collections, tags, anchors, numbers.
-                 st.lists(st.sampled_from(["lr", "seed", ":", " ", "\n", "- ", "[", "]", "{", "}", ",", "!!int",
-                                           "!!float", "!!timestamp", "!!binary", "&a", "*a", "<<", "0x", "1e",
-                                           "2024-", "13", "'", '"', "\\", "#", "?", "\t", "%YAML", "---", HUGE]),
-                          max_size=40).map("".join)))
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.text(max_size=300),
+        # YAML-looking documents: keys, flow and block collections, tags, anchors, numbers.
+        st.lists(
+            st.sampled_from(
+                [
+                    "lr",
+                    "seed",
+                    ":",
+                    " ",
+                    "\n",
+                    "- ",
+                    "[",
+                    "]",
+                    "{",
+                    "}",
+                    ",",
+                    "!!int",
+                    "!!float",
+                    "!!timestamp",
+                    "!!binary",
+                    "&a",
+                    "*a",
+                    "<<",
+                    "0x",
+                    "1e",
+                    "2024-",
+                    "13",
+                    "'",
+                    '"',
+                    "\\",
+                    "#",
+                    "?",
+                    "\t",
+                    "%YAML",
+                    "---",
+                    HUGE,
+                ]
+            ),
+            max_size=40,
+        ).map("".join),
+    )
+)
 def test_generated_config_files_are_a_config_or_one_line(tmp_path, data):
     path = tmp_path / "config.yaml"
     path.write_bytes(data if isinstance(data, bytes) else data.encode())
@@ -88,11 +132,14 @@ def test_a_flag_value_no_parser_reads_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
 def test_a_seed_out_of_range_is_refused_before_anything_is_written(tmp_path, base_config, capsys, seed):
     out = Path(base_config["output_dir"])
-    argv = ["train"] + [f"--{k}={v if not isinstance(v, list) else v[0]}" for k, v in base_config.items()
-                        if k != "seed"] + ["--max_steps=1"]
+    argv = (
+        ["train"]
+        + [f"--{k}={v if not isinstance(v, list) else v[0]}" for k, v in base_config.items() if k != "seed"]
+        + ["--max_steps=1"]
+    )
     assert main(argv + [f"--seed={seed}"]) == 2
     assert "`seed`" in error_line(capsys) and not out.exists()
     # The corrected command runs, without --overwrite: the refusal left nothing to overwrite.
@@ -107,9 +154,25 @@ def test_the_other_commands_refuse_that_seed_too(tmp_path, assets, capsys, comma
     if command == "convert":
         argv = ["convert", str(REFERENCE), str(out), "-g", "2", "--pooling", "random", "--seed", "-1"]
     else:
-        argv = ["compare", "--model", str(assets["mha"]), "--num-kv-heads", "2", "--train-data",
-                str(assets["train"]), "--eval-data", str(assets["eval"]), "--output-dir", str(out),
-                "--max-steps", "1", "--report-to", "jsonl", "--seed", "-1"]
+        argv = [
+            "compare",
+            "--model",
+            str(assets["mha"]),
+            "--num-kv-heads",
+            "2",
+            "--train-data",
+            str(assets["train"]),
+            "--eval-data",
+            str(assets["eval"]),
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "1",
+            "--report-to",
+            "jsonl",
+            "--seed",
+            "-1",
+        ]
     assert main(argv) == 2
     assert "`seed`: must be at least 0 (got -1)" in error_line(capsys, command)
     assert not out.exists()

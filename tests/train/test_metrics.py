@@ -54,8 +54,18 @@ def test_non_embedding_params_counts_a_tied_head_once(assets):
 
 
 def test_lr_warms_up_then_decays_to_min_ratio():
-    config = TrainConfig(model="m", train_data="t", eval_data="e", output_dir="o", seq_len=8, batch_size=1, lr=1.0,
-                         warmup_steps=4, max_steps=104, min_lr_ratio=0.1)
+    config = TrainConfig(
+        model="m",
+        train_data="t",
+        eval_data="e",
+        output_dir="o",
+        seq_len=8,
+        batch_size=1,
+        lr=1.0,
+        warmup_steps=4,
+        max_steps=104,
+        min_lr_ratio=0.1,
+    )
     assert [lr_at(config, s, 104) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(config, 4, 104) == 1.0
     assert lr_at(config, 54, 104) == pytest.approx(0.55)  # half way down the cosine
@@ -65,8 +75,12 @@ def test_lr_warms_up_then_decays_to_min_ratio():
 
 def test_only_complete_checkpoints_count(tmp_path):
     root = tmp_path / "checkpoints"
-    for name, complete in [("step_00000002", True), ("step_00000010", True), ("step_00000012", False),
-                           (".step_00000014.tmp", True)]:
+    for name, complete in [
+        ("step_00000002", True),
+        ("step_00000010", True),
+        ("step_00000012", False),
+        (".step_00000014.tmp", True),
+    ]:
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / STATE_FILE).write_text("{}")

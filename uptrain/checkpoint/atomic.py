@@ -27,9 +27,9 @@ import glob
 import os
 import shutil
 import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from uptrain import UptrainError
 
@@ -57,16 +57,19 @@ class OutputLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as err:
                 if err.errno == errno.ELOOP:
-                    raise UptrainError(f"cannot lock {self.target}: its lock file {self.path} is a symbolic link; "
-                                       "remove it") from None
+                    raise UptrainError(
+                        f"cannot lock {self.target}: its lock file {self.path} is a symbolic link; remove it"
+                    ) from None
                 raise UptrainError(f"cannot write {self.target}: {err.strerror or err}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise UptrainError(f"{self.target} is being written by another uptrain run (pid {holder}); "
-                                   f"wait for it to finish or choose another {self.what}") from None
+                raise UptrainError(
+                    f"{self.target} is being written by another uptrain run (pid {holder}); "
+                    f"wait for it to finish or choose another {self.what}"
+                ) from None
             except OSError:
                 pass  # a file system without locks (ENOLCK): go on unguarded, as uptrain always did there
             # The previous holder removes the file when it releases: if it did so between our open
@@ -125,6 +128,7 @@ def output_lock(out: Path) -> OutputLock:
 
 def _recover(out: Path) -> None:
     """Put right what killed runs left beside `out`. Call only while holding its lock."""
+
     def leftovers(tag: str) -> list[Path]:
         return [Path(p) for p in glob.glob(glob.escape(str(_sibling(out, tag))) + "*")]
 
@@ -141,8 +145,9 @@ def _check_target(out: Path, overwrite: bool) -> None:
     if out.is_symlink():
         raise UptrainError(f"{out} is a symbolic link; give the folder itself or another output path")
     if out.exists() and not out.is_dir():
-        raise UptrainError(f"{out} is a file, not a folder; --overwrite replaces only folders: "
-                           "choose another output path")
+        raise UptrainError(
+            f"{out} is a file, not a folder; --overwrite replaces only folders: choose another output path"
+        )
     if out.exists() and not overwrite:
         raise UptrainError(f"{out} already exists; pass --overwrite to replace it")
 

@@ -16,24 +16,41 @@ from uptrain.compare.study import MHA, RunResult, recorded_group
 # Measured at each row's G (`uptrain.compare.speed_rows`); empty where speed was not measured.
 SPEED_COLUMNS = ["time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"]
 SPEED_PLOTS = ("quality_vs_time_per_sample.png", "time_per_sample_vs_kv_heads.png")
-COLUMNS = ["num_kv_heads", "pooling", "eval_loss_before", "perplexity_before", "eval_loss_after",
-           "perplexity_after", "gap_to_mha_before", "gap_to_mha_after", "kv_cache_bytes_per_token", "uptrain_tokens",
-           *SPEED_COLUMNS]
+COLUMNS = [
+    "num_kv_heads",
+    "pooling",
+    "eval_loss_before",
+    "perplexity_before",
+    "eval_loss_after",
+    "perplexity_after",
+    "gap_to_mha_before",
+    "gap_to_mha_after",
+    "kv_cache_bytes_per_token",
+    "uptrain_tokens",
+    *SPEED_COLUMNS,
+]
 
 
 def table_rows(results: list[RunResult]) -> list[dict]:
     """One row per run. Gaps are eval-loss differences to the MHA row at the same point: before
     uptraining (the original model) and after (MHA trained with the same budget)."""
     mha = next(r for r in results if r.pooling == MHA)
-    return [{
-        "num_kv_heads": r.num_kv_heads, "pooling": r.pooling,
-        "eval_loss_before": r.eval_loss_before, "perplexity_before": r.perplexity_before,
-        "eval_loss_after": r.eval_loss_after, "perplexity_after": r.perplexity_after,
-        "gap_to_mha_before": r.eval_loss_before - mha.eval_loss_before,
-        "gap_to_mha_after": r.eval_loss_after - mha.eval_loss_after,
-        "kv_cache_bytes_per_token": r.kv_cache_bytes_per_token, "uptrain_tokens": r.uptrain_tokens,
-        **{k: r.speed[k] if r.speed else None for k in SPEED_COLUMNS},
-    } for r in results]
+    return [
+        {
+            "num_kv_heads": r.num_kv_heads,
+            "pooling": r.pooling,
+            "eval_loss_before": r.eval_loss_before,
+            "perplexity_before": r.perplexity_before,
+            "eval_loss_after": r.eval_loss_after,
+            "perplexity_after": r.perplexity_after,
+            "gap_to_mha_before": r.eval_loss_before - mha.eval_loss_before,
+            "gap_to_mha_after": r.eval_loss_after - mha.eval_loss_after,
+            "kv_cache_bytes_per_token": r.kv_cache_bytes_per_token,
+            "uptrain_tokens": r.uptrain_tokens,
+            **{k: r.speed[k] if r.speed else None for k in SPEED_COLUMNS},
+        }
+        for r in results
+    ]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -46,26 +63,38 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
     """The table for people; with the rows' speed measurements, a line saying how and where the
     speed columns were measured."""
-    head = ("| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
-            "| KV bytes/token | uptrain tokens | time/sample s | decode tokens/s | KV cache MiB |")
+    head = (
+        "| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
+        "| KV bytes/token | uptrain tokens | time/sample s | decode tokens/s | KV cache MiB |"
+    )
     lines = [head, "|" + "---:|" * 2 + "---:|" * 11]
     for r in rows:
-        measured = ("— | — | —" if r["time_per_sample_s"] is None else
-                    f"{r['time_per_sample_s']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['kv_cache_bytes'] / 2**20:.2f}")
-        lines.append(f"| {r['num_kv_heads']} | {r['pooling']} | {r['eval_loss_before']:.4f} | "
-                     f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
-                     f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
-                     f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} | {measured} |")
+        measured = (
+            "— | — | —"
+            if r["time_per_sample_s"] is None
+            else f"{r['time_per_sample_s']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['kv_cache_bytes'] / 2**20:.2f}"
+        )
+        lines.append(
+            f"| {r['num_kv_heads']} | {r['pooling']} | {r['eval_loss_before']:.4f} | "
+            f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
+            f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
+            f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} | {measured} |"
+        )
     if speeds:  # a resumed compare may have measured some G elsewhere: name every machine
         machines = " and ".join(sorted({s["machine"] for s in speeds}))
-        lines += ["", f"Speed: {speed_setting_text(speeds[0])}, measured on {machines}; one measurement per G "
-                      "(speed does not depend on the weights' values)."]
+        lines += [
+            "",
+            f"Speed: {speed_setting_text(speeds[0])}, measured on {machines}; one measurement per G "
+            "(speed does not depend on the weights' values).",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def speed_setting_text(speed: dict) -> str:
-    return (f"greedy decoding of batch {speed['batch']}, {speed['context']}-token prompt + {speed['new_tokens']} new "
-            f"tokens with the KV cache, {speed['device']} {speed['dtype']}, median of {speed['repeats']}")
+    return (
+        f"greedy decoding of batch {speed['batch']}, {speed['context']}-token prompt + {speed['new_tokens']} new "
+        f"tokens with the KV cache, {speed['device']} {speed['dtype']}, median of {speed['repeats']}"
+    )
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -86,26 +115,39 @@ def against_mean(results: list[RunResult]) -> list[dict]:
     rows = []
     for mean in (r for r in results if r.pooling == "mean"):
         for other in (r for r in results if r.num_kv_heads == mean.num_kv_heads and r.pooling not in (MHA, "mean")):
+
             def closed(loss_other: float, loss_mean: float, loss_mha: float) -> float:
                 return (loss_mean - loss_other) / (loss_mean - loss_mha) if loss_mean != loss_mha else math.nan
-            rows.append({
-                "num_kv_heads": mean.num_kv_heads, "pooling": other.pooling,
-                "gap_closed_before": closed(other.eval_loss_before, mean.eval_loss_before, mha.eval_loss_before),
-                "gap_closed_after": closed(other.eval_loss_after, mean.eval_loss_after, mha.eval_loss_after),
-                "tokens_to_mean_final": tokens_to_reach(other.curve, mean.eval_loss_after),
-                "mean_tokens": mean.uptrain_tokens,
-            })
+
+            rows.append(
+                {
+                    "num_kv_heads": mean.num_kv_heads,
+                    "pooling": other.pooling,
+                    "gap_closed_before": closed(other.eval_loss_before, mean.eval_loss_before, mha.eval_loss_before),
+                    "gap_closed_after": closed(other.eval_loss_after, mean.eval_loss_after, mha.eval_loss_after),
+                    "tokens_to_mean_final": tokens_to_reach(other.curve, mean.eval_loss_after),
+                    "mean_tokens": mean.uptrain_tokens,
+                }
+            )
     return rows
 
 
 def against_mean_markdown(rows: list[dict]) -> str:
-    lines = ["| G | pooling | share of mean's gap to MHA closed, α = 0 | same, after uptraining "
-             "| tokens to reach mean's final loss |", "|---:|---|---:|---:|---:|"]
+    lines = [
+        "| G | pooling | share of mean's gap to MHA closed, α = 0 | same, after uptraining "
+        "| tokens to reach mean's final loss |",
+        "|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
-        reach = ("never" if r["tokens_to_mean_final"] is None else
-                 f"{r['tokens_to_mean_final']:,.0f} ({r['tokens_to_mean_final'] / r['mean_tokens']:.0%} of mean's)")
-        lines.append(f"| {r['num_kv_heads']} | {r['pooling']} | {r['gap_closed_before']:.1%} | "
-                     f"{r['gap_closed_after']:.1%} | {reach} |")
+        reach = (
+            "never"
+            if r["tokens_to_mean_final"] is None
+            else f"{r['tokens_to_mean_final']:,.0f} ({r['tokens_to_mean_final'] / r['mean_tokens']:.0%} of mean's)"
+        )
+        lines.append(
+            f"| {r['num_kv_heads']} | {r['pooling']} | {r['gap_closed_before']:.1%} | "
+            f"{r['gap_closed_after']:.1%} | {reach} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -147,15 +189,24 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     ax.axhline(mha.eval_loss_after, color="black", ls="--", label="MHA (same uptraining)")
     ax.plot([mha.num_kv_heads], [mha.eval_loss_after], marker="s", color="black")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r.num_kv_heads for r in results}), [str(g) for g in sorted({r.num_kv_heads for r in results})])
+    ax.set_xticks(
+        sorted({r.num_kv_heads for r in results}), [str(g) for g in sorted({r.num_kv_heads for r in results})]
+    )
     ax.minorticks_off()
     ax.set_xlabel("KV heads G")
     ax.set_ylabel("eval loss")
     twin = ax.twinx()
-    sizes = sorted({(r.num_kv_heads, r.kv_cache_bytes_per_token) for r in runs} | {(mha.num_kv_heads,
-                                                                                   mha.kv_cache_bytes_per_token)})
-    twin.bar([g for g, _ in sizes], [b / 1024 for _, b in sizes], width=[0.25 * g for g, _ in sizes],
-             color="grey", alpha=0.25)
+    sizes = sorted(
+        {(r.num_kv_heads, r.kv_cache_bytes_per_token) for r in runs}
+        | {(mha.num_kv_heads, mha.kv_cache_bytes_per_token)}
+    )
+    twin.bar(
+        [g for g, _ in sizes],
+        [b / 1024 for _, b in sizes],
+        width=[0.25 * g for g, _ in sizes],
+        color="grey",
+        alpha=0.25,
+    )
     twin.set_ylabel("KV cache KiB / token (bars)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -175,8 +226,11 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
             ax.bar(xs, ys, width=width, color=colors[p], label=p)
         ax.axhline(mha.eval_loss_before if when == "before" else mha.eval_loss_after, color="black", ls="--")
         ax.set_xticks([k + width * (len(strategies) - 1) / 2 for k in range(len(groups))], [f"G={g}" for g in groups])
-        ax.set_title("right after conversion (α = 0)" if when == "before"
-                     else f"after uptraining ({runs[0].uptrain_tokens:,} tokens)")
+        ax.set_title(
+            "right after conversion (α = 0)"
+            if when == "before"
+            else f"after uptraining ({runs[0].uptrain_tokens:,} tokens)"
+        )
         finite = [r.eval_loss_before for r in results] + [r.eval_loss_after for r in results]
         ax.set_ylim(min(finite) * 0.95, max(v for v in finite if math.isfinite(v)) * 1.02)
     axes[0].set_ylabel("eval loss (dashed: MHA)")
@@ -191,7 +245,9 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     return paths
 
 
-def _speed_plots(mha: RunResult, runs: list[RunResult], strategies: list[str], colors: dict, folder: Path) -> list[Path]:
+def _speed_plots(
+    mha: RunResult, runs: list[RunResult], strategies: list[str], colors: dict, folder: Path
+) -> list[Path]:
     """Fig. 3 shape (quality after uptraining against time per sample) and Fig. 6's speed half
     (time per sample against G), error bars spanning the repeats' min to max."""
     import matplotlib.pyplot as plt
@@ -201,20 +257,48 @@ def _speed_plots(mha: RunResult, runs: list[RunResult], strategies: list[str], c
         return [[r.speed["time_per_sample_s"] - low], [high - r.speed["time_per_sample_s"]]]
 
     m = mha.speed
-    setting = (f"greedy, batch {m['batch']}, {m['context']}-token prompt + {m['new_tokens']} new tokens, "
-               f"{m['device']} {m['dtype']}, median of {m['repeats']}")
+    setting = (
+        f"greedy, batch {m['batch']}, {m['context']}-token prompt + {m['new_tokens']} new tokens, "
+        f"{m['device']} {m['dtype']}, median of {m['repeats']}"
+    )
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     markers = dict(zip(sorted({r.num_kv_heads for r in runs}, reverse=True), "o^vDPX*"))
     for p in strategies:
         for r in (r for r in runs if r.pooling == p):
-            ax.errorbar(r.speed["time_per_sample_s"], r.eval_loss_after, xerr=spread(r), marker=markers[r.num_kv_heads],
-                        color=colors[p], ms=7, capsize=3, ls="none")
-            ax.annotate(f"G={r.num_kv_heads} {p}", (r.speed["time_per_sample_s"], r.eval_loss_after), fontsize=8,
-                        xytext=(6, 3), textcoords="offset points")
-    ax.errorbar(mha.speed["time_per_sample_s"], mha.eval_loss_after, xerr=spread(mha), marker="s", color="black",
-                ms=7, capsize=3, ls="none")
-    ax.annotate(f"MHA (G={mha.num_kv_heads})", (mha.speed["time_per_sample_s"], mha.eval_loss_after), fontsize=8,
-                xytext=(6, 3), textcoords="offset points")
+            ax.errorbar(
+                r.speed["time_per_sample_s"],
+                r.eval_loss_after,
+                xerr=spread(r),
+                marker=markers[r.num_kv_heads],
+                color=colors[p],
+                ms=7,
+                capsize=3,
+                ls="none",
+            )
+            ax.annotate(
+                f"G={r.num_kv_heads} {p}",
+                (r.speed["time_per_sample_s"], r.eval_loss_after),
+                fontsize=8,
+                xytext=(6, 3),
+                textcoords="offset points",
+            )
+    ax.errorbar(
+        mha.speed["time_per_sample_s"],
+        mha.eval_loss_after,
+        xerr=spread(mha),
+        marker="s",
+        color="black",
+        ms=7,
+        capsize=3,
+        ls="none",
+    )
+    ax.annotate(
+        f"MHA (G={mha.num_kv_heads})",
+        (mha.speed["time_per_sample_s"], mha.eval_loss_after),
+        fontsize=8,
+        xytext=(6, 3),
+        textcoords="offset points",
+    )
     ax.margins(x=0.25, y=0.1)
     ax.set_xlabel("time per sample, s (bars: min–max of the repeats)")
     ax.set_ylabel("eval loss after uptraining (lower is better)")
@@ -226,11 +310,18 @@ def _speed_plots(mha: RunResult, runs: list[RunResult], strategies: list[str], c
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     measured = sorted({r.num_kv_heads: r for r in [*runs, mha]}.items())  # one measurement per G
     gs = [g for g, _ in measured]
-    ax.errorbar(gs, [r.speed["time_per_sample_s"] for _, r in measured],
-                yerr=[sum((spread(r)[i] for _, r in measured), []) for i in (0, 1)], marker="o", color="C0",
-                capsize=3, label="measured (one checkpoint per G)")
-    ax.plot([mha.num_kv_heads], [mha.speed["time_per_sample_s"]], marker="s", ms=8, color="black", ls="none",
-            label="MHA")
+    ax.errorbar(
+        gs,
+        [r.speed["time_per_sample_s"] for _, r in measured],
+        yerr=[sum((spread(r)[i] for _, r in measured), []) for i in (0, 1)],
+        marker="o",
+        color="C0",
+        capsize=3,
+        label="measured (one checkpoint per G)",
+    )
+    ax.plot(
+        [mha.num_kv_heads], [mha.speed["time_per_sample_s"]], marker="s", ms=8, color="black", ls="none", label="MHA"
+    )
     ax.set_xscale("log", base=2)
     ax.set_xticks(gs, [str(g) for g in gs])
     ax.minorticks_off()
@@ -271,8 +362,17 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
     run_id = "compare-" + hashlib.sha1((group or str(root)).encode()).hexdigest()[:12]
     group = group or root.name
     config = spec.to_dict()
-    run = wandb.init(project="uptrain", group=group, name=f"{root.name}/results", job_type="compare", id=run_id,
-                     resume="allow", dir=str(root), config=config, reinit="create_new")
+    run = wandb.init(
+        project="uptrain",
+        group=group,
+        name=f"{root.name}/results",
+        job_type="compare",
+        id=run_id,
+        resume="allow",
+        dir=str(root),
+        config=config,
+        reinit="create_new",
+    )
     try:
         rows = table_rows(results)
         logged = {"results": wandb.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows])}

@@ -42,17 +42,27 @@ def speed_setting(spec: CompareSpec) -> dict | None:
     if context is None:
         context = SPEED_CONTEXT if positions is None else min(SPEED_CONTEXT, positions - new_tokens)
     if positions is not None and context + new_tokens > positions:
-        raise UptrainError(f"--speed-context {context} + --speed-new-tokens {new_tokens} = {context + new_tokens} is "
-                           f"beyond {spec.model}'s {positions} positions; lower them (or --speed-repeats 0: no speed)")
+        raise UptrainError(
+            f"--speed-context {context} + --speed-new-tokens {new_tokens} = {context + new_tokens} is "
+            f"beyond {spec.model}'s {positions} positions; lower them (or --speed-repeats 0: no speed)"
+        )
     if context < 1:  # only a default can get here (the schema refuses a context under 1)
-        raise UptrainError(f"{spec.model}'s {positions} positions leave no prompt beside --speed-new-tokens "
-                           f"{new_tokens}; lower it (or --speed-repeats 0: no speed)")
+        raise UptrainError(
+            f"{spec.model}'s {positions} positions leave no prompt beside --speed-new-tokens "
+            f"{new_tokens}; lower it (or --speed-repeats 0: no speed)"
+        )
     device = parse_device(spec.speed_device)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     # The MHA cache is the largest of the comparison: if it fits, every G's does.
     shape.check_cache_fits(spec.speed_batch, context + new_tokens, dtype, device)
-    return {"context": context, "new_tokens": new_tokens, "batch": spec.speed_batch, "repeats": spec.speed_repeats,
-            "device": str(device), "dtype": dtype}
+    return {
+        "context": context,
+        "new_tokens": new_tokens,
+        "batch": spec.speed_batch,
+        "repeats": spec.speed_repeats,
+        "device": str(device),
+        "dtype": dtype,
+    }
 
 
 def with_speed(spec: CompareSpec, results: list, log=print) -> list:
@@ -79,12 +89,20 @@ def with_speed(spec: CompareSpec, results: list, log=print) -> list:
             continue
         to_measure[g] = checkpoint
     if to_measure:
-        log(f"[compare] speed: measuring G = {', '.join(map(str, to_measure))} (context {setting['context']} + "
+        log(
+            f"[compare] speed: measuring G = {', '.join(map(str, to_measure))} (context {setting['context']} + "
             f"{setting['new_tokens']} new tokens, batch {setting['batch']}, {setting['device']}, "
-            f"median of {setting['repeats']})")
-        measured = measure_speed(list(to_measure.values()), context=setting["context"],
-                                 new_tokens=setting["new_tokens"], batch=setting["batch"], dtype=setting["dtype"],
-                                 device=setting["device"], repeats=setting["repeats"])
+            f"median of {setting['repeats']})"
+        )
+        measured = measure_speed(
+            list(to_measure.values()),
+            context=setting["context"],
+            new_tokens=setting["new_tokens"],
+            batch=setting["batch"],
+            dtype=setting["dtype"],
+            device=setting["device"],
+            repeats=setting["repeats"],
+        )
         for (g, checkpoint), m in zip(to_measure.items(), measured):
             # Named as the compare names it (a folder inside the output is named relative to it).
             name = checkpoint.relative_to(root) if checkpoint.is_relative_to(root) else checkpoint

@@ -37,10 +37,10 @@ import torch
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
-from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
-from uptrain.convert.layouts import config_geometry
 from uptrain.compare.spec import CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
+from uptrain.convert.layouts import config_geometry
+from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import Schema, keys_of
 from uptrain.strict_json import parse_json, read_json
@@ -54,9 +54,24 @@ MHA = "mha"
 # Settings a rerun may change: which runs there are (each run is made alike, whatever the others),
 # how the compare is reported, how often the runs evaluate, where calibration runs.
 # The speed keys too: a change remeasures speed (`speed_rows`) and retrains nothing.
-OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "report_to", "eval_every", "overwrite", "output_dir",
-                              "conversion.pooling", "conversion.calibration_device", "conversion.source_hash",
-                              "speed_context", "speed_new_tokens", "speed_batch", "speed_repeats", "speed_device"})
+OPERATIONAL_KEYS = frozenset(
+    {
+        "num_kv_heads",
+        "pooling",
+        "report_to",
+        "eval_every",
+        "overwrite",
+        "output_dir",
+        "conversion.pooling",
+        "conversion.calibration_device",
+        "conversion.source_hash",
+        "speed_context",
+        "speed_new_tokens",
+        "speed_batch",
+        "speed_repeats",
+        "speed_device",
+    }
+)
 
 
 @dataclass
@@ -108,11 +123,25 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
 def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: str | None = None):
     from uptrain.train.config import validated_config
 
-    values = dict(model=str(model), train_data=spec.train_data, eval_data=spec.eval_data, output_dir=str(out),
-                  seq_len=spec.seq_len, batch_size=spec.batch_size, lr=spec.lr, warmup_steps=spec.warmup_steps,
-                  eval_every=spec.eval_every, save_every=spec.eval_every, eval_blocks=spec.eval_blocks, seed=spec.seed,
-                  report_to=spec.report_to, run_name=f"{Path(spec.output_dir).name}/{name}",
-                  wandb_group=group, resume=out.exists(), **spec.budget())
+    values = dict(
+        model=str(model),
+        train_data=spec.train_data,
+        eval_data=spec.eval_data,
+        output_dir=str(out),
+        seq_len=spec.seq_len,
+        batch_size=spec.batch_size,
+        lr=spec.lr,
+        warmup_steps=spec.warmup_steps,
+        eval_every=spec.eval_every,
+        save_every=spec.eval_every,
+        eval_blocks=spec.eval_blocks,
+        seed=spec.seed,
+        report_to=spec.report_to,
+        run_name=f"{Path(spec.output_dir).name}/{name}",
+        wandb_group=group,
+        resume=out.exists(),
+        **spec.budget(),
+    )
     return validated_config(values, "compare")
 
 
@@ -130,16 +159,22 @@ def _calibration(prepared, root: Path, log=print) -> Calibration:
             with safe_open(path, "pt") as f:
                 info = parse_json((f.metadata() or {})["info"], str(path))
                 moments = {int(k): f.get_tensor(k) for k in f.keys()}
-            if isinstance(info, dict) and moments and all(m.ndim == 2 and m.shape[0] == m.shape[1]
-                                                          for m in moments.values()):
+            if (
+                isinstance(info, dict)
+                and moments
+                and all(m.ndim == 2 and m.shape[0] == m.shape[1] for m in moments.values())
+            ):
                 return Calibration(moments, info)
         except (OSError, SafetensorError, UptrainError, KeyError, ValueError):
             pass
         log(f"[compare] {path} is damaged or incomplete; calibrating again")
     calibration = calibrate(prepared, progress=False)
     with atomic_file(path) as tmp:
-        save_file({str(k): calibration.moments[k].contiguous() for k in calibration.moments}, tmp,
-                  metadata={"info": json.dumps(calibration.info)})
+        save_file(
+            {str(k): calibration.moments[k].contiguous() for k in calibration.moments},
+            tmp,
+            metadata={"info": json.dumps(calibration.info)},
+        )
     (root / "calibration.json").unlink(missing_ok=True)  # where earlier compares kept the description
     return calibration
 
@@ -177,14 +212,24 @@ def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -
     except (UptrainError, TypeError) as err:
         problem = str(err) if isinstance(err, UptrainError) else "not a record of a run"
     else:
+
         def number(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        whole = (number(result.eval_loss_before) and number(result.eval_loss_after)
-                 and isinstance(result.uptrain_tokens, int) and isinstance(result.curve, list) and result.curve
-                 and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in result.curve))
-        if whole and (result.name, result.num_kv_heads, result.pooling,
-                      result.kv_cache_bytes_per_token) == (name, g, pooling, kv_bytes):
+        whole = (
+            number(result.eval_loss_before)
+            and number(result.eval_loss_after)
+            and isinstance(result.uptrain_tokens, int)
+            and isinstance(result.curve, list)
+            and result.curve
+            and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in result.curve)
+        )
+        if whole and (result.name, result.num_kv_heads, result.pooling, result.kv_cache_bytes_per_token) == (
+            name,
+            g,
+            pooling,
+            kv_bytes,
+        ):
             return result
         problem = "not a record of this run"
     log(f"[compare] {name}: {path} is damaged ({problem}); making it again from the run")
@@ -205,12 +250,16 @@ def _flat(values: dict, prefix: str = "") -> dict:
 def _changes(old: dict, spec: CompareSpec) -> list[str]:
     """The settings of `spec` that differ from an earlier compare's record, but operational ones.
     A key the earlier compare's uptrain did not have yet held its default there."""
-    defaults = _flat({k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
-                      for k in keys_of(CompareSpec) if not k.required})
+    defaults = _flat(
+        {
+            k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
+            for k in keys_of(CompareSpec)
+            if not k.required
+        }
+    )
     old = {**defaults, **_flat(old)}
     current = _flat(spec.to_dict())
-    return [f"{k}: {old.get(k)!r} → {v!r}" for k, v in current.items() if k not in OPERATIONAL_KEYS
-            and old.get(k) != v]
+    return [f"{k}: {old.get(k)!r} → {v!r}" for k, v in current.items() if k not in OPERATIONAL_KEYS and old.get(k) != v]
 
 
 def _start(spec: CompareSpec, root: Path) -> str:
@@ -232,18 +281,23 @@ def _start(spec: CompareSpec, root: Path) -> str:
                 entry.unlink()
     elif contents:
         if not record.is_file():
-            raise UptrainError(f"output_dir {root} already holds files of something else (no {RECORD}); use "
-                               "another output_dir, or --overwrite to delete them")
+            raise UptrainError(
+                f"output_dir {root} already holds files of something else (no {RECORD}); use "
+                "another output_dir, or --overwrite to delete them"
+            )
         try:
             old = read_json(record)
         except UptrainError as err:
             raise UptrainError(f"cannot resume: {err}; use another output_dir or --overwrite") from None
         if not isinstance(old, dict):
-            raise UptrainError(f"cannot resume: {record} is damaged (not a JSON object); use another output_dir "
-                               "or --overwrite")
+            raise UptrainError(
+                f"cannot resume: {record} is damaged (not a JSON object); use another output_dir or --overwrite"
+            )
         if changed := _changes(old, spec):
-            raise UptrainError(f"cannot resume the compare in {root}: its settings changed ({'; '.join(changed)}); "
-                               "use another output_dir or --overwrite")
+            raise UptrainError(
+                f"cannot resume the compare in {root}: its settings changed ({'; '.join(changed)}); "
+                "use another output_dir or --overwrite"
+            )
         # An earlier compare's runs are in its group; one recorded before groups were, in the folder's name.
         group = old.get("wandb_group") if isinstance(old.get("wandb_group"), str) else root.name
     # Unique per compare: two folders of one name (or one folder emptied by --overwrite) never share a group.
@@ -276,8 +330,11 @@ def hold_compare_dir(spec: CompareSpec) -> Iterator[str]:
         yield _held[root]
         return
     validate(spec)
-    check_apart(root, [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)),
-                       ("`eval_data`", Path(spec.eval_data))], "output_dir")
+    check_apart(
+        root,
+        [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)), ("`eval_data`", Path(spec.eval_data))],
+        "output_dir",
+    )
     with hold_run_dir(root):
         _held[root] = _start(spec, root)
         try:

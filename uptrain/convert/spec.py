@@ -59,7 +59,7 @@ def _device_problem(value: str) -> str | None:
 # Every seed uptrain takes: accelerate's set_seed seeds numpy too, whose legacy seeding takes
 # 0 … 2**32 − 1 only. Checked with the other options, so that a bad seed is refused before a run
 # writes its folder (where the corrected command would then need --overwrite).
-SEED_RANGE = (0, 2 ** 32 - 1)
+SEED_RANGE = (0, 2**32 - 1)
 
 
 def seed_option(help: str):
@@ -68,8 +68,10 @@ def seed_option(help: str):
 
 
 POOLING_HELP = "how each group's heads become one"
-GROUPING_HELP = ("which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or similarity (heads "
-                 "renumbered exactly so that similar K/V heads are grouped; uses the calibration text when given)")
+GROUPING_HELP = (
+    "which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or similarity (heads "
+    "renumbered exactly so that similar K/V heads are grouped; uses the calibration text when given)"
+)
 
 
 @dataclass(kw_only=True)
@@ -78,42 +80,55 @@ class ConversionOptions(Schema):
 
     pooling: str = option("mean", help=POOLING_HELP, choices=strategies)
     grouping: Grouping = option("contiguous", help=GROUPING_HELP)
-    calibration_tokens: int = option(32768, at_least=1, help="tokens of calibration text read through the source "
-                                                            "model (`calibrated` pooling, `similarity` grouping)")
-    calibration_device: str = option("auto", metavar="auto|cpu|cuda[:N]", check=_device_problem,
-                                     help="where calibration runs the source model: auto (the first GPU when there "
-                                          "is one), cpu, cuda or cuda:N")
-    calibration_dtype: DType = option("float32", help="dtype of calibration's forward pass (moments are accumulated "
-                                                      "in float64); bfloat16 for GPUs")
-    source_hash: SourceHash = option("blake3", help="digest of each source file recorded in uptrain.json, computed "
-                                                    "beside the conversion; files from the Hub cache also get the "
-                                                    "Hub's sha256 for free, which sha256 checks")
+    calibration_tokens: int = option(
+        32768,
+        at_least=1,
+        help="tokens of calibration text read through the source model (`calibrated` pooling, `similarity` grouping)",
+    )
+    calibration_device: str = option(
+        "auto",
+        metavar="auto|cpu|cuda[:N]",
+        check=_device_problem,
+        help="where calibration runs the source model: auto (the first GPU when there is one), cpu, cuda or cuda:N",
+    )
+    calibration_dtype: DType = option(
+        "float32", help="dtype of calibration's forward pass (moments are accumulated in float64); bfloat16 for GPUs"
+    )
+    source_hash: SourceHash = option(
+        "blake3",
+        help="digest of each source file recorded in uptrain.json, computed "
+        "beside the conversion; files from the Hub cache also get the "
+        "Hub's sha256 for free, which sha256 checks",
+    )
 
 
 @dataclass(kw_only=True)
 class ConversionSpec(ConversionOptions):
     """One conversion: a source checkpoint, the KV heads it becomes, and how."""
 
-    source: str = option(positional=True, metavar="src",
-                         help="checkpoint folder (safetensors, single or sharded) or a Hub id")
-    num_kv_heads: int = option(flags=("-g",), metavar="G", help="KV heads after conversion; must divide the "
-                                                                "attention heads and the current KV heads")
+    source: str = option(
+        positional=True, metavar="src", help="checkpoint folder (safetensors, single or sharded) or a Hub id"
+    )
+    num_kv_heads: int = option(
+        flags=("-g",),
+        metavar="G",
+        help="KV heads after conversion; must divide the attention heads and the current KV heads",
+    )
     seed: int = seed_option("seed of `random` pooling")
     dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")
-    calibration_data: str | list[str] | None = option(None, metavar="FILE", help="calibration text: text/jsonl/"
-                                                      "parquet file(s) or a datasets name; required by calibrated "
-                                                      "pooling")
+    calibration_data: str | list[str] | None = option(
+        None,
+        metavar="FILE",
+        help="calibration text: text/jsonl/parquet file(s) or a datasets name; required by calibrated pooling",
+    )
     max_shard_size: int | str = option("5GB", check=_size_problem, help="largest output shard, e.g. 5GB or 500MiB")
-    allow_pickle: bool = option(False, help="read pytorch_model*.bin checkpoints (with "
-                                            "torch.load(weights_only=True))")
+    allow_pickle: bool = option(False, help="read pytorch_model*.bin checkpoints (with torch.load(weights_only=True))")
     # How calibration text is read: `uptrain train` and `uptrain compare` pass their data keys.
-    calibration_dataset_config: str | None = option(None, flag=False, help="configuration of a Hub calibration "
-                                                                           "dataset")
+    calibration_dataset_config: str | None = option(None, flag=False, help="configuration of a Hub calibration dataset")
     calibration_split: str = option("train", flag=False, help="split of a Hub calibration dataset (streamed)")
     calibration_seq_len: int = option(256, at_least=2, flag=False, help="tokens per calibration block")
     text_field: str = option("text", flag=False, help="column holding the text in jsonl/parquet/Hub data")
-    sample_by: Literal["line", "paragraph", "document"] = option("paragraph", flag=False,
-                                                                 help="one document in .txt")
+    sample_by: Literal["line", "paragraph", "document"] = option("paragraph", flag=False, help="one document in .txt")
 
 
 @dataclass(kw_only=True)

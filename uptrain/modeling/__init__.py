@@ -30,13 +30,16 @@ from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, O
 from uptrain.modeling_table import gqa_config, modeling_for
 
 # Converted model_type → its (config, base model, causal LM) classes.
-CLASSES = {config.model_type: (config, model, causal_lm) for config, model, causal_lm in (
-    (GPT2GQAConfig, GPT2GQAModel, GPT2GQAForCausalLM),
-    (GPTNeoXGQAConfig, GPTNeoXGQAModel, GPTNeoXGQAForCausalLM),
-    (OPTGQAConfig, OPTGQAModel, OPTGQAForCausalLM),
-    (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
-    (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
-)}
+CLASSES = {
+    config.model_type: (config, model, causal_lm)
+    for config, model, causal_lm in (
+        (GPT2GQAConfig, GPT2GQAModel, GPT2GQAForCausalLM),
+        (GPTNeoXGQAConfig, GPTNeoXGQAModel, GPTNeoXGQAForCausalLM),
+        (OPTGQAConfig, OPTGQAModel, OPTGQAForCausalLM),
+        (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
+        (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
+    )
+}
 
 
 def _register() -> None:

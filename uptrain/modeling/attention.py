@@ -20,8 +20,10 @@ MIN_TRANSFORMERS = (4, 57)
 TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 if TRANSFORMERS_VERSION < MIN_TRANSFORMERS:
     needed = ".".join(map(str, MIN_TRANSFORMERS))
-    raise ImportError(f"uptrain's GQA modeling needs transformers >= {needed} (found {transformers.__version__}): "
-                      f"pip install -U 'transformers>={needed}'")
+    raise ImportError(
+        f"uptrain's GQA modeling needs transformers >= {needed} (found {transformers.__version__}): "
+        f"pip install -U 'transformers>={needed}'"
+    )
 TRANSFORMERS_4 = TRANSFORMERS_VERSION < (5, 0)
 
 # What the layer above passes the KV cache as: 5.x `cache`, 4.57 `past_key_values` (GPT-2, OPT)
@@ -59,8 +61,10 @@ class GroupedHeadsConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} does not divide "
-                             f"num_attention_heads {self.num_attention_heads}")
+            raise ValueError(
+                f"num_key_value_heads {self.num_key_value_heads} does not divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
         self._check_gqa()
 
     def _check_gqa(self) -> None:
@@ -72,11 +76,13 @@ class GroupedHeadsConfig:
         return kwargs
 
     if TRANSFORMERS_4:  # configs built by `__init__(**kwargs)`
+
         def __init__(self, num_key_value_heads=None, **kwargs):
             super().__init__(**self._kwargs_for_4x(kwargs))
             self.num_key_value_heads = num_key_value_heads
             self._grouped_heads()
     else:  # transformers 5 builds configs as dataclasses: fields, then `__post_init__`
+
         def __post_init__(self, **kwargs):
             if self.num_key_value_heads is None:
                 self.num_key_value_heads = self.num_attention_heads
@@ -89,6 +95,7 @@ class AttentionBackends:
     `attend` below (transformers' attention interface), so eager, SDPA, flash, flex and
     registered kernels all see K/V at G heads; `num_key_value_groups` on each attention layer
     tells them to share each KV head among its queries."""
+
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -107,8 +114,9 @@ def build_as_eager(init, model, config) -> None:
         init(config)
     finally:
         config._attn_implementation_internal = requested
-    model.config._attn_implementation_internal = model._check_and_adjust_attn_implementation(requested,
-                                                                                             is_init_check=True)
+    model.config._attn_implementation_internal = model._check_and_adjust_attn_implementation(
+        requested, is_init_check=True
+    )
 
 
 def _bottom_right_causal(t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -122,10 +130,18 @@ def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                            attention_mask: torch.Tensor | None = None, scale: float | None = None,
-                            alibi: torch.Tensor | None = None, dropout: float = 0.0,
-                            eager: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grouped_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    alibi: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    eager: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of h query heads over G shared K/V heads; returns (`[B, h, T, d]`, weights or None).
 
     q `[B, h, T, d]`; k, v `[B, G, S, d]` with G dividing h; query head i reads KV head
@@ -141,7 +157,7 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     g, s = k.shape[1], k.shape[2]
     if h % g:
         raise ValueError(f"{h} query heads cannot be grouped over {g} KV heads")
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     if attention_mask is None and causal and 1 < t < s:
         attention_mask = _bottom_right_causal(t, s, q.device)
     is_causal = attention_mask is None and causal and t > 1
@@ -153,8 +169,9 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                 is_causal = False
             bias = alibi.to(q.dtype)
             attention_mask = bias if attention_mask is None else bias + _as_additive(attention_mask, q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scale,
-                                             is_causal=is_causal, enable_gqa=g != h)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scale, is_causal=is_causal, enable_gqa=g != h
+        )
         return out, None
     if is_causal:
         attention_mask = _bottom_right_causal(t, s, q.device)
@@ -183,8 +200,9 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return out, weights
 
 
-def alibi_as_mask(alibi: torch.Tensor, attention_mask: torch.Tensor | None, t: int, s: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+def alibi_as_mask(
+    alibi: torch.Tensor, attention_mask: torch.Tensor | None, t: int, s: int, dtype: torch.dtype
+) -> torch.Tensor:
     """ALiBi `[B, h, 1, S]` and the causal/padding mask (boolean, additive or None = causal) as
     one additive mask `[B, h, T, S]`: the form SDPA (and the interface's sdpa function, which
     passes a float mask through) adds to the scores."""
@@ -194,22 +212,40 @@ def alibi_as_mask(alibi: torch.Tensor, attention_mask: torch.Tensor | None, t: i
     return alibi.to(dtype) + _as_additive(attention_mask, dtype)
 
 
-def eager_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            alibi: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    alibi: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The "eager" entry of transformers' attention interface for these models: the explicit,
     per-group softmax of `grouped_query_attention` (bit-identical to transformers' own eager
     attention at G = h). Returns `[B, T, h, d]` and the weights, as every interface function."""
     if isinstance(attention_mask, torch.Tensor):
         # 4.x builds GPT-J's and BLOOM's masks for the whole cache length: the keys so far only.
-        attention_mask = attention_mask[..., :key.shape[-2]]
-    out, weights = grouped_query_attention(query, key, value, attention_mask=attention_mask, scale=scaling,
-                                           alibi=alibi, dropout=dropout, eager=True)
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    out, weights = grouped_query_attention(
+        query, key, value, attention_mask=attention_mask, scale=scaling, alibi=alibi, dropout=dropout, eager=True
+    )
     return out.transpose(1, 2).contiguous(), weights
 
 
-def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, *,
-           scaling: float, dropout: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attend(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    scaling: float,
+    dropout: float,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through transformers' attention interface, as its own models do: "eager" is
     `eager_attention_forward` above, any other `config._attn_implementation` (sdpa, flash, flex,
     paged, a registered kernel) the function transformers registered under that name. q

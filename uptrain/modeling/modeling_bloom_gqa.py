@@ -37,8 +37,9 @@ def check_backend(implementation: str | None) -> None:
     """Refuse, in one line, an attention implementation that has no place for ALiBi (flash
     attention, a registered kernel, 4.x's flex): it would run, without ALiBi, and be wrong."""
     if implementation is not None and implementation not in BACKENDS:
-        raise ValueError(f"bloom_gqa cannot use attn_implementation={implementation!r}: ALiBi needs one of "
-                         f"{', '.join(BACKENDS)}")
+        raise ValueError(
+            f"bloom_gqa cannot use attn_implementation={implementation!r}: ALiBi needs one of {', '.join(BACKENDS)}"
+        )
 
 
 class BloomGQAConfig(GroupedHeadsConfig, BloomConfig):
@@ -83,8 +84,16 @@ class BloomGQAAttention(BloomAttention):
             kwargs["position_bias"] = alibi.expand(b, self.num_heads, t, k.shape[2])
         else:
             attention_mask = alibi_as_mask(alibi, attention_mask, t, k.shape[2], q.dtype)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=self.inv_norm_factor,
-                              dropout=self.attention_dropout.p if self.training else 0.0, **kwargs)
+        out, weights = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.inv_norm_factor,
+            dropout=self.attention_dropout.p if self.training else 0.0,
+            **kwargs,
+        )
         out = self.dense(out.reshape(b, t, -1))
         return dropout_add(out, residual, self.hidden_dropout, self.training), weights
 
@@ -99,6 +108,7 @@ class BloomBackends(AttentionBackends):
     it takes a per-head bias) apply it; flash attention and registered kernels have no place
     for it, so they are refused when the model is built (`check_backend`) rather than run
     without it, and engines that ask `is_backend_compatible()` are told no."""
+
     _supports_flash_attn = False
     _supports_flex_attn = FLEX_TAKES_BIAS
     _supports_attention_backend = False

@@ -35,7 +35,7 @@ class GPT2GQAAttention(GPT2Attention):
         self.kv_dim = self.num_key_value_heads * self.head_dim
         self.c_attn = Conv1D(self.embed_dim + 2 * self.kv_dim, self.embed_dim)
         # transformers 4.x GPT-2 has no `scaling` (it divides inside its attention): the same rule.
-        self.scaling = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scaling /= float(layer_idx + 1)
 
@@ -45,8 +45,16 @@ class GPT2GQAAttention(GPT2Attention):
         heads = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (x.view(heads).transpose(1, 2) for x in (q, k, v))
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
-                              dropout=self.attn_dropout.p if self.training else 0.0, **kwargs)
+        out, weights = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attn_dropout.p if self.training else 0.0,
+            **kwargs,
+        )
         out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
         return self.resid_dropout(self.c_proj(out)), weights
 

@@ -51,8 +51,9 @@ class GPTNeoXGQAConfig(GroupedHeadsConfig, GPTNeoXConfig):
         if "rope_theta" in rope:
             kwargs.setdefault("rotary_emb_base", rope["rope_theta"])
         if rope.get("rope_type", "default") != "default":
-            kwargs.setdefault("rope_scaling", {k: v for k, v in rope.items() if k not in ("rope_theta",
-                                                                                        "partial_rotary_factor")})
+            kwargs.setdefault(
+                "rope_scaling", {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            )
         return kwargs
 
 
@@ -76,8 +77,16 @@ class GPTNeoXGQAAttention(GPTNeoXAttention):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
-                              dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        out, weights = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attention_dropout if self.training else 0.0,
+            **kwargs,
+        )
         out = out.reshape(*input_shape, -1).contiguous()
         return self.dense(out), weights
 
@@ -110,11 +119,11 @@ class GPTNeoXGQAForCausalLM(AttentionBackends, GPTNeoXForCausalLM):
         @staticmethod
         def _fix_state_dict_key_on_load(key):
             if key.startswith("lm_head."):
-                return "embed_out." + key[len("lm_head."):], True
+                return "embed_out." + key[len("lm_head.") :], True
             return GPTNeoXForCausalLM._fix_state_dict_key_on_load(key)
 
         @staticmethod
         def _fix_state_dict_key_on_save(key):
             if key.startswith("embed_out."):
-                return "lm_head." + key[len("embed_out."):], True
+                return "lm_head." + key[len("embed_out.") :], True
             return GPTNeoXForCausalLM._fix_state_dict_key_on_save(key)

@@ -39,7 +39,7 @@ class GPTJGQAAttention(GPTJAttention):
         kv_dim = config.num_key_value_heads * self.head_dim
         self.k_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
-        self.scaling = self.head_dim ** -0.5  # 4.x GPT-J divides by √d inside its attention instead
+        self.scaling = self.head_dim**-0.5  # 4.x GPT-J divides by √d inside its attention instead
 
     def _sin_cos(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers 4.x computes GPT-J's rotary table inside attention (5.x passes
@@ -59,9 +59,17 @@ class GPTJGQAAttention(GPTJAttention):
         k = _rotate(self.k_proj(hidden_states).view(heads), sin, cos, self.rotary_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
-                              dropout=self.config.attn_pdrop if self.training else 0.0, position_ids=position_ids,
-                              **kwargs)
+        out, weights = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.config.attn_pdrop if self.training else 0.0,
+            position_ids=position_ids,
+            **kwargs,
+        )
         out = out.reshape(*input_shape, -1).contiguous()
         return self.resid_dropout(self.out_proj(out)), weights
 

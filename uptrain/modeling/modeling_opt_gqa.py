@@ -40,8 +40,9 @@ class OPTGQAAttention(OPTAttention):
         k = self.k_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=1.0,
-                              dropout=self.dropout if self.training else 0.0, **kwargs)
+        out, weights = attend(
+            self, q, k, v, attention_mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **kwargs
+        )
         out = out.reshape(bsz, tgt_len, -1).contiguous()
         return self.out_proj(out), weights
 

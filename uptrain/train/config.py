@@ -42,11 +42,16 @@ def _embedded(schema: type, base: type[BaseModel]) -> type[BaseModel]:
             raise ValueError(problem)
         return value
 
-    fields: dict[str, Any] = {k.name: (k.annotation, Field(k.default, description=k.option.help))
-                              for k in keys.values()}
-    return create_model(f"_{schema.__name__}Keys", __base__=base,
-                        # named per schema: a subclass's validator of the same name would replace its base's
-                        __validators__={f"_check_{schema.__name__}": field_validator(*keys)(check)}, **fields)
+    fields: dict[str, Any] = {
+        k.name: (k.annotation, Field(k.default, description=k.option.help)) for k in keys.values()
+    }
+    return create_model(
+        f"_{schema.__name__}Keys",
+        __base__=base,
+        # named per schema: a subclass's validator of the same name would replace its base's
+        __validators__={f"_check_{schema.__name__}": field_validator(*keys)(check)},
+        **fields,
+    )
 
 
 class _RunKeys(_embedded(ConversionOptions, _Strict)):
@@ -56,26 +61,41 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
     and `--help`."""
 
     # What to train.
-    model: str | None = Field(None, description="checkpoint folder to uptrain (e.g. the output of `uptrain convert`); "
-                                                "give either `model` or `source`")
-    source: str | None = Field(None, description="MHA checkpoint to convert first (same code as `uptrain convert`); "
-                                                 "the result is written to OUTPUT_DIR/converted and trained")
+    model: str | None = Field(
+        None,
+        description="checkpoint folder to uptrain (e.g. the output of `uptrain convert`); "
+        "give either `model` or `source`",
+    )
+    source: str | None = Field(
+        None,
+        description="MHA checkpoint to convert first (same code as `uptrain convert`); "
+        "the result is written to OUTPUT_DIR/converted and trained",
+    )
     num_kv_heads: int | None = Field(None, ge=1, description="KV heads after conversion; required with `source`")
     # Data.
-    train_data: str | list[str] = Field(..., description="training text: local .txt/.jsonl/.json/.parquet file(s) "
-                                                        "or folder, or a datasets Hub name (streamed)")
-    eval_data: str | list[str] = Field(..., description="evaluation text, same forms as `train_data`; the same "
-                                                       "blocks are scored at every evaluation")
+    train_data: str | list[str] = Field(
+        ...,
+        description="training text: local .txt/.jsonl/.json/.parquet file(s) "
+        "or folder, or a datasets Hub name (streamed)",
+    )
+    eval_data: str | list[str] = Field(
+        ..., description="evaluation text, same forms as `train_data`; the same blocks are scored at every evaluation"
+    )
     dataset_config: str | None = Field(None, description="configuration name of a Hub `train_data` (e.g. sample-10BT)")
-    eval_dataset_config: str | None = Field(None, description="configuration name of a Hub `eval_data` (default: "
-                                                              "dataset_config)")
+    eval_dataset_config: str | None = Field(
+        None, description="configuration name of a Hub `eval_data` (default: dataset_config)"
+    )
     train_split: str = Field("train", description="split of a Hub `train_data`")
     eval_split: str = Field("validation", description="split of a Hub `eval_data` (local files have only `train`)")
     text_field: str = Field("text", description="column holding the text in jsonl/parquet/Hub datasets")
     sample_by: Literal["line", "paragraph", "document"] = Field(
-        "paragraph", description="what one document is in a .txt file; documents are joined with EOS")
-    streaming: bool | None = Field(None, description="stream the data instead of tokenizing it all up front "
-                                                     "(default: true for Hub names, false for local files)")
+        "paragraph", description="what one document is in a .txt file; documents are joined with EOS"
+    )
+    streaming: bool | None = Field(
+        None,
+        description="stream the data instead of tokenizing it all up front "
+        "(default: true for Hub names, false for local files)",
+    )
     eval_blocks: int = Field(64, ge=1, description="most `seq_len` blocks of `eval_data` used for evaluation")
     data_workers: int | None = Field(None, ge=1, description="processes that tokenize local data (default: 1)")
 
@@ -93,8 +113,9 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW β1")
     adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW β2")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW ε")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this "
-                                                               "(null: no clipping)")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="clip the gradient's global norm to this (null: no clipping)"
+    )
 
     @field_validator("train_data", "eval_data")
     @classmethod
@@ -123,13 +144,19 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
     log_every: int = Field(1, ge=1, description="log training metrics every N optimizer steps")
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="seed for data order and initialisation")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "auto", description="autocast; auto: `accelerate launch --mixed_precision` if given, else bf16 on GPUs "
-                            "that support it and no on CPU")
+        "auto",
+        description="autocast; auto: `accelerate launch --mixed_precision` if given, else bf16 on GPUs "
+        "that support it and no on CPU",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass to save memory")
-    peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s of one device for perf/mfu (default: "
-                                                            "known bf16 peaks of common GPUs; none on CPU)")
-    report_to: list[Reporter] = Field(["wandb", "jsonl"], description="wandb, jsonl, none (several allowed); "
-                                                                     "metrics.jsonl is written in any case")
+    peak_flops: float | None = Field(
+        None,
+        gt=0,
+        description="peak FLOP/s of one device for perf/mfu (default: known bf16 peaks of common GPUs; none on CPU)",
+    )
+    report_to: list[Reporter] = Field(
+        ["wandb", "jsonl"], description="wandb, jsonl, none (several allowed); metrics.jsonl is written in any case"
+    )
     wandb_project: str = Field("uptrain", description="wandb project name")
     run_name: str | None = Field(None, description="run name in wandb (default: the output_dir's name)")
     wandb_group: str | None = Field(None, description="wandb group that collects related runs (e.g. a comparison)")
@@ -155,8 +182,9 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
         if (self.model is None) == (self.source is None):
-            raise ValueError("give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint "
-                             "to convert first)")
+            raise ValueError(
+                "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
+            )
         if self.source is not None and self.num_kv_heads is None:
             raise ValueError("`source` needs `num_kv_heads`")
         if self.source is None and self.num_kv_heads is not None:
@@ -172,10 +200,18 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
         shared = {k.name: getattr(self, k.name) for k in keys_of(ConversionOptions)}
-        return ConversionSpec(source=self.source, num_kv_heads=self.num_kv_heads, seed=self.seed,
-                              calibration_data=self.train_data, calibration_dataset_config=self.dataset_config,
-                              calibration_split=self.train_split, calibration_seq_len=self.seq_len,
-                              text_field=self.text_field, sample_by=self.sample_by, **shared)
+        return ConversionSpec(
+            source=self.source,
+            num_kv_heads=self.num_kv_heads,
+            seed=self.seed,
+            calibration_data=self.train_data,
+            calibration_dataset_config=self.dataset_config,
+            calibration_split=self.train_split,
+            calibration_seq_len=self.seq_len,
+            text_field=self.text_field,
+            sample_by=self.sample_by,
+            **shared,
+        )
 
     @property
     def trackers(self) -> list[str]:
@@ -196,9 +232,26 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
 
 # Keys that change bookkeeping but not the loss curve: a resumed run may change them freely.
 # (batch_size and grad_accum may change too as long as batch_size × grad_accum × processes does not.)
-OPERATIONAL_KEYS = frozenset({"resume", "overwrite", "report_to", "wandb_project", "run_name", "wandb_group",
-                              "eval_every", "save_every", "keep_checkpoints", "log_every", "peak_flops",
-                              "data_workers", "batch_size", "grad_accum", "calibration_device", "source_hash"})
+OPERATIONAL_KEYS = frozenset(
+    {
+        "resume",
+        "overwrite",
+        "report_to",
+        "wandb_project",
+        "run_name",
+        "wandb_group",
+        "eval_every",
+        "save_every",
+        "keep_checkpoints",
+        "log_every",
+        "peak_flops",
+        "data_workers",
+        "batch_size",
+        "grad_accum",
+        "calibration_device",
+        "source_hash",
+    }
+)
 
 
 def format_validation_error(err: ValidationError, path: str | Path | None, command: str = "train") -> str:
@@ -240,7 +293,7 @@ def read_yaml(path: Path) -> Any:
     except OSError as err:
         raise UptrainError(f"cannot read {path}: {err.strerror or err}") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise UptrainError(f"{path} is larger than a config can be ({MAX_CONFIG_BYTES // 2 ** 20} MiB)")
+        raise UptrainError(f"{path} is larger than a config can be ({MAX_CONFIG_BYTES // 2**20} MiB)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -251,8 +304,9 @@ def read_yaml(path: Path) -> Any:
         raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
         if "integer string conversion" in str(err):
-            raise UptrainError(f"{path}: a number has more digits than Python reads "
-                               f"({sys.get_int_max_str_digits()})") from None
+            raise UptrainError(
+                f"{path}: a number has more digits than Python reads ({sys.get_int_max_str_digits()})"
+            ) from None
         raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     except RecursionError:
         raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None
@@ -279,16 +333,24 @@ def config_keys() -> list[Key]:
     """TrainConfig's keys as `uptrain.options` sees them: an embedded schema's keys as that
     schema declares them (help, choices, group), the others from their pydantic fields."""
     embedded = {k.name: k for schema in EMBEDDED for k in keys_of(schema)}
-    return [embedded.get(name) or Key(name, field.annotation, REQUIRED if field.is_required() else field.default,
-                                      Option(help=field.description or ""))
-            for name, field in TrainConfig.model_fields.items()]
+    return [
+        embedded.get(name)
+        or Key(
+            name,
+            field.annotation,
+            REQUIRED if field.is_required() else field.default,
+            Option(help=field.description or ""),
+        )
+        for name, field in TrainConfig.model_fields.items()
+    ]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--config` and one flag per config key (`--seq_len` and `--seq-len` both work)."""
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of config keys; flags override it")
-    add_arguments(parser, config_keys(), file_keys=True,
-                  group="config keys (each also a YAML key; flags override the file)")
+    add_arguments(
+        parser, config_keys(), file_keys=True, group="config keys (each also a YAML key; flags override the file)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -21,9 +21,21 @@ from uptrain import UptrainError
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
 # first, so "H100 PCIe" is not read as "H100" and "L40S" not as "L4".
 PEAK_FLOPS = {
-    "GH200": 989e12, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H800": 989e12,
-    "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-    "A10": 125e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
+    "GH200": 989e12,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
 }
 
 

@@ -29,10 +29,8 @@ def parse_json(raw: bytes | str, what: str, unique_keys: bool = True):
     try:
         return json.loads(raw, object_pairs_hook=no_duplicates if unique_keys else None)
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4300 digits
-        if "integer string conversion" in str(err):
-            raise UptrainError(
-                f"{what}: a number has more digits than Python reads ({sys.get_int_max_str_digits()})"
-            ) from None
+        if too_many_digits(err):
+            raise UptrainError(f"{what}: {too_many_digits(err)}") from None
         raise UptrainError(f"{what} is not valid JSON ({str(err).splitlines()[0]})") from None
     except RecursionError:
         raise UptrainError(f"{what} is not valid JSON (nested too deeply)") from None
@@ -45,3 +43,10 @@ def read_json(path: Path, unique_keys: bool = True):
     except OSError as err:
         raise UptrainError(f"cannot read {path}: {err.strerror or err}") from None
     return parse_json(raw, str(path), unique_keys)
+
+
+def too_many_digits(err: Exception) -> str | None:
+    """What to say when a parser (json, PyYAML) met an integer longer than Python reads, else None."""
+    if isinstance(err, ValueError) and "integer string conversion" in str(err):
+        return f"a number has more digits than Python reads ({sys.get_int_max_str_digits()})"
+    return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +21,7 @@ from uptrain import UptrainError
 from uptrain.budgets import UptrainingBudget, budget_problems
 from uptrain.convert.spec import SEED_RANGE, ConversionOptions, ConversionSpec
 from uptrain.options import REQUIRED, Key, Option, add_arguments, given, key_problem, keys_of
+from uptrain.strict_json import too_many_digits
 
 Reporter = Literal["wandb", "jsonl", "none"]
 EMBEDDED = (ConversionOptions, UptrainingBudget)
@@ -303,10 +303,8 @@ def read_yaml(path: Path) -> Any:
     except yaml.YAMLError as err:
         raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
-        if "integer string conversion" in str(err):
-            raise UptrainError(
-                f"{path}: a number has more digits than Python reads ({sys.get_int_max_str_digits()})"
-            ) from None
+        if too_many_digits(err):
+            raise UptrainError(f"{path}: {too_many_digits(err)}") from None
         raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     except RecursionError:
         raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None

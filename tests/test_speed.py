@@ -225,3 +225,19 @@ def test_the_speed_command_measures_every_model_given(llama, capsys):
     assert main(["speed", str(llama[8]), "--context", "100000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "beyond the model's" in err[0]
+
+
+ALL_ARCHITECTURES = [("native", a) for a in tiny_models.ARCHITECTURES] + [
+    ("classic", a) for a in classic_models.ARCHITECTURES
+]
+
+
+@pytest.mark.parametrize(("kind", "model_type"), ALL_ARCHITECTURES, ids=[a for _, a in ALL_ARCHITECTURES])
+def test_every_architecture_is_measured_with_a_cache_h_over_g_smaller(kind, model_type, tmp_path):
+    """Every supported architecture, native or `*_gqa`: measured, and its cache really holds G heads."""
+    build = tiny_models.build_model if kind == "native" else classic_models.build
+    paths = save_with_conversions(build(model_type), tmp_path, groups=(2,))
+    mha, gqa = measure_speed([str(paths[HEADS]), str(paths[2])], context=6, new_tokens=2, batch=1, repeats=1)
+    assert (mha["num_kv_heads"], gqa["num_kv_heads"]) == (HEADS, 2)
+    assert mha["kv_cache_bytes"] > 0 and mha["kv_cache_bytes"] == (HEADS // 2) * gqa["kv_cache_bytes"]
+    assert all(r["time_per_sample_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in (mha, gqa))

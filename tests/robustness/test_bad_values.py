@@ -4,6 +4,7 @@ limit in JSON, and data whose text column holds something other than text."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,29 @@ def test_calibration_text_holding_no_text_is_one_line(tmp_path, capsys):
     assert main(argv) == 2
     assert "not text" in one_line(capsys)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "card",
+    ["not json", '{"pretrain_tokens": -5}', '{"pretrain_tokens": "3e6"}', "[1, 2]", '{"pretrain_tokens": 1e999}'],
+)
+def test_a_bad_reference_card_is_one_line(tmp_path, capsys, card):
+    model = tmp_path / "model"
+    shutil.copytree(REFERENCE, model)
+    (model / "reference.json").write_text(card)
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        f"--model={model}",
+        f"--train_data={REFERENCE.parent / 'corpus' / 'validation.jsonl.gz'}",
+        f"--eval_data={REFERENCE.parent / 'corpus' / 'validation.jsonl.gz'}",
+        f"--output_dir={out}",
+        "--seq_len=32",
+        "--batch_size=2",
+        "--lr=1e-3",
+        "--uptrain_fraction=0.05",
+        "--report_to=jsonl",
+    ]
+    assert main(argv) == 2
+    assert "reference.json" in one_line(capsys)
+    assert not out.exists() or not any(out.iterdir())

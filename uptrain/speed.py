@@ -15,12 +15,9 @@ allocated: a context past the model's positions, a cache that would not fit in f
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import inspect
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,7 +398,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
             return self
-        _trim_heap()
+        from uptrain.convert.calibration import release_freed_memory
+
+        release_freed_memory()  # freed heap pages would hide the run's own
         try:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
             self._start = _status_kib("VmRSS") * 1024
@@ -426,15 +425,6 @@ def _status_kib(field: str) -> int:
     if found is None:
         raise AttributeError(field)
     return int(found.group(1))
-
-
-def _trim_heap() -> None:
-    libc = ctypes.util.find_library("c")
-    if sys.platform.startswith("linux") and libc:
-        try:
-            ctypes.CDLL(libc).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl)
-            pass
 
 
 def format_speed_table(results: list[dict]) -> str:

@@ -122,7 +122,7 @@ class SpilledMoments(Mapping):
         return len(self._where)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand memory freed inside glibc's heap back to the OS (malloc_trim), once per layer.
 
     glibc serves buffers below its (self-raising) mmap threshold from the heap, and freed heap
@@ -164,7 +164,7 @@ def _materialise(
     module.load_state_dict(state, assign=True)
     module.to(device)  # buffers that are not in the state dict (rotary inv_freq)
     del state
-    _release_freed_memory()  # the stored-dtype copies read before each cast
+    release_freed_memory()  # the stored-dtype copies read before each cast
 
 
 def _empty_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -287,7 +287,7 @@ def collect_attention_moments(
                 calls.append(c)
         for _, child in outside:
             child.to("meta")  # the embedding is no longer needed: free it before the layers
-        _release_freed_memory()
+        release_freed_memory()
         bar = tqdm(
             total=len(layers), desc="calibrate", unit="layer", disable=None if progress is None else not progress
         )
@@ -314,7 +314,7 @@ def collect_attention_moments(
                 layer.to("meta")  # frees this layer's weights before the next layer is read
                 moments.add(i, moment / tokens)
                 del moment
-                _release_freed_memory()
+                release_freed_memory()
                 bar.update(1)
     finally:
         checkpoint.close()

@@ -262,43 +262,17 @@ def _speed_plots(
         f"{m['device']} {m['dtype']}, median of {m['repeats']}"
     )
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+
+    def point(r: RunResult, label: str, marker: str, color: str) -> None:
+        x, y = r.speed["time_per_sample_s"], r.eval_loss_after
+        ax.errorbar(x, y, xerr=spread(r), marker=marker, color=color, ms=7, capsize=3, ls="none")
+        ax.annotate(label, (x, y), fontsize=8, xytext=(6, 3), textcoords="offset points")
+
     markers = dict(zip(sorted({r.num_kv_heads for r in runs}, reverse=True), "o^vDPX*"))
     for p in strategies:
         for r in (r for r in runs if r.pooling == p):
-            ax.errorbar(
-                r.speed["time_per_sample_s"],
-                r.eval_loss_after,
-                xerr=spread(r),
-                marker=markers[r.num_kv_heads],
-                color=colors[p],
-                ms=7,
-                capsize=3,
-                ls="none",
-            )
-            ax.annotate(
-                f"G={r.num_kv_heads} {p}",
-                (r.speed["time_per_sample_s"], r.eval_loss_after),
-                fontsize=8,
-                xytext=(6, 3),
-                textcoords="offset points",
-            )
-    ax.errorbar(
-        mha.speed["time_per_sample_s"],
-        mha.eval_loss_after,
-        xerr=spread(mha),
-        marker="s",
-        color="black",
-        ms=7,
-        capsize=3,
-        ls="none",
-    )
-    ax.annotate(
-        f"MHA (G={mha.num_kv_heads})",
-        (mha.speed["time_per_sample_s"], mha.eval_loss_after),
-        fontsize=8,
-        xytext=(6, 3),
-        textcoords="offset points",
-    )
+            point(r, f"G={r.num_kv_heads} {p}", markers[r.num_kv_heads], colors[p])
+    point(mha, f"MHA (G={mha.num_kv_heads})", "s", "black")
     ax.margins(x=0.25, y=0.1)
     ax.set_xlabel("time per sample, s (bars: min–max of the repeats)")
     ax.set_ylabel("eval loss after uptraining (lower is better)")

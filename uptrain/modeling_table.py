@@ -25,7 +25,8 @@ class GQAModeling:
     model_type: str  # of the converted checkpoint
     config_class: str
     model_class: str
-    causal_lm_class: str
+    head_class: str  # the model with its task head (a causal LM, or a seq2seq model)
+    auto_class: str = "AutoModelForCausalLM"  # the Auto class that loads `head_class`
 
     @property
     def module(self) -> str:
@@ -66,11 +67,11 @@ def gqa_config(config: dict, num_kv_heads: int) -> dict:
         module = modeling.module
         config.update(
             model_type=modeling.model_type,
-            architectures=[modeling.causal_lm_class],
+            architectures=[modeling.head_class],
             auto_map={
                 "AutoConfig": f"{module}.{modeling.config_class}",
                 "AutoModel": f"{module}.{modeling.model_class}",
-                "AutoModelForCausalLM": f"{module}.{modeling.causal_lm_class}",
+                modeling.auto_class: f"{module}.{modeling.head_class}",
             },
         )
     return config

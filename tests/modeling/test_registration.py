@@ -43,7 +43,7 @@ def test_the_table_names_the_classes_the_package_registers():
         assert (config.__name__, model.__name__, causal_lm.__name__) == (
             entry.config_class,
             entry.model_class,
-            entry.causal_lm_class,
+            entry.head_class,
         )
         assert {c.__module__ for c in (config, model, causal_lm)} == {f"uptrain.modeling.{entry.module}"}
         assert config.model_type == model_type

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModel
 
 from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausalLM, BloomGQAModel
 from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
@@ -29,7 +30,7 @@ from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM
 from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
 from uptrain.modeling_table import gqa_config, modeling_for
 
-# Converted model_type → its (config, base model, causal LM) classes.
+# Converted model_type → its (config, base model, model with its task head) classes.
 CLASSES = {
     config.model_type: (config, model, causal_lm)
     for config, model, causal_lm in (
@@ -45,13 +46,14 @@ CLASSES = {
 def _register() -> None:
     """Register every GQA architecture with transformers' Auto classes and mark each class for
     `save_pretrained` to carry its code (see the module docstring)."""
-    for config, model, causal_lm in CLASSES.values():
+    for config, model, head in CLASSES.values():
+        auto_head = modeling_for(config.model_type).auto_class  # AutoModelForCausalLM, …ForSeq2SeqLM, …
         AutoConfig.register(config.model_type, config)
         AutoModel.register(config, model)
-        AutoModelForCausalLM.register(config, causal_lm)
+        getattr(transformers, auto_head).register(config, head)
         config.register_for_auto_class()
         model.register_for_auto_class("AutoModel")
-        causal_lm.register_for_auto_class("AutoModelForCausalLM")
+        head.register_for_auto_class(auto_head)
 
 
 _register()
@@ -66,8 +68,8 @@ def gqa_counterpart(model, num_kv_heads: int):
         config = copy.deepcopy(model.config)
         config.num_key_value_heads = num_kv_heads
         return type(model), config
-    config_class, base, causal_lm = CLASSES[modeling.model_type]
+    config_class, base, head = CLASSES[modeling.model_type]
     config = config_class.from_dict(gqa_config(model.config.to_dict(), num_kv_heads))
     # The task head decides the class: a causal LM stays a causal LM, a base model a base model.
     # The transformers class each GQA class extends is its last base (after uptrain's mixin).
-    return (causal_lm if isinstance(model, causal_lm.__bases__[-1]) else base), config
+    return (head if isinstance(model, head.__bases__[-1]) else base), config

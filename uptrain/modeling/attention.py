@@ -90,6 +90,76 @@ class GroupedHeadsConfig:
             self._grouped_heads()
 
 
+# An encoder–decoder's attentions, as `uptrain convert --attention` names them, and the config.json
+# field holding each one's number of KV heads.
+STACK_KV_HEADS = {
+    "encoder": "encoder_num_key_value_heads",
+    "decoder-self": "decoder_num_key_value_heads",
+    "cross": "cross_attention_num_key_value_heads",
+}
+
+
+class GroupedStacksConfig:
+    """Mixin for the encoder–decoder GQA configs: one KV-head count per attention
+    (`STACK_KV_HEADS`), each defaulting to that attention's number of query heads
+    (`_stack_heads`, per architecture) and dividing it. `num_key_value_heads` mirrors the decoder
+    self-attention's, the count generic tools (and static caches) read. Each config declares the
+    three fields and `num_key_value_heads` itself (`… : int | None = None`), so that 5.x makes them
+    dataclass fields; 4.x's `__init__` keeps unknown keys as attributes."""
+
+    def _stack_heads(self) -> dict[str, int]:
+        """Query heads of each attention in STACK_KV_HEADS."""
+        raise NotImplementedError
+
+    def _grouped_stacks(self) -> None:
+        if getattr(self, "decoder_num_key_value_heads", None) is None:
+            self.decoder_num_key_value_heads = getattr(self, "num_key_value_heads", None)
+        for attention, heads in self._stack_heads().items():
+            key = STACK_KV_HEADS[attention]
+            if getattr(self, key, None) is None:
+                setattr(self, key, heads)
+            kv = getattr(self, key)
+            if heads % kv:
+                raise ValueError(f"{key} {kv} does not divide the {attention} attention's {heads} heads")
+        self.num_key_value_heads = self.decoder_num_key_value_heads
+
+    if TRANSFORMERS_4:
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self._grouped_stacks()
+    else:
+
+        def __post_init__(self, **kwargs):
+            super().__post_init__(**kwargs)
+            self._grouped_stacks()
+
+
+def encoder_decoder_kv(cache, layer_idx: int, project, states: torch.Tensor, cross: bool, kwargs: dict):
+    """K and V `[B, G, S, d]` of one attention layer of an encoder–decoder, through its cache.
+
+    `project(states)` gives the layer's new K and V at G heads. A decoder self-attention adds them
+    to the self-attention cache and gets every position so far; a cross-attention projects the
+    encoder states once, at the first step, and reads them back from the cross-attention cache
+    at every later step. transformers 4.57 and 5.x share this cache API (`EncoderDecoderCache`,
+    its `is_updated` flags, `layers[i].keys`)."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    if cache is None:
+        return project(states)
+    both = isinstance(cache, EncoderDecoderCache)
+    own = (cache.cross_attention_cache if cross else cache.self_attention_cache) if both else cache
+    if cross and both and cache.is_updated.get(layer_idx, False):
+        layer = own.layers[layer_idx]
+        return layer.keys, layer.values
+    key, value = project(states)
+    # Cross-attention K/V cover the whole source at once: no position to write them at.
+    key, value = own.update(key, value, layer_idx, {"cache_position": None} if cross else kwargs)
+    if cross and both:
+        cache.is_updated[layer_idx] = True
+    return key, value
+
+
 class AttentionBackends:
     """Mixin for the GQA model classes: every attention backend transformers offers goes through
     `attend` below (transformers' attention interface), so eager, SDPA, flash, flex and

@@ -43,7 +43,26 @@ MODELING: dict[str, GQAModeling] = {
     "opt": GQAModeling("opt_gqa", "OPTGQAConfig", "OPTGQAModel", "OPTGQAForCausalLM"),
     "gptj": GQAModeling("gptj_gqa", "GPTJGQAConfig", "GPTJGQAModel", "GPTJGQAForCausalLM"),
     "bloom": GQAModeling("bloom_gqa", "BloomGQAConfig", "BloomGQAModel", "BloomGQAForCausalLM"),
+    # Encoder–decoders: the paper's setting (T5); mT5 and T5 v1.1 / Flan-T5 share T5's classes.
+    "t5": GQAModeling("t5_gqa", "T5GQAConfig", "T5GQAModel", "T5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
+    "bart": GQAModeling(
+        "bart_gqa", "BartGQAConfig", "BartGQAModel", "BartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"
+    ),
+    "mbart": GQAModeling(
+        "mbart_gqa", "MBartGQAConfig", "MBartGQAModel", "MBartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"
+    ),
+    "marian": GQAModeling(
+        "marian_gqa", "MarianGQAConfig", "MarianGQAModel", "MarianGQAMTModel", "AutoModelForSeq2SeqLM"
+    ),
+    "whisper": GQAModeling(
+        "whisper_gqa",
+        "WhisperGQAConfig",
+        "WhisperGQAModel",
+        "WhisperGQAForConditionalGeneration",
+        "AutoModelForSpeechSeq2Seq",
+    ),
 }
+MODELING["mt5"] = MODELING["t5"]
 MODELING.update({m.model_type: m for m in list(MODELING.values())})
 
 

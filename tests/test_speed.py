@@ -39,6 +39,8 @@ RESULT_KEYS = {
     "kv_cache_bytes",
     "peak_memory_bytes",
     "compiled",
+    "cross_attention_num_kv_heads",  # None for decoder-only models
+    "cross_attention_cache_bytes",
 }
 
 
@@ -92,6 +94,7 @@ def test_kv_cache_bytes_are_h_over_g_times_less(family, request):
         assert by_g[g]["kv_cache_bytes"] * (HEADS // g) == mha_bytes, g
     for r in results:
         assert set(r) == RESULT_KEYS and r["compiled"] is None
+        assert r["cross_attention_num_kv_heads"] is None and r["cross_attention_cache_bytes"] is None
         assert (r["context"], r["new_tokens"], r["batch"], r["dtype"], r["device"]) == (8, 3, 2, "float32", "cpu")
         assert r["decode_tokens_per_s"] == pytest.approx(batch / r["decode_s_per_token"])
         for key in ("prefill_s", "decode_s_per_token", "time_per_sample_s", "decode_tokens_per_s"):
@@ -241,3 +244,138 @@ def test_every_architecture_is_measured_with_a_cache_h_over_g_smaller(kind, mode
     assert (mha["num_kv_heads"], gqa["num_kv_heads"]) == (HEADS, 2)
     assert mha["kv_cache_bytes"] > 0 and mha["kv_cache_bytes"] == (HEADS // 2) * gqa["kv_cache_bytes"]
     assert all(r["time_per_sample_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in (mha, gqa))
+
+
+# Encoder–decoders: 8 heads of 8 dims in the decoder, 2 decoder layers, as above.
+SEQ2SEQ_CONFIGS = {
+    "t5": dict(
+        vocab_size=128,
+        d_model=48,  # d_kv is independent of d_model / heads in T5
+        d_kv=HEAD_DIM,
+        num_heads=HEADS,
+        num_layers=1,
+        num_decoder_layers=LAYERS,
+        d_ff=64,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+    ),
+    "bart": dict(
+        vocab_size=128,
+        d_model=HEADS * HEAD_DIM,
+        encoder_layers=1,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    ),
+    "whisper": dict(
+        vocab_size=128,
+        d_model=HEADS * HEAD_DIM,
+        encoder_layers=1,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=4,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=12,
+        max_target_positions=16,
+        num_mel_bins=8,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=3,
+    ),
+}
+
+
+def build_seq2seq(model_type: str, **overrides):
+    from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    config = AutoConfig.for_model(model_type, **{**SEQ2SEQ_CONFIGS[model_type], **overrides})
+    torch.manual_seed(0)
+    auto = AutoModelForSpeechSeq2Seq if model_type == "whisper" else AutoModelForSeq2SeqLM
+    return auto.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def seq2seq(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("seq2seq")
+    for model_type in SEQ2SEQ_CONFIGS:
+        build_seq2seq(model_type).save_pretrained(root / model_type)
+    return {model_type: root / model_type for model_type in SEQ2SEQ_CONFIGS}
+
+
+@pytest.mark.parametrize("model_type", list(SEQ2SEQ_CONFIGS))
+def test_encoder_decoder_cache_holds_both_attentions(model_type, seq2seq):
+    """The source is encoded once; the cache holds M self-attention positions and the encoder's N
+    cross-attention positions, every decoder layer, all 8 heads (MHA): measured from both caches."""
+    context = None if model_type == "whisper" else 10
+    new_tokens, batch = 3, 2
+    [r] = measure_speed([seq2seq[model_type]], context=context, new_tokens=new_tokens, batch=batch, repeats=1)
+    source = 12 if model_type == "whisper" else 10  # Whisper: its encoder's positions, the only length it takes
+    per_position = 2 * LAYERS * HEADS * HEAD_DIM * 4 * batch
+    assert r["context"] == source and (r["num_kv_heads"], r["cross_attention_num_kv_heads"]) == (HEADS, HEADS)
+    assert r["cross_attention_cache_bytes"] == per_position * source
+    assert r["kv_cache_bytes"] == per_position * (source + new_tokens)
+    assert set(r) == RESULT_KEYS
+    assert r["time_per_sample_s"] > r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
+
+
+def no_cache_seq2seq_greedy(model, prompt: torch.Tensor, new_tokens: int, start: int) -> torch.Tensor:
+    """Greedy decoding the slow way: source and every decoder token so far through the whole model."""
+    source = "input_features" if prompt.is_floating_point() else "input_ids"
+    ids = torch.full((prompt.shape[0], 1), start)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(**{source: prompt}, decoder_input_ids=ids, use_cache=False).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, 1:]
+
+
+@pytest.mark.parametrize("model_type", list(SEQ2SEQ_CONFIGS))
+def test_timed_encoder_decoder_decoding_is_greedy_decoding(model_type, tmp_path):
+    """Encoding once and decoding with both caches gives the tokens of the no-cache loop: the
+    timings measure real decoding."""
+    from uptrain.speed import decoder_start_token
+
+    model = build_seq2seq(model_type)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # large weights: each next token depends on the context, so a broken cache shows
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    model.save_pretrained(tmp_path / "model")
+    model = load_model(tmp_path / "model", "float32", torch.device("cpu"))
+    prompt = random_prompt(model, batch=2, context=12 if model_type == "whisper" else 7, device=torch.device("cpu"))
+    with torch.inference_mode():
+        sample = greedy_sample(model, prompt, 5, torch.device("cpu"))
+    expected = no_cache_seq2seq_greedy(model, prompt, 5, decoder_start_token(model))
+    assert sample.tokens.tolist() == expected.tolist()
+    assert len(set(expected.flatten().tolist())) > 2  # not one token repeated: the check can fail
+
+
+@pytest.mark.parametrize(
+    ("model_type", "options", "pattern"),
+    [
+        ("bart", {"context": 65}, "a source of 65 tokens is beyond the encoder's 64 positions"),
+        ("whisper", {"new_tokens": 17}, "17 new tokens are beyond the decoder's 16 positions"),
+        ("whisper", {"context": 100}, "encoder takes exactly 12 positions (30 s of audio frames), not --context 100"),
+        ("t5", {"context": 8, "compile": True}, "--compile needs a CUDA device"),
+    ],
+)
+def test_encoder_decoder_refusals(model_type, options, pattern, seq2seq):
+    assert_one_line_refusal(lambda: measure_speed([seq2seq[model_type]], **options), re.escape(pattern))
+
+
+def test_encoder_decoder_cache_beyond_free_memory(seq2seq):
+    # T5 has relative positions (no limit): only the cache's size stops a huge source.
+    assert_one_line_refusal(
+        lambda: measure_speed([seq2seq["t5"]], context=10**8, new_tokens=2, batch=10**4),
+        r"the KV cache of batch 10000 × 100000002 positions needs .* GiB",
+    )

@@ -11,6 +11,14 @@ the run, memory is the process's (CPU) or the allocator's (GPU) peak. Several ch
 measured in alternation (one sample of each in turn), so a noisy moment on a shared machine
 hits them all alike. What cannot run is refused with one line before anything big is
 allocated: a context past the model's positions, a cache that would not fit in free memory.
+
+Encoder–decoders (T5, BART and its family, Whisper; plain or `*_gqa`) are timed as the paper
+times T5: the source (N random token ids, or Whisper's input features: its encoder takes
+exactly 30 s of frames) is encoded once, then M tokens are decoded greedily from the decoder's
+start token with both caches, the decoder self-attention's (M positions) and the
+cross-attention's (the encoder's N positions, projected once at the first step). Their bytes
+are summed from both caches' tensors: the cross-attention cache, N positions long at every
+step, is where GQA in cross-attention pays.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ from pathlib import Path
 from uptrain import UptrainError
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
-from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, read_config
+from uptrain.model_info import DTYPE_BYTES, MAX_COUNT, AttentionGeometry, read_config
+from uptrain.modeling_table import modeling_for
 from uptrain.options import Schema, option
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_CONTEXT = 1024
 
 
 @dataclass(kw_only=True)
@@ -40,8 +50,11 @@ class SpeedOptions(Schema):
         metavar="MODEL",
         help="checkpoint folders or Hub ids, converted or not; measured in alternation, one sample of each in turn",
     )
-    context: int = option(
-        1024, at_least=1, help="prompt length N in tokens (random token ids: speed does not depend on them)"
+    context: int | None = option(
+        None,
+        at_least=1,
+        help=f"prompt (encoder–decoders: source) length N in tokens, random token ids: speed does not depend on "
+        f"them (default: {DEFAULT_CONTEXT}; Whisper: its encoder's positions, the only length it takes)",
     )
     new_tokens: int = option(
         32,
@@ -69,7 +82,7 @@ PROMPT_SEED = 0
 def measure_speed(
     models: list[str | Path],
     *,
-    context: int = 1024,
+    context: int | None = None,
     new_tokens: int = 32,
     batch: int = 1,
     dtype: str | None = None,
@@ -83,7 +96,8 @@ def measure_speed(
       models       checkpoint folders or Hub ids, converted or not (native GQA architectures and
                    uptrain's *_gqa ones); measured in alternation, one sample of each in turn
       context      prompt length N in tokens; the prompt is random token ids (speed does not
-                   depend on them) (default: 1024)
+                   depend on them); an encoder–decoder's source length (default: 1024; Whisper:
+                   its encoder's positions, the only length its encoder takes)
       new_tokens   tokens M generated greedily after the prompt, with the KV cache; the first
                    comes from the prompt's pass, each other one from one decode step, at least 2
                    (default: 32)
@@ -96,11 +110,15 @@ def measure_speed(
       compile      GPU only: also time the served fast path, a static cache and torch.compile'd
                    decode steps; compilation time is reported apart (default: off)
 
-    Each result holds: model, num_kv_heads, context, new_tokens, batch, dtype, device, repeats;
-    prefill_s (the N-token prompt's pass), decode_s_per_token (one decode step for all B
+    Each result holds: model, num_kv_heads (an encoder–decoder's: its decoder self-attention's),
+    cross_attention_num_kv_heads (None for a decoder-only model), context, new_tokens, batch,
+    dtype, device, repeats; prefill_s (the N-token prompt's pass; an encoder–decoder's encoding
+    of the source and its first decoder step), decode_s_per_token (one decode step for all B
     sequences), time_per_sample_s (prompt + M tokens), decode_tokens_per_s (B / decode step);
     spread (min and max over the repeats of each of those four); kv_cache_bytes (summed from
-    the cache's tensors after a sample: N + M - 1 positions); peak_memory_bytes (the warm-up
+    the cache's tensors after a sample: N + M - 1 positions; an encoder–decoder's, both caches:
+    M self-attention positions and N cross-attention ones), cross_attention_cache_bytes (that
+    share of kv_cache_bytes; None for a decoder-only model); peak_memory_bytes (the warm-up
     sample's peak over the memory held before it: process RSS on CPU, allocated CUDA memory on
     GPU); compiled (None, or the same timings, kv_cache_bytes and compile_s with --compile).
     """
@@ -108,7 +126,8 @@ def measure_speed(
     dtype = dtype or ("float32" if torch_device.type == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise UptrainError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    check_counts(context=context, new_tokens=new_tokens, batch=batch, repeats=repeats)
+    asked = {} if context is None else {"context": context}  # None: each model's default
+    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, **asked)
     if not models:
         raise UptrainError("give at least one checkpoint to measure")
     sources = [resolve_source(m) for m in models]
@@ -117,14 +136,20 @@ def measure_speed(
         twice = next(label for label in labels if labels.count(label) > 1)
         raise UptrainError(f"{twice} is given twice: measure each checkpoint once (--repeats samples it again)")
     shapes = [model_shape(s.folder, s.label) for s in sources]
+    contexts = {shape.label: shape.source_length(context) for shape in shapes}
     for shape in shapes:  # cheap refusals first: nothing is loaded yet
-        shape.check(context, new_tokens, batch, dtype, torch_device)
+        shape.check(contexts[shape.label], new_tokens, batch, dtype, torch_device)
+    if compile and any(shape.cross is not None for shape in shapes):
+        raise UptrainError(
+            "--compile times decoder-only models' static-cache path; drop it for encoder–decoders "
+            "(their dynamic-cache decoding is timed without it)"
+        )
     loaded = {s.label: load_model(s.folder, dtype, torch_device) for s in sources}
     for shape in shapes:  # again, now that the weights hold their share of the memory
-        shape.check_cache_fits(batch, context + new_tokens, dtype, torch_device)
+        shape.check_cache_fits(batch, contexts[shape.label], new_tokens, dtype, torch_device)
     measured = measure_models(
         loaded,
-        context=context,
+        context=contexts,
         new_tokens=new_tokens,
         batch=batch,
         repeats=repeats,
@@ -135,7 +160,8 @@ def measure_speed(
         {
             "model": shape.label,
             "num_kv_heads": shape.geometry.num_kv_heads,
-            "context": context,
+            "cross_attention_num_kv_heads": None if shape.cross is None else shape.cross.num_kv_heads,
+            "context": contexts[shape.label],
             "new_tokens": new_tokens,
             "batch": batch,
             "dtype": dtype,
@@ -177,28 +203,66 @@ def check_counts(**counts: int) -> None:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the refusals need from config.json, read before any weight is loaded."""
+    """What the refusals need from config.json, read before any weight is loaded.
+
+    An encoder–decoder's `geometry` is its decoder self-attention's and `cross` its
+    cross-attention's (the decoder's layers and query heads, the cross-attention's KV heads);
+    `max_positions` is then the decoder's, `source_positions` the encoder's, and
+    `fixed_source` says the encoder takes only that many (Whisper's 30 s of frames)."""
 
     label: str
     geometry: AttentionGeometry
-    max_positions: int | None  # None: no position table (ALiBi, BLOOM)
+    max_positions: int | None  # None: no position table (ALiBi, BLOOM; T5's relative positions)
+    cross: AttentionGeometry | None = None  # None: a decoder-only model
+    source_positions: int | None = None
+    fixed_source: bool = False
+
+    def source_length(self, context: int | None) -> int:
+        """The prompt (source) length to measure at, given the --context asked for (None: the default)."""
+        if self.fixed_source:
+            if context is not None and context != self.source_positions:
+                raise UptrainError(
+                    f"{self.label}: its encoder takes exactly {self.source_positions} positions (30 s of "
+                    f"audio frames), not --context {context}; drop --context"
+                )
+            return self.source_positions
+        return DEFAULT_CONTEXT if context is None else context
 
     def check(self, context: int, new_tokens: int, batch: int, dtype: str, device) -> None:
-        if self.max_positions is not None and context + new_tokens > self.max_positions:
+        if self.cross is None and self.max_positions is not None and context + new_tokens > self.max_positions:
             raise UptrainError(
                 f"{self.label}: context {context} + new tokens {new_tokens} = {context + new_tokens} "
                 f"is beyond the model's {self.max_positions} positions"
             )
-        self.check_cache_fits(batch, context + new_tokens, dtype, device)
+        if self.cross is not None:
+            if self.source_positions is not None and context > self.source_positions:
+                raise UptrainError(
+                    f"{self.label}: a source of {context} tokens is beyond the encoder's "
+                    f"{self.source_positions} positions"
+                )
+            if self.max_positions is not None and new_tokens > self.max_positions:
+                raise UptrainError(
+                    f"{self.label}: {new_tokens} new tokens are beyond the decoder's {self.max_positions} positions"
+                )
+        self.check_cache_fits(batch, context, new_tokens, dtype, device)
 
-    def check_cache_fits(self, batch: int, positions: int, dtype: str, device) -> None:
+    def cache_bytes(self, batch: int, context: int, new_tokens: int, dtype: str) -> int:
+        """The KV cache a sample fills: decoder-only, N + M positions; an encoder–decoder, M
+        self-attention positions and N cross-attention ones (an upper bound by one position)."""
+        size = DTYPE_BYTES[dtype]
+        if self.cross is None:
+            return self.geometry.kv_cache_bytes_per_token(size) * batch * (context + new_tokens)
+        decoder = self.geometry.kv_cache_bytes_per_token(size) * new_tokens
+        return batch * (decoder + self.cross.kv_cache_bytes_per_token(size) * context)
+
+    def check_cache_fits(self, batch: int, context: int, new_tokens: int, dtype: str, device) -> None:
         """Refuse a cache that cannot fit: its size follows from the geometry, so it is known
         before a byte is allocated (and an out-of-memory kill mid-run tells the user nothing)."""
-        need = self.geometry.kv_cache_bytes_per_token(DTYPE_BYTES[dtype]) * batch * positions
+        need = self.cache_bytes(batch, context, new_tokens, dtype)
         free = free_memory_bytes(device)
         if free is not None and need > free:
             raise UptrainError(
-                f"{self.label}: the KV cache of batch {batch} × {positions} positions needs "
+                f"{self.label}: the KV cache of batch {batch} × {context + new_tokens} positions needs "
                 f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; "
                 f"lower --batch or --context"
             )
@@ -206,10 +270,65 @@ class ModelShape:
 
 def model_shape(folder: Path, label: str) -> ModelShape:
     config = read_config(folder)
-    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    if config.get("is_encoder_decoder"):
+        return encoder_decoder_shape(config, label)
+    limit = _positions(config, ("max_position_embeddings", "n_positions"), label)
+    return ModelShape(label, config_geometry(config), limit)
+
+
+def _positions(config: dict, keys: tuple[str, ...], label: str) -> int | None:
+    """The first of `keys` the config sets, checked to be a whole number; None if none is set."""
+    limit = next((config[k] for k in keys if config.get(k) is not None), None)
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise UptrainError(f"{label}: config.json's number of positions is {limit!r}, not a whole number")
-    return ModelShape(label, config_geometry(config), limit)
+    return limit
+
+
+# How an encoder–decoder's config names its decoder's geometry: T5 (and mT5, v1.1, Flan-T5, t5_gqa)
+# by `d_kv`, which marks it; the BART family and Whisper by per-stack keys, head_dim = d_model / heads.
+T5_KEYS = {"layers": ("num_decoder_layers", "num_layers"), "heads": ("num_heads",)}
+BART_KEYS = {"layers": ("decoder_layers",), "heads": ("decoder_attention_heads",)}
+
+
+def encoder_decoder_shape(config: dict, label: str) -> ModelShape:
+    """The decoder's self-attention and cross-attention geometry of an encoder–decoder config
+    (KV heads: `decoder_num_key_value_heads` and `cross_attention_num_key_value_heads` of a
+    converted checkpoint, each defaulting to the decoder's query heads: MHA)."""
+    model_type = config.get("model_type", "?")
+    keys = T5_KEYS if "d_kv" in config else BART_KEYS
+
+    def count(names: tuple[str, ...], what: str) -> int:
+        value = next((config[n] for n in names if config.get(n) is not None), None)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT:
+            raise UptrainError(f"{label}: config.json ({model_type}) has no valid {what} ({' or '.join(names)})")
+        return value
+
+    layers, heads = count(keys["layers"], "number of decoder layers"), count(keys["heads"], "number of decoder heads")
+    if "d_kv" in config:
+        head_dim, hidden = count(("d_kv",), "head size"), count(("d_model",), "width")
+    else:
+        hidden = count(("d_model",), "width")
+        if hidden % heads:
+            raise UptrainError(f"{label}: d_model {hidden} is not divisible by {heads} decoder heads")
+        head_dim = hidden // heads
+
+    def kv_heads(names: tuple[str, ...]) -> int:
+        kv = count(names, "KV head count") if any(config.get(n) is not None for n in names) else heads
+        if heads % kv:
+            raise UptrainError(f"{label}: {' or '.join(names)} {kv} does not divide the decoder's {heads} heads")
+        return kv
+
+    self_kv = kv_heads(("decoder_num_key_value_heads", "num_key_value_heads"))
+    cross_kv = kv_heads(("cross_attention_num_key_value_heads",))
+    speech = config.get("num_mel_bins") is not None  # Whisper: input features of a fixed length
+    return ModelShape(
+        label,
+        AttentionGeometry(model_type, layers, heads, self_kv, head_dim, hidden),
+        _positions(config, ("max_target_positions", "max_position_embeddings"), label),
+        cross=AttentionGeometry(model_type, layers, heads, cross_kv, head_dim, hidden),
+        source_positions=_positions(config, ("max_source_positions", "max_position_embeddings"), label),
+        fixed_source=speech,
+    )
 
 
 def free_memory_bytes(device) -> int | None:
@@ -228,30 +347,58 @@ def free_memory_bytes(device) -> int | None:
 
 
 def load_model(folder: str | Path, dtype: str, device):
-    """A checkpoint as transformers loads it, on `device`, in eval mode."""
+    """A checkpoint as transformers loads it, with its Auto class (causal LM, seq2seq LM or
+    speech seq2seq), on `device`, in eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     import uptrain.modeling  # noqa: F401  registers the *_gqa architectures with the Auto classes
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=str(device))
+    auto = getattr(transformers, auto_class_name(read_config(folder)))
+    model = auto.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=str(device))
     return model.eval()
 
 
+def auto_class_name(config: dict) -> str:
+    """The Auto class that loads a checkpoint with its generation head: the *_gqa table's (for a
+    source type or a converted one alike), else the kind of transformers model it is."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    modeling = modeling_for(model_type)
+    if modeling is not None:
+        return modeling.auto_class
+    if not config.get("is_encoder_decoder"):
+        return "AutoModelForCausalLM"
+    speech = model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    return "AutoModelForSpeechSeq2Seq" if speech else "AutoModelForSeq2SeqLM"
+
+
 def measure_models(
-    models: dict, *, context: int, new_tokens: int, batch: int, repeats: int, device, compile: bool = False
+    models: dict,
+    *,
+    context: int | dict[str, int],
+    new_tokens: int,
+    batch: int,
+    repeats: int,
+    device,
+    compile: bool = False,
 ) -> dict[str, dict]:
     """Time loaded models on the same random prompt: one warm-up sample each (which also gives
-    the peak memory), then `repeats` samples taken in turn, model after model. Returns, per
-    name, the measurement keys of `measure_speed`'s results."""
+    the peak memory), then `repeats` samples taken in turn, model after model. `context` is one
+    prompt length for all, or one per name. Returns, per name, the measurement keys of
+    `measure_speed`'s results."""
     import torch
 
-    check_counts(context=context, new_tokens=new_tokens, batch=batch, repeats=repeats)
+    contexts = context if isinstance(context, dict) else dict.fromkeys(models, context)
+    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats)
+    for length in contexts.values():
+        check_counts(context=length)
     device = torch.device(device)
     samples: dict[str, list[Sample]] = {name: [] for name in models}
     peaks: dict[str, int | None] = {}
     with torch.inference_mode():
-        prompts = {name: random_prompt(model, batch, context, device) for name, model in models.items()}
+        prompts = {name: random_prompt(model, batch, contexts[name], device) for name, model in models.items()}
         for name, model in models.items():
             with PeakMemory(device) as peak:
                 greedy_sample(model, prompts[name], new_tokens, device)
@@ -263,6 +410,7 @@ def measure_models(
             name: {
                 **summarise(samples[name], batch),
                 "kv_cache_bytes": samples[name][-1].kv_cache_bytes,
+                "cross_attention_cache_bytes": samples[name][-1].cross_attention_cache_bytes,
                 "peak_memory_bytes": peaks[name],
                 "compiled": None,
             }
@@ -275,10 +423,18 @@ def measure_models(
 
 
 def random_prompt(model, batch: int, context: int, device):
+    """Random token ids [batch, context]; for a speech encoder–decoder, random input features
+    [batch, mel bins, frames] of the length its encoder takes (`context` is its positions, each
+    two frames: Whisper's convolution halves the frames)."""
     import torch
 
     generator = torch.Generator().manual_seed(PROMPT_SEED)
-    return torch.randint(0, model.config.vocab_size, (batch, context), generator=generator).to(device)
+    config = model.config
+    if config.is_encoder_decoder and getattr(config, "num_mel_bins", None):
+        frames = context * 2
+        features = torch.randn((batch, config.num_mel_bins, frames), generator=generator)
+        return features.to(device=device, dtype=model.dtype)
+    return torch.randint(0, config.vocab_size, (batch, context), generator=generator).to(device)
 
 
 @dataclass
@@ -287,6 +443,7 @@ class Sample:
     decode_step_s: list[float]
     tokens: object  # [batch, new_tokens] generated ids
     kv_cache_bytes: int
+    cross_attention_cache_bytes: int | None = None  # the cross-attention's share (encoder–decoders)
 
     @property
     def time_per_sample_s(self) -> float:
@@ -296,31 +453,62 @@ class Sample:
 def greedy_sample(model, prompt, new_tokens: int, device, cache=None, decode=None) -> Sample:
     """The prompt's pass, then `new_tokens - 1` greedy decode steps with the cache (transformers'
     DynamicCache unless `cache` is given), each timed on its own and synchronised on a GPU.
-    `decode` replaces the model's forward for the decode steps (the compiled path)."""
-    import torch
-    from transformers import DynamicCache
+    `decode` replaces the model's forward for the decode steps (the compiled path).
 
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    An encoder–decoder's prompt is its source: the encoder runs once, and its output is then
+    given to every decoder step, the first of which (from the decoder's start token) is timed
+    with the encoding as the prompt's pass and fills the cross-attention cache."""
+    import torch
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    seq2seq = model.config.is_encoder_decoder
+    if cache is None:
+        # Layers are made as the decoder's are reached: a T5 config's layer count is the encoder's.
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache()) if seq2seq else DynamicCache(config=model.config)
     cache_kw = cache_argument(model)
     decode = decode or model
     synchronize(device)
     start = time.perf_counter()
-    # logits_to_keep=1: the prompt's full [batch, context, vocab] logits would cost more memory than the cache.
-    logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits
+    if seq2seq:
+        source = "input_features" if prompt.is_floating_point() else "input_ids"
+        encoded = {"encoder_outputs": model.get_encoder()(**{source: prompt})}
+        first = torch.full((prompt.shape[0], 1), decoder_start_token(model), dtype=torch.long, device=prompt.device)
+        logits = model(decoder_input_ids=first, use_cache=True, **encoded, **{cache_kw: cache}).logits
+    else:
+        # logits_to_keep=1: the prompt's full [batch, context, vocab] logits would cost more memory than the cache.
+        encoded = {}
+        logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits
     token = logits[:, -1].argmax(-1, keepdim=True)
     synchronize(device)
     prefill_s = time.perf_counter() - start
     tokens, steps = [token], []
+    step_input = "decoder_input_ids" if seq2seq else "input_ids"
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
         if decode is not model:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
-        logits = decode(input_ids=token, use_cache=True, **{cache_kw: cache}).logits
+        logits = decode(**{step_input: token}, use_cache=True, **encoded, **{cache_kw: cache}).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         synchronize(device)
         steps.append(time.perf_counter() - start)
         tokens.append(token)
-    return Sample(prefill_s, steps, torch.cat(tokens, dim=1), kv_cache_bytes(cache))
+    cross = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else None
+    return Sample(
+        prefill_s,
+        steps,
+        torch.cat(tokens, dim=1),
+        kv_cache_bytes(cache),
+        None if cross is None else kv_cache_bytes(cross),
+    )
+
+
+def decoder_start_token(model) -> int:
+    """The token an encoder–decoder's decoding starts from: its generation config's, else its
+    config's, else the pad token (T5's convention)."""
+    for config in (model.generation_config, model.config):
+        if getattr(config, "decoder_start_token_id", None) is not None:
+            return int(config.decoder_start_token_id)
+    return int(model.config.pad_token_id or 0)
 
 
 def cache_argument(model) -> str:
@@ -329,8 +517,13 @@ def cache_argument(model) -> str:
 
 
 def kv_cache_bytes(cache) -> int:
-    """Bytes the cache's tensors hold, K and V of every layer: measured, not computed."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    """Bytes the cache's tensors hold, K and V of every layer (of both caches of an
+    encoder–decoder, self- and cross-attention): measured, not computed."""
+    from transformers import EncoderDecoderCache
+
+    if isinstance(cache, EncoderDecoderCache):
+        return kv_cache_bytes(cache.self_attention_cache) + kv_cache_bytes(cache.cross_attention_cache)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
 
 
 def synchronize(device) -> None:

@@ -108,8 +108,8 @@ def compare(spec: CompareSpec) -> int:
 def demo(options: DemoOptions) -> int:
     from uptrain.demo import demo_spec, prepare_output
 
-    spec = demo_spec(options.output_dir)
-    prepare_output(options.output_dir, options.overwrite)
+    spec = demo_spec(options.output_dir, options.reference)
+    prepare_output(spec.output_dir, options.overwrite)
     return compare(spec)
 
 

@@ -1,4 +1,4 @@
-"""`uptrain demo`: the paper's pooling study on the shipped reference model, in about ten minutes.
+"""`uptrain demo`: the paper's pooling study on a shipped reference model, in about ten minutes.
 
 The reference model is a small MHA Llama that uptrain pretrained itself on the shipped corpus
 for a recorded number of tokens, so α = 5% of its pretraining is exact. The demo converts it to
@@ -12,6 +12,11 @@ Uptraining learning rate 6e-4 (pretraining ended its cosine at 2e-4): one α = 5
 G = 2 mean pooling at 3e-4 / 6e-4 / 1e-3 ended at eval loss 4.815 / 4.792 / 4.813, and the MHA
 model trained alike at 4.652 / 4.690 / 4.744 (4.634 before): re-warming the rate costs the
 already-converged MHA model a little and helps the converted ones recover.
+
+`--reference t5` runs the same study in the paper's own setting: the shipped MHA T5 v1.1
+(`uptrain/data/reference_t5/`, pretrained by uptrain with span corruption for a recorded number of
+tokens) converted in its decoder's self- and cross-attention, uptrained with span corruption
+for α = 5%, timed by encoding a source once and decoding with both caches.
 """
 
 from __future__ import annotations
@@ -26,21 +31,37 @@ from uptrain.corpus import split_path
 from uptrain.options import Schema, option
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
+REFERENCE_T5 = Path(__file__).parent / "data" / "reference_t5"
+REFERENCES = {"llama": REFERENCE, "t5": REFERENCE_T5}
+SCRIPTS = {"llama": "scripts/make_reference_model.py", "t5": "scripts/make_reference_t5.py"}
 
 
 @dataclass(kw_only=True)
 class DemoOptions(Schema):
     """`uptrain demo`."""
 
-    output_dir: str = option("demo-output", help="runs, results and plots")
+    reference: str = option(
+        "llama",
+        choices=tuple(REFERENCES),
+        help="the shipped reference model: llama (decoder-only, 6.9M parameters) or t5 (the paper's "
+        "encoder–decoder setting: a T5 v1.1 pretrained with span corruption)",
+    )
+    output_dir: str | None = option(
+        None, help="runs, results and plots (default: demo-output, or demo-t5-output with --reference t5)"
+    )
     overwrite: bool = option(False, help="discard an earlier demo in the output dir")
 
 
-def demo_spec(output_dir: str | Path) -> CompareSpec:
-    if not (REFERENCE / "model.safetensors").exists():
-        raise UptrainError(
-            f"the reference model is missing from {REFERENCE}; make it with `python scripts/make_reference_model.py`"
-        )
+def demo_spec(output_dir: str | Path | None = None, reference: str = "llama") -> CompareSpec:
+    """The demo's comparison on the `reference` model (llama or t5)."""
+    if reference not in REFERENCES:
+        raise UptrainError(f"--reference {reference!r}: choose {' or '.join(REFERENCES)}")
+    folder = REFERENCES[reference]
+    if not (folder / "model.safetensors").exists():
+        raise UptrainError(f"the reference model is missing from {folder}; make it with `python {SCRIPTS[reference]}`")
+    if reference == "t5":
+        return t5_demo_spec(output_dir or "demo-t5-output")
+    output_dir = output_dir or "demo-output"
     return CompareSpec(
         model=str(REFERENCE),
         num_kv_heads=[2, 1],
@@ -54,6 +75,29 @@ def demo_spec(output_dir: str | Path) -> CompareSpec:
         lr=6e-4,
         warmup_steps=4,
         eval_every=6,
+        eval_blocks=64,
+    )
+
+
+def t5_demo_spec(output_dir: str | Path) -> CompareSpec:
+    """The study on the reference T5: G = 2 (4 query heads per KV head) and G = 1 (MQA) of its 8
+    heads, in the decoder's self- and cross-attention
+    (the paper's choice, conversion's default), uptrained with span corruption on blocks of the
+    pretraining's shape (128 input tokens) for α = 5%."""
+    return CompareSpec(
+        model=str(REFERENCE_T5),
+        num_kv_heads=[2, 1],
+        pooling=["mean", "first", "random"],
+        train_data=str(split_path("train")),
+        eval_data=str(split_path("validation")),
+        output_dir=str(output_dir),
+        objective="span_corruption",
+        uptrain_fraction=0.05,
+        seq_len=128,
+        batch_size=8,
+        lr=1e-3,
+        warmup_steps=2,
+        eval_every=5,
         eval_blocks=64,
     )
 

@@ -33,6 +33,12 @@ class CompareSpec(UptrainingBudget):
     train_data: str = option(str(split_path("train")), help="uptraining text (the default: the shipped corpus)")
     eval_data: str = option(str(split_path("validation")), help="evaluation text (the default: the shipped corpus)")
     output_dir: str = option(help="runs, results and plots go here")
+    objective: str | None = option(
+        None,
+        metavar="OBJECTIVE",
+        help="the uptraining objective of every run, `uptrain train`'s key (default: the model's own: causal for "
+        "decoder-only models, span_corruption for T5, text_infilling for BART and mBART, …)",
+    )
     seq_len: int = option(256, help="tokens per packed block")
     batch_size: int = option(8, help="blocks per step")
     lr: float = option(1e-3, help="peak learning rate")

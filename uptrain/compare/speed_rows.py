@@ -34,6 +34,8 @@ def speed_setting(spec: CompareSpec) -> dict | None:
     if spec.speed_repeats == 0:
         return None
     shape = model_shape(Path(spec.model), spec.model)
+    if shape.cross is not None:
+        return _encoder_decoder_setting(spec, shape)
     positions = shape.max_positions
     new_tokens = spec.speed_new_tokens
     if new_tokens is None:
@@ -54,7 +56,35 @@ def speed_setting(spec: CompareSpec) -> dict | None:
     device = parse_device(spec.speed_device)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     # The MHA cache is the largest of the comparison: if it fits, every G's does.
-    shape.check_cache_fits(spec.speed_batch, context + new_tokens, dtype, device)
+    shape.check_cache_fits(spec.speed_batch, context, new_tokens, dtype, device)
+    return {
+        "context": context,
+        "new_tokens": new_tokens,
+        "batch": spec.speed_batch,
+        "repeats": spec.speed_repeats,
+        "device": str(device),
+        "dtype": dtype,
+    }
+
+
+def _encoder_decoder_setting(spec: CompareSpec, shape) -> dict:
+    """`speed_setting` for an encoder–decoder: a source of `speed_context` tokens (default
+    SPEED_CONTEXT, or the encoder's positions where fewer; Whisper: always its encoder's), then
+    `speed_new_tokens` decoded (default SPEED_NEW_TOKENS, or an eighth of the decoder's positions)."""
+    decoder = shape.max_positions
+    new_tokens = spec.speed_new_tokens
+    if new_tokens is None:
+        new_tokens = SPEED_NEW_TOKENS if decoder is None else max(2, min(SPEED_NEW_TOKENS, decoder // 8))
+    context = spec.speed_context
+    if context is None and not shape.fixed_source:
+        context = min(SPEED_CONTEXT, shape.source_positions or SPEED_CONTEXT)
+    device = parse_device(spec.speed_device)
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    try:
+        context = shape.source_length(context)
+        shape.check(context, new_tokens, spec.speed_batch, dtype, device)  # MHA's cache is the largest
+    except UptrainError as err:
+        raise UptrainError(f"speed: {err} (--speed-context, --speed-new-tokens; --speed-repeats 0: no speed)") from None
     return {
         "context": context,
         "new_tokens": new_tokens,

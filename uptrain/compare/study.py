@@ -39,10 +39,10 @@ from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
 from uptrain.compare.spec import CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
-from uptrain.convert.layouts import config_geometry
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import Schema, keys_of
+from uptrain.speed import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
 from uptrain.train.metrics import read_metrics
 from uptrain.train.rundir import LOCK_FILE, hold_run_dir
@@ -141,6 +141,8 @@ def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: s
         wandb_group=group,
         resume=out.exists(),
         **spec.budget(),
+        # Unset, the run's objective is the model's own (TrainConfig's rule), decided in one place.
+        **({} if spec.objective is None else {"objective": spec.objective}),
     )
     return validated_config(values, "compare")
 
@@ -177,6 +179,16 @@ def _calibration(prepared, root: Path, log=print) -> Calibration:
         )
     (root / "calibration.json").unlink(missing_ok=True)  # where earlier compares kept the description
     return calibration
+
+
+def kv_cache_bytes_per_token(shape: ModelShape, dtype_bytes: int, g: int | None) -> int:
+    """A run's KV-cache bytes per token at G KV heads (None: the model as it is). An
+    encoder–decoder's is its decoder self-attention's per target token plus its cross-attention's
+    per source token, both at G: the attentions a compare converts (the paper's choice)."""
+    own = shape.geometry.kv_cache_bytes_per_token(dtype_bytes, g)
+    if shape.cross is None:
+        return own
+    return own + shape.cross.kv_cache_bytes_per_token(dtype_bytes, g)
 
 
 def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> RunResult:
@@ -355,14 +367,13 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     # One summary per run from wandb would bury the comparison; wandb still records everything.
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
-    config = read_config(spec.model)
-    geometry = config_geometry(config)
-    dtype_bytes = DTYPE_BYTES.get(config_dtype(config), 4)
+    shape = model_shape(Path(spec.model), spec.model)
+    dtype_bytes = DTYPE_BYTES.get(config_dtype(read_config(spec.model)), 4)
     results = []
     for name, g, pooling in run_names(spec):
         run_dir = root / "runs" / name
-        g_eff = geometry.num_kv_heads if g is None else g
-        kv_bytes = geometry.kv_cache_bytes_per_token(dtype_bytes, g_eff)
+        g_eff = shape.geometry.num_kv_heads if g is None else g
+        kv_bytes = kv_cache_bytes_per_token(shape, dtype_bytes, g)
         if (earlier := _finished(run_dir / RESULT, name, g_eff, pooling, kv_bytes, log)) is not None:
             log(f"[compare] {name}: finished earlier, reusing {run_dir / RESULT}")
             results.append(earlier)

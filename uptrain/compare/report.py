@@ -90,10 +90,18 @@ def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def source_text(speed: dict) -> str:
+    """What was fed before decoding: a prompt, or an encoder–decoder's source (encoded once)."""
+    if speed.get("cross_attention_cache_bytes") is not None:
+        return f"{speed['context']}-token source encoded once"
+    return f"{speed['context']}-token prompt"
+
+
 def speed_setting_text(speed: dict) -> str:
+    caches = "both KV caches" if speed.get("cross_attention_cache_bytes") is not None else "the KV cache"
     return (
-        f"greedy decoding of batch {speed['batch']}, {speed['context']}-token prompt + {speed['new_tokens']} new "
-        f"tokens with the KV cache, {speed['device']} {speed['dtype']}, median of {speed['repeats']}"
+        f"greedy decoding of batch {speed['batch']}, {source_text(speed)} + {speed['new_tokens']} new "
+        f"tokens with {caches}, {speed['device']} {speed['dtype']}, median of {speed['repeats']}"
     )
 
 
@@ -258,7 +266,7 @@ def _speed_plots(
 
     m = mha.speed
     setting = (
-        f"greedy, batch {m['batch']}, {m['context']}-token prompt + {m['new_tokens']} new tokens, "
+        f"greedy, batch {m['batch']}, {source_text(m)} + {m['new_tokens']} new tokens, "
         f"{m['device']} {m['dtype']}, median of {m['repeats']}"
     )
     fig, ax = plt.subplots(figsize=(6.4, 4.4))

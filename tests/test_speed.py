@@ -379,3 +379,27 @@ def test_encoder_decoder_cache_beyond_free_memory(seq2seq):
         lambda: measure_speed([seq2seq["t5"]], context=10**8, new_tokens=2, batch=10**4),
         r"the KV cache of batch 10000 × 100000002 positions needs .* GiB",
     )
+
+
+@pytest.mark.parametrize("model_type", list(SEQ2SEQ_CONFIGS))
+def test_converted_encoder_decoder_caches_shrink_exactly_h_over_g(model_type, seq2seq, tmp_path):
+    """Converted (*_gqa, the decoder's self- and cross-attention by default), both caches hold G heads."""
+    paths = {HEADS: seq2seq[model_type]}
+    for g in GROUPS:
+        paths[g] = convert_checkpoint(seq2seq[model_type], tmp_path / f"g{g}", g, progress=False)
+    context = None if model_type == "whisper" else 10
+    results = measure_speed([paths[g] for g in paths], context=context, new_tokens=3, batch=2, repeats=1)
+    by_g = {r["num_kv_heads"]: r for r in results}
+    mha = by_g[HEADS]
+    for g in GROUPS:
+        assert by_g[g]["cross_attention_num_kv_heads"] == g
+        assert by_g[g]["kv_cache_bytes"] * (HEADS // g) == mha["kv_cache_bytes"], g
+        assert by_g[g]["cross_attention_cache_bytes"] * (HEADS // g) == mha["cross_attention_cache_bytes"], g
+    # Only the decoder self-attention converted: the cross-attention cache keeps its 8 heads.
+    self_only = convert_checkpoint(seq2seq[model_type], tmp_path / "self", 2, attention="decoder-self", progress=False)
+    [r] = measure_speed([self_only], context=context, new_tokens=3, batch=2, repeats=1)
+    assert (r["num_kv_heads"], r["cross_attention_num_kv_heads"]) == (2, HEADS)
+    assert r["cross_attention_cache_bytes"] == mha["cross_attention_cache_bytes"]
+    assert (r["kv_cache_bytes"] - r["cross_attention_cache_bytes"]) * 4 == (
+        mha["kv_cache_bytes"] - mha["cross_attention_cache_bytes"]
+    )

@@ -33,18 +33,13 @@ class CompareSpec(UptrainingBudget):
     train_data: str = option(str(split_path("train")), help="uptraining text (the default: the shipped corpus)")
     eval_data: str = option(str(split_path("validation")), help="evaluation text (the default: the shipped corpus)")
     output_dir: str = option(help="runs, results and plots go here")
-    objective: str | None = option(
-        None,
-        metavar="OBJECTIVE",
-        help="the uptraining objective of every run, `uptrain train`'s key (default: the model's own: causal for "
-        "decoder-only models, span_corruption for T5, text_infilling for BART and mBART, …)",
-    )
     seq_len: int = option(256, help="tokens per packed block")
     batch_size: int = option(8, help="blocks per step")
     lr: float = option(1e-3, help="peak learning rate")
     warmup_steps: int = option(10, help="linear warmup steps")
     eval_every: int = option(10, help="evaluate (and checkpoint) every N steps")
     eval_blocks: int = option(64, help="eval blocks of seq_len tokens")
+    objective: str | None = option(None, help="what every run learns, as `uptrain train`'s (default: by the model)")
     seed: int = seed_option("seed of data order, initialisation and random pooling")
     report_to: list[str] = option(
         ["wandb", "jsonl"], choices=("wandb", "jsonl", "none"), help="wandb, jsonl, none (several allowed)"

@@ -135,14 +135,13 @@ def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: s
         eval_every=spec.eval_every,
         save_every=spec.eval_every,
         eval_blocks=spec.eval_blocks,
+        objective=spec.objective,
         seed=spec.seed,
         report_to=spec.report_to,
         run_name=f"{Path(spec.output_dir).name}/{name}",
         wandb_group=group,
         resume=out.exists(),
         **spec.budget(),
-        # Unset, the run's objective is the model's own (TrainConfig's rule), decided in one place.
-        **({} if spec.objective is None else {"objective": spec.objective}),
     )
     return validated_config(values, "compare")
 

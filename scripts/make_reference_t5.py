@@ -5,8 +5,8 @@
 
 The GQA paper's own setting is T5 (encoder–decoder, GQA in the decoder's self- and cross-attention),
 so `uptrain demo --reference t5` needs a T5 that uptrain trained itself, whose pretraining budget is
-known exactly. This one is T5 v1.1-shaped (gated-GELU feed-forward, untied embeddings, no dropout
-while pretraining, relative position buckets), MHA with 8 heads so that G can be 8, 4, 2 or 1, and
+known exactly. This one is T5 v1.1-shaped (gated-GELU feed-forward, unscaled head, no dropout
+while pretraining, relative position buckets; transformers 5 ties the head to the embedding), MHA with 8 heads so that G can be 8, 4, 2 or 1, and
 small enough to pretrain in minutes on two CPU cores. It learns T5's objective, span corruption
 (`uptrain.objectives.span_corruption`: 15 % of each block dropped in spans of mean length 3, each span
 replaced by a sentinel `<extra_id_N>`, the targets are the sentinels and the dropped spans), on the
@@ -46,7 +46,7 @@ ARCHITECTURE = dict(
     num_decoder_layers=2,
     d_ff=384,
     feed_forward_proj="gated-gelu",
-    tie_word_embeddings=False,
+    tie_word_embeddings=False,  # v1.1: the head's input is not scaled by d_model^-1/2
     relative_attention_num_buckets=32,
     relative_attention_max_distance=128,
     dropout_rate=0.0,
@@ -94,8 +94,9 @@ def build_model(tokenizer, seed: int):
     )
     torch.manual_seed(seed)
     model = T5ForConditionalGeneration(config)
-    # transformers initialises an untied T5 head with std 1.0, which starts the loss near 68 nats;
-    # t5x's dense init (variance scaling by fan-in) gives std d_model^-1/2 and a start near ln(vocab).
+    # transformers 5 ties T5's head to the shared embedding (`tie_word_embeddings: False` only turns
+    # off the v1.0 scaling of the head's input) and initialises it with std 1.0: logits of std
+    # √d_model and a first loss near 68 nats. Std d_model^-1/2 (t5x's fan-in scaling) starts near ln(vocab).
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, config.d_model**-0.5)
     return model

@@ -160,6 +160,44 @@ def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> A
     return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
 
 
+def stack_geometry(
+    config: dict,
+    *,
+    layers_key: str,
+    heads_key: str,
+    kv_heads_key: str,
+    head_dim_key: str | None,
+    hidden_key: str,
+    layers_fallback_key: str | None = None,
+) -> AttentionGeometry:
+    """The geometry of one attention of an encoder–decoder (its encoder, decoder self-attention
+    or cross-attention), from the config keys its architecture names it by: T5 `num_heads`,
+    `d_kv`, `num_layers` / `num_decoder_layers`; BART and Whisper `encoder_attention_heads`,
+    `decoder_layers`, … with head_dim = d_model // heads. KV heads come from `kv_heads_key`
+    (a converted checkpoint's `decoder_num_key_value_heads`, …); absent, they are the query heads."""
+    model_type = config.get("model_type", "?")
+    if config.get(layers_key) is None and layers_fallback_key is not None:
+        layers_key = layers_fallback_key  # T5: num_decoder_layers defaults to num_layers
+    for key in (layers_key, heads_key, hidden_key):
+        if config.get(key) is None:
+            raise UptrainError(f"config ({model_type}) has no {key}: not a {model_type} config uptrain can read")
+    heads = _count(config, heads_key, model_type)
+    layers = _count(config, layers_key, model_type)
+    hidden = _count(config, hidden_key, model_type)
+    kv = heads if config.get(kv_heads_key) is None else _count(config, kv_heads_key, model_type)
+    if heads % kv:
+        raise UptrainError(f"config has {heads} heads and {kv} KV heads ({kv_heads_key}), which do not divide")
+    if head_dim_key is not None:
+        if config.get(head_dim_key) is None:
+            raise UptrainError(f"config ({model_type}) has no {head_dim_key}")
+        head_dim = _count(config, head_dim_key, model_type)  # T5's d_kv: independent of d_model / heads
+    else:
+        if hidden % heads:
+            raise UptrainError(f"{hidden_key} {hidden} is not divisible by {heads} heads ({heads_key})")
+        head_dim = hidden // heads
+    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
+
+
 def config_dtype(config: dict) -> str:
     """The checkpoint's declared dtype (transformers 5 writes `dtype`, older `torch_dtype`)."""
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"

@@ -358,3 +358,12 @@ def test_random_pooling_draws_with_t5s_init_std(sources, tmp_path):
     after = tensors(out)
     k = torch.cat([t.flatten() for n, t in after.items() if attention_of("t5", n)])
     assert abs(k.std().item() - 32**-0.5) < 0.1 * 32**-0.5
+
+
+def test_config_keys_match_the_modeling():
+    """The converter writes the KV-head keys the GQA configs read (`uptrain.modeling.attention`,
+    carried beside converted checkpoints, keeps its own copy of the table)."""
+    from uptrain.modeling.attention import STACK_KV_HEADS as READ
+    from uptrain.modeling_table import STACK_KV_HEADS as WRITTEN
+
+    assert WRITTEN == READ

@@ -229,6 +229,8 @@ def test_default_pools_the_decoder_attentions(name, sources, tmp_path):
     card = (out / "README.md").read_text()
     assert "decoder self-attention" in card and "cross-attention: " not in card
     assert "encoder self-attention: unchanged" in card
+    task = {"whisper": "automatic-speech-recognition", "marian": "translation"}.get(name, "text2text-generation")
+    assert f"pipeline_tag: {task}\n" in card
     modeling = f"modeling_{GQA_TYPE[name]}.py"
     assert (out / modeling).is_file() == (Path(__file__).parents[2] / "uptrain/modeling" / modeling).is_file()
 

@@ -81,7 +81,8 @@ def read_config(folder: str | Path) -> dict:
             raise UptrainError(f"{path}: {key} is {show(config[key])}, not a mapping")
     for where in (config, config.get("rope_parameters") or {}):
         _check_real(where, "partial_rotary_factor", path, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    for key in ("initializer_range", "init_std"):  # the init std, as each layout names it (OPT: init_std)
+    # The init std, as each layout names it (OPT, BART, Whisper: init_std; T5: initializer_factor × d_model^-½).
+    for key in ("initializer_range", "init_std", "initializer_factor"):
         _check_real(config, key, path, lambda v: 0 <= v < math.inf, "a finite number ≥ 0")
     return config
 

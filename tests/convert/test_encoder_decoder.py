@@ -369,3 +369,20 @@ def test_config_keys_match_the_modeling():
     from uptrain.modeling_table import STACK_KV_HEADS as WRITTEN
 
     assert WRITTEN == READ
+
+
+def test_a_bad_t5_config_is_one_line(sources, capsys, tmp_path):
+    _, built = sources("t5")
+    for key, value, expected in (
+        ("d_kv", None, "config (t5) has no d_kv"),
+        ("num_heads", "8", "config (t5): num_heads is '8'; it must be a whole number"),
+        ("initializer_factor", "x", "initializer_factor is 'x'; it must be a finite number"),
+    ):
+        src = tmp_path / key
+        src.mkdir()
+        for f in built.iterdir():
+            (src / f.name).write_bytes(f.read_bytes())
+        config = json.loads((src / "config.json").read_text())
+        config[key] = value
+        (src / "config.json").write_text(json.dumps(config))
+        fails(capsys, [src, "-g", 2, "--pooling", "random"], expected, tmp_path / f"out-{key}")

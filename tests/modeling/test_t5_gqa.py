@@ -304,7 +304,11 @@ def resaved(tmp_path_factory):
     batch = inputs()
     folders, expected = {}, {}
     for kind in sorted(KINDS):
-        gqa_twin(build(kind), ALL_GROUPED).save_pretrained(root / f"{kind}-made")
+        made = gqa_twin(build(kind), ALL_GROUPED)
+        if kind != "t5":
+            # T5 v1.1 and mT5 checkpoints have an `lm_head` of their own (not the embeddings).
+            made.lm_head.weight = torch.nn.Parameter(torch.randn_like(made.lm_head.weight))
+        made.save_pretrained(root / f"{kind}-made")
         for backend in BACKENDS:
             loaded = AutoModelForSeq2SeqLM.from_pretrained(root / f"{kind}-made", attn_implementation=backend).eval()
             assert type(loaded) is T5GQAForConditionalGeneration  # uptrain's class, not the file's

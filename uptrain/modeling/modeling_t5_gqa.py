@@ -40,6 +40,15 @@ class T5GQAConfig(GroupedStacksConfig, T5Config):
     def _stack_heads(self) -> dict[str, int]:
         return {"encoder": self.num_heads, "decoder-self": self.num_heads, "cross": self.num_heads}
 
+    def _grouped_stacks(self) -> None:
+        super()._grouped_stacks()
+        if TRANSFORMERS_4 and getattr(self, "scale_decoder_outputs", None) is False:
+            # transformers 5 writes `tie_word_embeddings: true` for every T5 and says whether the
+            # output is rescaled in `scale_decoder_outputs` (false for T5 v1.1 and mT5; their
+            # `lm_head` is its own tensor); 4.57 rescales, and ties `lm_head`, whenever
+            # `tie_word_embeddings` is true. Read so, 4.57 computes what 5 does.
+            self.tie_word_embeddings = False
+
 
 def _with_mask(bias: torch.Tensor, mask, causal: bool) -> torch.Tensor:
     """T5's position bias `[1 or B, h, T, S]` with the attention mask folded in: the additive

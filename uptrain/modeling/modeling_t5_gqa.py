@@ -28,6 +28,23 @@ from .attention import (
     pop_cache,
 )
 
+# The attention implementations that add T5's position bias (see T5GQAAttention.forward), and
+# were tested so. Not flex: transformers 5's takes the bias, but its T5 (and this one) crash in
+# inductor's CPU flex kernel with a batch > 1 (index out of bounds), so it is untested; 4.x's
+# would drop the bias.
+BACKENDS = ("eager", "sdpa")
+
+
+def check_backend(implementation: str | None) -> None:
+    """Refuse, in one line, an attention implementation with no place for T5's position bias
+    (flash attention, a registered kernel) or one untested with it (flex): it would run without
+    it and be wrong."""
+    if implementation is not None and implementation not in BACKENDS:
+        raise ValueError(
+            f"t5_gqa cannot use attn_implementation={implementation!r}: T5's position bias needs one of "
+            f"{', '.join(BACKENDS)}"
+        )
+
 
 class T5GQAConfig(GroupedStacksConfig, T5Config):
     model_type = "t5_gqa"
@@ -132,6 +149,7 @@ class T5GQAAttention(T5Attention):
 
         causal = self.is_causal and not cross
         implementation = self.config._attn_implementation
+        check_backend(implementation)  # also after a `set_attn_implementation`
         if position_bias is None:
             position_bias = self._position_bias(t, k.shape[-2], past, q)
             if TRANSFORMERS_4:
@@ -142,8 +160,8 @@ class T5GQAAttention(T5Attention):
             # uptrain's eager function adds one additive mask: the bias with the mask in it.
             mask, extra = _with_mask(position_bias, mask, causal), {}
         else:
-            # transformers 5's functions take T5's bias themselves (SDPA folds it into the mask,
-            # flex adds it per query head), exactly as for its own T5.
+            # transformers 5's SDPA function takes T5's bias itself (folds it into the mask),
+            # exactly as for its own T5.
             extra = {"position_bias": position_bias}
         out, weights = attend(
             self, q, k, v, mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **extra, **kwargs
@@ -177,21 +195,32 @@ def _use_gqa_attention(model) -> None:
                 )
 
 
-class T5GQAModel(AttentionBackends, T5Model):
+class T5Backends(AttentionBackends):
+    """T5's position bias is a per-head term of the scores: eager and SDPA add it; flash
+    attention and registered kernels have no place for it (and flex is untested, see BACKENDS),
+    so they are refused when the model is built (`check_backend`) rather than run without it,
+    and engines that ask `is_backend_compatible()` are told no."""
+
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+
+
+class T5GQAModel(T5Backends, T5Model):
     config_class = T5GQAConfig
-    _supports_flash_attn = False  # flash kernels take no position bias (as transformers' T5)
 
     def __init__(self, config: T5GQAConfig):
         build_as_eager(super().__init__, self, config)
+        check_backend(self.config._attn_implementation)
         _use_gqa_attention(self)
         self.post_init()
 
 
-class T5GQAForConditionalGeneration(AttentionBackends, T5ForConditionalGeneration):
+class T5GQAForConditionalGeneration(T5Backends, T5ForConditionalGeneration):
     config_class = T5GQAConfig
-    _supports_flash_attn = False
 
     def __init__(self, config: T5GQAConfig):
         build_as_eager(super().__init__, self, config)
+        check_backend(self.config._attn_implementation)
         _use_gqa_attention(self)
         self.post_init()

@@ -63,7 +63,10 @@ class T5GQAConfig(GroupedStacksConfig, T5Config):
             # transformers 5 writes `tie_word_embeddings: true` for every T5 and says whether the
             # output is rescaled in `scale_decoder_outputs` (false for T5 v1.1 and mT5; their
             # `lm_head` is its own tensor); 4.57 rescales, and ties `lm_head`, whenever
-            # `tie_word_embeddings` is true. Read so, 4.57 computes what 5 does.
+            # `tie_word_embeddings` is true. Read so, 4.57 computes what 5 does, from the
+            # `lm_head` in the file. (One whose `lm_head` is the embeddings, so not in the file,
+            # as a v1.1 or mT5 made from scratch under 5, gets a fresh one under 4.57, which
+            # says so in its "newly initialized" warning.)
             self.tie_word_embeddings = False
 
 

@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("uptrain.checkpoint.*",)),
     # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus.
     ("data", ("uptrain.budgets", "uptrain.textdata", "uptrain.corpus")),
-    # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM; importing it registers them with transformers.
+    # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM, T5 (modeling_t5_gqa); importing it registers them
+    # with transformers.
     ("modeling", ("uptrain.modeling.*",)),
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),

@@ -108,6 +108,10 @@ def gqa_config(config: dict, num_kv_heads: int | Mapping[str, int]) -> dict:
             config["num_key_value_heads"] = decoder
     else:
         config["num_key_value_heads"] = num_kv_heads
+    if config.get("model_type") == "mt5":
+        # mT5 never rescales the decoder's output before lm_head; T5's classes, which t5_gqa
+        # builds on, do unless the config says not to.
+        config["scale_decoder_outputs"] = False
     modeling = modeling_for(config.get("model_type"))
     if modeling is not None:
         # GPT-2, GPT-J and BLOOM configs spell the geometry n_head, n_layer, n_embd: add the

@@ -4,6 +4,7 @@ at every shard write resumes to the same bytes; one run per OUT; bad input refus
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -76,6 +77,10 @@ def test_blocks_are_the_ones_training_builds(corpus, tmp_path, kind):
     # Random access across shards, as training's shuffled order reads it.
     order = torch.randperm(len(read), generator=torch.Generator().manual_seed(0)).tolist()[:64]
     assert torch.equal(read.take(order), expected.take(order))
+    # A DataLoader worker gets the paths, not the bytes, and maps the shards itself.
+    copy = pickle.loads(pickle.dumps(read))
+    shard_bytes = sum(p.stat().st_size for p in out.glob("*.bin"))
+    assert len(pickle.dumps(read)) < shard_bytes / 10 and torch.equal(copy.take(order), expected.take(order))
 
 
 def train_config(corpus, tmp_path, train_data, name, model=None) -> dict:

@@ -31,6 +31,9 @@ from uptrain import UptrainError
 FROM_POSITIONS = ("flash", "flex")
 # ALiBi biases are built from the 2D padding mask; a 4D mask has no place there.
 REFUSED = {"bloom": "BLOOM", "bloom_gqa": "BLOOM"}
+# Models whose forward builds its mask without `position_ids`: transformers finds no packed
+# documents there, so flash and flex attention would attend across them.
+NO_PACKED_POSITIONS = {"opt": "OPT", "opt_gqa": "OPT"}
 
 
 def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -68,7 +71,14 @@ class DocumentPacking:
     @classmethod
     def for_model(cls, model: torch.nn.Module, eos_id: int) -> DocumentPacking:
         """For an (unwrapped) transformers model: its attention backend and dtype."""
-        return cls(eos_id, str(model.config._attn_implementation), next(model.parameters()).dtype)
+        implementation = str(model.config._attn_implementation)
+        name = NO_PACKED_POSITIONS.get(model.config.model_type)
+        if name is not None and any(kind in implementation for kind in FROM_POSITIONS):
+            raise UptrainError(
+                f"document_mask: {name} builds its attention mask without position ids, so {implementation} "
+                "would attend across documents; use sdpa or eager attention"
+            )
+        return cls(eos_id, implementation, next(model.parameters()).dtype)
 
     def inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Keyword arguments of the model's forward in place of `input_ids=`. The logits come back

@@ -83,6 +83,14 @@ def test_blocks_are_the_ones_training_builds(corpus, tmp_path, kind):
     assert len(pickle.dumps(read)) < shard_bytes / 10 and torch.equal(copy.take(order), expected.take(order))
 
 
+def test_data_given_as_files_on_the_command_line(corpus, tmp_path, capsys):
+    files = [str(corpus["jsonl"] / "a.jsonl"), str(corpus["jsonl"] / "b.jsonl")]
+    argv = ["tokenize", *files, str(tmp_path / "files"), "--tokenizer", str(corpus["model"]), "--seq-len", "16"]
+    assert main(argv) == 0 and f"wrote {tmp_path / 'files'}" in capsys.readouterr().out
+    folder = tokenize(options(corpus["jsonl"], tmp_path / "folder", corpus["model"]), progress=False)
+    assert folder_bytes(tmp_path / "files") == folder_bytes(folder)
+
+
 def train_config(corpus, tmp_path, train_data, name, model=None) -> dict:
     return {
         "model": str(model or corpus["model"]),
@@ -105,15 +113,11 @@ def test_training_on_a_tokenized_folder_equals_training_on_the_text(corpus, tmp_
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
 
-    tokens = tokenize(
-        options(corpus["txt"], tmp_path / "tokens", corpus["model"], shard_tokens=16 * 50), progress=False
-    )
+    tokens = tokenize(options(corpus["jsonl"], tmp_path / "tokens", corpus["model"], shard_tokens=16 * 500), False)
     eval_tokens = tokenize(options(corpus["eval"], tmp_path / "eval-tokens", corpus["model"]), progress=False)
     losses = {}
-    for name, train_data, eval_data in (
-        ("run-raw", corpus["txt"], corpus["eval"]),
-        ("run-tokens", tokens, eval_tokens),
-    ):
+    runs = (("run-raw", corpus["jsonl"], corpus["eval"]), ("run-tokens", tokens, eval_tokens))
+    for name, train_data, eval_data in runs:
         config = {**train_config(corpus, tmp_path, train_data, name), "eval_data": str(eval_data)}
         run_training(TrainConfig(**config))
         reset_accelerate()

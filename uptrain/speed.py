@@ -516,6 +516,11 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def output_cache(output):
+    """The cache a forward returned: `output.cache` in recent transformers 5.x, `past_key_values` before."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
 def kv_cache_bytes(cache) -> int:
     """Bytes the cache's tensors hold, K and V of every layer (of both caches of an
     encoder–decoder, self- and cross-attention): measured, not computed."""

@@ -38,6 +38,7 @@ from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoi
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
+from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
 from uptrain.train.tracking import ensure_wandb_never_prompts, run_config, start_trackers
 
@@ -156,6 +157,7 @@ class Run:
     eval_set: list
     log: M.MetricsLog | None  # main process only
     progress: Progress = field(default_factory=Progress)
+    packing: DocumentPacking | None = None  # document_mask: the forward's inputs that keep documents apart
 
 
 class SourceConversion:
@@ -250,6 +252,9 @@ def setup(config: TrainConfig) -> Run:
         train_blocks=train_blocks,
         eval_set=eval_set,
         log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None,
+        packing=DocumentPacking.for_model(accelerator.unwrap_model(model), tokenizer.eos_token_id)
+        if config.document_mask
+        else None,
     )
 
 
@@ -353,6 +358,8 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
             f"(max_position_embeddings of {model_path})"
         )
     tokenizer = _load_tokenizer(model_path, "model")
+    if config.document_mask:
+        check_document_mask(model_config, config.seq_len, model_path)
     teacher_config = None
     if teacher_path is not None:
         teacher_config = read_config(teacher_path)
@@ -441,7 +448,8 @@ def _token_loss_sums(
 ) -> dict[str, torch.Tensor]:
     """Summed (not averaged) next-token losses of a batch, so that the caller can divide by the
     number of target tokens of the whole step across micro-batches and processes."""
-    logits = run.model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    inputs = run.packing.inputs(input_ids) if run.packing is not None else {"input_ids": input_ids}
+    logits = run.model(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
     labels = input_ids[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     ce = ce.view(labels.shape).sum(dim=1)
@@ -452,7 +460,7 @@ def _token_loss_sums(
         config = run.plan.config
         t = config.distill_temperature
         with torch.no_grad(), run.accelerator.autocast():
-            teacher_logits = run.teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+            teacher_logits = run.teacher(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
         # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
         # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
         kl = (

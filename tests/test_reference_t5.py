@@ -63,3 +63,23 @@ def test_card_budget_makes_five_percent_exact():
     assert CARD["pretrain_tokens"] == CARD["steps"] * CARD["batch_size"] * CARD["seq_len"]
     assert CARD["pretrain_tokens"] * 5 % 100 == 0  # α = 5% is a whole number of tokens
     assert CARD["objective"] == "span_corruption" and CARD["command"].startswith("python scripts/make_reference_t5.py")
+
+
+def test_the_t5_demo_runs_on_the_reference_t5(tmp_path):
+    from uptrain.compare.speed_rows import speed_setting
+    from uptrain.compare.study import validate
+    from uptrain.demo import demo_spec
+
+    spec = demo_spec(tmp_path / "demo", reference="t5")
+    validate(spec)  # every conversion's checks and every run's TrainConfig
+    assert spec.pretrain_tokens == CARD["pretrain_tokens"] and spec.seq_len == CARD["seq_len"]
+    assert spec.objective == "span_corruption" and spec.model == str(REFERENCE_T5)
+    # T5 has relative positions: the speed defaults apply as they are, a 480-token source at batch 8.
+    assert speed_setting(spec) == {
+        "context": 480,
+        "new_tokens": 32,
+        "batch": 8,
+        "repeats": 2,
+        "device": "cpu",
+        "dtype": "float32",
+    }

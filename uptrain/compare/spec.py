@@ -88,8 +88,9 @@ class CompareSpec(UptrainingBudget):
     # Shared by every conversion; `pooling` above replaces its pooling.
     conversion: ConversionOptions = option(
         ConversionOptions,
-        keys=("grouping", "calibration_tokens", "calibration_device", "calibration_dtype"),
-        help="grouping and calibration of every conversion (calibration reads train_data)",
+        keys=("grouping", "attention", "calibration_tokens", "calibration_device", "calibration_dtype"),
+        help="grouping, attentions (encoder–decoders) and calibration of every conversion (calibration reads "
+        "train_data)",
     )
 
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:

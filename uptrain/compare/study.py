@@ -40,6 +40,7 @@ from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_loc
 from uptrain.compare.spec import CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
+from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import Schema, keys_of
 from uptrain.speed import ModelShape, model_shape
@@ -180,14 +181,14 @@ def _calibration(prepared, root: Path, log=print) -> Calibration:
     return calibration
 
 
-def kv_cache_bytes_per_token(shape: ModelShape, dtype_bytes: int, g: int | None) -> int:
-    """A run's KV-cache bytes per token at G KV heads (None: the model as it is). An
-    encoder–decoder's is its decoder self-attention's per target token plus its cross-attention's
-    per source token, both at G: the attentions a compare converts (the paper's choice)."""
-    own = shape.geometry.kv_cache_bytes_per_token(dtype_bytes, g)
+def kv_cache_bytes_per_token(shape: ModelShape, dtype_bytes: int, g: int | None, attentions=("decoder-self",)) -> int:
+    """A run's KV-cache bytes per token at G KV heads in `attentions` (the conversion's; G None:
+    the model as it is). An encoder–decoder's is its decoder self-attention's per target token
+    plus its cross-attention's per source token (the encoder keeps no cache)."""
+    own = shape.geometry.kv_cache_bytes_per_token(dtype_bytes, g if "decoder-self" in attentions else None)
     if shape.cross is None:
         return own
-    return own + shape.cross.kv_cache_bytes_per_token(dtype_bytes, g)
+    return own + shape.cross.kv_cache_bytes_per_token(dtype_bytes, g if "cross" in attentions else None)
 
 
 def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> RunResult:
@@ -367,12 +368,13 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     shape = model_shape(Path(spec.model), spec.model)
+    attentions = parse_attention(spec.conversion.attention)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(read_config(spec.model)), 4)
     results = []
     for name, g, pooling in run_names(spec):
         run_dir = root / "runs" / name
         g_eff = shape.geometry.num_kv_heads if g is None else g
-        kv_bytes = kv_cache_bytes_per_token(shape, dtype_bytes, g)
+        kv_bytes = kv_cache_bytes_per_token(shape, dtype_bytes, g, attentions)
         if (earlier := _finished(run_dir / RESULT, name, g_eff, pooling, kv_bytes, log)) is not None:
             log(f"[compare] {name}: finished earlier, reusing {run_dir / RESULT}")
             results.append(earlier)

@@ -9,15 +9,18 @@ Data: the shipped corpus (uptrain/data/corpus/train.jsonl.gz), its works cut int
 tokenizer. Measured:
 
 * tokens/s: this process's share (rank 0 of `--processes`) read through `StreamedTrainBlocks`
-  as fast as it is asked, with `--workers` DataLoader workers: tokens delivered per second,
-  and per worker. Beside it, what the previous design delivered to each process: the whole
-  stream tokenized on the training thread, of which each process kept 1/processes.
+  as fast as it is asked, with `--workers` DataLoader workers: `--read-tokens` delivered, timed
+  from the first micro-batch (the first window is start-up; every later one is tokenized while
+  the one before is consumed), per process and per worker. Beside it, what the previous design
+  delivered to each process: the whole stream tokenized on the training thread, of which each
+  process kept 1/processes.
 * wait: a tiny `uptrain train` run on streamed data; the loop's own `perf/data_wait_s` as a
   share of `perf/step_time_s` (median over the steps after the first; target < 1%).
 * resume: positions saved at each of `--resume-steps`; for each, a fresh `StreamedTrainBlocks`
   restored from it until its first micro-batch is in hand (workers started, at most one
-  window re-read). Beside it, what replaying the consumed blocks (the previous resume) costs
-  at the measured whole-stream rate.
+  window re-read), `--repeats` times alternating, median; a fresh start (step 0) beside them.
+  Also what replaying the consumed blocks (the previous resume) costs at the measured
+  whole-stream rate.
 
 Prints a table, then one JSON line.
 """
@@ -39,8 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2, help="blocks per micro-batch (default: 2)")
     p.add_argument("--processes", type=int, default=2, help="processes the data is split over (default: 2)")
     p.add_argument("--workers", type=int, default=1, help="data workers per process (default: 1)")
-    p.add_argument("--read-steps", type=int, default=2000, help="steps read for tokens/s (default: 2000)")
+    p.add_argument("--window-tokens", type=int, default=None, help="shuffle window (default: WINDOW_TOKENS)")
+    p.add_argument("--read-tokens", type=int, default=2_000_000, help="tokens read for tokens/s (default: 2M)")
     p.add_argument("--resume-steps", type=int, nargs="+", default=[10, 10_000])
+    p.add_argument("--repeats", type=int, default=3, help="resumes timed per step, alternating (default: 3)")
     p.add_argument("--train-steps", type=int, default=12, help="steps of the tiny training run (default: 12)")
     return p.parse_args(argv)
 
@@ -70,22 +75,21 @@ def load_stream(paths: list[str], seq_len: int):
 
 
 def make_blocks(args, stream):
-    from uptrain.train.data import StreamedTrainBlocks
+    from uptrain.train.data import WINDOW_TOKENS, StreamedTrainBlocks
 
-    return StreamedTrainBlocks(stream, 0, args.batch_size, 1, args.processes, 0, args.workers)
+    window = args.window_tokens or WINDOW_TOKENS
+    return StreamedTrainBlocks(stream, 0, args.batch_size, 1, args.processes, 0, args.workers, window)
 
 
-def share_rate(args, stream) -> tuple[float, float]:
-    """Tokens/s delivered to rank 0, after its first micro-batch (worker start-up) and with it."""
+def share_rate(args, stream) -> float:
+    """Tokens/s delivered to rank 0 after its first micro-batch (worker start-up, first window)."""
     blocks = make_blocks(args, stream)
-    start = time.perf_counter()
     blocks.micro_batches(0, 0)
-    warm = time.perf_counter()
-    for step in range(1, args.read_steps):
+    steps = max(1, args.read_tokens // (args.batch_size * args.seq_len))
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
         blocks.micro_batches(step, 0)
-    end = time.perf_counter()
-    tokens = args.batch_size * args.seq_len
-    return tokens * (args.read_steps - 1) / (end - warm), tokens * args.read_steps / (end - start)
+    return steps * args.batch_size * args.seq_len / (time.perf_counter() - start)
 
 
 def whole_stream_rate(stream, blocks_wanted: int) -> float:
@@ -97,21 +101,25 @@ def whole_stream_rate(stream, blocks_wanted: int) -> float:
 
 
 def resume_costs(args, stream) -> dict[int, float]:
-    """Seconds from a saved position to the first micro-batch in hand, per step."""
-    blocks, states, step = make_blocks(args, stream), {}, 0
+    """Median seconds from a saved position to the first micro-batch in hand, per step (0: a fresh start)."""
+    blocks, states, step = make_blocks(args, stream), {0: None}, 0
     for target in sorted(args.resume_steps):
         while step < target:
             blocks.micro_batches(step, 0)
             step += 1
         states[target] = json.loads(json.dumps(blocks.state_dict()))
-    costs = {}
-    for target, state in states.items():
-        start = time.perf_counter()
-        resumed = make_blocks(args, stream)
-        resumed.load_state_dict(state)
-        resumed.micro_batches(target, 0)
-        costs[target] = time.perf_counter() - start
-    return costs
+    del blocks
+    times: dict[int, list[float]] = {s: [] for s in states}
+    for _ in range(args.repeats):
+        for target, state in states.items():
+            start = time.perf_counter()
+            resumed = make_blocks(args, stream)
+            if state is not None:
+                resumed.load_state_dict(state)
+            resumed.micro_batches(target, 0)
+            times[target].append(time.perf_counter() - start)
+            del resumed  # its worker stops before the next one is timed
+    return {s: statistics.median(t) for s, t in times.items()}
 
 
 def training_wait(args, paths: list[str], folder: Path) -> tuple[float, float]:
@@ -164,15 +172,17 @@ def training_wait(args, paths: list[str], folder: Path) -> tuple[float, float]:
 
 
 def main() -> int:
+    from uptrain.train.data import WINDOW_TOKENS
+
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         paths = write_corpus(Path(tmp), args.files)
         stream = load_stream(paths, args.seq_len)
-        steady, with_start = share_rate(args, stream)
-        whole = whole_stream_rate(stream, args.read_steps * args.batch_size)
+        steady = share_rate(args, stream)
+        whole = whole_stream_rate(stream, max(1, args.read_tokens // (4 * args.seq_len)))
         costs = resume_costs(args, stream)
         wait, step_time = training_wait(args, paths, Path(tmp))
-    first, last = min(costs), max(costs)
+    first, last = min(args.resume_steps), max(args.resume_steps)
     replay = {s: s * args.batch_size * args.processes * args.seq_len / whole for s in costs}
     print(
         f"data: shipped corpus in {args.files} jsonl files, seq {args.seq_len}, micro-batch {args.batch_size}, "
@@ -181,24 +191,24 @@ def main() -> int:
     print(f"{'measure':<44} {'value':>14}")
     print(f"{'tokens/s to this process (steady)':<44} {steady:>14,.0f}")
     print(f"{'tokens/s per data worker':<44} {steady / args.workers:>14,.0f}")
-    print(f"{'tokens/s incl. worker start-up':<44} {with_start:>14,.0f}")
     print(f"{'previous: whole stream on the training thread':<44} {whole:>14,.0f}")
     print(f"{'previous: kept by each process (÷ processes)':<44} {whole / args.processes:>14,.0f}")
     print(f"{'training: data wait / step time':<44} {wait / step_time:>14.2%}")
-    for s in sorted(costs):
+    print(f"{'fresh start: s to first micro-batch':<44} {costs[0]:>14.3f}")
+    for s in sorted(args.resume_steps):
         print(f"{f'resume at step {s}: s to first micro-batch':<44} {costs[s]:>14.3f}")
         print(f"{f'  previous (replay {s} steps), s':<44} {replay[s]:>14.3f}")
     result = {
         "tokens_per_second_per_process": steady,
         "tokens_per_second_per_worker": steady / args.workers,
-        "tokens_per_second_with_startup": with_start,
         "previous_tokens_per_second_per_process": whole / args.processes,
         "data_wait_share": wait / step_time,
         "data_wait_s": wait,
         "step_time_s": step_time,
         "resume_seconds": {str(s): c for s, c in costs.items()},
         "resume_ratio_last_vs_first": costs[last] / costs[first],
-        "previous_replay_seconds": {str(s): r for s, r in replay.items()},
+        "previous_replay_seconds": {str(s): r for s, r in replay.items() if s},
+        "window_tokens": args.window_tokens or WINDOW_TOKENS,
         "processes": args.processes,
         "workers": args.workers,
         "seq_len": args.seq_len,

@@ -179,7 +179,7 @@ def main() -> int:
         paths = write_corpus(Path(tmp), args.files)
         stream = load_stream(paths, args.seq_len)
         steady = share_rate(args, stream)
-        whole = whole_stream_rate(stream, max(1, args.read_tokens // (4 * args.seq_len)))
+        whole = whole_stream_rate(stream, max(1, args.read_tokens // args.seq_len))
         costs = resume_costs(args, stream)
         wait, step_time = training_wait(args, paths, Path(tmp))
     first, last = min(args.resume_steps), max(args.resume_steps)

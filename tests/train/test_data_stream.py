@@ -185,3 +185,17 @@ def test_data_errors_in_a_worker_are_one_line(tmp_path, tokenizer):
     blocks = StreamedTrainBlocks(stream_of(short, tokenizer), 0, 1, 1, 2, 1, 2)
     with pytest.raises(UptrainError, match=r"share 2 of 4 \(processes × data_workers\) yields no block of 16"):
         blocks.micro_batches(0, 1)
+
+
+def test_a_damaged_saved_position_is_refused_in_one_line(tmp_path):
+    from uptrain.train.checkpoint import load_data_state
+
+    folder = tmp_path / "step_00000004"
+    folder.mkdir()
+    assert load_data_state(folder, 0) is None  # data tokenized up front saves none
+    (folder / "data_state_0.json").write_text('{"processes": 2, "shares": [')
+    with pytest.raises(UptrainError, match=r"cannot resume: .*data_state_0.json is not valid JSON .*; delete .*step_"):
+        load_data_state(folder, 0)
+    (folder / "data_state_1.json").write_text("[1, 2]")
+    with pytest.raises(UptrainError, match="data_state_1.json is not a JSON object"):
+        load_data_state(folder, 1)

@@ -34,13 +34,7 @@ from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
-from uptrain.train.checkpoint import (
-    CHECKPOINTS,
-    checkpoint_name,
-    load_checkpoint,
-    load_data_state,
-    save_checkpoint,
-)
+from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, load_data_state, save_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype

@@ -221,3 +221,72 @@ def test_encoder_decoder_cost_refuses_a_decoder_only_config(assets):
 
     with pytest.raises(UptrainError, match="not an encoder–decoder"):
         M.encoder_decoder_cost(AutoModelForCausalLM.from_pretrained(assets["gqa"]), read_config(assets["gqa"]))
+
+
+def test_encoder_decoder_forward_flops_match_torchs_flop_counter(tmp_path):
+    """torch's own count of a tiny T5's forward matmuls (eager attention, which computes every
+    (query, key) pair, the masked ones too): the formula's forward, less the RMSNorm weights that
+    N counts but that multiply nothing, plus the causal half of the decoder self-attention that
+    causal kernels skip and eager attention computes."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(**T5_SHAPE, **T5_IDS, attn_implementation="eager")
+    model = T5ForConditionalGeneration(config).eval()
+    cost = M.encoder_decoder_cost(model, {**config.to_dict(), "model_type": "t5"})
+    s, t, d, w = 10, 6, 16, 32
+    g = torch.Generator().manual_seed(0)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(
+            input_ids=torch.randint(2, 64, (1, s), generator=g),
+            decoder_input_ids=torch.randint(2, 64, (1, t), generator=g),
+        )
+    norms = s * (2 * 2 * d + d) + t * (3 * 1 * d + d)  # 2 per encoder layer + final; 3 per decoder layer + final
+    causal_half = 2 * 1 * w * t * t  # 4·W·T² forward over the full T × T, half of it under the mask
+    assert counter.get_total_flops() == cost.forward_flops(s, t) - 2 * norms + causal_half
+
+
+@pytest.mark.parametrize("model_type", ["bart", "marian", "whisper"])
+def test_encoder_decoder_cost_finds_each_familys_stacks_and_cross_kv(model_type):
+    """BART's family names its stacks `model.encoder.` / `model.decoder.` and its cross-attention
+    `encoder_attn` with biased k_proj/v_proj (Whisper: k_proj unbiased); its position embeddings
+    are lookups, left out like the token embeddings."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    shape = dict(
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    if model_type == "whisper":
+        shape.update(max_source_positions=8, max_target_positions=32, num_mel_bins=8)
+        del shape["max_position_embeddings"]
+    config = AutoConfig.for_model(model_type, **shape, decoder_start_token_id=1, pad_token_id=0)
+    auto = AutoModelForSpeechSeq2Seq if model_type == "whisper" else AutoModelForSeq2SeqLM
+    torch.manual_seed(0)
+    model = auto.from_config(config)
+    cost = M.encoder_decoder_cost(model, config.to_dict())
+    d = 16
+    k_bias = 0 if model_type == "whisper" else d
+    assert cost.cross_kv_params == 1 * (d * d + k_bias + d * d + d)  # one decoder layer's cross k_proj, v_proj
+    assert (cost.encoder_layers, cost.decoder_layers, cost.encoder_width, cost.cross_width) == (2, 1, 16, 16)
+    lookups = {
+        id(p): p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+        for p in m.parameters()
+        if p is not model.get_output_embeddings().weight
+    }
+    total = sum(p.numel() for p in model.parameters())
+    assert cost.encoder_params + cost.decoder_params + cost.cross_kv_params + sum(lookups.values()) == total
+    encoder = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith("model.encoder.") and id(p) not in lookups
+    )
+    assert cost.encoder_params == encoder > 0

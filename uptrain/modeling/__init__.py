@@ -23,6 +23,7 @@ import copy
 import transformers
 from transformers import AutoConfig, AutoModel
 
+from uptrain.modeling.modeling_bart_gqa import BartGQAConfig, BartGQAForConditionalGeneration, BartGQAModel
 from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausalLM, BloomGQAModel
 from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
 from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
@@ -41,6 +42,7 @@ CLASSES = {
         (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
         (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
         (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
+        (BartGQAConfig, BartGQAModel, BartGQAForConditionalGeneration),
     )
 }
 

@@ -140,7 +140,7 @@ def inputs(name: str, seed: int = 1) -> dict[str, torch.Tensor]:
     features) and decoder input ids."""
     gen = torch.Generator().manual_seed(seed)
     # Begun by the decoder start token, as generate() expects (it prepends one otherwise, except
-    # for model_type "whisper" exactly: a difference between whisper and whisper_gqa, not tested).
+    # for Whisper: test_whisper_keeps_a_decoder_prompt_as_given).
     decoder = torch.randint(3, VOCAB, (2, 6), generator=gen)
     decoder[:, 0] = ARCHITECTURES[name][2]["decoder_start_token_id"]
     batch = {"decoder_input_ids": decoder}
@@ -192,16 +192,33 @@ def test_g_equal_h_is_transformers_model_bit_for_bit(name, backend):
     batch = inputs(name)
     with torch.no_grad():
         assert torch.equal(gqa(**batch).logits, ref(**batch).logits)
+        if "attention_mask" in batch:  # and without padding, where transformers passes no mask
+            unpadded = {k: v for k, v in batch.items() if k != "attention_mask"}
+            assert torch.equal(gqa(**unpadded).logits, ref(**unpadded).logits)
     for got, expected in zip(greedy(gqa, batch, use_cache=True), greedy(ref, batch, use_cache=True)):
         assert torch.equal(got, expected)
 
 
+def test_whisper_keeps_a_decoder_prompt_as_given():
+    """transformers' generation puts the decoder start token before decoder ids that lack it,
+    except for `model_type` "whisper", whose prompts begin with <|startofprev|>: whisper_gqa
+    too."""
+    ref, gqa = reference("whisper"), gqa_model("whisper", {})
+    gqa.load_state_dict(ref.state_dict(), strict=True)
+    batch = inputs("whisper")
+    batch["decoder_input_ids"][:, 0] = 5  # not the decoder start token (1)
+    for got, expected in zip(greedy(gqa, batch, use_cache=True), greedy(ref, batch, use_cache=True)):
+        assert torch.equal(got, expected)
+    assert greedy(gqa, batch, use_cache=True)[0].shape == (2, 6 + NEW_TOKENS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_heads", [GROUPED, ALL_GROUPED], ids=["decoder-self+cross", "all"])
 @pytest.mark.parametrize("name", NAMES)
-def test_identical_heads_in_each_group_pool_losslessly(name, kv_heads):
-    ref = reference(name)
+def test_identical_heads_in_each_group_pool_losslessly(name, kv_heads, backend):
+    ref = reference(name, backend)
     batch = inputs(name)
-    gqa = gqa_model(name, kv_heads)
+    gqa = gqa_model(name, kv_heads, backend)
     gqa.load_state_dict(sliced_state_dict(ref, kv_heads), strict=True)
     with torch.no_grad():
         # Distinct heads: dropping all but one per group changes the model (the check can fail).

@@ -175,7 +175,8 @@ class EncoderDecoderAttention:
     queries_scaled_first = False
 
     def __init__(self, config, attention: str, layer_idx: int):
-        heads = config._stack_heads()[attention]
+        # The four name their query heads alike: the encoder's, and the decoder's (self and cross).
+        heads = config.encoder_attention_heads if attention == "encoder" else config.decoder_attention_heads
         super().__init__(
             embed_dim=config.d_model,
             num_heads=heads,

@@ -63,3 +63,17 @@ class WhisperGQAForConditionalGeneration(AttentionBackends, WhisperForConditiona
         build_as_eager(super().__init__, self, config)
         use_encoder_decoder_attention(self.model, WhisperGQAAttention, config)
         self.post_init()
+
+    def _prepare_decoder_input_ids_for_generation(
+        self, batch_size, model_input_name, model_kwargs, decoder_start_token_id, device=None
+    ):
+        """Decoder ids the caller gives are used as given, as transformers' generation does for
+        `model_type` "whisper" (and only that name): Whisper's prompts begin with
+        <|startofprev|>, not the decoder start token, which would be put before them otherwise."""
+        if model_kwargs is not None and "decoder_input_ids" in model_kwargs:
+            return model_kwargs.pop("decoder_input_ids"), model_kwargs
+        if "input_ids" in model_kwargs and model_input_name != "input_ids":
+            return model_kwargs.pop("input_ids"), model_kwargs
+        return super()._prepare_decoder_input_ids_for_generation(
+            batch_size, model_input_name, model_kwargs, decoder_start_token_id, device
+        )

@@ -212,6 +212,22 @@ def test_whisper_keeps_a_decoder_prompt_as_given():
     assert greedy(gqa, batch, use_cache=True)[0].shape == (2, 6 + NEW_TOKENS)
 
 
+def test_whispers_own_generate_runs_it_as_whisper():
+    """Whisper's `generate` (its short-form path; a minimal generation config, no language or
+    task tokens) gives whisper_gqa at G = h the tokens it gives transformers' Whisper."""
+    ref, gqa = reference("whisper"), gqa_model("whisper", {})
+    gqa.load_state_dict(ref.state_dict(), strict=True)
+    features = inputs("whisper")["input_features"]
+    tokens = []
+    for model in (ref, gqa, grouped_model("whisper", ALL_GROUPED)):
+        model.generation_config = transformers.GenerationConfig(
+            decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, max_length=NEW_TOKENS + 1
+        )
+        with torch.no_grad():
+            tokens.append(model.generate(features))
+    assert torch.equal(tokens[0], tokens[1]) and tokens[2].shape == tokens[0].shape
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_heads", [GROUPED, ALL_GROUPED], ids=["decoder-self+cross", "all"])
 @pytest.mark.parametrize("name", NAMES)

@@ -283,6 +283,32 @@ def test_training_steps_reach_every_kv_projection(name):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_converted_checkpoint_loads_with_its_auto_class(name, tmp_path):
+    """`uptrain convert` of transformers' model: at G = h its logits bit for bit; with identical
+    heads in each group, pooled over every attention to G = 2 (of 4), the same logits."""
+    from uptrain.convert import convert_checkpoint
+
+    ref = reference(name)
+    ref.save_pretrained(tmp_path / "src")
+    auto = getattr(transformers, modeling_for(name).auto_class)
+    batch = inputs(name)
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "g4", HEADS, progress=False)
+    same = auto.from_pretrained(out, attn_implementation="eager")
+    assert type(same).__name__ == CLASSES[modeling_for(name).model_type][2].__name__
+    with torch.no_grad():
+        assert torch.equal(same.eval()(**batch).logits, ref(**batch).logits)
+    make_heads_identical(ref, dict.fromkeys(KV_KEYS, 2))
+    ref.save_pretrained(tmp_path / "identical")
+    out = convert_checkpoint(
+        tmp_path / "identical", tmp_path / "g2", 2, attention="encoder,decoder-self,cross", progress=False
+    )
+    pooled = auto.from_pretrained(out, attn_implementation="eager").eval()
+    assert [getattr(pooled.config, key) for key in KV_KEYS.values()] == [2, 2, 2]
+    with torch.no_grad():
+        torch.testing.assert_close(pooled(**batch).logits, ref(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
 # Run in a fresh process without uptrain (the 5.x venv, or the 4.57 one): load each saved folder
 # from the code beside its weights and save its logits and greedy tokens, per backend.
 LOAD_WITHOUT_UPTRAIN = textwrap.dedent(

@@ -199,6 +199,20 @@ def test_g_equal_h_is_transformers_model_bit_for_bit(name, backend):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.slow  # inductor compiles flex attention's kernels on CPU: ~30 s per architecture
+@pytest.mark.parametrize("name", NAMES)
+def test_flex_attention_serves_it_too(name):
+    """Flex attention (transformers' function, through the same interface): at G = h
+    transformers' own model on flex bit for bit; grouped, the eager model's logits to float noise."""
+    ref, gqa = reference(name, "flex_attention"), gqa_model(name, {}, "flex_attention")
+    gqa.load_state_dict(ref.state_dict(), strict=True)
+    batch = inputs(name)
+    with torch.no_grad():
+        assert torch.equal(gqa(**batch).logits, ref(**batch).logits)
+        flex, eager = (grouped_model(name, ALL_GROUPED, backend) for backend in ("flex_attention", "eager"))
+        torch.testing.assert_close(flex(**batch).logits, eager(**batch).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_whisper_keeps_a_decoder_prompt_as_given():
     """transformers' generation puts the decoder start token before decoder ids that lack it,
     except for `model_type` "whisper", whose prompts begin with <|startofprev|>: whisper_gqa

@@ -194,8 +194,9 @@ class EncoderDecoderAttention:
 
     def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
         cache = pop_cache(kwargs)
-        # 4.57 passes a per-head mask (None unless asked for): scaling a head's output is scaling its weights.
-        head_mask = kwargs.pop("layer_head_mask", None)
+        # 4.57 passes a per-head mask (None unless the caller gives one; 5.x has none), refused as t5_gqa does.
+        if kwargs.pop("layer_head_mask", None) is not None:
+            raise ValueError("uptrain's encoder–decoder GQA modeling does not support head masks")
         cross = key_value_states is not None
         bsz, tgt_len = hidden_states.shape[:-1]
         contiguous = self.queries_scaled_first
@@ -216,8 +217,6 @@ class EncoderDecoderAttention:
         out, weights = attend(
             self, q, k, v, attention_mask, scaling=scaling, dropout=self.dropout if self.training else 0.0, **kwargs
         )
-        if head_mask is not None:
-            out = out * head_mask.view(1, 1, -1, 1)
         out = out.reshape(bsz, tgt_len, -1).contiguous()
         return self.out_proj(out), weights
 

@@ -34,6 +34,7 @@ QUICK_TESTS = [
     "tests/convert/test_parity.py",
     "tests/modeling/test_workflows.py",
     "tests/train/test_loop.py",
+    "tests/train/test_data_stream.py",
     "tests/train/test_tracking.py",
     "tests/test_speed.py",
     "tests/compare/test_study.py",

@@ -147,7 +147,4 @@ def copy_modeling_files(model_type: str | None, folder: Path) -> None:
     """Save the modeling files a converted checkpoint of `model_type` loads with (none where
     transformers has native GQA) into `folder`."""
     for name, path in modeling_files(model_type).items():
-        # An architecture's modeling file is written apart from its conversion (the encoder–decoders'
-        # arrive separately); tests/modeling/test_registration.py requires every one in the table.
-        if path.is_file():
-            shutil.copyfile(path, folder / name)
+        shutil.copyfile(path, folder / name)

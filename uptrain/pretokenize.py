@@ -115,9 +115,9 @@ def _changes(before: dict, now: dict) -> str:
 def _rows(source, text_field: str, sample_by: str) -> Iterator[dict]:
     """The documents of local data files in the order `load_blocks` reads them (streamed: no
     copy of the text is cached). Refuses a missing text column in one line."""
-    from uptrain.textdata import _load
+    from uptrain.textdata import load_documents
 
-    ds = _load(source, "train", None, sample_by, streaming=True)
+    ds = load_documents(source, "train", None, sample_by, streaming=True)
     rows = iter(ds)
     first = next(rows, None)
     if first is None:

@@ -334,3 +334,148 @@ def test_tensors_renamed_on_load_are_written_back_under_the_checkpoint_names(tmp
     assert sorted(stored(final)) == sorted(stored(start))
     assert (final / "config.json").read_bytes() == (start / "config.json").read_bytes()
     assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(final).eval()), logits_of(model))
+
+
+# A tiny T5: attention width (heads × d_kv = 32) unlike d_model (16), two encoder and one decoder layer.
+T5_SHAPE = dict(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1, num_heads=4)
+T5_IDS = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+
+
+def seq2seq_inputs(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "input_ids": torch.randint(2, vocab, (2, 9), generator=g),
+        "decoder_input_ids": torch.randint(2, vocab, (2, 5), generator=g),
+    }
+
+
+def seq2seq_logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**seq2seq_inputs(model.config.vocab_size)).logits
+
+
+def untied_t5_v1_1(folder: Path) -> Path:
+    """A T5 v1.1 (gated-GELU, `lm_head` its own tensor) as transformers 4.x saves it: config
+    `tie_word_embeddings: false` and `lm_head.weight` beside `shared.weight`. (transformers 5
+    always ties a T5 it builds, and keeps a checkpoint's `lm_head` untied only when it differs.)"""
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(**T5_SHAPE, **T5_IDS, feed_forward_proj="gated-gelu")).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn(T5_SHAPE["vocab_size"], T5_SHAPE["d_model"])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2) + "\n")
+    return folder
+
+
+def test_final_of_a_converted_t5_keeps_its_kv_heads_provenance_and_task(tmp_path):
+    """final/ of a t5_gqa model (decoder self- and cross-attention pooled to 2 KV heads, tied
+    lm_head as in T5 v1.0): config.json with each attention's KV heads and the modeling files
+    byte for byte, the shared embedding written once, the trained logits on load, the conversion
+    record embedded, and the card's Hub task the conversion's (text2text-generation)."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    import uptrain.modeling  # noqa: F401  registers t5_gqa with the Auto classes
+    from uptrain.convert import convert_checkpoint
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(**T5_SHAPE, **T5_IDS)).save_pretrained(tmp_path / "t5")
+    (tmp_path / "t5" / "README.md").write_text(SOURCE_CARD)
+    start = convert_checkpoint(tmp_path / "t5", tmp_path / "gqa", 2, progress=False)
+    model = train_a_little(AutoModelForSeq2SeqLM.from_pretrained(start, dtype=torch.float32))
+    final = write_trained_final(start, tmp_path / "final", model)
+
+    config = json.loads((final / "config.json").read_text())
+    assert (final / "config.json").read_bytes() == (start / "config.json").read_bytes()
+    assert config["model_type"] == "t5_gqa" and (
+        config["encoder_num_key_value_heads"],
+        config["decoder_num_key_value_heads"],
+        config["cross_attention_num_key_value_heads"],
+    ) == (4, 2, 2)
+    for name in ("modeling_t5_gqa.py", "attention.py", "generation_config.json"):
+        assert (final / name).read_bytes() == (start / name).read_bytes(), name
+    before, after = stored(start), stored(final)
+    assert list(after) == list(before) and "lm_head.weight" not in after  # tied: written as shared.weight only
+    assert after["decoder.block.0.layer.1.EncDecAttention.k.weight"].shape == (2 * 8, 16)  # G = 2 heads of d_kv 8
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(final).eval()
+    assert type(loaded).__name__ == "T5GQAForConditionalGeneration"
+    assert loaded.lm_head.weight is loaded.shared.weight
+    assert torch.equal(seq2seq_logits(loaded), seq2seq_logits(model))
+    assert not torch.equal(seq2seq_logits(loaded), seq2seq_logits(AutoModelForSeq2SeqLM.from_pretrained(start)))
+
+    provenance = json.loads((final / "uptrain.json").read_text())["started_from"]["provenance"]
+    assert provenance == json.loads((start / "uptrain.json").read_text())
+    assert provenance["attention"] == ["decoder-self", "cross"]
+    assert provenance["attentions"]["cross"]["num_key_value_heads"] == 2
+    card = ModelCard.load(final / "README.md")
+    assert card.data.pipeline_tag == "text2text-generation" == ModelCard.load(start / "README.md").data.pipeline_tag
+    assert "encoder-decoder" in card.data.tags and card.data.license == "apache-2.0"
+    assert (
+        "decoder self-attention 4 → 2 KV heads; cross-attention 4 → 2 KV heads; "
+        "encoder self-attention unchanged; `mean` pooling"
+    ) in card.text
+
+
+def test_final_of_an_untied_t5_v1_1_writes_its_own_lm_head(tmp_path):
+    """T5 v1.1 has an output projection of its own: final/ writes the trained `lm_head.weight`
+    beside `shared.weight`, and it loads untied with the trained logits."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    start = untied_t5_v1_1(tmp_path / "v1.1")
+    model = AutoModelForSeq2SeqLM.from_pretrained(start, dtype=torch.float32)
+    assert model.lm_head.weight is not model.shared.weight  # the case this test is about
+    model = train_a_little(model)
+    final = write_trained_final(start, tmp_path / "final", model)
+    before, after = stored(start), stored(final)
+    assert list(after) == list(before) and {"lm_head.weight", "shared.weight"} <= set(after)
+    assert torch.equal(after["lm_head.weight"], model.lm_head.weight.detach())
+    assert torch.equal(after["shared.weight"], model.shared.weight.detach())
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])  # trained
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(final).eval()
+    assert loaded.lm_head.weight is not loaded.shared.weight
+    assert torch.equal(seq2seq_logits(loaded), seq2seq_logits(model))
+    card = ModelCard.load(final / "README.md")
+    assert card.data.pipeline_tag == "text2text-generation" and "encoder-decoder" in card.data.tags
+    assert "uptrained (it was not converted by uptrain)" in card.text
+
+
+@pytest.mark.parametrize(
+    "model_type, task",
+    [
+        ("bart", "text2text-generation"),
+        ("marian", "translation"),
+        ("whisper", "automatic-speech-recognition"),
+        ("llama", "text-generation"),
+    ],
+)
+def test_the_card_names_the_hub_task_of_the_model_family(model_type, task, tmp_path):
+    from transformers import AutoConfig
+
+    start = tmp_path / model_type
+    AutoConfig.for_model(model_type).save_pretrained(start)
+    record = uptraining_record(
+        start,
+        {
+            "train_data": "t",
+            "eval_data": "e",
+            "seq_len": 16,
+            "lr": 1e-2,
+            "warmup_steps": 0,
+            "seed": 0,
+            "objective": "pairs",
+        },
+        steps=1,
+        tokens=16,
+        num_processes=1,
+        global_batch=1,
+        eval_before=None,
+        eval_after={},
+    )
+    card = uptrained_card(record, start)
+    (tmp_path / "README.md").write_text(card)
+    data = ModelCard.load(tmp_path / "README.md").data
+    assert data.pipeline_tag == task and ("encoder-decoder" in data.tags) == (model_type != "llama")
+    assert "- Objective: `pairs`" in card

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from uptrain import UptrainError
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints
 from uptrain.train.config import TrainConfig
@@ -100,3 +101,192 @@ def test_wandb_goes_offline_without_credentials(tmp_path, monkeypatch):
     assert ensure_wandb_never_prompts() is None and "WANDB_MODE" not in os.environ
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert ensure_wandb_never_prompts() is None and os.environ["WANDB_MODE"] == "disabled"
+
+
+# A tiny T5 whose attention width (heads × d_kv = 32) is not d_model (16), and whose stacks differ
+# in depth, so that a formula mixing them up cannot pass.
+T5_SHAPE = dict(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1, num_heads=4)
+T5_IDS = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+
+
+def t5_by_hand(gated: bool, self_kv: int = 4, cross_kv: int = 4) -> dict[str, int]:
+    """The non-embedding parameters of T5_SHAPE's stacks, counted from the architecture: q and o
+    are d × (h·d_kv), k and v d × (kv·d_kv), a ReLU FFN has wi and wo (gated: wi_0, wi_1, wo),
+    one RMSNorm weight of d per sublayer and per stack; the output projection V × d."""
+    d, w, f, v, d_kv = 16, 32, 32, 64, 8
+    ffn = (3 if gated else 2) * d * f
+    encoder = 2 * (4 * d * w + ffn + 2 * d) + d
+    self_attn = 2 * d * w + 2 * d * self_kv * d_kv
+    cross_q_o = 2 * d * w
+    decoder = 1 * (self_attn + cross_q_o + ffn + 3 * d) + d + v * d
+    return {"encoder": encoder, "decoder": decoder, "cross_kv": 1 * 2 * d * cross_kv * d_kv}
+
+
+def t5_checkpoint(folder, gated: bool = False):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    extra = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False) if gated else {}
+    T5ForConditionalGeneration(T5Config(**T5_SHAPE, **T5_IDS, **extra)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "gated, attention, self_kv, cross_kv",
+    [(False, None, 4, 4), (True, None, 4, 4), (False, "decoder-self,cross", 2, 2), (False, "cross", 4, 2)],
+)
+def test_encoder_decoder_flops_by_hand_on_a_tiny_t5(gated, attention, self_kv, cross_kv, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    import uptrain.modeling  # noqa: F401  registers t5_gqa with the Auto classes
+    from uptrain.convert import convert_checkpoint
+    from uptrain.model_info import read_config
+
+    folder = t5_checkpoint(tmp_path / "t5", gated)
+    if attention is not None:
+        folder = convert_checkpoint(folder, tmp_path / "gqa", 2, attention=attention, progress=False)
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder)
+    cost = M.encoder_decoder_cost(model, read_config(folder))
+    hand = t5_by_hand(gated, self_kv, cross_kv)
+    assert (cost.encoder_params, cost.decoder_params, cost.cross_kv_params) == (
+        hand["encoder"],
+        hand["decoder"],
+        hand["cross_kv"],
+    )
+    # Nothing else is left out but the lookups: the shared embedding (counted once, as the output
+    # projection, tied or not) and each stack's relative-attention bias (32 buckets × 4 heads).
+    total = sum(p.numel() for p in model.parameters())
+    untied_input = 0 if model.lm_head.weight is model.shared.weight else 64 * 16
+    assert sum(hand.values()) + untied_input + 2 * 32 * 4 == total
+    assert (cost.encoder_layers, cost.decoder_layers) == (2, 1)
+    assert cost.encoder_width == cost.decoder_width == cost.cross_width == 32
+
+    s, t, w = 10, 6, 32
+    encoder = s * (6 * (hand["encoder"] + hand["cross_kv"]) + 12 * 2 * w * s)  # bidirectional: all S keys
+    decoder = t * (6 * hand["decoder"] + 6 * 1 * w * t + 12 * 1 * w * s)  # causal self (T/2 keys) + cross (S keys)
+    assert cost.train_flops(s, t) == encoder + decoder
+    assert cost.forward_flops(s, t) == pytest.approx((encoder + decoder) / 3)
+
+
+def test_encoder_decoder_attention_terms_count_the_masks():
+    """Only the attention terms (no parameters), against the masks themselves: per example,
+    forward, 4·W FLOPs per (query, key) pair a mask lets through; training is 3× that."""
+    cost = M.EncoderDecoderCost(
+        0, 0, 0, encoder_layers=2, encoder_width=32, decoder_layers=3, decoder_width=16, cross_width=8
+    )
+    s, t = 64, 48
+    pairs = {
+        "encoder": int(torch.ones(s, s).sum()),  # bidirectional
+        "decoder-self": int(torch.ones(t, t).tril().sum()),  # causal
+        "cross": int(torch.ones(t, s).sum()),  # every decoder position reads every encoder position
+    }
+    by_hand = 3 * 4 * (2 * 32 * pairs["encoder"] + 3 * 16 * pairs["decoder-self"] + 3 * 8 * pairs["cross"])
+    # Equal but for the causal mask's diagonal (T(T+1)/2 pairs, the formula's T²/2).
+    assert cost.train_flops(s, t) == pytest.approx(by_hand, rel=1 / t)
+    assert cost.train_flops(s, t) == by_hand - 3 * 4 * 3 * 16 * t / 2
+
+
+def test_kv_cache_metrics_of_an_encoder_decoder_count_self_and_cross_caches(tmp_path):
+    from uptrain.convert import convert_checkpoint
+    from uptrain.model_info import read_config
+
+    folder = t5_checkpoint(tmp_path / "t5")
+    gqa = convert_checkpoint(folder, tmp_path / "gqa", 2, attention="cross", progress=False)
+    # 2 (K and V) × 1 decoder layer × KV heads × d_kv 8 × 2 bytes (bf16).
+    assert M.kv_cache_metrics(read_config(folder), 2) == {
+        "model/kv_cache_bytes_per_token": 2 * 1 * 4 * 8 * 2,
+        "model/cross_kv_cache_bytes_per_source_token": 2 * 1 * 4 * 8 * 2,
+    }
+    assert M.kv_cache_metrics(read_config(gqa), 2) == {
+        "model/kv_cache_bytes_per_token": 2 * 1 * 4 * 8 * 2,  # the self-attention was not pooled
+        "model/cross_kv_cache_bytes_per_source_token": 2 * 1 * 2 * 8 * 2,
+    }
+
+
+def test_decoder_only_kv_cache_metrics_are_unchanged(assets):
+    from uptrain.convert.layouts import config_geometry
+    from uptrain.model_info import read_config
+
+    config = read_config(assets["gqa"])  # Llama, 2 layers, 2 KV heads, head_dim 8
+    assert M.kv_cache_metrics(config, 4) == {"model/kv_cache_bytes_per_token": 2 * 2 * 2 * 8 * 4}
+    assert M.kv_cache_metrics(config, 4)["model/kv_cache_bytes_per_token"] == config_geometry(
+        config
+    ).kv_cache_bytes_per_token(4)
+
+
+def test_encoder_decoder_cost_refuses_a_decoder_only_config(assets):
+    from transformers import AutoModelForCausalLM
+
+    from uptrain.model_info import read_config
+
+    with pytest.raises(UptrainError, match="not an encoder–decoder"):
+        M.encoder_decoder_cost(AutoModelForCausalLM.from_pretrained(assets["gqa"]), read_config(assets["gqa"]))
+
+
+def test_encoder_decoder_forward_flops_match_torchs_flop_counter(tmp_path):
+    """torch's own count of a tiny T5's forward matmuls (eager attention, which computes every
+    (query, key) pair, the masked ones too): the formula's forward, less the RMSNorm weights that
+    N counts but that multiply nothing, plus the causal half of the decoder self-attention that
+    causal kernels skip and eager attention computes."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(**T5_SHAPE, **T5_IDS, attn_implementation="eager")
+    model = T5ForConditionalGeneration(config).eval()
+    cost = M.encoder_decoder_cost(model, {**config.to_dict(), "model_type": "t5"})
+    s, t, d, w = 10, 6, 16, 32
+    g = torch.Generator().manual_seed(0)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(
+            input_ids=torch.randint(2, 64, (1, s), generator=g),
+            decoder_input_ids=torch.randint(2, 64, (1, t), generator=g),
+        )
+    norms = s * (2 * 2 * d + d) + t * (3 * 1 * d + d)  # 2 per encoder layer + final; 3 per decoder layer + final
+    causal_half = 2 * 1 * w * t * t  # 4·W·T² forward over the full T × T, half of it under the mask
+    assert counter.get_total_flops() == cost.forward_flops(s, t) - 2 * norms + causal_half
+
+
+@pytest.mark.parametrize("model_type", ["bart", "marian", "whisper"])
+def test_encoder_decoder_cost_finds_each_familys_stacks_and_cross_kv(model_type):
+    """BART's family names its stacks `model.encoder.` / `model.decoder.` and its cross-attention
+    `encoder_attn` with biased k_proj/v_proj (Whisper: k_proj unbiased); its position embeddings
+    are lookups, left out like the token embeddings."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    shape = dict(
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    if model_type == "whisper":
+        shape.update(max_source_positions=8, max_target_positions=32, num_mel_bins=8)
+        del shape["max_position_embeddings"]
+    config = AutoConfig.for_model(model_type, **shape, decoder_start_token_id=1, pad_token_id=0)
+    auto = AutoModelForSpeechSeq2Seq if model_type == "whisper" else AutoModelForSeq2SeqLM
+    torch.manual_seed(0)
+    model = auto.from_config(config)
+    cost = M.encoder_decoder_cost(model, config.to_dict())
+    d = 16
+    k_bias = 0 if model_type == "whisper" else d
+    assert cost.cross_kv_params == 1 * (d * d + k_bias + d * d + d)  # one decoder layer's cross k_proj, v_proj
+    assert (cost.encoder_layers, cost.decoder_layers, cost.encoder_width, cost.cross_width) == (2, 1, 16, 16)
+    lookups = {
+        id(p): p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+        for p in m.parameters()
+        if p is not model.get_output_embeddings().weight
+    }
+    total = sum(p.numel() for p in model.parameters())
+    assert cost.encoder_params + cost.decoder_params + cost.cross_kv_params + sum(lookups.values()) == total
+    encoder = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith("model.encoder.") and id(p) not in lookups
+    )
+    assert cost.encoder_params == encoder > 0

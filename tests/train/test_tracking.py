@@ -119,3 +119,46 @@ def test_compare_logs_its_table_and_plots(tmp_path):
     # Without wandb in report_to: files only.
     spec.report_to = ["jsonl"]
     assert "wandb" not in write_report(results, tmp_path, spec)
+
+
+# The fields a TrainConfig needs besides model and data.
+RUN = dict(seq_len=16, batch_size=2, lr=1e-3, max_steps=1)
+
+
+def test_run_config_of_an_encoder_decoder_logs_each_attentions_conversion(tmp_path):
+    """run_config of a t5_gqa model whose cross-attention alone was pooled: the attentions chosen
+    and each one's heads and groups, read from its uptrain.json."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from uptrain.train.tracking import ATTENTION_FIELDS, CONVERSION_FIELDS, run_config
+
+    shape = dict(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1, num_heads=4)
+    T5ForConditionalGeneration(T5Config(**shape, decoder_start_token_id=0, pad_token_id=0)).save_pretrained(
+        tmp_path / "t5"
+    )
+    model = convert_checkpoint(tmp_path / "t5", tmp_path / "gqa", 2, attention="cross", progress=False)
+    config = TrainConfig(model=str(model), train_data="t", eval_data="e", output_dir=str(tmp_path / "run"), **RUN)
+    conversion = run_config(config, model, 4, 1, 8)["conversion"]
+    assert list(conversion) == [*CONVERSION_FIELDS, "attention", "attentions"]
+    assert conversion["model_type"] == "t5" and conversion["attention"] == ["cross"]
+    assert list(conversion["attentions"]) == ["encoder", "decoder-self", "cross"]
+    assert all(list(a) == list(ATTENTION_FIELDS) for a in conversion["attentions"].values())
+    cross, decoder = conversion["attentions"]["cross"], conversion["attentions"]["decoder-self"]
+    assert (cross["source_num_key_value_heads"], cross["num_key_value_heads"], cross["kv_groups"]) == (
+        4,
+        2,
+        [[0, 1], [2, 3]],
+    )
+    assert decoder["num_key_value_heads"] == 4 and conversion["num_key_value_heads"] == 4  # not pooled
+    assert cross["num_layers"] == 1 and conversion["attentions"]["encoder"]["num_layers"] == 2
+
+
+def test_run_config_of_a_decoder_only_model_logs_the_same_fields_as_before(assets, tmp_path):
+    from uptrain.train.tracking import CONVERSION_FIELDS, run_config
+
+    config = TrainConfig(
+        model=str(assets["gqa"]), train_data="t", eval_data="e", output_dir=str(tmp_path / "run"), **RUN
+    )
+    conversion = run_config(config, assets["gqa"], 2, 1, 8)["conversion"]
+    assert list(conversion) == list(CONVERSION_FIELDS)
+    assert "attention" not in CONVERSION_FIELDS and conversion["num_key_value_heads"] == 2

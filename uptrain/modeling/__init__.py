@@ -23,12 +23,20 @@ import copy
 import transformers
 from transformers import AutoConfig, AutoModel
 
+from uptrain.modeling.modeling_bart_gqa import BartGQAConfig, BartGQAForConditionalGeneration, BartGQAModel
 from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausalLM, BloomGQAModel
 from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
 from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
 from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM, GPTJGQAModel
+from uptrain.modeling.modeling_marian_gqa import MarianGQAConfig, MarianGQAModel, MarianGQAMTModel
+from uptrain.modeling.modeling_mbart_gqa import MBartGQAConfig, MBartGQAForConditionalGeneration, MBartGQAModel
 from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
 from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
+from uptrain.modeling.modeling_whisper_gqa import (
+    WhisperGQAConfig,
+    WhisperGQAForConditionalGeneration,
+    WhisperGQAModel,
+)
 from uptrain.modeling_table import gqa_config, modeling_for
 
 # Converted model_type → its (config, base model, model with its task head) classes.
@@ -41,6 +49,10 @@ CLASSES = {
         (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
         (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
         (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
+        (BartGQAConfig, BartGQAModel, BartGQAForConditionalGeneration),
+        (MBartGQAConfig, MBartGQAModel, MBartGQAForConditionalGeneration),
+        (MarianGQAConfig, MarianGQAModel, MarianGQAMTModel),
+        (WhisperGQAConfig, WhisperGQAModel, WhisperGQAForConditionalGeneration),
     )
 }
 

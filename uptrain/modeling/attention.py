@@ -160,6 +160,78 @@ def encoder_decoder_kv(cache, layer_idx: int, project, states: torch.Tensor, cro
     return key, value
 
 
+class EncoderDecoderAttention:
+    """Mixin for the GQA attentions of BART, mBART, Marian and Whisper, whose transformers
+    attentions are one design (`BartAttention` and its copies): put first, before the
+    architecture's own attention class, which keeps its name for transformers' output recorders
+    (`output_attentions`) and builds q_proj and out_proj. k_proj and v_proj get G·d rows, G the
+    KV heads of this `attention` ("encoder", "decoder-self" or "cross", STACK_KV_HEADS), with the
+    biases the architecture's own have (Whisper's k_proj has none); both caches hold G heads.
+
+    `queries_scaled_first`: Whisper scales the queries before the product (and attends with
+    scale 1) and makes q, K, V contiguous; the others scale inside the attention. Each order is
+    kept, so that G = h reproduces the architecture's logits bit for bit."""
+
+    queries_scaled_first = False
+
+    def __init__(self, config, attention: str, layer_idx: int):
+        # The four name their query heads alike: the encoder's, and the decoder's (self and cross).
+        heads = config.encoder_attention_heads if attention == "encoder" else config.decoder_attention_heads
+        super().__init__(
+            embed_dim=config.d_model,
+            num_heads=heads,
+            dropout=config.attention_dropout,
+            is_decoder=attention != "encoder",
+            is_causal=attention == "decoder-self",
+            config=config,
+            layer_idx=layer_idx,
+        )
+        self.num_key_value_heads = getattr(config, STACK_KV_HEADS[attention])
+        self.num_key_value_groups = heads // self.num_key_value_heads
+        kv_dim = self.num_key_value_heads * self.head_dim
+        self.k_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=self.k_proj.bias is not None)
+        self.v_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=self.v_proj.bias is not None)
+
+    def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
+        cache = pop_cache(kwargs)
+        # 4.57 passes a per-head mask (None unless the caller gives one; 5.x has none), refused as t5_gqa does.
+        if kwargs.pop("layer_head_mask", None) is not None:
+            raise ValueError("uptrain's encoder–decoder GQA modeling does not support head masks")
+        cross = key_value_states is not None
+        bsz, tgt_len = hidden_states.shape[:-1]
+        contiguous = self.queries_scaled_first
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            x = x.view(bsz, x.shape[1], -1, self.head_dim).transpose(1, 2)
+            return x.contiguous() if contiguous else x
+
+        def project(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return heads(self.k_proj(states)), heads(self.v_proj(states))
+
+        if self.queries_scaled_first:
+            q, scaling = heads(self.q_proj(hidden_states) * self.scaling), 1.0
+        else:
+            q, scaling = heads(self.q_proj(hidden_states)), self.scaling
+        states = key_value_states if cross else hidden_states
+        k, v = encoder_decoder_kv(cache, self.layer_idx, project, states, cross, kwargs)
+        out, weights = attend(
+            self, q, k, v, attention_mask, scaling=scaling, dropout=self.dropout if self.training else 0.0, **kwargs
+        )
+        out = out.reshape(bsz, tgt_len, -1).contiguous()
+        return self.out_proj(out), weights
+
+
+def use_encoder_decoder_attention(model, attention_class, config) -> None:
+    """Replace every attention of `model` (a BART-style model with `encoder.layers` and
+    `decoder.layers`, each with `self_attn`, the decoder's also with `encoder_attn`) by
+    `attention_class` (an EncoderDecoderAttention) of its KV heads."""
+    for i, layer in enumerate(model.encoder.layers):
+        layer.self_attn = attention_class(config, "encoder", i)
+    for i, layer in enumerate(model.decoder.layers):
+        layer.self_attn = attention_class(config, "decoder-self", i)
+        layer.encoder_attn = attention_class(config, "cross", i)
+
+
 class AttentionBackends:
     """Mixin for the GQA model classes: every attention backend transformers offers goes through
     `attend` below (transformers' attention interface), so eager, SDPA, flash, flex and
@@ -299,8 +371,18 @@ def eager_attention_forward(
     if isinstance(attention_mask, torch.Tensor):
         # 4.x builds GPT-J's and BLOOM's masks for the whole cache length: the keys so far only.
         attention_mask = attention_mask[..., : key.shape[-2]]
+    # An encoder's and a cross-attention's queries see every key: with no padding transformers
+    # passes no mask, and only the layer says whether it is causal (as for its own SDPA path).
     out, weights = grouped_query_attention(
-        query, key, value, attention_mask=attention_mask, scale=scaling, alibi=alibi, dropout=dropout, eager=True
+        query,
+        key,
+        value,
+        causal=getattr(module, "is_causal", True),
+        attention_mask=attention_mask,
+        scale=scaling,
+        alibi=alibi,
+        dropout=dropout,
+        eager=True,
     )
     return out.transpose(1, 2).contiguous(), weights
 

@@ -11,8 +11,10 @@ uptrained model with the wrong RoPE base and no error. Training changes only the
   a weight tied to another one (lm_head to the embeddings) is written only where the
   starting checkpoint had it, which is what transformers expects on load;
 - `uptrain.json`: this uptraining, with the starting checkpoint's `uptrain.json` embedded
-  (provenance as a chain), and a model card. Both name local paths portably (a folder or file by
-  its name, a Hugging Face cache snapshot by its Hub id): `final/` is made to be shared.
+  (provenance as a chain), and a model card (an encoder–decoder's with the Hub task its
+  conversion's card names: text2text-generation, translation for Marian, speech recognition
+  for Whisper). Both name local paths portably (a folder or file by its name, a Hugging Face
+  cache snapshot by its Hub id): `final/` is made to be shared.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from uptrain.checkpoint.provenance import PROVENANCE, conversion_record
 from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SourceCheckpoint
 from uptrain.checkpoint.source import local_source, portable
 from uptrain.checkpoint.writer import write_tensors
+from uptrain.convert.layouts import ENCODER_DECODER_LAYOUTS
+from uptrain.convert.plan import ATTENTION_NAMES
+from uptrain.model_info import read_config
 
 # Shards as `uptrain convert` writes them by default.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -212,15 +217,39 @@ def _loss(metrics: dict | None) -> str:
     return f"{metrics['eval/loss']:.4f} (perplexity {metrics.get('eval/perplexity', float('nan')):.1f})"
 
 
+def _encoder_decoder_conversion(conversion: dict) -> str:
+    """What uptrain's conversion did to each attention of an encoder–decoder."""
+    attentions, chosen = conversion["attentions"], conversion["attention"]
+    pooled = "; ".join(
+        f"{ATTENTION_NAMES.get(name, name)} {attentions[name]['source_num_key_value_heads']} → "
+        f"{attentions[name]['num_key_value_heads']} KV heads"
+        for name in chosen
+    )
+    kept = [name for name in attentions if name not in chosen]
+    unchanged = "; " + " and ".join(ATTENTION_NAMES.get(name, name) for name in kept) + " unchanged" if kept else ""
+    return (
+        f"`{portable(str(conversion['source']))}` (an encoder–decoder) converted by uptrain to grouped-query "
+        f"attention ({pooled}{unchanged}; `{conversion['pooling']}` pooling; details in the starting "
+        "checkpoint's record, embedded in `uptrain.json`), then uptrained."
+    )
+
+
 def uptrained_card(record: dict, start: Path) -> str:
     """README.md of `final/`: Hub metadata (the Hub model it derives from, where one is known; the
-    starting checkpoint's licence) and what was done: conversion, then uptraining."""
+    starting checkpoint's licence; an encoder–decoder's Hub task, as `uptrain convert` names it)
+    and what was done: conversion, then uptraining."""
     run = record["uptraining"]
     c = run["config"]
     conversion = conversion_record(record["started_from"]["provenance"])
     start_card = card_metadata(start)
     tags = [conversion["model_type"]] if conversion else []
-    if conversion:
+    # The starting checkpoint's own model_type (t5_gqa, or t5 for a model uptrain did not convert).
+    layout = ENCODER_DECODER_LAYOUTS.get(read_config(start).get("model_type"))
+    if layout is not None:
+        tags.append("encoder-decoder")
+    if conversion and layout is not None and isinstance(conversion.get("attentions"), dict):
+        what = _encoder_decoder_conversion(conversion)
+    elif conversion:
         # portable(): records written before sources were named portably hold the absolute path.
         what = (
             f"`{portable(str(conversion['source']))}` converted by uptrain to "
@@ -246,6 +275,8 @@ def uptrained_card(record: dict, start: Path) -> str:
         else ""
     )
     processes = f"{run['num_processes']} process" + ("es" if run["num_processes"] > 1 else "")
+    # Recorded by runs that train an objective (span corruption, pairs, …); older ones trained causal LM.
+    objective = f"\n- Objective: `{c['objective']}`" if c.get("objective") else ""
     body = f"""# Uptrained grouped-query-attention model (uptrain)
 
 {what}
@@ -253,7 +284,7 @@ def uptrained_card(record: dict, start: Path) -> str:
 ## Uptraining
 
 - Budget: {budget} (global batch {run["global_batch"]} blocks of {c["seq_len"]} tokens, {processes})
-- Data: `{train_data}`; evaluation on `{eval_data}`{distill}
+- Data: `{train_data}`; evaluation on `{eval_data}`{objective}{distill}
 - Optimizer: AdamW, peak lr {c["lr"]}, {c["warmup_steps"]} warmup steps then cosine, seed {c["seed"]}
 - Eval loss before uptraining: {_loss(run["eval_before"])}
 - Eval loss after uptraining: {_loss(run["eval_after"])}
@@ -262,4 +293,5 @@ def uptrained_card(record: dict, start: Path) -> str:
 changed (each tensor in its dtype there). `uptrain.json` records the run's full config and the provenance chain \
 (uptrain {record["uptrain_version"]}).
 """
-    return front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"]) + "\n" + body
+    task = layout.pipeline_tag if layout is not None else "text-generation"
+    return front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"], task) + "\n" + body

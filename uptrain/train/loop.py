@@ -34,7 +34,7 @@ from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
-from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
+from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, load_data_state, save_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
@@ -407,7 +407,10 @@ def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
             )
         train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
     else:
-        train_blocks = StreamedTrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
+        train_blocks = StreamedTrainBlocks(
+            train_data, config.seed, config.batch_size, config.grad_accum, world, rank, config.data_workers or 1
+        )
+        # The head of the whole stream (as every process sees it): the same decision everywhere.
         available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
         if available < global_batch:
             raise UptrainError(
@@ -653,6 +656,7 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
         return plan.out / "final"
     if run.start.checkpoint is not None:
         step = load_checkpoint(acc, run.start.checkpoint)["step"]
+        run.train_blocks.load_state_dict(load_data_state(run.start.checkpoint, acc.process_index))
         run.progress = Progress(
             start_step=step, step=step, tokens_seen=step * plan.tokens_per_step, checkpoint_step=step
         )
@@ -708,6 +712,7 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
                     "train/tokens_seen": progress.tokens_seen,
                     "perf/tokens_per_second": tokens_per_second,
                     "perf/step_time_s": step_time,
+                    "perf/data_wait_s": run.train_blocks.last_wait_s,
                     "perf/peak_memory_bytes": M.peak_memory_bytes(acc.device),
                 }
             )
@@ -741,6 +746,7 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
                     step,
                     {"step": step, "tokens_seen": progress.tokens_seen, "total_steps": plan.total_steps},
                     config.keep_checkpoints,
+                    data_state=run.train_blocks.state_dict(),
                 )
                 progress.checkpoint_step = step
             bar.update(1)

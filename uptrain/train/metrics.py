@@ -3,7 +3,8 @@
 Metric names are fixed (configs, docs and dashboards rely on them):
 train/loss, train/lr, train/grad_norm, train/tokens_seen, eval/loss, eval/perplexity,
 perf/tokens_per_second, perf/step_time_s, perf/mfu, perf/peak_memory_bytes,
-model/num_kv_heads, model/kv_cache_bytes_per_token.
+model/num_kv_heads, model/kv_cache_bytes_per_token, and for encoder–decoders
+model/cross_kv_cache_bytes_per_source_token.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import json
 import math
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from uptrain import UptrainError
+from uptrain.convert.layouts import DECODER_SELF, ENCODER_DECODER_LAYOUTS, attention_stacks, config_geometry
 
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
 # first, so "H100 PCIe" is not read as "H100" and "L40S" not as "L4".
@@ -78,6 +81,126 @@ def train_flops_per_token(num_params: int, num_layers: int, attn_width: int, seq
 def forward_flops_per_token(num_params: int, num_layers: int, attn_width: int, seq_len: int) -> float:
     """Forward-only FLOPs per token (a frozen teacher): a third of the training cost."""
     return train_flops_per_token(num_params, num_layers, attn_width, seq_len) / 3.0
+
+
+# Where an encoder–decoder's encoder parameters live: the task model's (T5, `model.` of BART,
+# Marian, Whisper) and the base model's names.
+ENCODER_PREFIXES = ("encoder.", "model.encoder.")
+
+
+@dataclass(frozen=True)
+class EncoderDecoderCost:
+    """What an encoder–decoder's FLOPs per example depend on: the non-embedding parameters of
+    each stack and the width (query heads × head_dim) of each attention.
+
+    `decoder_params` includes the output projection (it acts on decoder positions only, tied or
+    not) and excludes the cross-attention's K and V projections, `cross_kv_params`, which act on
+    the encoder's outputs. Every lookup table (token and position embeddings, T5's relative
+    attention bias) is left out: a lookup costs no multiply-add.
+    """
+
+    encoder_params: int
+    decoder_params: int
+    cross_kv_params: int
+    encoder_layers: int
+    encoder_width: int
+    decoder_layers: int
+    decoder_width: int
+    cross_width: int
+
+    def train_flops(self, source_len: int, target_len: int) -> float:
+        """Forward + backward FLOPs of one example: `source_len` (S) encoder positions, `target_len`
+        (T) decoder positions. With N_e, N_d, N_x the three parameter counts, L_e, L_d the layers
+        and W_e, W_d, W_x the widths of the encoder, decoder self- and cross-attention:
+
+            S · (6·(N_e + N_x) + 12·L_e·W_e·S)  +  T · (6·N_d + 6·L_d·W_d·T + 12·L_d·W_x·S)
+
+        Derivation, as `train_flops_per_token` counts a decoder (2 FLOPs per multiply-add, the
+        backward pass twice the forward, so 6 per parameter per position it acts on):
+        - the encoder's matmuls act on each of the S positions: 6·N_e·S; the cross-attention's K
+          and V projections act on the encoder's S outputs, once per example, not per decoder
+          position: 6·N_x·S;
+        - encoder self-attention is bidirectional: each of the S queries scores all S keys and
+          mixes their values, 2·2·W_e·S FLOPs forward per layer, 12·L_e·W_e·S trained;
+        - the rest of the decoder acts on each of the T positions: 6·N_d·T;
+        - decoder self-attention is causal: T/2 keys per query on average, 6·L_d·W_d·T per
+          position (what causal kernels compute; see `train_flops_per_token`);
+        - cross-attention has no mask: each of the T queries reads all S encoder positions,
+          12·L_d·W_x·S per position.
+        GQA changes only N (fewer K/V rows); the attention terms count query heads.
+        """
+        s, t = source_len, target_len
+        encoder = s * (
+            6.0 * (self.encoder_params + self.cross_kv_params) + 12.0 * self.encoder_layers * self.encoder_width * s
+        )
+        decoder = t * (
+            6.0 * self.decoder_params
+            + 6.0 * self.decoder_layers * self.decoder_width * t
+            + 12.0 * self.decoder_layers * self.cross_width * s
+        )
+        return encoder + decoder
+
+    def forward_flops(self, source_len: int, target_len: int) -> float:
+        """Forward-only FLOPs of one example (a frozen teacher): a third of `train_flops`."""
+        return self.train_flops(source_len, target_len) / 3.0
+
+
+def encoder_decoder_cost(model: torch.nn.Module, model_config: dict) -> EncoderDecoderCost:
+    """The parameter counts of `model` (counted before accelerate wraps or shards it) and the
+    attention widths of its config.json, `model_config` (any model_type of
+    `ENCODER_DECODER_LAYOUTS`: t5, mt5, bart, mbart, marian, whisper and their `_gqa`)."""
+    model_type = model_config.get("model_type")
+    if model_type not in ENCODER_DECODER_LAYOUTS:
+        raise UptrainError(f"model_type {model_type!r} is not an encoder–decoder uptrain knows")
+    stacks = attention_stacks(model_config, ENCODER_DECODER_LAYOUTS[model_type])
+    cross = stacks["cross"]
+    cross_kv = tuple(
+        f"{prefix.format(layer=i)}.{module}."
+        for prefix in (cross.layout.attn_prefix, *cross.layout.attn_prefix_alternatives)
+        for i in range(cross.geometry.num_layers)
+        for module in cross.layout.kv_modules
+    )
+    lookups = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    output = model.get_output_embeddings()
+    counts = {"encoder": 0, "decoder": 0, "cross_kv": 0}
+    for name, param in model.named_parameters():  # each shared tensor once, under its first name
+        if id(param) in lookups and not (output is not None and param is output.weight):
+            continue
+        part = (
+            "encoder" if name.startswith(ENCODER_PREFIXES) else "cross_kv" if name.startswith(cross_kv) else "decoder"
+        )
+        counts[part] += param.numel()
+
+    def width(name: str) -> int:
+        return stacks[name].geometry.num_heads * stacks[name].geometry.head_dim
+
+    return EncoderDecoderCost(
+        encoder_params=counts["encoder"],
+        decoder_params=counts["decoder"],
+        cross_kv_params=counts["cross_kv"],
+        encoder_layers=stacks["encoder"].geometry.num_layers,
+        encoder_width=width("encoder"),
+        decoder_layers=stacks[DECODER_SELF].geometry.num_layers,
+        decoder_width=width(DECODER_SELF),
+        cross_width=width("cross"),
+    )
+
+
+def kv_cache_metrics(model_config: dict, dtype_bytes: int) -> dict[str, int]:
+    """The KV cache of generation, in bytes, from config.json: `model/kv_cache_bytes_per_token`,
+    K and V of every layer for each generated token (a decoder-only model's only cache; an
+    encoder–decoder's decoder self-attention), and for an encoder–decoder
+    `model/cross_kv_cache_bytes_per_source_token`: the cross-attention's K and V of every decoder
+    layer for each encoder position, computed once per input and held while generating. A batch
+    generating T tokens from S source positions holds T·(first) + S·(second) bytes per input."""
+    model_type = model_config.get("model_type")
+    if model_type not in ENCODER_DECODER_LAYOUTS:
+        return {"model/kv_cache_bytes_per_token": config_geometry(model_config).kv_cache_bytes_per_token(dtype_bytes)}
+    stacks = attention_stacks(model_config, ENCODER_DECODER_LAYOUTS[model_type])
+    return {
+        "model/kv_cache_bytes_per_token": stacks[DECODER_SELF].geometry.kv_cache_bytes_per_token(dtype_bytes),
+        "model/cross_kv_cache_bytes_per_source_token": stacks["cross"].geometry.kv_cache_bytes_per_token(dtype_bytes),
+    }
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float, num_processes: int) -> float:

@@ -3,9 +3,10 @@
 `ensure_wandb_never_prompts` runs before anything is written: without credentials it switches
 wandb offline, and with `WANDB_MODE=online` but no key it refuses in one line. `run_config`
 is what the run's wandb config records: the training config, the conversion actually done to
-the model (read from its `uptrain.json`, not the training config's conversion defaults), the
-number of processes, the global batch and the uptrain version. `start_trackers` starts the
-trackers and makes tokens seen the x-axis of every curve.
+the model (read from its `uptrain.json`, not the training config's conversion defaults; for an
+encoder–decoder each attention's KV heads and groups too), the number of processes, the global
+batch and the uptrain version. `start_trackers` starts the trackers and makes tokens seen the
+x-axis of every curve.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ CONVERSION_FIELDS = (
     "calibration",
     "uptrain_version",
 )
+# An encoder–decoder's conversion also records which attentions were pooled (`attention`) and
+# each attention's heads and groups (`attentions`; the top-level fields above are its decoder
+# self-attention's). A decoder-only record has neither and logs CONVERSION_FIELDS alone.
+ATTENTION_FIELDS = (
+    "num_layers",
+    "num_attention_heads",
+    "head_dim",
+    "source_num_key_value_heads",
+    "num_key_value_heads",
+    "kv_groups",
+)
 
 
 def _wandb_has_credentials() -> bool:
@@ -68,6 +80,25 @@ def ensure_wandb_never_prompts() -> str | None:
     return "wandb: no credentials configured, logging offline (sync later with `wandb sync`)"
 
 
+def conversion_fields(conversion: dict) -> dict:
+    """The conversion as the run config logs it: CONVERSION_FIELDS, and for an encoder–decoder
+    the attentions pooled and, per attention (encoder, decoder-self, cross), ATTENTION_FIELDS, so
+    that runs can be filtered by e.g. `conversion.attentions.cross.num_key_value_heads`."""
+    values = {k: conversion.get(k) for k in CONVERSION_FIELDS}
+    attentions = conversion.get("attentions")
+    if "attention" in conversion or isinstance(attentions, dict):
+        values["attention"] = conversion.get("attention")
+        values["attentions"] = (
+            {
+                name: {k: a.get(k) for k in ATTENTION_FIELDS} if isinstance(a, dict) else None
+                for name, a in attentions.items()
+            }
+            if isinstance(attentions, dict)
+            else None
+        )
+    return values
+
+
 def run_config(config, model_path: str | Path, num_kv_heads: int, num_processes: int, global_batch: int) -> dict:
     """The wandb config of a run. `pooling`, `grouping` and `num_kv_heads` are those of the model
     trained (from its provenance; `pooling: null` for a model uptrain did not convert), so that
@@ -79,7 +110,7 @@ def run_config(config, model_path: str | Path, num_kv_heads: int, num_processes:
             "pooling": conversion["pooling"] if conversion else None,
             "grouping": conversion.get("grouping", "contiguous") if conversion else None,
             "num_kv_heads": num_kv_heads,
-            "conversion": {k: conversion.get(k) for k in CONVERSION_FIELDS} if conversion else None,
+            "conversion": conversion_fields(conversion) if conversion else None,
             "model_path": str(model_path),
             "num_processes": num_processes,
             "global_batch": global_batch,

@@ -6,8 +6,9 @@
 The GQA paper's own setting is T5 (encoder–decoder, GQA in the decoder's self- and cross-attention),
 so `uptrain demo --reference t5` needs a T5 that uptrain trained itself, whose pretraining budget is
 known exactly. This one is T5 v1.1-shaped (gated-GELU feed-forward, unscaled head, no dropout
-while pretraining, relative position buckets; transformers 5 ties the head to the embedding), MHA with 8 heads so that G can be 8, 4, 2 or 1, and
-small enough to pretrain in minutes on two CPU cores. It learns T5's objective, span corruption
+while pretraining, relative position buckets; transformers 5 ties the head to the embedding),
+MHA with 8 heads so that G can be 8, 4, 2 or 1, and small enough to pretrain in minutes on two
+CPU cores. It learns T5's objective, span corruption
 (`uptrain.objectives.span_corruption`: 15 % of each block dropped in spans of mean length 3, each span
 replaced by a sentinel `<extra_id_N>`, the targets are the sentinels and the dropped spans), on the
 train split of the shipped corpus, tokenized with the shipped tokenizer plus 100 sentinel tokens

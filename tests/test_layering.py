@@ -23,8 +23,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info", "uptrain.modeling_table")),
     # Safetensors reading and writing, atomic folders and locks, sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
-    # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus.
-    ("data", ("uptrain.budgets", "uptrain.textdata", "uptrain.corpus")),
+    # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,
+    # the encoder–decoder objectives (span corruption, text infilling) on those blocks.
+    ("data", ("uptrain.budgets", "uptrain.textdata", "uptrain.corpus", "uptrain.objectives")),
     # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM; importing it registers them with transformers.
     ("modeling", ("uptrain.modeling.*",)),
     ("convert", ("uptrain.convert.*",)),

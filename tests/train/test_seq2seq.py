@@ -179,6 +179,7 @@ def s2s(tmp_path_factory) -> dict[str, Path]:
         "t5-dropout": build_model("t5", root / "t5-dropout", t5_tok, dropout=0.1),
         "bart": build_model("bart", root / "bart", bart_tok),
         "marian": build_model("marian", root / "marian", bart_tok),
+        "marian-teacher": build_model("marian", root / "marian-teacher", bart_tok, seed=1),
         "whisper": build_model("whisper", root / "whisper", bart_tok),
     }
 
@@ -371,12 +372,30 @@ def test_distillation_of_an_encoder_decoder(s2s, tmp_path):
     assert step1["train/loss"] == pytest.approx(0.75 * step1["train/ce_loss"] + 0.25 * step1["train/distill_kl"])
 
 
-def test_distillation_skips_padded_labels(s2s, tmp_path):
-    # Marian pairs are padded: distilling from itself is zero KL only if the padding is left out
-    # of neither side's sums (and it is finite).
-    config = TrainConfig(**run_config(s2s, "marian", tmp_path, teacher=str(s2s["marian"]), max_steps=1))
+def test_distillation_scores_labels_not_padding(s2s, tmp_path):
+    """Marian pairs are padded: the KL of step 1 is the mean over the label tokens, recomputed here."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from uptrain.model_info import read_config
+
+    config = TrainConfig(**run_config(s2s, "marian", tmp_path, teacher=str(s2s["marian-teacher"]), max_steps=1))
     run_training(config)
-    assert records(config.output_dir)[1]["train/distill_kl"] == pytest.approx(0.0, abs=1e-5)
+    step1 = records(config.output_dir)[1]
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    examples = load_pairs(
+        config.train_data, "train_data", "pairs", tokenizer, config.model, read_config(config.model), 32, 32
+    )
+    batch = TrainBlocks(examples, 0, 4, 1, 1).micro_batches(0, 0)[0]
+    scored = batch["labels"] != -100
+    assert not scored.all()  # the batch is padded
+    student, teacher = (AutoModelForSeq2SeqLM.from_pretrained(p) for p in (config.model, config.teacher))
+    with torch.no_grad():
+        s, t = (F.log_softmax(m(**batch).logits, dim=-1) for m in (student, teacher))
+        kl = (t.exp() * (t - s)).sum(dim=-1)[scored].mean().item()
+        ce = student(**batch).loss.item()
+    assert step1["train/distill_kl"] == pytest.approx(kl, rel=1e-4)
+    assert step1["train/ce_loss"] == pytest.approx(ce, rel=1e-5)
 
 
 def refuses(config: dict, message: str) -> None:

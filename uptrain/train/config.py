@@ -99,10 +99,10 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
     )
     objective: Objective | None = Field(
         None,
-        description="what the model learns: causal (next token; decoder-only models), span_corruption (T5), "
-        "text_infilling (BART), pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); "
-        "default: causal for decoder-only models, else the family's (t5 span_corruption, bart/mbart "
-        "text_infilling, marian pairs, whisper speech_pairs)",
+        description="what the model learns: causal (next token), span_corruption (T5), text_infilling (BART), "
+        "pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); default: causal for models "
+        "without an encoder, else the family's (t5 span_corruption, bart/mbart text_infilling, marian pairs, "
+        "whisper speech_pairs)",
     )
     target_len: int | None = Field(
         None, ge=1, description="most target tokens of a pairs/speech_pairs example (longer are cut); default: seq_len"

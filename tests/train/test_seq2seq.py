@@ -462,3 +462,28 @@ def test_refuses_bad_audio(s2s, tmp_path):
     refuses({**whisper, "eval_data": str(data)}, "`audio` must be a wav path or a non-empty array of numbers")
     data = write_jsonl(tmp_path / "speech.jsonl", [{"audio": "audio/low.wav"}])
     refuses({**whisper, "eval_data": str(data)}, "no `text` field")
+
+
+def test_flops_per_token_match_a_count_of_the_model(s2s):
+    """perf/mfu's FLOPs for T5 (whose parameters are all matmul weights but its norms) against
+    torch's count of one forward + backward. The count's eager attention computes the decoder's
+    causal scores in full, which the formula (as causal kernels) halves: added back here."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForSeq2SeqLM
+
+    from uptrain.model_info import read_config
+    from uptrain.objectives import span_corruption_lengths
+    from uptrain.train.seq2seq import stack_geometry, train_flops_per_token
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(s2s["t5"], attn_implementation="eager")
+    config = read_config(s2s["t5"])
+    seq_len = 32
+    target_len = span_corruption_lengths(seq_len)[1]
+    inputs, labels = torch.randint(5, 50, (2, seq_len)), torch.randint(5, 50, (2, target_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=inputs, labels=labels).loss.backward()
+    counted = counter.get_total_flops() / (2 * seq_len)
+    dec = stack_geometry(config, "decoder")
+    full_causal = 6 * dec.num_layers * dec.num_heads * dec.head_dim * target_len**2 / seq_len
+    formula = train_flops_per_token(model, config, "span_corruption", seq_len, seq_len)
+    assert formula + full_causal == pytest.approx(counted, rel=0.02)

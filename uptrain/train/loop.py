@@ -51,6 +51,7 @@ from uptrain.train.seq2seq import (
     resolve_objective,
     target_counts,
 )
+from uptrain.train.seq2seq import train_flops_per_token as seq2seq_flops
 from uptrain.train.tracking import ensure_wandb_never_prompts, run_config, start_trackers
 
 ETA_AFTER_STEPS = 3  # the first steps include warm-up costs; estimate from a few more
@@ -254,7 +255,7 @@ def setup(config: TrainConfig) -> Run:
         model_path, model_config = str(conversion.folder), read_config(conversion.folder)  # the converted KV heads
 
     model, optimizer, teacher, flops = _build_models(
-        config, accelerator, model_path, model_config, teacher_path, teacher_config
+        config, accelerator, model_path, model_config, teacher_path, teacher_config, objective
     )
     plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes, objective.name)
     return Run(
@@ -323,6 +324,7 @@ def _build_models(
     model_config: dict,
     teacher_path: str | None,
     teacher_config: dict | None,
+    objective: Objective,
 ):
     """The student, its optimizer and the teacher, prepared by accelerate; and the training FLOPs
     per token of the pair. Returns (model, optimizer, teacher or None, flops per token)."""
@@ -335,9 +337,7 @@ def _build_models(
     model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    geometry = _geometry(model_config)
-    params = M.non_embedding_params(model)  # counted before accelerate wraps or shards the parameters
-    flops = M.train_flops_per_token(params, geometry.num_layers, geometry.num_heads * geometry.head_dim, config.seq_len)
+    flops = _flops_per_token(config, model, model_config, objective)
     teacher = None
     if config.teacher is not None:
         # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
@@ -345,10 +345,7 @@ def _build_models(
             teacher_path, "teacher", teacher_dtype(accelerator), auto_class=auto_class_name(teacher_config)
         )
         teacher = teacher.requires_grad_(False).eval()
-        t_geo = _geometry(teacher_config)
-        flops += M.forward_flops_per_token(
-            M.non_embedding_params(teacher), t_geo.num_layers, t_geo.num_heads * t_geo.head_dim, config.seq_len
-        )
+        flops += _flops_per_token(config, teacher, teacher_config, objective) / 3  # forward only
     optimizer = torch.optim.AdamW(
         _param_groups(model, config.weight_decay),
         lr=config.lr,
@@ -361,6 +358,15 @@ def _build_models(
         # Under FSDP2 it is sharded like the student rather than copied whole to every GPU.
         teacher = place_teacher(accelerator, teacher)
     return model, optimizer, teacher, flops
+
+
+def _flops_per_token(config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: Objective) -> float:
+    """Forward + backward FLOPs per counted token; counted before accelerate wraps or shards the parameters."""
+    if objective.name != "causal":
+        return seq2seq_flops(model, model_config, objective.name, config.seq_len, config.target_len or config.seq_len)
+    geometry = config_geometry(model_config)
+    width = geometry.num_heads * geometry.head_dim
+    return M.train_flops_per_token(M.non_embedding_params(model), geometry.num_layers, width, config.seq_len)
 
 
 def _fill_known_budget(config: TrainConfig) -> None:

@@ -21,6 +21,7 @@ from uptrain import UptrainError
 from uptrain.model_info import AttentionGeometry
 from uptrain.modeling_table import modeling_for
 from uptrain.objectives import IGNORE_INDEX, sentinel_ids_for, span_corruption, span_corruption_lengths, text_infilling
+from uptrain.train.metrics import non_embedding_params
 
 OBJECTIVES = ("causal", "span_corruption", "text_infilling", "pairs", "speech_pairs")
 BLOCK_OBJECTIVES = ("causal", "span_corruption", "text_infilling")  # read packed text blocks
@@ -83,9 +84,10 @@ def auto_class_name(model_config: dict) -> str:
     return "AutoModelForCausalLM"
 
 
-def decoder_geometry(model_config: dict) -> AttentionGeometry:
-    """The decoder self-attention of an encoder–decoder config, whose KV heads the KV cache of
-    generation holds: layers, query and KV heads, head_dim, d_model (DOMAIN.md §10 keys)."""
+def stack_geometry(model_config: dict, stack: str) -> AttentionGeometry:
+    """The self-attention of an encoder–decoder's `stack` ("encoder" or "decoder"): layers, query
+    and KV heads, head_dim, d_model (DOMAIN.md §10 keys). The decoder's KV heads are those the KV
+    cache of generation holds."""
     model_type = model_config.get("model_type", "?")
 
     def count(*keys: str) -> int:
@@ -96,12 +98,49 @@ def decoder_geometry(model_config: dict) -> AttentionGeometry:
 
     d_model = count("d_model")
     if "num_heads" in model_config:  # T5: d_kv is independent of d_model
-        heads, layers, head_dim = count("num_heads"), count("num_decoder_layers", "num_layers"), count("d_kv")
+        layers = count("num_layers") if stack == "encoder" else count("num_decoder_layers", "num_layers")
+        heads, head_dim = count("num_heads"), count("d_kv")
     else:
-        heads, layers = count("decoder_attention_heads"), count("decoder_layers")
+        heads, layers = count(f"{stack}_attention_heads"), count(f"{stack}_layers")
         head_dim = d_model // heads
-    kv = count("decoder_num_key_value_heads", "num_key_value_heads", "decoder_attention_heads", "num_heads")
+    # Each attention's KV heads default to its query heads (MHA); num_key_value_heads mirrors the decoder's.
+    kv_keys = [f"{stack}_num_key_value_heads"] + (["num_key_value_heads"] if stack == "decoder" else [])
+    kv = count(*kv_keys) if any(model_config.get(k) is not None for k in kv_keys) else heads
     return AttentionGeometry(model_type, layers, heads, kv, head_dim, d_model)
+
+
+def decoder_geometry(model_config: dict) -> AttentionGeometry:
+    return stack_geometry(model_config, "decoder")
+
+
+def train_flops_per_token(model, model_config: dict, objective: str, seq_len: int, target_len: int) -> float:
+    """Forward + backward FLOPs of an encoder–decoder per counted token (seq_len per example).
+
+    Per example, the encoder's parameters act on its S positions and the decoder's (with the
+    output projection) on the T labels, except the cross-attention's K and V projections, which
+    act on the encoder's S outputs: 6·(N_enc·S + N_cross_kv·S + (N_dec − N_cross_kv)·T), as
+    `metrics.train_flops_per_token` counts parameters. Attention: the encoder's is bidirectional,
+    12·L·W·S per position; the decoder's self-attention is causal, 6·L·W·T per label (what causal
+    kernels compute), and its cross-attention reads all S, 12·L·W·S. S is seq_len (Whisper: its
+    encoder positions); T the target length of the objective.
+    """
+    embed = model.get_input_embeddings().weight
+    encoder = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p is not embed and (name.startswith("encoder.") or name.startswith("model.encoder."))
+    )
+    decoder = non_embedding_params(model) - encoder
+    enc, dec = stack_geometry(model_config, "encoder"), stack_geometry(model_config, "decoder")
+    s = model_config.get("max_source_positions") if objective == "speech_pairs" else seq_len
+    t = {"span_corruption": span_corruption_lengths(seq_len)[1], "text_infilling": seq_len}.get(objective, target_len)
+    enc_width, dec_width = enc.num_heads * enc.head_dim, dec.num_heads * dec.head_dim
+    cross_kv_heads = model_config.get("cross_attention_num_key_value_heads") or dec.num_heads
+    cross_kv = 2 * dec.num_layers * dec.hidden_size * cross_kv_heads * dec.head_dim
+    per_example = s * (6.0 * (encoder + cross_kv) + 12.0 * enc.num_layers * enc_width * s) + t * (
+        6.0 * (decoder - cross_kv) + 6.0 * dec.num_layers * dec_width * t + 12.0 * dec.num_layers * dec_width * s
+    )
+    return per_example / seq_len
 
 
 def block_length(objective: str, seq_len: int) -> int:

@@ -282,6 +282,7 @@ def test_trains_with_the_family_objective(s2s, tmp_path, capsys, kind, objective
     # …and the saved weights give the last evaluation.
     assert recs[-1]["eval/loss"] == pytest.approx(models_own_loss(str(final), eval_set_here(config, objective)), 1e-5)
     assert recs[0]["model/num_kv_heads"] == 4
+    assert json.loads((final / "uptrain.json").read_text())["uptraining"]["config"]["objective"] == objective
     assert recs[0]["model/kv_cache_bytes_per_token"] == 2 * 2 * 4 * 8 * 4  # K,V × decoder layers × heads × d × fp32
 
 

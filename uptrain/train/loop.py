@@ -700,7 +700,8 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
         step0 = next((r for r in M.read_metrics(plan.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r), {})
         record = uptraining_record(
             Path(plan.model_path),
-            plan.config.model_dump(mode="json"),
+            # The objective actually trained, where the config left it to the model's family.
+            {**plan.config.model_dump(mode="json"), "objective": plan.objective},
             steps=plan.total_steps,
             tokens=plan.total_steps * plan.tokens_per_step,
             num_processes=acc.num_processes,

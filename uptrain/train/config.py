@@ -107,7 +107,9 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
     target_len: int | None = Field(
         None, ge=1, description="most target tokens of a pairs/speech_pairs example (longer are cut); default: seq_len"
     )
-    eval_blocks: int = Field(64, ge=1, description="most `seq_len` blocks of `eval_data` used for evaluation")
+    eval_blocks: int = Field(
+        64, ge=1, description="most `seq_len` blocks (pairs: examples) of `eval_data` used for evaluation"
+    )
     data_workers: int | None = Field(None, ge=1, description="processes that tokenize local data (default: 1)")
 
     # Shape of a step.

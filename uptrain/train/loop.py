@@ -411,7 +411,7 @@ def _objective(
         resolve_objective(name, teacher_config, f"teacher {config.teacher}")
     if config.target_len is not None and name not in PAIR_OBJECTIVES:
         raise UptrainError(f"`target_len` applies to objective pairs and speech_pairs, not {name}")
-    return objective_for(name, config.seed, tokenizer, model_config, model_path)
+    return objective_for(name, config.seed, tokenizer, model_config, model_path, config.seq_len)
 
 
 def _load_pair_data(config: TrainConfig, accelerator, tokenizer, global_batch, objective, model_path, model_config):

@@ -145,6 +145,8 @@ def train_flops_per_token(model, model_config: dict, objective: str, seq_len: in
 
 def block_length(objective: str, seq_len: int) -> int:
     """Raw tokens per packed block that give the model `seq_len` input tokens."""
+    if objective in ("span_corruption", "text_infilling") and seq_len < 4:
+        raise UptrainError(f"objective {objective} needs seq_len of at least 4 tokens, got {seq_len}")
     if objective == "span_corruption":
         return span_corruption_lengths(seq_len)[0]
     if objective == "text_infilling":
@@ -230,22 +232,27 @@ def _need(value: int | None, what: str, objective: str, model_label: str) -> int
     return value
 
 
-def objective_for(name: str, seed: int, tokenizer, model_config: dict, model_label: str) -> Objective:
+def objective_for(
+    name: str, seed: int, tokenizer, model_config: dict, model_label: str, seq_len: int | None = None
+) -> Objective:
     """The objective `name` with the special tokens it takes from `tokenizer`; refuses, in one
-    line, a tokenizer or config that lacks what it needs."""
+    line, a tokenizer or config that lacks what it needs (for `seq_len`: enough sentinels)."""
     if name != "causal" and model_config.get("decoder_start_token_id") is None:
         raise UptrainError(
             f"{model_label} has no decoder_start_token_id in config.json: the model cannot build its decoder "
             "inputs from the labels"
         )
     if name == "span_corruption":
-        return Objective(
+        objective = Objective(
             name,
             seed,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
             sentinel_ids=tuple(sentinel_ids_for(tokenizer)),
         )
+        if seq_len is not None:  # one block now: too few sentinels is refused before the data is read
+            objective.eval_batch(torch.zeros((1, block_length(name, seq_len)), dtype=torch.long))
+        return objective
     if name == "text_infilling":
         return Objective(
             name,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
+from uptrain.token_shards import is_token_folder, open_token_folder
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # datasets decompresses these on the fly: `train.jsonl.gz` reads as jsonl.
@@ -184,6 +185,9 @@ def load_blocks(
     workers: int | None,
 ):
     """Load and pack one data key. Returns (TokenBlocks or a streamed `IterableDataset`, source)."""
+    if is_token_folder(spec):  # `uptrain tokenize` wrote it: memory-mapped blocks, nothing to tokenize
+        shards = open_token_folder(spec, key, tokenizer, seq_len)
+        return TokenBlocks(shards), DataSource(str(spec), "tokens", tuple(str(s.path) for s in shards.shards))
     source = resolve_data(spec, key)
     stream = (not source.is_local) if streaming is None else streaming
     ds = _load(source, split, dataset_config, sample_by, stream)

@@ -473,9 +473,10 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForSeq2SeqLM
 
+    from uptrain.convert.layouts import config_geometry
     from uptrain.model_info import read_config
     from uptrain.objectives import span_corruption_lengths
-    from uptrain.train.seq2seq import stack_geometry, train_flops_per_token
+    from uptrain.train.seq2seq import train_flops_per_token
 
     model = AutoModelForSeq2SeqLM.from_pretrained(s2s["t5"], attn_implementation="eager")
     config = read_config(s2s["t5"])
@@ -485,7 +486,7 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     with FlopCounterMode(display=False) as counter:
         model(input_ids=inputs, labels=labels).loss.backward()
     counted = counter.get_total_flops() / (2 * seq_len)
-    dec = stack_geometry(config, "decoder")
+    dec = config_geometry(config)  # the decoder self-attention's
     full_causal = 6 * dec.num_layers * dec.num_heads * dec.head_dim * target_len**2 / seq_len
     formula = train_flops_per_token(model, config, "span_corruption", seq_len, seq_len)
     assert formula + full_causal == pytest.approx(counted, rel=0.02)
@@ -503,3 +504,18 @@ def test_span_corruption_on_streamed_data_matches_tokenized(s2s, tmp_path):
     a, b = records(tokenized.output_dir), records(streamed.output_dir)
     assert b[0]["eval/loss"] == pytest.approx(a[0]["eval/loss"], rel=1e-6)
     assert all(math.isfinite(r["train/loss"]) for r in b[1:])
+
+
+def test_convert_a_t5_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys):
+    """`source` + `num_kv_heads`: the T5 is converted to t5_gqa (decoder self- and cross-attention
+    at 2 KV heads), loaded through uptrain's registration, and trained on span corruption."""
+    values = run_config(s2s, "t5", tmp_path, max_steps=2, save_every=10)
+    del values["model"]
+    config = TrainConfig(**values, source=str(s2s["t5"]), num_kv_heads=2)
+    final = run_training(config)
+    assert "objective        span_corruption" in capsys.readouterr().out
+    recs = records(config.output_dir)
+    assert recs[0]["model/num_kv_heads"] == 2
+    assert recs[0]["model/kv_cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # K,V × decoder layers × 2 × d × fp32
+    assert all(math.isfinite(r["train/loss"]) for r in recs[1:])
+    assert json.loads((final / "config.json").read_text())["model_type"] == "t5_gqa"

@@ -167,6 +167,11 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
         "that support it and no on CPU",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass to save memory")
+    document_mask: bool = Field(
+        False,
+        description="packed documents do not see each other: positions restart after each EOS and attention "
+        "stays inside each document (a block-diagonal mask; varlen kernels from positions with flash attention)",
+    )
     peak_flops: float | None = Field(
         None,
         gt=0,

@@ -39,6 +39,7 @@ from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoi
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
+from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.pairs import load_pairs, pair_eval_batches
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
 from uptrain.train.seq2seq import (
@@ -46,7 +47,6 @@ from uptrain.train.seq2seq import (
     Objective,
     auto_class_name,
     block_length,
-    decoder_geometry,
     objective_for,
     resolve_objective,
     target_counts,
@@ -171,6 +171,7 @@ class Run:
     objective: Objective
     log: M.MetricsLog | None  # main process only
     progress: Progress = field(default_factory=Progress)
+    packing: DocumentPacking | None = None  # document_mask: the forward's inputs that keep documents apart
 
 
 class SourceConversion:
@@ -269,6 +270,9 @@ def setup(config: TrainConfig) -> Run:
         eval_set=eval_set,
         objective=objective,
         log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None,
+        packing=DocumentPacking.for_model(accelerator.unwrap_model(model), tokenizer.eos_token_id)
+        if config.document_mask
+        else None,
     )
 
 
@@ -284,7 +288,7 @@ def _make_plan(
     objective: str,
 ) -> Plan:
     world = accelerator.num_processes
-    geometry = _geometry(model_config)
+    geometry = config_geometry(model_config)
     source_dtype = config_dtype(model_config)
     local_eval_blocks = torch.tensor(sum(int(c.sum()) for _, c in eval_set), device=accelerator.device)
     return Plan(
@@ -385,6 +389,8 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
             f"(max_position_embeddings of {model_path})"
         )
     tokenizer = _load_tokenizer(model_path, "model")
+    if config.document_mask:
+        check_document_mask(model_config, config.seq_len, model_path)
     teacher_config = None
     if teacher_path is not None:
         teacher_config = read_config(teacher_path)
@@ -397,11 +403,6 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
     return tokenizer, model_config, teacher_config
 
 
-def _geometry(model_config: dict):
-    """The attention whose KV heads generation caches: the decoder's self-attention for encoder–decoders."""
-    return decoder_geometry(model_config) if model_config.get("is_encoder_decoder") else config_geometry(model_config)
-
-
 def _objective(
     config: TrainConfig, model_path: str, tokenizer, model_config: dict, teacher_config: dict | None
 ) -> Objective:
@@ -411,6 +412,8 @@ def _objective(
         resolve_objective(name, teacher_config, f"teacher {config.teacher}")
     if config.target_len is not None and name not in PAIR_OBJECTIVES:
         raise UptrainError(f"`target_len` applies to objective pairs and speech_pairs, not {name}")
+    if config.document_mask and name != "causal":
+        raise UptrainError(f"document_mask applies to objective causal (packed documents), not {name}")
     return objective_for(name, config.seed, tokenizer, model_config, model_path, config.seq_len)
 
 
@@ -523,13 +526,16 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _logits_and_labels(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+def _logits_and_labels(model: torch.nn.Module, batch: dict[str, torch.Tensor], packing: DocumentPacking | None):
     """A batch's logits and the labels they are scored on. Causal: each position predicts the
-    next token. Seq2seq: the decoder's logits for `labels`, which the model shifts right into its
-    decoder inputs itself (-100 marks padding, skipped by the loss)."""
+    next token (under document_mask, within its document). Seq2seq: the decoder's logits for
+    `labels`, which the model shifts right into its decoder inputs itself (-100 marks padding,
+    skipped by the loss)."""
     if "labels" not in batch:
         input_ids = batch["input_ids"]
-        return model(input_ids=input_ids, use_cache=False).logits[:, :-1].float(), input_ids[:, 1:]
+        inputs = packing.inputs(input_ids) if packing is not None else {"input_ids": input_ids}
+        logits = model(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
+        return logits, input_ids[:, 1:]
     return model(**batch, use_cache=False).logits.float(), batch["labels"]
 
 
@@ -538,7 +544,7 @@ def _token_loss_sums(
 ) -> dict[str, torch.Tensor]:
     """Summed (not averaged) losses of a batch's target tokens, so that the caller can divide by
     the number of target tokens of the whole step across micro-batches and processes."""
-    logits, labels = _logits_and_labels(run.model, batch)
+    logits, labels = _logits_and_labels(run.model, batch, run.packing)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     ce = ce.view(labels.shape).sum(dim=1)
     if row_weight is not None:
@@ -548,7 +554,7 @@ def _token_loss_sums(
         config = run.plan.config
         t = config.distill_temperature
         with torch.no_grad(), run.accelerator.autocast():
-            teacher_logits = _logits_and_labels(run.teacher, batch)[0]
+            teacher_logits = _logits_and_labels(run.teacher, batch, run.packing)[0]
         # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
         # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
         student_lp, teacher_lp = F.log_softmax(logits / t, dim=-1), F.log_softmax(teacher_logits / t, dim=-1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from uptrain import UptrainError
+from uptrain.convert.layouts import ENCODER_DECODER_LAYOUTS, attention_stacks
 from uptrain.model_info import AttentionGeometry
 from uptrain.modeling_table import modeling_for
 from uptrain.objectives import IGNORE_INDEX, sentinel_ids_for, span_corruption, span_corruption_lengths, text_infilling
@@ -84,33 +85,16 @@ def auto_class_name(model_config: dict) -> str:
     return "AutoModelForCausalLM"
 
 
-def stack_geometry(model_config: dict, stack: str) -> AttentionGeometry:
-    """The self-attention of an encoder–decoder's `stack` ("encoder" or "decoder"): layers, query
-    and KV heads, head_dim, d_model (DOMAIN.md §10 keys). The decoder's KV heads are those the KV
-    cache of generation holds."""
-    model_type = model_config.get("model_type", "?")
-
-    def count(*keys: str) -> int:
-        value = next((model_config[k] for k in keys if model_config.get(k) is not None), None)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UptrainError(f"config ({model_type}): {keys[0]} is {value!r}; it must be a whole number ≥ 1")
-        return value
-
-    d_model = count("d_model")
-    if "num_heads" in model_config:  # T5: d_kv is independent of d_model
-        layers = count("num_layers") if stack == "encoder" else count("num_decoder_layers", "num_layers")
-        heads, head_dim = count("num_heads"), count("d_kv")
-    else:
-        heads, layers = count(f"{stack}_attention_heads"), count(f"{stack}_layers")
-        head_dim = d_model // heads
-    # Each attention's KV heads default to its query heads (MHA); num_key_value_heads mirrors the decoder's.
-    kv_keys = [f"{stack}_num_key_value_heads"] + (["num_key_value_heads"] if stack == "decoder" else [])
-    kv = count(*kv_keys) if any(model_config.get(k) is not None for k in kv_keys) else heads
-    return AttentionGeometry(model_type, layers, heads, kv, head_dim, d_model)
-
-
-def decoder_geometry(model_config: dict) -> AttentionGeometry:
-    return stack_geometry(model_config, "decoder")
+def attention_geometries(model_config: dict) -> dict[str, AttentionGeometry]:
+    """The geometry of each attention of an encoder–decoder ("encoder", "decoder-self", "cross"),
+    as the converter reads it."""
+    layout = ENCODER_DECODER_LAYOUTS.get(model_config.get("model_type"))
+    if layout is None:
+        raise UptrainError(
+            f"uptrain has no attention layout for {model_config.get('model_type')!r} encoder–decoders "
+            f"(it has {', '.join(sorted(ENCODER_DECODER_LAYOUTS))})"
+        )
+    return {name: stack.geometry for name, stack in attention_stacks(model_config, layout).items()}
 
 
 def train_flops_per_token(model, model_config: dict, objective: str, seq_len: int, target_len: int) -> float:
@@ -131,12 +115,12 @@ def train_flops_per_token(model, model_config: dict, objective: str, seq_len: in
         if p is not embed and (name.startswith("encoder.") or name.startswith("model.encoder."))
     )
     decoder = non_embedding_params(model) - encoder
-    enc, dec = stack_geometry(model_config, "encoder"), stack_geometry(model_config, "decoder")
+    geometries = attention_geometries(model_config)
+    enc, dec, cross = geometries["encoder"], geometries["decoder-self"], geometries["cross"]
     s = model_config.get("max_source_positions") if objective == "speech_pairs" else seq_len
     t = {"span_corruption": span_corruption_lengths(seq_len)[1], "text_infilling": seq_len}.get(objective, target_len)
     enc_width, dec_width = enc.num_heads * enc.head_dim, dec.num_heads * dec.head_dim
-    cross_kv_heads = model_config.get("cross_attention_num_key_value_heads") or dec.num_heads
-    cross_kv = 2 * dec.num_layers * dec.hidden_size * cross_kv_heads * dec.head_dim
+    cross_kv = 2 * cross.num_layers * cross.hidden_size * cross.num_kv_heads * cross.head_dim
     per_example = s * (6.0 * (encoder + cross_kv) + 12.0 * enc.num_layers * enc_width * s) + t * (
         6.0 * (decoder - cross_kv) + 6.0 * dec.num_layers * dec_width * t + 12.0 * dec.num_layers * dec_width * s
     )

@@ -419,6 +419,7 @@ def test_refuses_objectives_the_model_cannot_learn(s2s, tmp_path):
     # 400 input tokens: 444-token blocks, 67 noise tokens in 22 spans, for 20 sentinels
     refuses({**t5, "seq_len": 400}, "444-token blocks drops 22 spans and the tokenizer has 20 sentinel tokens")
     refuses({**t5, "seq_len": 3}, "objective span_corruption needs seq_len of at least 4 tokens, got 3")
+    refuses({**t5, "document_mask": True}, "document_mask applies to objective causal .*, not span_corruption")
     with pytest.raises(UptrainError, match="`target_len` applies to objective pairs"):
         from uptrain.train.config import validated_config
 

@@ -39,6 +39,7 @@ class CompareSpec(UptrainingBudget):
     warmup_steps: int = option(10, help="linear warmup steps")
     eval_every: int = option(10, help="evaluate (and checkpoint) every N steps")
     eval_blocks: int = option(64, help="eval blocks of seq_len tokens")
+    objective: str | None = option(None, help="what every run learns, as `uptrain train`'s (default: by the model)")
     seed: int = seed_option("seed of data order, initialisation and random pooling")
     report_to: list[str] = option(
         ["wandb", "jsonl"], choices=("wandb", "jsonl", "none"), help="wandb, jsonl, none (several allowed)"

@@ -135,6 +135,7 @@ def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: s
         eval_every=spec.eval_every,
         save_every=spec.eval_every,
         eval_blocks=spec.eval_blocks,
+        objective=spec.objective,
         seed=spec.seed,
         report_to=spec.report_to,
         run_name=f"{Path(spec.output_dir).name}/{name}",

@@ -301,7 +301,7 @@ def _make_plan(
         peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
         static_metrics={
             "model/num_kv_heads": geometry.num_kv_heads,
-            "model/kv_cache_bytes_per_token": geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4)),
+            **M.kv_cache_metrics(model_config, DTYPE_BYTES.get(source_dtype, 4)),
         },
         source_dtype=source_dtype,
         notes=tuple(notes),

@@ -98,33 +98,12 @@ def attention_geometries(model_config: dict) -> dict[str, AttentionGeometry]:
 
 
 def train_flops_per_token(model, model_config: dict, objective: str, seq_len: int, target_len: int) -> float:
-    """Forward + backward FLOPs of an encoder–decoder per counted token (seq_len per example).
-
-    Per example, the encoder's parameters act on its S positions and the decoder's (with the
-    output projection) on the T labels, except the cross-attention's K and V projections, which
-    act on the encoder's S outputs: 6·(N_enc·S + N_cross_kv·S + (N_dec − N_cross_kv)·T), as
-    `metrics.train_flops_per_token` counts parameters. Attention: the encoder's is bidirectional,
-    12·L·W·S per position; the decoder's self-attention is causal, 6·L·W·T per label (what causal
-    kernels compute), and its cross-attention reads all S, 12·L·W·S. S is seq_len (Whisper: its
-    encoder positions); T the target length of the objective.
-    """
-    embed = model.get_input_embeddings().weight
-    encoder = sum(
-        p.numel()
-        for name, p in model.named_parameters()
-        if p is not embed and (name.startswith("encoder.") or name.startswith("model.encoder."))
-    )
-    decoder = non_embedding_params(model) - encoder
-    geometries = attention_geometries(model_config)
-    enc, dec, cross = geometries["encoder"], geometries["decoder-self"], geometries["cross"]
+    """Forward + backward FLOPs of an encoder–decoder per counted token (seq_len per example):
+    `metrics.EncoderDecoderCost` for the objective's S source positions (seq_len; Whisper: its
+    encoder positions) and T target positions."""
     s = model_config.get("max_source_positions") if objective == "speech_pairs" else seq_len
     t = {"span_corruption": span_corruption_lengths(seq_len)[1], "text_infilling": seq_len}.get(objective, target_len)
-    enc_width, dec_width = enc.num_heads * enc.head_dim, dec.num_heads * dec.head_dim
-    cross_kv = 2 * cross.num_layers * cross.hidden_size * cross.num_kv_heads * cross.head_dim
-    per_example = s * (6.0 * (encoder + cross_kv) + 12.0 * enc.num_layers * enc_width * s) + t * (
-        6.0 * (decoder - cross_kv) + 6.0 * dec.num_layers * dec_width * t + 12.0 * dec.num_layers * dec_width * s
-    )
-    return per_example / seq_len
+    return encoder_decoder_cost(model, model_config).train_flops(s, t) / seq_len
 
 
 def block_length(objective: str, seq_len: int) -> int:

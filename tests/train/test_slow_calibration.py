@@ -1,0 +1,120 @@
+"""A conversion on the fly that outlasts the collectives' timeout (issue #20, the 8-GPU launch).
+
+`uptrain train --source … --pooling calibrated` converts on the main process while the other
+processes wait. At 7B scale that takes longer than NCCL's 10-minute collective timeout; here two
+real `accelerate launch` CPU processes (gloo) run a conversion that takes several times a
+deliberately short `collective_timeout_s`. The other process must wait for it (at the barrier
+with `conversion_timeout_s`) and the run must train on the converted model; a run with a plain
+barrier dies at the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.train.train_helpers import python_env
+
+COLLECTIVE_TIMEOUT_S = 10  # far above the processes' skew at the other collectives, far below the conversion
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_wide_llama(folder: Path, tokenizer) -> Path:
+    """A 2-layer MHA Llama with hidden 2048 (16 heads, a tiny MLP): its calibrated merge and
+    calibration take tens of CPU-seconds on one thread, on ~130 MB of weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=2048,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def launch_two_processes(config_path: Path) -> subprocess.CompletedProcess:
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "uptrain",
+        "train",
+        "--config",
+        str(config_path),
+    ]
+    env = {**python_env(), "ACCELERATE_USE_CPU": "1"}
+    return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_two_processes_wait_for_a_conversion_longer_than_the_collective_timeout(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    source = build_wide_llama(tmp_path / "wide-mha", AutoTokenizer.from_pretrained(assets["mha"]))
+    out = tmp_path / "run"
+    values = {
+        "source": str(source),
+        "num_kv_heads": 2,
+        "pooling": "calibrated",
+        "calibration_tokens": 2048,
+        "train_data": str(assets["train"]),
+        "eval_data": str(assets["eval"]),
+        "output_dir": str(out),
+        "seq_len": 32,
+        "batch_size": 1,
+        "lr": 1e-4,
+        "max_steps": 1,
+        "eval_every": 1,
+        "save_every": 1,
+        "eval_blocks": 2,
+        "report_to": ["jsonl"],
+        "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+    }
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(values))
+    proc = launch_two_processes(config_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    # The conversion really outlasted the collectives' timeout: from run_config.yaml (written
+    # just before it starts) to converted/'s last file (written just before converted/ appears).
+    began = (out / "run_config.yaml").stat().st_mtime
+    ended = max(f.stat().st_mtime for f in (out / "converted").iterdir())
+    assert ended - began > 2 * COLLECTIVE_TIMEOUT_S, ended - began
+    converted = json.loads((out / "converted" / "config.json").read_text())
+    assert converted["num_key_value_heads"] == 2
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 1 and "train/loss" in r for r in steps), steps
+    assert (out / "final" / "config.json").is_file()

@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def build_wide_llama(folder: Path, tokenizer) -> Path:
     return folder
 
 
-def launch_two_processes(config_path: Path) -> subprocess.CompletedProcess:
+def launch_two_processes(*args: str) -> subprocess.CompletedProcess:
     cmd = [
         str(Path(sys.executable).parent / "accelerate"),
         "launch",
@@ -69,11 +70,7 @@ def launch_two_processes(config_path: Path) -> subprocess.CompletedProcess:
         "no",
         "--main_process_port",
         str(free_port()),
-        "-m",
-        "uptrain",
-        "train",
-        "--config",
-        str(config_path),
+        *args,
     ]
     env = {**python_env(), "ACCELERATE_USE_CPU": "1"}
     return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
@@ -105,7 +102,7 @@ def test_two_processes_wait_for_a_conversion_longer_than_the_collective_timeout(
     }
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(values))
-    proc = launch_two_processes(config_path)
+    proc = launch_two_processes("-m", "uptrain", "train", "--config", str(config_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     # The conversion really outlasted the collectives' timeout: from run_config.yaml (written
@@ -118,3 +115,39 @@ def test_two_processes_wait_for_a_conversion_longer_than_the_collective_timeout(
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 1 and "train/loss" in r for r in steps), steps
     assert (out / "final" / "config.json").is_file()
+
+
+# The main process sleeps through a step several times the collectives' timeout; the other waits at
+# a MainProcessWait with a longer timeout (and then one with a shorter one, and gives up).
+WAITER = textwrap.dedent("""
+    import sys, time
+    from uptrain import UptrainError
+    from uptrain.train.distributed import MainProcessWait, make_accelerator
+
+    accelerator = make_accelerator(collective_timeout_s=float(sys.argv[1]))
+    for step, (timeout_s, sleep_s) in enumerate([(60, 14), (2, 6)]):
+        wait = MainProcessWait(accelerator, timeout_s, "the main process's step")
+        start = time.perf_counter()
+        if accelerator.is_main_process:
+            time.sleep(sleep_s)
+        try:
+            wait.wait()
+            waited = time.perf_counter() - start
+            print(f"rank {accelerator.process_index} step {step}: waited {waited:.1f} s", flush=True)
+        except UptrainError as err:
+            print(f"rank {accelerator.process_index} step {step}: {err}", flush=True)
+            break
+""")
+
+
+@pytest.mark.slow  # two launches' start-up and 20 s of sleeping: ~60 s here
+def test_main_process_wait_outlasts_the_collective_timeout_and_has_its_own(tmp_path):
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    proc = launch_two_processes(str(script), "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    waited = [line for line in lines if line.startswith("rank 1 step 0: waited")]
+    assert waited and float(waited[0].split()[-2]) > 3 * 4, lines  # 3× the collectives' 4 s
+    [gave_up] = [line for line in lines if line.startswith("rank 1 step 1:")]
+    assert "waited 2 s for the main process's step (conversion_timeout_s) and gave up" in gave_up, lines

@@ -10,8 +10,11 @@ length, AdamW settings, gradient clipping and thread count. uptrain's loop runs 
 `run_training` (data packing, accumulation normalised by target tokens, metrics, no
 checkpoints); the bare loop is forward → cross-entropy → backward → clip → step on random
 token blocks. Repetitions alternate between the two; each reports the median step time after
-warm-up steps. On CUDA both use bf16 autocast and uptrain also reports MFU. Prints a table,
-then one JSON line with `tokens_per_second_ratio` (uptrain / bare; target ≥ 0.97).
+warm-up steps. On CUDA both use bf16 autocast and uptrain also reports MFU. uptrain's loop also
+reports how long each step waited for its data (its own `perf/data_wait_s`) as a share of the
+step; `--streaming` reads the data streamed (tokenized in `--data-workers` DataLoader workers
+while the model trains; target < 1%) instead of tokenized up front. Prints a table, then one
+JSON line with `tokens_per_second_ratio` (uptrain / bare; target ≥ 0.97) and `data_wait_share`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of each median (default: 3)")
     p.add_argument("--repeats", type=int, default=2, help="repetitions of each loop, alternating (default: 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default: 1)")
+    p.add_argument("--streaming", action="store_true", help="stream the training data (DataLoader workers)")
+    p.add_argument("--data-workers", type=int, default=1, help="data workers with --streaming (default: 1)")
     return p.parse_args(argv)
 
 
@@ -68,8 +73,8 @@ def build_model(args, folder: Path) -> tuple[Path, int]:
     return folder, sum(p.numel() for p in model.parameters())
 
 
-def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | None]:
-    """Step times of uptrain's loop (from its own metrics) and its MFU where known."""
+def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], list[float], float | None]:
+    """Step times and data waits of uptrain's loop (from its own metrics) and its MFU where known."""
     from uptrain.corpus import split_path
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
@@ -91,12 +96,16 @@ def uptrain_steps(args, model: Path, out: Path) -> tuple[list[float], float | No
         report_to=["jsonl"],
         overwrite=True,
         mixed_precision="bf16" if args.device == "cuda" else "no",
+        streaming=args.streaming,
+        data_workers=args.data_workers,
     )
     run_training(config)
     records = read_metrics(out / "metrics.jsonl")
     steps = [r for r in records if "perf/step_time_s" in r]
     mfu = [r["perf/mfu"] for r in steps[args.warmup :] if "perf/mfu" in r]
-    return [r["perf/step_time_s"] for r in steps[args.warmup :]], (statistics.median(mfu) if mfu else None)
+    timed = steps[args.warmup :]
+    waits = [r["perf/data_wait_s"] for r in timed]
+    return [r["perf/step_time_s"] for r in timed], waits, (statistics.median(mfu) if mfu else None)
 
 
 def bare_steps(args, model_dir: Path) -> list[float]:
@@ -138,10 +147,11 @@ def main() -> int:
     tokens = args.seq_len * args.batch_size
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         model, n_params = build_model(args, Path(tmp) / "model")
-        ours, bare, mfus = [], [], []
+        ours, waits, bare, mfus = [], [], [], []
         for i in range(args.repeats):
-            steps, mfu = uptrain_steps(args, model, Path(tmp) / f"run{i}")
+            steps, waited, mfu = uptrain_steps(args, model, Path(tmp) / f"run{i}")
             ours += steps
+            waits += waited
             mfus += [mfu] if mfu is not None else []
             bare += bare_steps(args, model)
     ours_tps, bare_tps = tokens / statistics.median(ours), tokens / statistics.median(bare)
@@ -150,12 +160,17 @@ def main() -> int:
         f"{args.layers} layers, "
         f"seq {args.seq_len} × batch {args.batch_size}, {args.device}"
         + (f", {args.threads} threads" if args.device == "cpu" else ", bf16 autocast")
+        + (f", streamed data ({args.data_workers} data workers)" if args.streaming else ", data tokenized up front")
     )
     print(f"{'loop':<10} {'median step s':>14} {'tokens/s':>10} {'steps timed':>12}")
     print(f"{'uptrain':<10} {statistics.median(ours):>14.4f} {ours_tps:>10,.0f} {len(ours):>12}")
     print(f"{'bare':<10} {statistics.median(bare):>14.4f} {bare_tps:>10,.0f} {len(bare):>12}")
+    wait_share = sum(waits) / sum(ours)
+    print(f"uptrain data wait: {wait_share:.2%} of step time (median wait {statistics.median(waits) * 1e3:.2f} ms)")
     result = {
         "tokens_per_second_ratio": ours_tps / bare_tps,
+        "data_wait_share": wait_share,
+        "streaming": args.streaming,
         "uptrain_tokens_per_second": ours_tps,
         "bare_tokens_per_second": bare_tps,
         "mfu": statistics.median(mfus) if mfus else None,

@@ -352,3 +352,14 @@ def test_device_check_tiny(tmp_path):
     assert (tmp_path / "out" / "summary.json").read_text().strip() == proc.stdout.strip().splitlines()[-1]
     assert "--- stdout ---" in (tmp_path / "out" / "decode.log").read_text()  # stderr, then stdout
     assert not list(tmp_path.glob("device-check-*"))  # the work folder is removed
+
+
+def test_bench_data_tiny():
+    result = run_script(
+        "bench_data.py",
+        *("--seq-len", "32", "--read-tokens", "20000", "--window-tokens", "4096"),
+        *("--resume-steps", "2", "20", "--repeats", "1", "--train-steps", "3"),
+    )
+    assert set(result["resume_seconds"]) == {"0", "2", "20"} and result["resume_ratio_last_vs_first"] > 0
+    assert 0 <= result["data_wait_share"] < 1
+    assert all(math.isfinite(x) and x >= 0 for x in numbers(result))

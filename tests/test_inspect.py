@@ -47,3 +47,80 @@ def test_inspect_bad_input(capsys, tmp_path):
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.strip() == f"uptrain inspect: error: {tmp_path / 'missing'} does not exist"
+
+
+def test_inspect_t5_reports_self_and_cross_caches(capsys, tmp_path):
+    """T5: head_dim is d_kv (not d_model / heads); per G, the decoder self-attention's cache per
+    generated token and the cross-attention's per source token, both at G heads."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=6, d_ff=40, num_layers=2, num_decoder_layers=3, num_heads=8)
+    model = T5ForConditionalGeneration(config)
+    src = save(model, tmp_path / "src")
+    info = run_json(capsys, src, "--context", 100, "--batch", 3)
+    assert info["encoder_decoder"] and info["convertible"] and info["source_unit"] == "source token"
+    assert info["attentions"] == {
+        "encoder": {"num_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 6},
+        "decoder-self": {"num_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 6},
+        "cross": {"num_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 6},
+    }
+    assert info["parameters"] == model.num_parameters()  # tied embeddings saved once
+    per_token = 2 * 3 * 8 * 6 * 4  # K and V × decoder layers × heads × d_kv × fp32
+    assert info["kv_cache_bytes_per_token"] == per_token
+    assert info["cross_kv_cache_bytes_per_source_token"] == per_token  # as many cross layers and heads
+    assert info["kv_cache_bytes"] == (per_token * 100 + per_token * 100) * 3  # source as long as the context
+    by_g = {o["num_kv_heads"]: o for o in info["options"]}
+    assert sorted(by_g) == [1, 2, 4, 8]
+    assert by_g[2]["kv_cache_bytes_per_token"] == 2 * 3 * 2 * 6 * 4 and by_g[2]["saving"] == 0.75
+    assert by_g[2]["cross_kv_cache_bytes_per_source_token"] == 2 * 3 * 2 * 6 * 4
+    assert main(["inspect", str(src)]) == 0
+    text = capsys.readouterr().out
+    assert "t5 (encoder–decoder)" in text and "decoder-self  3 layers, 8 query, 8 KV, head_dim 6" in text
+    assert "per source token" in text
+
+
+def test_inspect_whisper_caches_every_audio_frame(capsys, tmp_path):
+    """Whisper's cross-attention caches the encoder's max_source_positions frames (1500 in every
+    released model) whatever the context; a converted checkpoint reports its own KV heads."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=40,
+        max_source_positions=1500,
+        max_target_positions=16,
+        num_mel_bins=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=3,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+    )
+    src = save(WhisperForConditionalGeneration(config), tmp_path / "src")
+    info = run_json(capsys, src, "--context", 10)
+    assert info["source_unit"] == "audio frame" and info["source_positions"] == 1500
+    assert info["attentions"]["encoder"] == {
+        "num_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+    }
+    per_token = 2 * 2 * 8 * 4 * 4  # K and V × decoder layers × heads × (32 / 8) × fp32
+    assert info["kv_cache_bytes"] == per_token * 10 + per_token * 1500
+    assert main(["convert", str(src), str(tmp_path / "g2"), "-g", "2", "--attention", "cross"]) == 0
+    capsys.readouterr()
+    info = run_json(capsys, tmp_path / "g2", "--context", 10)
+    assert info["model_type"] == "whisper_gqa"
+    assert info["attentions"]["cross"]["num_key_value_heads"] == 2
+    assert info["num_key_value_heads"] == info["attentions"]["decoder-self"]["num_key_value_heads"] == 8
+    assert info["cross_kv_cache_bytes_per_source_token"] == per_token // 4
+    # -g pools both decoder attentions: G must divide the 8 self-attention and the 2 cross KV heads.
+    assert [o["num_kv_heads"] for o in info["options"]] == [1, 2]
+    assert info["options"][1]["kv_cache_bytes_per_token"] == per_token // 4

@@ -23,9 +23,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info", "uptrain.modeling_table")),
     # Safetensors reading and writing, atomic folders and locks, sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
-    # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus.
-    ("data", ("uptrain.budgets", "uptrain.textdata", "uptrain.corpus")),
-    # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM; importing it registers them with transformers.
+    # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,
+    # token shards (`uptrain tokenize`'s folder and its reader) and the command that writes them.
+    ("data", ("uptrain.budgets", "uptrain.textdata", "uptrain.corpus", "uptrain.token_shards", "uptrain.pretokenize")),
+    # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM and the encoder–decoders (T5, BART, mBART,
+    # Marian, Whisper); importing it registers them with transformers.
     ("modeling", ("uptrain.modeling.*",)),
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),

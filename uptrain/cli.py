@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # each command imports its own schema, when it runs
     from uptrain.convert.spec import ConvertCommand
     from uptrain.demo import DemoOptions
     from uptrain.inspect_checkpoint import InspectOptions
+    from uptrain.pretokenize import TokenizeOptions
     from uptrain.speed import SpeedOptions
     from uptrain.train.config import TrainConfig
 
@@ -87,6 +88,13 @@ def speed(options: SpeedOptions) -> int:
     return 0
 
 
+def tokenize(options: TokenizeOptions) -> int:
+    from uptrain.pretokenize import tokenize as write_tokens
+
+    print(f"wrote {write_tokens(options)}")
+    return 0
+
+
 def train(config: TrainConfig) -> int:
     from uptrain.train.loop import run_training  # heavy imports only once the config is valid
 
@@ -141,6 +149,12 @@ def _demo_schema():
     from uptrain.demo import DemoOptions
 
     return DemoOptions
+
+
+def _tokenize_schema():
+    from uptrain.pretokenize import TokenizeOptions
+
+    return TokenizeOptions
 
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +217,14 @@ COMMANDS = {
         "checkpoint in turn: prefill_s, decode_s_per_token, time_per_sample_s, decode_tokens_per_s, "
         "and kv_cache_bytes and peak_memory_bytes measured on the run. Give the MHA original and its "
         "conversions together to see what each G buys.",
+    ),
+    "tokenize": Command(
+        tokenize,
+        schema=_tokenize_schema,
+        help="tokenize and pack text once into memory-mapped token shards that train_data reads",
+        description="Tokenize text with a model's tokenizer and pack it into seq_len blocks exactly as "
+        "`uptrain train` would, into token shards with their provenance (tokens.json). Give OUT as "
+        "train_data or eval_data: training then reads token ids only. A killed run continues where it stopped.",
     ),
     "train": Command(
         train,

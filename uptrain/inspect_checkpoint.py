@@ -1,4 +1,11 @@
-"""`uptrain inspect`: a checkpoint's attention layout and what each G would save in KV cache."""
+"""`uptrain inspect`: a checkpoint's attention layout and what each G would save in KV cache.
+
+An encoder–decoder caches two things while it generates: its decoder self-attention's K/V, one
+entry per generated token, and its cross-attention's K/V of the encoder's output, one entry per
+source token (Whisper: per audio frame, 1500 of them whatever the audio's length), computed once.
+Both are reported at every G that `uptrain convert -g G` (its default `--attention`, the
+decoder's two) can give; the encoder's own K/V are never cached.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,15 @@ from dataclasses import dataclass
 from uptrain import UptrainError
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import resolve_source
-from uptrain.convert.layouts import LAYOUTS, config_geometry
-from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.convert.layouts import (
+    DECODER_SELF,
+    ENCODER_DECODER_LAYOUTS,
+    EncoderDecoderLayout,
+    attention_stacks,
+    config_geometry,
+    is_convertible,
+)
+from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config
 from uptrain.options import Schema, option
 
 TP_DEGREES = (2, 4, 8)
@@ -46,6 +60,10 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
         weights.close()
     except UptrainError:  # pickle-only or weightless folders: the layout is still worth showing
         parameters = None
+    if model_type in ENCODER_DECODER_LAYOUTS:
+        report = _encoder_decoder_report(config, ENCODER_DECODER_LAYOUTS[model_type], dtype_bytes, context, batch)
+        run = {"parameters": parameters, "dtype": dtype, "context": context, "batch": batch}
+        return {"source": label, "model_type": model_type, **report, **run}
     current = geo.kv_cache_bytes_per_token(dtype_bytes)
     options = []
     for g in geo.valid_num_kv_heads():
@@ -63,7 +81,8 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     return {
         "source": label,
         "model_type": model_type,
-        "convertible": model_type in LAYOUTS,
+        "encoder_decoder": False,
+        "convertible": is_convertible(model_type),
         "num_layers": geo.num_layers,
         "num_attention_heads": geo.num_heads,
         "num_key_value_heads": geo.num_kv_heads,
@@ -79,6 +98,63 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     }
 
 
+def _encoder_decoder_report(
+    config: dict, layout: EncoderDecoderLayout, dtype_bytes: int, context: int, batch: int
+) -> dict:
+    """The caches of an encoder–decoder generating `context` tokens for `batch` inputs, each
+    input `source_positions` long: Whisper's fixed number of audio frames, else `context` tokens."""
+    stacks = attention_stacks(config, layout)
+    decoder, cross = stacks[DECODER_SELF].geometry, stacks["cross"].geometry
+    source = config.get(layout.source_positions_key) if layout.source_positions_key else None
+    source_len = source if isinstance(source, int) and not isinstance(source, bool) and source > 0 else context
+
+    def caches(g_self: int, g_cross: int) -> dict:
+        per_token = decoder.kv_cache_bytes_per_token(dtype_bytes, g_self)
+        per_source = cross.kv_cache_bytes_per_token(dtype_bytes, g_cross)
+        return {
+            "kv_cache_bytes_per_token": per_token,
+            "cross_kv_cache_bytes_per_source_token": per_source,
+            "kv_cache_bytes": (per_token * context + per_source * source_len) * batch,
+        }
+
+    current = caches(decoder.num_kv_heads, cross.num_kv_heads)
+    options = []
+    # `-g G` pools both decoder attentions: G divides the KV heads of each.
+    for g in divisors(math.gcd(decoder.num_kv_heads, cross.num_kv_heads)):
+        at_g = caches(g, g)
+        options.append(
+            {
+                "num_kv_heads": g,
+                "group_size": decoder.num_heads // g,
+                **at_g,
+                "saving": 1 - at_g["kv_cache_bytes"] / current["kv_cache_bytes"],
+                "tensor_parallel_degrees": [tp for tp in TP_DEGREES if g % tp == 0],
+            }
+        )
+    return {
+        "encoder_decoder": True,
+        "convertible": True,
+        "num_layers": decoder.num_layers,
+        "num_attention_heads": decoder.num_heads,
+        "num_key_value_heads": decoder.num_kv_heads,
+        "head_dim": decoder.head_dim,
+        "hidden_size": decoder.hidden_size,
+        "attentions": {
+            name: {
+                "num_layers": stack.geometry.num_layers,
+                "num_attention_heads": stack.geometry.num_heads,
+                "num_key_value_heads": stack.geometry.num_kv_heads,
+                "head_dim": stack.geometry.head_dim,
+            }
+            for name, stack in stacks.items()
+        },
+        "source_unit": layout.source_unit,
+        "source_positions": source_len,
+        **current,
+        "options": options,
+    }
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -88,6 +164,8 @@ def human_bytes(n: float) -> str:
 
 
 def format_report(info: dict) -> str:
+    if info.get("encoder_decoder"):
+        return _format_encoder_decoder(info)
     params = "unknown" if info["parameters"] is None else f"{info['parameters']:,}"
     lines = [
         f"source        {info['source']}",
@@ -106,5 +184,36 @@ def format_report(info: dict) -> str:
         lines.append(
             f"{o['num_kv_heads']:>4} {o['group_size']:>5} {human_bytes(o['kv_cache_bytes_per_token']):>11} "
             f"{human_bytes(o['kv_cache_bytes']):>11} {o['saving']:>7.1%}  {tp}"
+        )
+    return "\n".join(lines)
+
+
+def _format_encoder_decoder(info: dict) -> str:
+    params = "unknown" if info["parameters"] is None else f"{info['parameters']:,}"
+    unit = info["source_unit"]
+    attentions = [
+        f"{name:<13} {a['num_layers']} layers, {a['num_attention_heads']} query, {a['num_key_value_heads']} KV, "
+        f"head_dim {a['head_dim']}"
+        for name, a in info["attentions"].items()
+    ]
+    lines = [
+        f"source        {info['source']}",
+        f"architecture  {info['model_type']} (encoder–decoder)",
+        *(f"{'heads' if i == 0 else '':<14}{line}" for i, line in enumerate(attentions)),
+        f"parameters    {params}",
+        f"KV cache      {human_bytes(info['kv_cache_bytes_per_token'])} per generated token (decoder self-attention) "
+        f"+ {human_bytes(info['cross_kv_cache_bytes_per_source_token'])} per {unit} (cross-attention); "
+        f"{human_bytes(info['kv_cache_bytes'])} for {info['context']} tokens from {info['source_positions']} "
+        f"{unit}s × batch {info['batch']} ({info['dtype']})",
+        "",
+        f"{'G':>4} {'q/kv':>5} {'per token':>11} {'per ' + unit:>16} {'total':>11} {'saving':>7}  "
+        "TP degrees it divides",
+    ]
+    for o in info["options"]:
+        tp = ", ".join(map(str, o["tensor_parallel_degrees"])) or "-"
+        lines.append(
+            f"{o['num_kv_heads']:>4} {o['group_size']:>5} {human_bytes(o['kv_cache_bytes_per_token']):>11} "
+            f"{human_bytes(o['cross_kv_cache_bytes_per_source_token']):>16} {human_bytes(o['kv_cache_bytes']):>11} "
+            f"{o['saving']:>7.1%}  {tp}"
         )
     return "\n".join(lines)

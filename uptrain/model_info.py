@@ -81,7 +81,8 @@ def read_config(folder: str | Path) -> dict:
             raise UptrainError(f"{path}: {key} is {show(config[key])}, not a mapping")
     for where in (config, config.get("rope_parameters") or {}):
         _check_real(where, "partial_rotary_factor", path, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    for key in ("initializer_range", "init_std"):  # the init std, as each layout names it (OPT: init_std)
+    # The init std, as each layout names it (OPT, BART, Whisper: init_std; T5: initializer_factor × d_model^-½).
+    for key in ("initializer_range", "init_std", "initializer_factor"):
         _check_real(config, key, path, lambda v: 0 <= v < math.inf, "a finite number ≥ 0")
     return config
 
@@ -156,6 +157,44 @@ def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> A
     else:
         if hidden % heads:
             raise UptrainError(f"hidden_size {hidden} is not divisible by {heads} heads")
+        head_dim = hidden // heads
+    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
+
+
+def stack_geometry(
+    config: dict,
+    *,
+    layers_key: str,
+    heads_key: str,
+    kv_heads_key: str,
+    head_dim_key: str | None,
+    hidden_key: str,
+    layers_fallback_key: str | None = None,
+) -> AttentionGeometry:
+    """The geometry of one attention of an encoder–decoder (its encoder, decoder self-attention
+    or cross-attention), from the config keys its architecture names it by: T5 `num_heads`,
+    `d_kv`, `num_layers` / `num_decoder_layers`; BART and Whisper `encoder_attention_heads`,
+    `decoder_layers`, … with head_dim = d_model // heads. KV heads come from `kv_heads_key`
+    (a converted checkpoint's `decoder_num_key_value_heads`, …); absent, they are the query heads."""
+    model_type = config.get("model_type", "?")
+    if config.get(layers_key) is None and layers_fallback_key is not None:
+        layers_key = layers_fallback_key  # T5: num_decoder_layers defaults to num_layers
+    for key in (layers_key, heads_key, hidden_key):
+        if config.get(key) is None:
+            raise UptrainError(f"config ({model_type}) has no {key}: not a {model_type} config uptrain can read")
+    heads = _count(config, heads_key, model_type)
+    layers = _count(config, layers_key, model_type)
+    hidden = _count(config, hidden_key, model_type)
+    kv = heads if config.get(kv_heads_key) is None else _count(config, kv_heads_key, model_type)
+    if heads % kv:
+        raise UptrainError(f"config has {heads} heads and {kv} KV heads ({kv_heads_key}), which do not divide")
+    if head_dim_key is not None:
+        if config.get(head_dim_key) is None:
+            raise UptrainError(f"config ({model_type}) has no {head_dim_key}")
+        head_dim = _count(config, head_dim_key, model_type)  # T5's d_kv: independent of d_model / heads
+    else:
+        if hidden % heads:
+            raise UptrainError(f"{hidden_key} {hidden} is not divisible by {heads} heads ({heads_key})")
         head_dim = hidden // heads
     return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
 

@@ -8,6 +8,7 @@ Data only: `uptrain convert` reads this without importing torch's modeling or tr
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,17 +67,51 @@ MODELING["mt5"] = MODELING["t5"]
 MODELING.update({m.model_type: m for m in list(MODELING.values())})
 
 
+# An encoder–decoder's attentions → the config.json key of each one's KV heads (the same table
+# as `uptrain.modeling.attention.STACK_KV_HEADS`, which the modeling files beside a converted
+# checkpoint carry; kept here so that conversion imports no modeling code). Absent, a key means
+# that attention's query heads (MHA).
+STACK_KV_HEADS: dict[str, str] = {
+    "encoder": "encoder_num_key_value_heads",
+    "decoder-self": "decoder_num_key_value_heads",
+    "cross": "cross_attention_num_key_value_heads",
+}
+# What `-g G` changes of an encoder–decoder unless told otherwise: the paper's choice (§3.1),
+# the decoder's self- and cross-attention, whose caches grow with generation; the encoder's K/V
+# are computed once per input and never cached.
+DEFAULT_ATTENTIONS = ("decoder-self", "cross")
+
+
 def modeling_for(model_type: str | None) -> GQAModeling | None:
     """The GQA modeling uptrain ships for this model_type; None where transformers has native GQA."""
     return MODELING.get(model_type)
 
 
-def gqa_config(config: dict, num_kv_heads: int) -> dict:
+def gqa_config(config: dict, num_kv_heads: int | Mapping[str, int]) -> dict:
     """The converted checkpoint's config.json: `num_key_value_heads`, and for architectures
     without native GQA also `model_type`, `architectures` and `auto_map` naming uptrain's modeling
     (and the standard names of n_head, n_layer, n_embd where the source spells them so). Every
-    other field stays as it was."""
-    config = dict(config, num_key_value_heads=num_kv_heads)
+    other field stays as it was.
+
+    For an encoder–decoder `num_kv_heads` maps attentions (STACK_KV_HEADS) to their KV heads
+    (an int: G for DEFAULT_ATTENTIONS); each is written under its key, the others kept as the
+    source has them, and `num_key_value_heads` mirrors the decoder self-attention's."""
+    config = dict(config)
+    if isinstance(num_kv_heads, Mapping) or config.get("is_encoder_decoder") is True:
+        per_attention = (
+            num_kv_heads if isinstance(num_kv_heads, Mapping) else dict.fromkeys(DEFAULT_ATTENTIONS, num_kv_heads)
+        )
+        for attention, kv in per_attention.items():
+            config[STACK_KV_HEADS[attention]] = kv
+        decoder = config.get(STACK_KV_HEADS["decoder-self"])
+        if decoder is not None:
+            config["num_key_value_heads"] = decoder
+    else:
+        config["num_key_value_heads"] = num_kv_heads
+    if config.get("model_type") == "mt5":
+        # mT5 never rescales the decoder's output before lm_head; T5's classes, which t5_gqa
+        # builds on, do unless the config says not to.
+        config["scale_decoder_outputs"] = False
     modeling = modeling_for(config.get("model_type"))
     if modeling is not None:
         # GPT-2, GPT-J and BLOOM configs spell the geometry n_head, n_layer, n_embd: add the
@@ -112,4 +147,7 @@ def copy_modeling_files(model_type: str | None, folder: Path) -> None:
     """Save the modeling files a converted checkpoint of `model_type` loads with (none where
     transformers has native GQA) into `folder`."""
     for name, path in modeling_files(model_type).items():
-        shutil.copyfile(path, folder / name)
+        # An architecture's modeling file is written apart from its conversion (the encoder–decoders'
+        # arrive separately); tests/modeling/test_registration.py requires every one in the table.
+        if path.is_file():
+            shutil.copyfile(path, folder / name)

@@ -328,6 +328,11 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def output_cache(output):
+    """The cache a forward returned: `output.cache` in recent transformers 5.x, `past_key_values` before."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
 def kv_cache_bytes(cache) -> int:
     """Bytes the cache's tensors hold, K and V of every layer: measured, not computed."""
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
+from uptrain.token_shards import is_token_folder, open_token_folder
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # datasets decompresses these on the fly: `train.jsonl.gz` reads as jsonl.
@@ -107,7 +108,7 @@ def _looks_like_path(s: str) -> bool:
     return s.startswith((".", "/", "~")) or _kind(s) is not None or s.count("/") > 1
 
 
-def _load(source: DataSource, split: str, dataset_config: str | None, sample_by: str, streaming: bool):
+def load_documents(source: DataSource, split: str, dataset_config: str | None, sample_by: str, streaming: bool):
     from datasets import load_dataset
 
     try:
@@ -136,23 +137,72 @@ def _column_names(ds, source: DataSource) -> list[str]:
     return list(names)
 
 
-def pack_function(tokenizer, text_field: str, seq_len: int, what: str):
+class Pack:
     """A batched `map` function: tokenize documents, append EOS to each, cut into `seq_len` blocks.
     A value that is not text (a number, a list: the tokenizer would read a list as pre-split
-    words) is refused in one line naming `what`."""
-    eos = tokenizer.eos_token_id
+    words) is refused in one line naming `what`. A class rather than a closure so that it
+    pickles into DataLoader worker processes under any start method."""
 
-    def pack(batch: dict) -> dict:
-        texts = [t for t in batch[text_field] if t is not None and t != ""]
+    def __init__(self, tokenizer, text_field: str, seq_len: int, what: str):
+        self.tokenizer, self.text_field, self.seq_len, self.what = tokenizer, text_field, seq_len, what
+        self.eos = tokenizer.eos_token_id
+
+    def __call__(self, batch: dict) -> dict:
+        texts = [t for t in batch[self.text_field] if t is not None and t != ""]
         if bad := next((t for t in texts if not isinstance(t, str)), None):
-            raise UptrainError(f"{what}: a `{text_field}` value is {type(bad).__name__} ({str(bad)[:40]!r}), not text")
+            raise UptrainError(
+                f"{self.what}: a `{self.text_field}` value is {type(bad).__name__} ({str(bad)[:40]!r}), not text"
+            )
         # No BOS or other specials: documents are separated by EOS only, the same way everywhere.
-        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        stream = list(itertools.chain.from_iterable(doc + [eos] for doc in ids))
-        usable = len(stream) - len(stream) % seq_len
-        return {"input_ids": [stream[i : i + seq_len] for i in range(0, usable, seq_len)]}
+        ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        stream = list(itertools.chain.from_iterable(doc + [self.eos] for doc in ids))
+        usable = len(stream) - len(stream) % self.seq_len
+        return {"input_ids": [stream[i : i + self.seq_len] for i in range(0, usable, self.seq_len)]}
 
-    return pack
+
+def pack_function(tokenizer, text_field: str, seq_len: int, what: str) -> Pack:
+    return Pack(tokenizer, text_field, seq_len, what)
+
+
+class TextStream:
+    """A streamed dataset's text and how to pack it, tokenized only as it is read.
+
+    Iterating gives the packed blocks (`{"input_ids": [...]}`) of the whole dataset in file
+    order (evaluation, calibration). Training reads one share of it per process and data
+    worker (`share`), so that no process reads or tokenizes the others' text.
+    """
+
+    def __init__(self, texts, pack: Pack, columns: list[str]):
+        self.texts, self.pack, self.columns = texts, pack, columns
+
+    @property
+    def seq_len(self) -> int:
+        return self.pack.seq_len
+
+    @property
+    def label(self) -> str:
+        return self.pack.what
+
+    def __iter__(self):
+        # Name the removed columns explicitly: streamed datasets do not infer them when the row count changes.
+        packed = self.texts.map(self.pack, batched=True, batch_size=MAP_BATCH, remove_columns=self.columns)
+        return iter(packed)
+
+    def share(self, slot: int, slots: int, order: list[int] | None = None) -> list:
+        """Share `slot` of `slots` as a list of streamed datasets of raw rows, read in turn.
+
+        With at least `slots` shards (files, or a Hub dataset's data files) a share is whole
+        shards: those at positions slot, slot + slots, … of `order` (a permutation of the
+        shard indices, the same in every process). With fewer, each share reads every row but
+        keeps one in `slots` before tokenizing (`split_dataset_by_node`'s example split).
+        """
+        from datasets.distributed import split_dataset_by_node
+
+        n = self.texts.num_shards
+        if n >= slots:
+            order = list(range(n)) if order is None else order
+            return [self.texts.shard(num_shards=n, index=i) for i in order[slot::slots]]
+        return [split_dataset_by_node(self.texts, rank=slot, world_size=slots)]
 
 
 class TokenBlocks:
@@ -183,19 +233,22 @@ def load_blocks(
     streaming: bool | None,
     workers: int | None,
 ):
-    """Load and pack one data key. Returns (TokenBlocks or a streamed `IterableDataset`, source)."""
+    """Load and pack one data key. Returns (TokenBlocks or a TextStream, source)."""
+    if is_token_folder(spec):  # `uptrain tokenize` wrote it: memory-mapped blocks, nothing to tokenize
+        shards = open_token_folder(spec, key, tokenizer, seq_len)
+        return TokenBlocks(shards), DataSource(str(spec), "tokens", tuple(str(s.path) for s in shards.shards))
     source = resolve_data(spec, key)
     stream = (not source.is_local) if streaming is None else streaming
-    ds = _load(source, split, dataset_config, sample_by, stream)
+    ds = load_documents(source, split, dataset_config, sample_by, stream)
     columns = _column_names(ds, source)
     if text_field not in columns:
         raise UptrainError(
             f"`{key}` ({source.label}) has no column `{text_field}` (columns: {', '.join(columns)}); set `text_field`"
         )
-    pack = pack_function(tokenizer, text_field, seq_len, f"`{key}` ({source.label})")
-    # Name the removed columns explicitly: streamed datasets do not infer them when the row count changes.
+    pack = Pack(tokenizer, text_field, seq_len, f"`{key}` ({source.label})")
     if stream:
-        return ds.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns), source
+        return TextStream(ds, pack, columns), source
+    # Name the removed columns explicitly (as TextStream does).
     packed = ds.map(
         pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns, num_proc=workers, desc=f"tokenize {key}"
     )

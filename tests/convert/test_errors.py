@@ -92,9 +92,9 @@ def test_config_without_attention_heads(capsys, tmp_path, mha):
 def test_unsupported_model_type_lists_supported(capsys, tmp_path, mha):
     src = copy_of(mha, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
-    config["model_type"] = "t5"
+    config["model_type"] = "bert"
     (src / "config.json").write_text(json.dumps(config))
-    err = fails(capsys, tmp_path, [src, "-g", 2], "unsupported model_type 't5'")
+    err = fails(capsys, tmp_path, [src, "-g", 2], "unsupported model_type 'bert'")
     assert all(name in err for name in LAYOUTS)
 
 

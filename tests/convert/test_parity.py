@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.convert.tiny_models import ARCHITECTURES, HEADS, build_model, logits, make_heads_identical, save
 from uptrain.convert import convert_checkpoint
+from uptrain.speed import output_cache
 
 
 def load(folder):
@@ -62,7 +63,7 @@ def test_loads_generates_and_caches_g_heads(model_type, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        cache = model(ids, use_cache=True).cache
+        cache = output_cache(model(ids, use_cache=True))
         generated = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 8)
     assert len(cache.layers) == model.config.num_hidden_layers

@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …
 from tests.modeling.classic_models import ARCHITECTURES, HEADS, build, token_ids
 from uptrain.convert import convert_checkpoint
+from uptrain.speed import output_cache
 
 BACKENDS = ["eager", "sdpa", "flex_attention"]
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # float32 noise on logits of ~10: a wrong mask, scale or head is orders larger
@@ -66,7 +67,7 @@ def outputs(model, padding=True):
         "logits": result.logits,
         "padded": padded,
         "generated": generated[:, -NEW_TOKENS:],
-        "kv_heads": result.cache.layers[0].keys.shape[1],
+        "kv_heads": output_cache(result).layers[0].keys.shape[1],
     }
 
 
@@ -92,7 +93,7 @@ def test_every_backend_gives_the_same_model(model_type, converted):
             # with a cache (torch 2.13): the forward only.
             with torch.no_grad():
                 result = model(padded_batch()[0], use_cache=True)
-            assert result.cache.layers[0].keys.shape[1] == 2
+            assert output_cache(result).layers[0].keys.shape[1] == 2
             torch.testing.assert_close(result.logits, reference[False]["logits"], **TOLERANCE, msg=backend)
             continue
         result, expected = outputs(model, padding=padding), reference[padding]

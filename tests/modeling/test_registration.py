@@ -12,7 +12,12 @@ import sys
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING,
+    MODEL_MAPPING,
+)
 
 import uptrain.modeling
 from tests.modeling.classic_models import ARCHITECTURES, build, token_ids
@@ -21,6 +26,12 @@ from uptrain.modeling import CLASSES, gqa_counterpart
 from uptrain.modeling_table import MODELING, gqa_config, modeling_files
 
 GQA_TYPES = sorted({m.model_type for m in MODELING.values()})
+# The Auto class a table entry names → the mapping its `register` fills.
+HEAD_MAPPINGS = {
+    "AutoModelForCausalLM": MODEL_FOR_CAUSAL_LM_MAPPING,
+    "AutoModelForSeq2SeqLM": MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+    "AutoModelForSpeechSeq2Seq": MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING,
+}
 
 
 def run(code: str, **env) -> subprocess.CompletedProcess:
@@ -39,16 +50,16 @@ def test_the_table_names_the_classes_the_package_registers():
     assert sorted(CLASSES) == GQA_TYPES
     for model_type in GQA_TYPES:
         entry = MODELING[model_type]
-        config, model, causal_lm = CLASSES[model_type]
-        assert (config.__name__, model.__name__, causal_lm.__name__) == (
+        config, model, head = CLASSES[model_type]
+        assert (config.__name__, model.__name__, head.__name__) == (
             entry.config_class,
             entry.model_class,
             entry.head_class,
         )
-        assert {c.__module__ for c in (config, model, causal_lm)} == {f"uptrain.modeling.{entry.module}"}
+        assert {c.__module__ for c in (config, model, head)} == {f"uptrain.modeling.{entry.module}"}
         assert config.model_type == model_type
         assert CONFIG_MAPPING[model_type] is config
-        assert MODEL_MAPPING[config] is model and MODEL_FOR_CAUSAL_LM_MAPPING[config] is causal_lm
+        assert MODEL_MAPPING[config] is model and HEAD_MAPPINGS[entry.auto_class][config] is head
 
 
 def test_a_converted_checkpoint_loads_with_plain_auto_classes(tmp_path):

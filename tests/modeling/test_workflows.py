@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from tests.modeling.classic_models import build, text, word_tokenizer
 from tests.train.train_helpers import reset_accelerate
 from uptrain.cli import main
+from uptrain.speed import output_cache
 from uptrain.train.metrics import read_metrics
 
 
@@ -97,7 +98,7 @@ def test_train_from_an_mha_source_and_inspect(tmp_path, capsys):
     assert (final / "modeling_gpt_neox_gqa.py").is_file() and (final / "attention.py").is_file()
     trained = AutoModelForCausalLM.from_pretrained(final)
     with torch.no_grad():
-        cache = trained(torch.tensor([[5, 6, 7]]), use_cache=True).cache
+        cache = output_cache(trained(torch.tensor([[5, 6, 7]]), use_cache=True))
     assert cache.layers[0].keys.shape[1] == 2
 
     capsys.readouterr()

@@ -136,18 +136,21 @@ def test_eval_batches_give_every_process_the_same_number_of_batches():
 
 def test_streamed_blocks_resume_where_a_fresh_stream_would_be(assets, tokenizer):
     stream = load(str(assets["train"]), tokenizer, streaming=True)
-    fresh = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2)
+    fresh = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2, rank=0)
     steps = [ids_(fresh.micro_batches(s, 0)) for s in range(3)]
-    resumed = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2)
+    resumed = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2, rank=0)
+    half = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2, rank=0)
+    half.micro_batches(0, 0), half.micro_batches(1, 0)
+    resumed.load_state_dict(half.state_dict())
     assert ids_(resumed.micro_batches(2, 0)) == steps[2]
-    other_rank = ids_(
-        StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2).micro_batches(2, 1)
-    )
-    assert len(other_rank) == 2 and not set(map(tuple, other_rank)) & set(map(tuple, steps[2]))
-    # Streaming packs exactly as the up-front path does; only the order differs.
+    other_rank = StreamedTrainBlocks(stream, seed=0, batch_size=2, grad_accum=1, num_processes=2, rank=1)
+    theirs = [ids_(other_rank.micro_batches(s, 1)) for s in range(3)]
+    # One file, two processes: each keeps every other document of it, so they share no block.
+    assert not {tuple(r) for s in theirs for r in s} & {tuple(r) for s in steps for r in s}
+    # Streaming packs as the up-front path does; only the order and each process's part differ.
     local = load(str(assets["train"]), tokenizer)
-    packed = {tuple(r) for r in local.take(list(range(len(local)))).tolist()}
-    assert all(tuple(r) in packed for s in steps for r in s)
+    stream_rows = {tuple(r["input_ids"]) for r in stream}
+    assert stream_rows == {tuple(r) for r in local.take(list(range(len(local)))).tolist()}
 
 
 def ids_(batches) -> list[list[int]]:

@@ -206,6 +206,13 @@ def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
             raise
 
 
+def replace_directory(folder: Path, out: Path) -> None:
+    """Rename the finished `folder` to `out`, replacing an existing `out` as `atomic_directory`
+    does, for a writer that builds its folder across runs (`uptrain tokenize` resumes). Call
+    only while holding `out`'s lock (`output_lock`)."""
+    _swap_in(Path(folder), Path(out))
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename `tmp` to `out`, replacing an existing `out`. A kill at any point leaves either the
     previous `out` (in place, or aside where `_recover` brings it back) or the new one."""

@@ -62,11 +62,16 @@ def _hub_ids(value: object) -> bool:
     return is_hub_id(value) or (isinstance(value, list) and bool(value) and all(map(is_hub_id, value)))
 
 
-def front_matter(base_model: str | list[str] | None, source_card: dict, extra_tags: list[str]) -> str:
+def front_matter(
+    base_model: str | list[str] | None,
+    source_card: dict,
+    extra_tags: list[str],
+    pipeline_tag: str = "text-generation",
+) -> str:
     """Hub metadata: base model (when a Hub id is known), library, task, the source's licence
     terms, tags."""
     meta = {} if base_model is None else {"base_model": base_model}
-    meta.update({"library_name": "transformers", "pipeline_tag": "text-generation"})
+    meta.update({"library_name": "transformers", "pipeline_tag": pipeline_tag})
     meta.update({k: source_card[k] for k in CARRIED_CARD_KEYS if source_card.get(k) is not None})
     meta["tags"] = list(dict.fromkeys(CARD_TAGS + extra_tags))
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"

@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.convert.grouping import check_num_kv_heads
 from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
-from uptrain.convert.layouts import layout_for
+from uptrain.convert.layouts import DECODER_SELF, layout_for
 from uptrain.convert.pipeline import Calibration
-from uptrain.convert.plan import plan_conversion
+from uptrain.convert.plan import ConversionPlan, choose_attentions, plan_conversion
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import ConversionOptions
 from uptrain.convert.stream import compute_tensor
-from uptrain.model_info import attention_geometry, rotary_dim
+from uptrain.model_info import rotary_dim
 from uptrain.modeling import gqa_counterpart
+from uptrain.modeling_table import DEFAULT_ATTENTIONS
 from uptrain.options import validated
 
 
@@ -53,38 +53,34 @@ class StateDictSource:
         return self.state[name].detach().cpu()
 
 
-def convert_model(
+def converted_tensors(
     model,
     num_kv_heads: int,
     pooling: str = "mean",
     *,
     grouping: str = "contiguous",
+    attention: str = ",".join(DEFAULT_ATTENTIONS),
     seed: int = 0,
     calibration: Calibration | None = None,
-):
-    """A copy of `model` (a transformers `PreTrainedModel`) with `num_kv_heads` KV heads.
-
-    Pools exactly as `uptrain convert` does (same plan, same strategies, same seeds per tensor
-    name), so the weights equal those of a checkpoint converted from `model.save_pretrained`.
-    `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`). The original
-    model is left untouched; the copy keeps its dtype, device and train/eval mode.
-    """
-    options = validated(ConversionOptions, pooling=pooling, grouping=grouping)
+) -> tuple[dict[str, torch.Tensor], ConversionPlan]:
+    """The state dict of `model` converted to `num_kv_heads` KV heads (tensors not rewritten are
+    the model's own, not copies), and the plan it follows. `convert_model` builds the model."""
+    options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
     strategy = get_strategy(options.pooling)
     config = model.config.to_dict()
     layout = layout_for(config.get("model_type"))
-    geometry = attention_geometry(config, layout.head_dim_key)
-    check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, num_kv_heads)
+    stacks, chosen = choose_attentions(config, layout, options.attention, num_kv_heads)
+    geometry = stacks[DECODER_SELF].geometry
     if strategy.whole_layer and calibration is None:
         raise UptrainError(f"pooling {pooling!r} needs calibration statistics (calibration=Calibration(...))")
     check_no_clamp(strategy, config)
     state = model.state_dict()
     source = StateDictSource(state)
-    plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping)
-    init_std = config.get(layout.init_std_key, 0.02)
+    plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping, stacks, chosen)
+    init_std = layout.init_std(config)
     merger = LayerMerger(
         source,
-        layout,
+        plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only
         geometry,
         num_kv_heads,
         strategy,
@@ -102,9 +98,32 @@ def convert_model(
             converted[name] = state[name]
         else:
             converted[name] = compute_tensor(t, source, plan, strategy, seed, init_std, merger).to(state[name].device)
+    return converted, plan
 
-    # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, ….
-    new_class, new_config = gqa_counterpart(model, num_kv_heads)
+
+def convert_model(
+    model,
+    num_kv_heads: int,
+    pooling: str = "mean",
+    *,
+    grouping: str = "contiguous",
+    attention: str = ",".join(DEFAULT_ATTENTIONS),
+    seed: int = 0,
+    calibration: Calibration | None = None,
+):
+    """A copy of `model` (a transformers `PreTrainedModel`) with `num_kv_heads` KV heads.
+
+    Pools exactly as `uptrain convert` does (same plan, same strategies, same seeds per tensor
+    name), so the weights equal those of a checkpoint converted from `model.save_pretrained`.
+    `attention`: for an encoder–decoder, the attentions pooled (as `--attention`).
+    `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`). The original
+    model is left untouched; the copy keeps its dtype, device and train/eval mode.
+    """
+    converted, plan = converted_tensors(
+        model, num_kv_heads, pooling, grouping=grouping, attention=attention, seed=seed, calibration=calibration
+    )
+    # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, T5, ….
+    new_class, new_config = gqa_counterpart(model, plan.config_kv_heads)
     with torch.device("meta"):
         new = new_class(new_config)
     new.load_state_dict(converted, assign=True)

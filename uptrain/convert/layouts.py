@@ -14,6 +14,12 @@ index filled in. A K/V tensor is one of:
 Architectures without native GQA in transformers (gpt2, gpt_neox, opt, gptj, bloom) convert to
 uptrain's own modeling (`uptrain.modeling`), which reads the same layouts with G heads; their
 converted model_types (gpt2_gqa, …) are listed too, so a converted checkpoint can be pooled further.
+
+An encoder–decoder (T5, BART, mBART, Marian, Whisper: `ENCODER_DECODER_LAYOUTS`) has three
+attentions per model, each an `AttentionSite`: the encoder's self-attention ("encoder"), the
+decoder's self-attention ("decoder-self") and the decoder's cross-attention ("cross"), each with
+its own `AttentionLayout` and the config keys that give its layers and heads. A decoder-only
+model has one, "decoder-self" (`attention_stacks`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from uptrain import UptrainError
-from uptrain.model_info import AttentionGeometry, attention_geometry
+from uptrain.model_info import AttentionGeometry, attention_geometry, stack_geometry
+from uptrain.modeling_table import STACK_KV_HEADS
+
+# The attentions of an encoder–decoder, as `uptrain convert --attention` names them.
+ATTENTIONS: tuple[str, ...] = tuple(STACK_KV_HEADS)  # "encoder", "decoder-self", "cross"
+DECODER_SELF = "decoder-self"
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,8 @@ class AttentionLayout:
     kv_modules: tuple[str, ...] = ("k_proj", "v_proj")
     # Row-pooled tensors inside each module ("weight", "bias" when present).
     kv_rows: tuple[str, ...] = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+    # The kv_rows every layer must have (the rest, biases and norms, are optional).
+    kv_weights: tuple[str, ...] = ("k_proj.weight", "v_proj.weight")
     fused_qkv: str | None = None
     fused_qkv_bias: str | None = None
     fused_order: str = "blocks"  # or "per_group"
@@ -43,6 +56,9 @@ class AttentionLayout:
     # Config field holding the std of the architecture's weight init, which `random` pooling draws
     # fresh K/V weights with (transformers' default 0.02 when the config lacks it).
     init_std_key: str = "initializer_range"
+    # Where the init std is a factor × width^-½ (T5: initializer_factor × d_model^-½ for K and V),
+    # the config field holding the width.
+    init_std_width_key: str | None = None
     # Other spellings of `attn_prefix` found in published checkpoints (GPT-2 and BLOOM were
     # saved without the base model's "transformer." prefix); the one the checkpoint uses is read.
     attn_prefix_alternatives: tuple[str, ...] = ()
@@ -56,6 +72,12 @@ class AttentionLayout:
             if name.startswith(old):
                 return new + name[len(old) :]
         return name
+
+    def init_std(self, config: dict) -> float:
+        """The std `random` pooling draws fresh K/V weights with, as the architecture's own init does."""
+        if self.init_std_width_key is not None:
+            return config.get(self.init_std_key, 1.0) * config[self.init_std_width_key] ** -0.5
+        return config.get(self.init_std_key, 0.02)
 
     def attn_prefix_in(self, names) -> str:
         """The `attn_prefix` template the checkpoint with these tensor names uses."""
@@ -153,15 +175,197 @@ LAYOUTS: dict[str, AttentionLayout] = {
 LAYOUTS.update({f"{name}_gqa": LAYOUTS[name] for name in ("gpt2", "gpt_neox", "opt", "gptj", "bloom")})
 
 
-def layout_for(model_type: str | None) -> AttentionLayout:
-    try:
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention of an encoder–decoder: its tensors, and the config keys of its geometry."""
+
+    attention: str  # one of ATTENTIONS
+    layout: AttentionLayout  # attn_prefix with {layer}, relative to the checkpoint's root
+    layers_key: str
+    heads_key: str
+    layers_fallback_key: str | None = None  # T5: num_decoder_layers, when absent, is num_layers
+
+
+@dataclass(frozen=True)
+class EncoderDecoderLayout:
+    """The attentions of an encoder–decoder. Every site shares `head_dim_key` (None: d_model //
+    its heads) and the init std; only the K/V of the attentions a conversion chooses change."""
+
+    sites: tuple[AttentionSite, ...]
+    head_dim_key: str | None = None
+    hidden_key: str = "d_model"
+    # The encoder's positions that each cross-attention layer caches whole (Whisper: 1500 audio
+    # frames, 30 s); None where the source length is the input's (text).
+    source_positions_key: str | None = None
+    source_unit: str = "source token"
+    pipeline_tag: str = "text2text-generation"  # the Hub task of the model card
+    notes: str = ""
+
+    def site(self, attention: str) -> AttentionSite:
+        return next(s for s in self.sites if s.attention == attention)
+
+    def output_name(self, name: str) -> str:
+        return name
+
+    def init_std(self, config: dict) -> float:
+        return self.site(DECODER_SELF).layout.init_std(config)
+
+
+def _t5_attention(prefix: str, what: str) -> AttentionLayout:
+    return AttentionLayout(
+        attn_prefix=prefix,
+        q_proj="q",
+        o_proj="o",
+        kv_modules=("k", "v"),
+        kv_rows=("k.weight", "v.weight"),
+        kv_weights=("k.weight", "v.weight"),
+        head_dim_key="d_kv",
+        init_std_key="initializer_factor",
+        init_std_width_key="d_model",
+        notes=what,
+    )
+
+
+T5 = EncoderDecoderLayout(
+    sites=(
+        AttentionSite(
+            "encoder",
+            _t5_attention("encoder.block.{layer}.layer.0.SelfAttention", "encoder"),
+            "num_layers",
+            "num_heads",
+        ),
+        AttentionSite(
+            DECODER_SELF,
+            _t5_attention("decoder.block.{layer}.layer.0.SelfAttention", "decoder self-attention"),
+            "num_decoder_layers",
+            "num_heads",
+            "num_layers",
+        ),
+        AttentionSite(
+            "cross",
+            _t5_attention("decoder.block.{layer}.layer.1.EncDecAttention", "cross-attention"),
+            "num_decoder_layers",
+            "num_heads",
+            "num_layers",
+        ),
+    ),
+    head_dim_key="d_kv",
+    notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
+    "(one column per query head) stays with the query heads",
+)
+
+
+def _bart_attention(prefix: str, what: str) -> AttentionLayout:
+    return AttentionLayout(
+        attn_prefix=prefix,
+        # A base model (BartModel, WhisperModel) is saved without the "model." of the task model.
+        attn_prefix_alternatives=(prefix.removeprefix("model."),),
+        o_proj="out_proj",
+        head_dim_key=None,
+        init_std_key="init_std",
+        notes=what,
+    )
+
+
+def _bart_family(**extra) -> EncoderDecoderLayout:
+    return EncoderDecoderLayout(
+        sites=(
+            AttentionSite(
+                "encoder",
+                _bart_attention("model.encoder.layers.{layer}.self_attn", "encoder"),
+                "encoder_layers",
+                "encoder_attention_heads",
+            ),
+            AttentionSite(
+                DECODER_SELF,
+                _bart_attention("model.decoder.layers.{layer}.self_attn", "decoder self-attention"),
+                "decoder_layers",
+                "decoder_attention_heads",
+            ),
+            # Cross-attention has the decoder's heads; its K and V read the encoder's states.
+            AttentionSite(
+                "cross",
+                _bart_attention("model.decoder.layers.{layer}.encoder_attn", "cross-attention"),
+                "decoder_layers",
+                "decoder_attention_heads",
+            ),
+        ),
+        **extra,
+    )
+
+
+ENCODER_DECODER_LAYOUTS: dict[str, EncoderDecoderLayout] = {
+    "t5": T5,  # also T5 v1.1 and Flan-T5 (gated-GELU feed-forward): the same attention
+    "mt5": T5,
+    "bart": _bart_family(notes="q/k/v biases; head_dim = d_model // heads"),
+    "mbart": _bart_family(notes="q/k/v biases; head_dim = d_model // heads"),
+    "marian": _bart_family(pipeline_tag="translation", notes="q/k/v biases; head_dim = d_model // heads"),
+    "whisper": _bart_family(
+        source_positions_key="max_source_positions",
+        source_unit="audio frame",
+        pipeline_tag="automatic-speech-recognition",
+        notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
+    ),
+}
+# A converted checkpoint keeps its source's layout with fewer KV heads (mt5 becomes t5_gqa).
+ENCODER_DECODER_LAYOUTS.update(
+    {f"{name}_gqa": ENCODER_DECODER_LAYOUTS[name] for name in ("t5", "bart", "mbart", "marian", "whisper")}
+)
+
+Layout = AttentionLayout | EncoderDecoderLayout
+
+
+def layout_for(model_type: str | None) -> Layout:
+    """The layout of a model_type: one attention (decoder-only) or an encoder–decoder's three."""
+    if model_type in LAYOUTS:
         return LAYOUTS[model_type]
-    except KeyError:
-        supported = ", ".join(sorted(LAYOUTS))
-        raise UptrainError(f"unsupported model_type {model_type!r}; supported: {supported}") from None
+    if model_type in ENCODER_DECODER_LAYOUTS:
+        return ENCODER_DECODER_LAYOUTS[model_type]
+    supported = ", ".join(sorted([*LAYOUTS, *ENCODER_DECODER_LAYOUTS]))
+    raise UptrainError(f"unsupported model_type {model_type!r}; supported: {supported}")
+
+
+def is_convertible(model_type: str | None) -> bool:
+    return model_type in LAYOUTS or model_type in ENCODER_DECODER_LAYOUTS
+
+
+@dataclass(frozen=True)
+class AttentionStack:
+    """One attention of a model (every layer of it): its tensors and its geometry."""
+
+    attention: str  # one of ATTENTIONS
+    layout: AttentionLayout
+    geometry: AttentionGeometry
+
+
+def attention_stacks(config: dict, layout: Layout) -> dict[str, AttentionStack]:
+    """Every attention of the model, in ATTENTIONS order: a decoder-only model's one
+    ("decoder-self"), an encoder–decoder's three, each with its geometry read from `config`."""
+    if isinstance(layout, AttentionLayout):
+        return {DECODER_SELF: AttentionStack(DECODER_SELF, layout, attention_geometry(config, layout.head_dim_key))}
+    return {
+        site.attention: AttentionStack(
+            site.attention,
+            site.layout,
+            stack_geometry(
+                config,
+                layers_key=site.layers_key,
+                heads_key=site.heads_key,
+                kv_heads_key=STACK_KV_HEADS[site.attention],
+                head_dim_key=layout.head_dim_key,
+                hidden_key=layout.hidden_key,
+                layers_fallback_key=site.layers_fallback_key,
+            ),
+        )
+        for site in layout.sites
+    }
 
 
 def config_geometry(config: dict) -> AttentionGeometry:
     """The attention geometry of a config, with its layout's `head_dim_key` (transformers' own
-    reading of `head_dim` for a model_type uptrain has no layout for)."""
-    return attention_geometry(config, LAYOUTS.get(config.get("model_type"), STANDARD).head_dim_key)
+    reading of `head_dim` for a model_type uptrain has no layout for). For an encoder–decoder,
+    its decoder self-attention's: the cache that grows with each generated token."""
+    model_type = config.get("model_type")
+    if model_type in ENCODER_DECODER_LAYOUTS:
+        return attention_stacks(config, ENCODER_DECODER_LAYOUTS[model_type])[DECODER_SELF].geometry
+    return attention_geometry(config, LAYOUTS.get(model_type, STANDARD).head_dim_key)

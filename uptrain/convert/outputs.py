@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import uptrain
 from uptrain.checkpoint.card import front_matter
 from uptrain.checkpoint.source import ResolvedSource, portable
 from uptrain.convert.grouping import kv_groups, query_to_kv
-from uptrain.convert.layouts import AttentionLayout, layout_for
-from uptrain.convert.plan import ConversionPlan
+from uptrain.convert.layouts import AttentionLayout, EncoderDecoderLayout, layout_for
+from uptrain.convert.plan import ATTENTION_NAMES, ConversionPlan
 from uptrain.convert.pooling import Strategy
 from uptrain.modeling_table import copy_modeling_files, gqa_config
 
@@ -40,9 +41,9 @@ SIDE_FILE_PATTERNS = (
 )
 
 
-def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int, dtype: str | None) -> None:
+def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int | Mapping[str, int], dtype: str | None) -> None:
     """config.json of the output: the source's, with `num_key_value_heads` (and the dtype when
-    cast) edited in place."""
+    cast) edited in place; an encoder–decoder's KV heads per attention (`gqa_config`)."""
     # Edit the JSON itself, not a transformers config object: every other field stays as it was.
     config = gqa_config(config, num_kv_heads)  # + model_type/auto_map for uptrain's modeling (gpt2_gqa, …)
     if dtype is not None:
@@ -112,6 +113,29 @@ def provenance(
         "kv_groups": groups_used(geo.num_kv_heads, plan.num_kv_heads, kv_orders),
         "query_to_kv": query_to_kv(geo.num_heads, plan.num_kv_heads),
     }
+    if plan.encoder_decoder:
+        # Each attention's heads; the top-level keys above are the decoder self-attention's
+        # (as config.json's num_key_value_heads), the cache that grows with each generated token.
+        after = plan.kv_heads_after()
+        record.update(
+            num_attention_heads=geo.num_heads,
+            num_key_value_heads=after["decoder-self"],
+            kv_groups=kv_groups(geo.num_kv_heads, after["decoder-self"]),
+            query_to_kv=query_to_kv(geo.num_heads, after["decoder-self"]),
+            attention=list(plan.attention),
+            attentions={
+                name: {
+                    "num_layers": stack.geometry.num_layers,
+                    "num_attention_heads": stack.geometry.num_heads,
+                    "head_dim": stack.geometry.head_dim,
+                    "source_num_key_value_heads": stack.geometry.num_kv_heads,
+                    "num_key_value_heads": after[name],
+                    "kv_groups": kv_groups(stack.geometry.num_kv_heads, after[name]),
+                    "query_to_kv": query_to_kv(stack.geometry.num_heads, after[name]),
+                }
+                for name, stack in plan.stacks.items()
+            },
+        )
     if kv_orders:
         record["kv_head_order"] = {str(k): v for k, v in sorted(kv_orders.items())}
     if calibration:
@@ -170,7 +194,7 @@ def _pooling_text(p: dict, layout: AttentionLayout) -> str:
     how = {
         "mean": "each group's K and V heads (weights, biases and per-head key norms) are averaged",
         "first": "each group keeps the K and V heads (weights, biases and key norms) of its first head",
-        "random": f"the K and V heads are freshly initialised (normal(0, `{layout.init_std_key}` of config.json) "
+        "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(layout)}) "
         "weights, zero biases)",
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
     if layout.fused_qkv is not None:  # Q, K and V in one tensor: only its K and V parts change
@@ -196,6 +220,56 @@ def _renames_text(layout: AttentionLayout) -> str:
     )
 
 
+def _random_init_text(layout: AttentionLayout) -> str:
+    if layout.init_std_width_key is not None:
+        return (
+            f"`{layout.init_std_key}` × `{layout.init_std_width_key}`^-½ of config.json, as the "
+            "architecture initialises K and V"
+        )
+    return f"`{layout.init_std_key}` of config.json"
+
+
+def _encoder_decoder_text(p: dict, layout: EncoderDecoderLayout) -> str:
+    """What a conversion did to each attention of an encoder–decoder, naming its tensors."""
+    cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
+    attentions, chosen = p["attentions"], p["attention"]
+    g = p["num_key_value_heads"] if "decoder-self" in chosen else attentions[chosen[0]]["num_key_value_heads"]
+    lines = []
+    for name in chosen:
+        a = attentions[name]
+        h, kv, new = a["num_attention_heads"], a["source_num_key_value_heads"], a["num_key_value_heads"]
+        site = layout.site(name).layout
+        modules = ",".join(site.kv_modules)
+        lines.append(
+            f"- {ATTENTION_NAMES[name]} ({a['num_layers']} layers, {h} query heads, head_dim {a['head_dim']}): "
+            f"{kv} → {new} KV heads; each contiguous group of {kv // new} source KV heads became one "
+            f"(groups: {a['kv_groups']}); query head i reads KV head i // {h // new}. Rewritten: "
+            f"`{site.attn_prefix.format(layer='{i}')}.{{{modules}}}`."
+        )
+    kept = [n for n in attentions if n not in chosen]
+    for name in kept:
+        lines.append(
+            f"- {ATTENTION_NAMES[name]}: unchanged, {attentions[name]['num_key_value_heads']} KV heads "
+            f"(`uptrain convert --attention` chooses which attentions are pooled)."
+        )
+    site = layout.site(chosen[0]).layout
+    parts = "weights and biases" if any(rel.endswith(".bias") for rel in site.kv_rows) else "weights"
+    how = {
+        "mean": f"each group's K and V heads ({parts}) are averaged",
+        "first": f"each group keeps the K and V heads ({parts}) of its first head",
+        "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(site)}) weights"
+        + (", zero biases)" if parts != "weights" else ")"),
+    }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
+    return (
+        f"Grouped-query attention with {g} KV heads in the "
+        + " and the ".join(ATTENTION_NAMES[n] for n in chosen)
+        + ":\n\n"
+        + "\n".join(lines)
+        + f"\n\n`{p['pooling']}` pooling: {how}. `{site.q_proj}`, `{site.o_proj}` and every other tensor are "
+        f"copied unchanged{cast}. Layout: {layout.notes}."
+    )
+
+
 def model_card(p: dict, source_card: dict | None = None) -> str:
     """README.md of a converted checkpoint: Hub metadata and what the conversion did."""
     layout = layout_for(p["model_type"])
@@ -207,6 +281,19 @@ def model_card(p: dict, source_card: dict | None = None) -> str:
         if base:
             source += f" (derived from {_names([base] if isinstance(base, str) else base)})"
     source += f" (revision `{p['source_revision']}`)" if p.get("source_revision") else ""
+    if isinstance(layout, EncoderDecoderLayout):
+        body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads in its decoder (converted by uptrain)
+
+Converted from {source}, an encoder–decoder.
+
+{_encoder_decoder_text(p, layout)} Strategy: {p["pooling_reference"]}. Seed {p["seed"]}.
+
+The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
+`uptrain.json` records the source files' digests, the groups of each attention and the uptrain version \
+({p["uptrain_version"]}).
+"""
+        tags = [p["model_type"], "encoder-decoder"]
+        return front_matter(base, source_card or {}, tags, layout.pipeline_tag) + "\n" + body
     body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads (converted by uptrain)
 
 Converted from {source} ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \

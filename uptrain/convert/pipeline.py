@@ -23,15 +23,14 @@ from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
-from uptrain.convert.grouping import check_num_kv_heads
 from uptrain.convert.layer_merge import LayerMerger, LayerSolution, check_no_clamp, merges_whole_layers
-from uptrain.convert.layouts import AttentionLayout, layout_for
+from uptrain.convert.layouts import DECODER_SELF, Layout, layout_for
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
-from uptrain.convert.plan import DTYPES, ConversionPlan, plan_conversion
+from uptrain.convert.plan import DTYPES, ConversionPlan, choose_attentions, plan_conversion
 from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
 from uptrain.convert.stream import write_weights
-from uptrain.model_info import AttentionGeometry, attention_geometry, read_config, rotary_dim
+from uptrain.model_info import AttentionGeometry, read_config, rotary_dim
 
 
 @dataclass
@@ -56,8 +55,8 @@ class PreparedConversion:
     spec: ConversionSpec
     source: ResolvedSource
     config: dict
-    layout: AttentionLayout
-    geometry: AttentionGeometry
+    layout: Layout
+    geometry: AttentionGeometry  # the decoder self-attention's (a decoder-only model's one)
     strategy: Strategy
     plan: ConversionPlan
     checkpoint: SourceCheckpoint
@@ -105,13 +104,15 @@ def prepare(
         check_not_overlapping(Path(out).absolute(), source.folder)
     config = read_config(source.folder)
     layout = layout_for(config.get("model_type"))
-    geometry = attention_geometry(config, layout.head_dim_key)
-    check_num_kv_heads(geometry.num_heads, geometry.num_kv_heads, spec.num_kv_heads)
+    stacks, attention = choose_attentions(config, layout, spec.attention, spec.num_kv_heads)
+    geometry = stacks[DECODER_SELF].geometry
     check_no_clamp(strategy, config)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
-        plan = plan_conversion(checkpoint, layout, geometry, spec.num_kv_heads, cast, strategy, spec.grouping)
+        plan = plan_conversion(
+            checkpoint, layout, geometry, spec.num_kv_heads, cast, strategy, spec.grouping, stacks, attention
+        )
         prepared = PreparedConversion(
             spec, source, config, layout, geometry, strategy, plan, checkpoint, max_shard_bytes
         )
@@ -137,7 +138,7 @@ def _merger(prepared: PreparedConversion, calibration: Calibration | None, progr
     spec = prepared.spec
     return LayerMerger(
         prepared.checkpoint,
-        prepared.layout,
+        prepared.plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only
         prepared.geometry,
         spec.num_kv_heads,
         prepared.strategy,
@@ -145,7 +146,7 @@ def _merger(prepared: PreparedConversion, calibration: Calibration | None, progr
         rotary_dim(prepared.config, prepared.geometry.head_dim),
         calibration.moments if calibration else None,
         spec.seed,
-        prepared.config.get(prepared.layout.init_std_key, 0.02),
+        prepared.layout.init_std(prepared.config),
         progress,
         solutions=calibration.solved if calibration else None,
     )
@@ -210,7 +211,7 @@ def execute(
             "calibrate(..., keep_moments=True) gives moments that serve any conversion of the source"
         )
     out = Path(out).absolute()
-    init_std = prepared.config.get(prepared.layout.init_std_key, 0.02)
+    init_std = prepared.layout.init_std(prepared.config)
     merger = _merger(prepared, calibration, progress)
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
         write_weights(
@@ -225,7 +226,7 @@ def execute(
             merger,
         )
         source_files = hasher.result()
-        write_config(prepared.source.folder, tmp, prepared.config, spec.num_kv_heads, spec.dtype)
+        write_config(prepared.source.folder, tmp, prepared.config, prepared.plan.config_kv_heads, spec.dtype)
         copy_side_files(prepared.source.folder, tmp, prepared.config)
         record = provenance(
             prepared.source,

@@ -3,6 +3,7 @@ from the source's headers before any byte is written (`uptrain.convert.stream` e
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -10,12 +11,20 @@ import torch
 from uptrain import UptrainError
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry
-from uptrain.convert.grouping import kv_groups
+from uptrain.convert.grouping import check_num_kv_heads, kv_groups
 from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_shapes
-from uptrain.convert.layouts import AttentionLayout
+from uptrain.convert.layouts import DECODER_SELF, AttentionLayout, AttentionStack, Layout, attention_stacks
 from uptrain.convert.pooling import Role, Strategy
+from uptrain.convert.spec import parse_attention
 from uptrain.model_info import AttentionGeometry
 from uptrain.modeling_table import MODELING
+
+# How messages and the model card name each attention.
+ATTENTION_NAMES = {
+    "encoder": "encoder self-attention",
+    DECODER_SELF: "decoder self-attention",
+    "cross": "cross-attention",
+}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,17 +41,66 @@ class PlannedTensor:
     # "fused" only: where Q, K and V sit in the tensor (see AttentionLayout.fused_order).
     axis: int = 0
     order: str = "blocks"
+    # The geometry of the attention a pooled tensor belongs to (an encoder–decoder's attentions
+    # each have their own heads and head_dim); None: the plan's.
+    geometry: AttentionGeometry | None = None
 
 
 @dataclass
 class ConversionPlan:
-    geometry: AttentionGeometry
+    geometry: AttentionGeometry  # the decoder self-attention's (a decoder-only model's only one)
     num_kv_heads: int
     tensors: list[PlannedTensor] = field(default_factory=list)
+    # Every attention of the model and the ones whose K/V were pooled to `num_kv_heads`.
+    stacks: dict[str, AttentionStack] = field(default_factory=dict)
+    attention: tuple[str, ...] = (DECODER_SELF,)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.out.nbytes for t in self.tensors)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return len(self.stacks) > 1
+
+    @property
+    def config_kv_heads(self) -> int | dict[str, int]:
+        """What config.json records (`gqa_config`): G, or an encoder–decoder's KV heads per attention."""
+        return self.kv_heads_after() if self.encoder_decoder else self.num_kv_heads
+
+    def kv_heads_after(self) -> dict[str, int]:
+        """Each attention's KV heads in the output: G where chosen, the source's elsewhere."""
+        return {
+            name: self.num_kv_heads if name in self.attention else stack.geometry.num_kv_heads
+            for name, stack in self.stacks.items()
+        }
+
+
+def choose_attentions(
+    config: dict, layout: Layout, attention: str, num_kv_heads: int
+) -> tuple[dict[str, AttentionStack], tuple[str, ...]]:
+    """Every attention of the model and those `--attention` chooses, G checked against each
+    chosen one. A decoder-only model has only its self-attention: the default (the decoder's
+    self- and cross-attention) means it, and a list naming the encoder or leaving out
+    decoder-self is refused."""
+    stacks = attention_stacks(config, layout)
+    chosen = parse_attention(attention)
+    model_type = config.get("model_type")
+    if isinstance(layout, AttentionLayout):
+        if "encoder" in chosen or DECODER_SELF not in chosen:
+            raise UptrainError(
+                f"--attention {attention}: {model_type} is decoder-only, its one attention is decoder-self"
+            )
+        chosen = (DECODER_SELF,)
+    for name in chosen:
+        geo = stacks[name].geometry
+        try:
+            check_num_kv_heads(geo.num_heads, geo.num_kv_heads, num_kv_heads)
+        except UptrainError as err:
+            if len(stacks) == 1:
+                raise
+            raise UptrainError(f"{err} of its {ATTENTION_NAMES[name]}") from None
+    return stacks, chosen
 
 
 def _role(rel_name: str) -> Role:
@@ -54,19 +112,25 @@ def _role(rel_name: str) -> Role:
 
 def plan_conversion(
     source: SourceCheckpoint,
-    layout: AttentionLayout,
+    layout: Layout,
     geometry: AttentionGeometry,
     num_kv_heads: int,
     cast: torch.dtype | None,
     strategy: Strategy,
     grouping: str = "contiguous",
+    stacks: Mapping[str, AttentionStack] | None = None,
+    attention: Sequence[str] = (DECODER_SELF,),
 ) -> ConversionPlan:
     """Decide every output tensor. Raises on a K/V tensor the layout does not describe.
 
-    When the strategy or grouping merges whole layers, each layer's Q, K, V and O tensors are
-    planned as one unit for `LayerMerger`.
+    `stacks` are the model's attentions (`choose_attentions`; a decoder-only model's one by
+    default) and `attention` those whose K/V are pooled to `num_kv_heads`: every other tensor,
+    the K/V of the attentions not chosen included, is copied. When the strategy or grouping
+    merges whole layers, each layer's Q, K, V and O tensors are planned as one unit for
+    `LayerMerger`.
     """
-    g, h, kv, d = num_kv_heads, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+    if stacks is None:
+        stacks = {DECODER_SELF: AttentionStack(DECODER_SELF, layout, geometry)}
     tensors = source.tensors
     pooled: dict[str, PlannedTensor] = {}  # keyed by the first source tensor
 
@@ -77,9 +141,47 @@ def plan_conversion(
     whole_layer = merges_whole_layers(strategy, grouping)
     if whole_layer and geometry.model_type in MODELING:
         what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
-        raise UptrainError(
-            f"{what} does not support {geometry.model_type} yet; use mean, first or random with contiguous grouping"
+        kind = "encoder–decoders" if len(stacks) > 1 else geometry.model_type
+        raise UptrainError(f"{what} does not support {kind} yet; use mean, first or random with contiguous grouping")
+    kv_prefixes = []
+    for name in attention:
+        stack = stacks[name]
+        kv_prefixes += _plan_stack(
+            tensors, stack.layout, stack.geometry, num_kv_heads, out_dtype, pooled, whole_layer, strategy, grouping
         )
+
+    consumed = {s for p in pooled.values() for s in p.sources}
+    for name in tensors:
+        if name not in consumed and name.startswith(tuple(kv_prefixes)):
+            raise UptrainError(f"unknown tensor {name} inside a K/V module; refusing to guess how to pool it")
+
+    plan = ConversionPlan(geometry, num_kv_heads, stacks=dict(stacks), attention=tuple(attention))
+    for info in source.order():
+        if info.name in pooled:
+            plan.tensors.append(pooled[info.name])
+        elif info.name not in consumed:
+            dtype = out_dtype(info.name)
+            kind = "copy" if dtype == info.dtype else "cast"
+            plan.tensors.append(
+                PlannedTensor(OutputEntry(layout.output_name(info.name), dtype, info.shape), [info.name], kind)
+            )
+    return plan
+
+
+def _plan_stack(
+    tensors: dict,
+    layout: AttentionLayout,
+    geometry: AttentionGeometry,
+    g: int,
+    out_dtype,
+    pooled: dict[str, PlannedTensor],
+    whole_layer: bool,
+    strategy: Strategy,
+    grouping: str,
+) -> list[str]:
+    """Plan the pooled K/V tensors of one attention's every layer into `pooled`; returns the
+    name prefixes of its K/V modules (any tensor there must have been planned)."""
+    h, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
     attn_prefix = layout.attn_prefix_in(tensors)
     kv_prefixes = []
     for layer in range(geometry.num_layers):
@@ -92,13 +194,15 @@ def plan_conversion(
         for rel in layout.kv_rows:
             name = prefix + rel
             if name not in tensors:
-                if rel.endswith("_proj.weight"):
+                if rel in layout.kv_weights:
                     raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
                 continue
             rows, *rest = tensors[name].shape
             if rows != kv * d:
                 raise UptrainError(f"{name} has {rows} rows, expected {kv} KV heads × {d} = {kv * d}")
-            pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), (g * d, *rest)), [name], "rows", _role(rel))
+            pooled[name] = PlannedTensor(
+                OutputEntry(name, out_dtype(name), (g * d, *rest)), [name], "rows", _role(rel), geometry=geometry
+            )
         for rel, role in ((layout.fused_qkv, "weight"), (layout.fused_qkv_bias, "bias")):
             if rel is None:
                 continue
@@ -122,6 +226,7 @@ def plan_conversion(
                 role,
                 axis=axis,
                 order=layout.fused_order,
+                geometry=geometry,
             )
         for template in layout.per_head_kv:
             heads = [prefix + template.format(head=i) for i in range(kv)]
@@ -138,21 +243,6 @@ def plan_conversion(
                     members,
                     "per_head",
                     _role(template),
+                    geometry=geometry,
                 )
-
-    consumed = {s for p in pooled.values() for s in p.sources}
-    for name in tensors:
-        if name not in consumed and name.startswith(tuple(kv_prefixes)):
-            raise UptrainError(f"unknown tensor {name} inside a K/V module; refusing to guess how to pool it")
-
-    plan = ConversionPlan(geometry, g)
-    for info in source.order():
-        if info.name in pooled:
-            plan.tensors.append(pooled[info.name])
-        elif info.name not in consumed:
-            dtype = out_dtype(info.name)
-            kind = "copy" if dtype == info.dtype else "cast"
-            plan.tensors.append(
-                PlannedTensor(OutputEntry(layout.output_name(info.name), dtype, info.shape), [info.name], kind)
-            )
-    return plan
+    return kv_prefixes

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from uptrain import UptrainError
+from uptrain.modeling_table import DEFAULT_ATTENTIONS, STACK_KV_HEADS
 from uptrain.options import Schema, option, validated
 
 Grouping = Literal["contiguous", "similarity"]
@@ -67,6 +68,26 @@ def seed_option(help: str):
     return option(0, at_least=SEED_RANGE[0], at_most=SEED_RANGE[1], help=help)
 
 
+def parse_attention(value: str) -> tuple[str, ...]:
+    """'cross,decoder-self' → ('decoder-self', 'cross'): the attentions named, in model order."""
+    names = [part.strip() for part in value.split(",")]
+    if unknown := [n for n in names if n not in STACK_KV_HEADS]:
+        raise UptrainError(
+            f"unknown attention {unknown[0]!r} in {value!r}; choose a comma list of {', '.join(STACK_KV_HEADS)}"
+        )
+    if len(set(names)) != len(names):
+        raise UptrainError(f"attention list {value!r} names an attention twice")
+    return tuple(a for a in STACK_KV_HEADS if a in names)
+
+
+def _attention_problem(value: str) -> str | None:
+    try:
+        parse_attention(value)
+    except UptrainError as err:
+        return str(err)
+    return None
+
+
 POOLING_HELP = "how each group's heads become one"
 GROUPING_HELP = (
     "which heads share a KV head: contiguous (query head i → KV head i // (h/G)) or similarity (heads "
@@ -80,6 +101,13 @@ class ConversionOptions(Schema):
 
     pooling: str = option("mean", help=POOLING_HELP, choices=strategies)
     grouping: Grouping = option("contiguous", help=GROUPING_HELP)
+    attention: str = option(
+        ",".join(DEFAULT_ATTENTIONS),
+        metavar="LIST",
+        check=_attention_problem,
+        help="encoder–decoders: the attentions whose KV heads -g pools, a comma list of encoder, decoder-self "
+        "and cross (default: the decoder's, the paper's choice); decoder-only models have decoder-self only",
+    )
     calibration_tokens: int = option(
         32768,
         at_least=1,

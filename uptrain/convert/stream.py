@@ -32,7 +32,7 @@ def compute_tensor(
     merger: LayerMerger | None,
 ) -> torch.Tensor:
     """The output tensor `t` of every kind but "copy" (whose bytes stream straight through)."""
-    geo, g = plan.geometry, plan.num_kv_heads
+    geo, g = t.geometry or plan.geometry, plan.num_kv_heads
     ctx = PoolingContext(t.role, t.out.name, seed, init_std)
     if t.kind == "layer":
         return merger.tensor(t.layer, t.out.name).to(t.out.dtype)

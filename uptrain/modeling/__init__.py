@@ -28,6 +28,7 @@ from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM
 from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
 from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM, GPTJGQAModel
 from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
+from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
 from uptrain.modeling_table import gqa_config, modeling_for
 
 # Converted model_type → its (config, base model, model with its task head) classes.
@@ -39,6 +40,7 @@ CLASSES = {
         (OPTGQAConfig, OPTGQAModel, OPTGQAForCausalLM),
         (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
         (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
+        (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
     )
 }
 

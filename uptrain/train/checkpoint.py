@@ -5,6 +5,10 @@ latest folder named `step_*` is always complete, even after a kill in the middle
 checkpoint is deleted by renaming it to a hidden name first, so a kill during the deletion
 never leaves a half-deleted folder under a `step_*` name either; hidden leftovers are cleared
 by the next save.
+
+Each process also writes its position in the streamed training data (`data_state_<rank>.json`,
+`StreamedTrainBlocks.state_dict`) into the temporary folder before the rename, so a complete
+checkpoint always holds the positions that go with its weights.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from uptrain.strict_json import read_json
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
+DATA_STATE_FILE = "data_state_{rank}.json"
 _NAME = re.compile(r"step_(\d+)")
 
 
@@ -45,9 +50,12 @@ def latest_checkpoint(output_dir: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep: int) -> Path:
+def save_checkpoint(
+    accelerator, output_dir: Path, step: int, state: dict, keep: int, data_state: dict | None = None
+) -> Path:
     """Save model, optimizer, RNG states and `state` (JSON) for `step` on every process; keep the
-    last `keep` checkpoints. Every process must call this."""
+    last `keep` checkpoints. Every process must call this; each passes its own `data_state`
+    (its position in the training data; None or {} when the order is a function of the step)."""
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(step)
     # The same temporary name on every process: each writes its own RNG state into it.
@@ -59,6 +67,8 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, keep:
             _discard(final)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if data_state:
+        (tmp / DATA_STATE_FILE.format(rank=accelerator.process_index)).write_text(json.dumps(data_state) + "\n")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
@@ -107,4 +117,18 @@ def load_checkpoint(accelerator, folder: Path) -> dict:
             f"cannot resume from {folder}: {type(err).__name__}: {first}; delete that folder to "
             "resume from the checkpoint before it"
         ) from None
+    return state
+
+
+def load_data_state(folder: Path, rank: int) -> dict | None:
+    """Process `rank`'s position in the training data saved in a checkpoint, or None if it has none."""
+    path = Path(folder) / DATA_STATE_FILE.format(rank=rank)
+    if not path.is_file():
+        return None
+    try:
+        state = read_json(path)
+        if not isinstance(state, dict):
+            raise UptrainError(f"{path} is not a JSON object")
+    except UptrainError as err:
+        raise UptrainError(f"cannot resume: {err}; delete {folder} to resume from the checkpoint before it") from None
     return state

@@ -97,7 +97,12 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
         "(default: true for Hub names, false for local files)",
     )
     eval_blocks: int = Field(64, ge=1, description="most `seq_len` blocks of `eval_data` used for evaluation")
-    data_workers: int | None = Field(None, ge=1, description="processes that tokenize local data (default: 1)")
+    data_workers: int | None = Field(
+        None,
+        ge=1,
+        description="processes that tokenize: for data tokenized up front in all; for streamed data, "
+        "DataLoader workers per process, each reading its own share (default: 1)",
+    )
 
     # Shape of a step.
     output_dir: str = Field(..., description="run folder: metrics.jsonl, checkpoints/, final/, wandb/")
@@ -149,6 +154,11 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
         "that support it and no on CPU",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass to save memory")
+    document_mask: bool = Field(
+        False,
+        description="packed documents do not see each other: positions restart after each EOS and attention "
+        "stays inside each document (a block-diagonal mask; varlen kernels from positions with flash attention)",
+    )
     peak_flops: float | None = Field(
         None,
         gt=0,

@@ -34,10 +34,11 @@ from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
-from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, save_checkpoint
+from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, load_data_state, save_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.distributed import MainProcessWait, make_accelerator, place_teacher, teacher_dtype
+from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
 from uptrain.train.tracking import ensure_wandb_never_prompts, run_config, start_trackers
 
@@ -156,6 +157,7 @@ class Run:
     eval_set: list
     log: M.MetricsLog | None  # main process only
     progress: Progress = field(default_factory=Progress)
+    packing: DocumentPacking | None = None  # document_mask: the forward's inputs that keep documents apart
 
 
 class SourceConversion:
@@ -254,6 +256,9 @@ def setup(config: TrainConfig) -> Run:
         train_blocks=train_blocks,
         eval_set=eval_set,
         log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None,
+        packing=DocumentPacking.for_model(accelerator.unwrap_model(model), tokenizer.eos_token_id)
+        if config.document_mask
+        else None,
     )
 
 
@@ -357,6 +362,8 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
             f"(max_position_embeddings of {model_path})"
         )
     tokenizer = _load_tokenizer(model_path, "model")
+    if config.document_mask:
+        check_document_mask(model_config, config.seq_len, model_path)
     teacher_config = None
     if teacher_path is not None:
         teacher_config = read_config(teacher_path)
@@ -404,7 +411,10 @@ def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
             )
         train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
     else:
-        train_blocks = StreamedTrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
+        train_blocks = StreamedTrainBlocks(
+            train_data, config.seed, config.batch_size, config.grad_accum, world, rank, config.data_workers or 1
+        )
+        # The head of the whole stream (as every process sees it): the same decision everywhere.
         available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
         if available < global_batch:
             raise UptrainError(
@@ -445,7 +455,8 @@ def _token_loss_sums(
 ) -> dict[str, torch.Tensor]:
     """Summed (not averaged) next-token losses of a batch, so that the caller can divide by the
     number of target tokens of the whole step across micro-batches and processes."""
-    logits = run.model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    inputs = run.packing.inputs(input_ids) if run.packing is not None else {"input_ids": input_ids}
+    logits = run.model(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
     labels = input_ids[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     ce = ce.view(labels.shape).sum(dim=1)
@@ -456,7 +467,7 @@ def _token_loss_sums(
         config = run.plan.config
         t = config.distill_temperature
         with torch.no_grad(), run.accelerator.autocast():
-            teacher_logits = run.teacher(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+            teacher_logits = run.teacher(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
         # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
         # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
         kl = (
@@ -649,6 +660,7 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
         return plan.out / "final"
     if run.start.checkpoint is not None:
         step = load_checkpoint(acc, run.start.checkpoint)["step"]
+        run.train_blocks.load_state_dict(load_data_state(run.start.checkpoint, acc.process_index))
         run.progress = Progress(
             start_step=step, step=step, tokens_seen=step * plan.tokens_per_step, checkpoint_step=step
         )
@@ -704,6 +716,7 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
                     "train/tokens_seen": progress.tokens_seen,
                     "perf/tokens_per_second": tokens_per_second,
                     "perf/step_time_s": step_time,
+                    "perf/data_wait_s": run.train_blocks.last_wait_s,
                     "perf/peak_memory_bytes": M.peak_memory_bytes(acc.device),
                 }
             )
@@ -737,6 +750,7 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
                     step,
                     {"step": step, "tokens_seen": progress.tokens_seen, "total_steps": plan.total_steps},
                     config.keep_checkpoints,
+                    data_state=run.train_blocks.state_dict(),
                 )
                 progress.checkpoint_step = step
             bar.update(1)

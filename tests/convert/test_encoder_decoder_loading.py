@@ -1,0 +1,90 @@
+"""Converted encoder–decoder checkpoints load with plain Auto classes and compute what the
+source computes: at G = h bit for bit, with identical heads in each group losslessly (through
+`uptrain convert`, the real pipeline), and `generate()` with the cache (G heads in both the
+self- and the cross-attention cache) equals generation without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    MT5Config,
+    MT5ForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+import uptrain.modeling  # noqa: F401  registers t5_gqa, …: plain Auto classes load the outputs
+from uptrain.convert import convert_checkpoint
+from uptrain.speed import output_cache
+
+T5_SHAPE = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4)
+T5_IDS = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+ARCHITECTURES = {
+    "t5": lambda: T5ForConditionalGeneration(T5Config(**T5_SHAPE, **T5_IDS)),
+    "t5-v1.1": lambda: T5ForConditionalGeneration(
+        T5Config(**T5_SHAPE, **T5_IDS, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    ),
+    "mt5": lambda: MT5ForConditionalGeneration(MT5Config(**T5_SHAPE, **T5_IDS)),
+}
+
+
+def inputs(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "input_ids": torch.randint(2, vocab, (2, 7), generator=g),
+        "decoder_input_ids": torch.randint(2, vocab, (2, 5), generator=g),
+    }
+
+
+def kv_modules(model):
+    """Every K/V projection of the model's attentions (T5: `k`, `v`)."""
+    return [m for name, m in model.named_modules() if name.endswith((".k", ".v"))]
+
+
+def identical_heads_within_groups(model, heads: int, groups: int) -> None:
+    """Make each group's K/V heads copies of its first, so pooling them loses nothing."""
+    per = heads // groups
+    with torch.no_grad():
+        for module in kv_modules(model):
+            w = module.weight.view(heads, -1, module.weight.shape[1])
+            for g in range(groups):
+                w[g * per : (g + 1) * per] = w[g * per].clone()
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_g_equal_h_is_the_source_bit_for_bit(name, tmp_path):
+    torch.manual_seed(0)
+    source = ARCHITECTURES[name]().eval()
+    source.save_pretrained(tmp_path / "src")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 4, progress=False)
+    converted = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    assert type(converted).__name__ == "T5GQAForConditionalGeneration"
+    batch = inputs(source.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(converted(**batch).logits, source(**batch).logits)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_identical_heads_pool_losslessly_and_the_caches_hold_g_heads(name, tmp_path):
+    torch.manual_seed(0)
+    source = ARCHITECTURES[name]().eval()
+    identical_heads_within_groups(source, 4, 2)
+    source.save_pretrained(tmp_path / "src")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 2, progress=False)
+    converted = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    batch = inputs(source.config.vocab_size)
+    with torch.no_grad():
+        expected = source(**batch).logits
+        got = converted(**batch, use_cache=True)
+    torch.testing.assert_close(got.logits, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    cache = output_cache(got)
+    assert cache.self_attention_cache.layers[0].keys.shape[1] == 2
+    assert cache.cross_attention_cache.layers[0].keys.shape[1] == 2
+    # The encoder was not chosen (default --attention decoder-self,cross): its K/V keep 4 heads.
+    assert converted.encoder.block[0].layer[0].SelfAttention.k.weight.shape[0] == 4 * 8
+    with torch.no_grad():
+        cached = converted.generate(batch["input_ids"], max_new_tokens=6, do_sample=False)
+        uncached = converted.generate(batch["input_ids"], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)

@@ -1,0 +1,177 @@
+"""The folder `uptrain tokenize` writes, and how training reads it without tokenizing.
+
+A tokenized folder holds packed `seq_len` blocks exactly as `uptrain.textdata` packs text for
+training, in raw little-endian shards memory-mapped at read time:
+
+    OUT/tokens.json        format, seq_len, dtype, the shards (blocks, bytes, blake3 each), the
+                           tokenizer (name, digest), the data files (bytes, blake3 each), the
+                           packing (text_field, sample_by, documents per packing batch, EOS id)
+    OUT/shard-00000.bin    whole blocks, row-major [blocks, seq_len], uint16 (vocabularies up to
+    OUT/shard-00001.bin    65,536 tokens) or uint32
+
+Training reads block i from shard i // blocks_per_shard: nothing is tokenized or copied until
+a batch asks for its rows. The tokenizer is named by a digest of what decides its tokens, so a
+run whose model tokenizes differently is refused instead of training on the wrong ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import numpy as np
+import torch
+
+from uptrain import UptrainError
+
+INDEX = "tokens.json"
+FORMAT = "uptrain-tokens"
+FORMAT_VERSION = 1
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.bin"
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest shard dtype that holds every id of a vocabulary."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """blake3 of what decides a tokenizer's ids: its fast tokenizer's serialised model,
+    normaliser, pre-tokeniser and added tokens (or, for a slow one, its class and vocabulary),
+    and the EOS id that separates documents. Two copies of one tokenizer saved in different
+    folders (a converted checkpoint's) get the same digest; truncation and padding settings,
+    which packing never uses, are left out."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+    else:
+        state = {"class": type(tokenizer).__name__, "vocab": sorted(tokenizer.get_vocab().items())}
+    state["eos_token_id"] = tokenizer.eos_token_id
+    return blake3.blake3(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def is_token_folder(spec) -> bool:
+    """Whether a data key names a folder `uptrain tokenize` wrote (one path, holding tokens.json)."""
+    return isinstance(spec, str | Path) and (Path(spec).expanduser() / INDEX).is_file()
+
+
+def read_index(folder: Path) -> dict:
+    """The folder's tokens.json, checked for the keys the reader uses. One line when it is not one."""
+    path = Path(folder) / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UptrainError(f"{path} is not a tokens index ({type(err).__name__}); tokenize the data again") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise UptrainError(f"{path} is not a tokens index written by `uptrain tokenize`")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise UptrainError(
+            f"{path} has format version {index.get('format_version')!r}; this uptrain reads version "
+            f"{FORMAT_VERSION}: tokenize the data again"
+        )
+    try:
+        int(index["seq_len"]), int(index["blocks_per_shard"]), DTYPES[index["dtype"]]
+        [(str(s["name"]), int(s["blocks"])) for s in index["shards"]]
+        str(index["tokenizer"]["digest"])
+    except (KeyError, TypeError, ValueError):
+        raise UptrainError(
+            f"{path} is damaged (a key is missing or of the wrong type); tokenize the data again"
+        ) from None
+    return index
+
+
+@dataclass
+class _Shard:
+    path: Path
+    blocks: int
+
+
+class TokenShards:
+    """The blocks of a tokenized folder, memory-mapped shard by shard.
+
+    Reads as the `datasets.Dataset` that `textdata.TokenBlocks` wraps does, in the two calls
+    TokenBlocks makes of it: `with_format("torch")` and `[indices]["input_ids"]` (an int64
+    tensor [len(indices), seq_len]). Pickles by its paths (a DataLoader worker maps the shards
+    itself instead of receiving a copy of them).
+    """
+
+    def __init__(self, folder: Path, index: dict):
+        self.folder = Path(folder)
+        self.seq_len = int(index["seq_len"])
+        self.blocks_per_shard = int(index["blocks_per_shard"])
+        self.dtype = DTYPES[index["dtype"]]
+        self.shards = [_Shard(self.folder / s["name"], int(s["blocks"])) for s in index["shards"]]
+        self.length = sum(s.blocks for s in self.shards)
+        self._maps: list[np.memmap] | None = None
+
+    def check_files(self) -> None:
+        """Refuse a folder whose shards are missing or not of the size the index says."""
+        for shard in self.shards:
+            expected = shard.blocks * self.seq_len * self.dtype.itemsize
+            size = shard.path.stat().st_size if shard.path.is_file() else None
+            if size != expected:
+                found = "missing" if size is None else f"{size} bytes"
+                raise UptrainError(
+                    f"{shard.path} should hold {expected} bytes ({shard.blocks} blocks) but is {found}; "
+                    "tokenize the data again"
+                )
+
+    def _mapped(self) -> list[np.memmap]:
+        if self._maps is None:
+            self._maps = [
+                np.memmap(s.path, dtype=self.dtype, mode="r", shape=(s.blocks, self.seq_len)) for s in self.shards
+            ]
+        return self._maps
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": None}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def with_format(self, kind: str) -> TokenShards:
+        if kind != "torch":
+            raise ValueError(f"token shards read as torch tensors, not {kind}")
+        return self
+
+    def take(self, indices: list[int]) -> torch.Tensor:
+        """Blocks at `indices` as int64 [len(indices), seq_len]."""
+        maps = self._mapped()
+        rows = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for row, i in enumerate(indices):
+            if not 0 <= i < self.length:
+                raise IndexError(f"block {i} of {self.length}")
+            shard, within = divmod(i, self.blocks_per_shard)
+            rows[row] = maps[shard][within]
+        return torch.from_numpy(rows)
+
+    def __getitem__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.take(list(indices))}
+
+
+def open_token_folder(folder, key: str, tokenizer, seq_len: int) -> TokenShards:
+    """The blocks of a tokenized folder for data key `key`, refusing in one line a folder made
+    for another seq_len or by a tokenizer other than the model's."""
+    folder = Path(folder).expanduser()
+    index = read_index(folder)
+    if int(index["seq_len"]) != seq_len:
+        raise UptrainError(
+            f"`{key}`: {folder} was tokenized into blocks of {index['seq_len']} tokens, this run's seq_len "
+            f"is {seq_len}: set seq_len {index['seq_len']} or tokenize again with --seq-len {seq_len}"
+        )
+    if index["tokenizer"]["digest"] != tokenizer_digest(tokenizer):
+        raise UptrainError(
+            f"`{key}`: {folder} was tokenized with tokenizer {index['tokenizer'].get('name')!r}, which is not the "
+            "model's (their digests differ): tokenize the data again with --tokenizer MODEL"
+        )
+    shards = TokenShards(folder, index)
+    shards.check_files()
+    return shards

@@ -189,6 +189,20 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
     run_name: str | None = Field(None, description="run name in wandb (default: the output_dir's name)")
     wandb_group: str | None = Field(None, description="wandb group that collects related runs (e.g. a comparison)")
 
+    # How long processes wait for each other.
+    collective_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a collective (gradient all-reduce, barrier) may wait for the other processes before "
+        "the run fails (default: torch's, 600 under NCCL, 1800 under gloo)",
+    )
+    conversion_timeout_s: float = Field(
+        6 * 3600,
+        gt=0,
+        description="seconds the other processes wait for the main process to convert `source` (calibration, "
+        "merges, writing), whatever collective_timeout_s is",
+    )
+
     # What to do with an existing output_dir.
     resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
     overwrite: bool = Field(False, description="delete an existing output_dir and start over")
@@ -282,6 +296,8 @@ OPERATIONAL_KEYS = frozenset(
         "grad_accum",
         "calibration_device",
         "source_hash",
+        "collective_timeout_s",
+        "conversion_timeout_s",
     }
 )
 

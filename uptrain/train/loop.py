@@ -38,7 +38,7 @@ from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, load_data_state, save_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
-from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
+from uptrain.train.distributed import MainProcessWait, make_accelerator, place_teacher, teacher_dtype
 from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.pairs import load_pairs, pair_eval_batches
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
@@ -222,6 +222,7 @@ def setup(config: TrainConfig) -> Run:
     # Refuses a launch that cannot do what it says (processes that did not join one run, FSDP or
     # DeepSpeed asked for where accelerate falls back) before anything is written.
     accelerator = make_accelerator(
+        config.collective_timeout_s,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=_mixed_precision(config),
         log_with=config.trackers or None,
@@ -247,11 +248,14 @@ def setup(config: TrainConfig) -> Run:
             config, accelerator, tokenizer, global_batch, objective, checked, model_config
         )
         accelerator.wait_for_everyone()
+        # The conversion runs on the main process alone, for minutes to hours: the others wait for
+        # it at a barrier with its own timeout (conversion_timeout_s), not the collectives' one.
+        converted = MainProcessWait(accelerator, config.conversion_timeout_s, "the conversion of `source`")
         if accelerator.is_main_process:
             initialise_run_dir(config, start, _run_info(start, world, global_batch))
             if conversion is not None:
                 conversion.execute(accelerator)
-    accelerator.wait_for_everyone()
+    converted.wait()
     if conversion is not None:
         model_path, model_config = str(conversion.folder), read_config(conversion.folder)  # the converted KV heads
 

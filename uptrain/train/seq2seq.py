@@ -22,7 +22,7 @@ from uptrain.convert.layouts import ENCODER_DECODER_LAYOUTS, attention_stacks
 from uptrain.model_info import AttentionGeometry
 from uptrain.modeling_table import modeling_for
 from uptrain.objectives import IGNORE_INDEX, sentinel_ids_for, span_corruption, span_corruption_lengths, text_infilling
-from uptrain.train.metrics import non_embedding_params
+from uptrain.train.metrics import encoder_decoder_cost
 
 OBJECTIVES = ("causal", "span_corruption", "text_infilling", "pairs", "speech_pairs")
 BLOCK_OBJECTIVES = ("causal", "span_corruption", "text_infilling")  # read packed text blocks

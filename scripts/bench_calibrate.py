@@ -8,9 +8,17 @@ calibration text from the repo's corpus. Then runs each path as its own child pr
   baseline   the imports every path pays (torch, transformers, datasets, uptrain), no model
   layerwise  uptrain.convert.calibration.collect_attention_moments: the model built on the
              meta device, one decoder layer at a time read from the shards, moments spilled
+             (what `uptrain compare` keeps; every conversion did this before issue #20)
+  solved     (--solved) uptrain.convert.pipeline.calibrate as `uptrain convert --pooling calibrated` and
+             `uptrain train --source` run it since issue #20: the layerwise pass, each layer's
+             merge solved as soon as its moment is complete and the moment dropped
   whole      the path uptrain had before (issue #11): AutoModelForCausalLM.from_pretrained in
              the forward dtype, forward pre-hooks on every attention module, every layer's
              moment held in memory
+  merge      (--merge-hidden N) one layer's calibrated merge at hidden N (4096: Llama-2-7B's
+             attention: 32 heads of 128, to 8 KV heads) on a random layer and moment: CPU
+             seconds to solve it (needs C) and to apply it (weights only), --threads threads
+             (default 1, as under `accelerate launch`, which sets OMP_NUM_THREADS=1)
 
 Both paths read the same blocks in the same batches and save their first and last layer's
 moments; the report gives the largest relative difference between them. Then the layerwise
@@ -20,6 +28,9 @@ CPU (default; the forward pass costs ~2 FLOPs per parameter per token, so --toke
     python scripts/bench_calibrate.py                         # ~2 GB checkpoint, 4096 tokens
 GPU (7B-shaped checkpoint, ~13.5 GB bf16; peak GPU memory reported too):
     python scripts/bench_calibrate.py --device cuda --shape 7b --tokens 32768 --no-double
+
+With the conversions' path:  python scripts/bench_calibrate.py --solved [--no-whole --no-double]
+One layer's merge timed:    python scripts/bench_calibrate.py --merge-only [--merge-hidden 4096] [--threads N]
 
 Prints a table, then as its last line one JSON object with rss_ratio_vs_whole,
 rss_over_baseline_bytes (per path), seconds_per_token (per path), double_layers and
@@ -43,7 +54,7 @@ from bench_convert import model_shape, warm_read  # noqa: E402  (same synthetic 
 
 # Llama-2-7B's attention and MLP shapes (the vocabulary is the same 32000).
 SHAPE_7B = dict(hidden=4096, heads=32, intermediate=11008, vocab=32000, layers=32)
-PATHS = ("baseline", "layerwise", "whole")
+PATHS = ("baseline", "layerwise", "solved", "whole")
 
 # Linux carries the spawning process's resident high-water mark into a child's ru_maxrss, so a
 # lean launcher interpreter spawns each measured child (see scripts/bench_convert.py); this one
@@ -90,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads in each child (default: torch's)")
     p.add_argument("--no-whole", action="store_true", help="skip the whole-model path (it needs the model in RAM)")
+    p.add_argument(
+        "--solved", action="store_true", help="also run the conversions' path, which solves each layer's merge"
+    )
+    p.add_argument(
+        "--merge-hidden",
+        type=int,
+        default=None,
+        help="also time one layer's calibrated merge at this hidden size (4096: Llama-2-7B's; default: not timed)",
+    )
+    p.add_argument("--merge-only", action="store_true", help="only time one layer's merge (--merge-hidden, or 4096)")
     p.add_argument("--no-double", action="store_true", help="skip the twice-the-layers memory check")
     p.add_argument("--workdir", help="where checkpoints are written (default: a temporary folder, removed)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # internal: run one path in this process
@@ -126,6 +147,74 @@ def child_layerwise(src: Path, data: str, opts: dict):
         progress=False,
     )
     return moments, info["tokens"]
+
+
+def child_solved(src: Path, data: str, opts: dict):
+    """The conversions' path: each layer's calibrated merge solved as its moment completes."""
+    from uptrain.convert.pipeline import calibrate, prepare
+    from uptrain.convert.spec import conversion_spec
+
+    spec = conversion_spec(
+        source=str(src),
+        num_kv_heads=opts["groups"],
+        pooling="calibrated",
+        calibration_data=data,
+        calibration_tokens=opts["tokens"],
+        calibration_seq_len=opts["seq_len"],
+        calibration_device=opts["device"],
+        calibration_dtype=opts["dtype"],
+    )
+    with prepare(spec) as prepared:
+        calibration = calibrate(prepared, progress=False)
+    held = sum(
+        t.numel() * t.element_size()
+        for solution in calibration.solved.values()
+        for t in _solution_tensors(solution.calibrated)
+    )
+    return calibration, calibration.info["tokens"], held
+
+
+def _solution_tensors(solution):
+    yield from (*solution.value_mix, *solution.value_maps)
+    for part in (*solution.key_rotary, *solution.key_plain):
+        if part is not None:
+            yield from (part.alpha, part.e, part.lam, part.sigma)
+
+
+def child_merge(opts: dict) -> dict:
+    """One layer's calibrated merge at hidden `merge_hidden`: solve (with C) and apply (without)."""
+    import torch
+
+    from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
+
+    hidden = opts["merge_hidden"]
+    heads, device = max(1, hidden // 128), torch.device(opts["device"])
+    groups = max(1, heads // 4)  # 32 → 8 KV heads at hidden 4096, as configs/llama2-7b_gqa8.yaml
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(*shape):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) / hidden**0.5).to(device)
+
+    x = torch.randn(4 * hidden, hidden + 1, generator=gen, dtype=torch.float64).to(device)
+    x[:, -1] = 1  # the augmented constant input
+    c = x.mT @ x / x.shape[0]
+    del x
+    layer = LayerAttention(
+        weight(hidden, hidden), weight(hidden, hidden), weight(hidden, hidden), weight(hidden, hidden),
+        None, None, None, heads, heads, hidden // heads, hidden // heads,
+    )  # fmt: skip
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = {}
+    for step in ("solve", "apply"):
+        cpu, wall = time.process_time(), time.perf_counter()
+        if step == "solve":
+            solution = solve_calibrated(layer, groups, c)
+        else:
+            apply_calibrated(layer, groups, solution)
+        sync()
+        times[f"{step}_cpu_seconds"] = round(time.process_time() - cpu, 2)
+        times[f"{step}_wall_seconds"] = round(time.perf_counter() - wall, 2)
+    return {"hidden": hidden, "heads": heads, "groups": groups, "threads": torch.get_num_threads(), **times}
 
 
 def child_whole(src: Path, data: str, opts: dict):
@@ -184,6 +273,11 @@ def run_as_child(argv: list[str]) -> int:
     if kind == "baseline":
         print(json.dumps({}))
         return 0
+    if kind == "merge":
+        opts = json.loads(argv[1])
+        torch.set_num_threads(opts["threads"] or 1)
+        print(json.dumps(child_merge(opts)))
+        return 0
     src, data, opts, saved = Path(argv[1]), argv[2], json.loads(argv[3]), Path(argv[4])
     if kind == "tokenize":  # fills the datasets cache, so that no measured path pays for tokenizing
         from uptrain.convert.calibration import load_calibration_tokenizer
@@ -207,20 +301,26 @@ def run_as_child(argv: list[str]) -> int:
         torch.set_num_threads(opts["threads"])
     cuda = opts["device"].startswith("cuda")
     start = time.perf_counter()
-    moments, tokens = (child_layerwise if kind == "layerwise" else child_whole)(src, data, opts)
+    held = None
+    if kind == "solved":
+        _, tokens, held = child_solved(src, data, opts)
+    else:
+        moments, tokens = (child_layerwise if kind == "layerwise" else child_whole)(src, data, opts)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    from safetensors.torch import save_file
+    if kind != "solved":
+        from safetensors.torch import save_file
 
-    last = max(moments)
-    save_file({"first": moments[0].contiguous(), "last": moments[last].contiguous()}, saved)
+        last = max(moments)
+        save_file({"first": moments[0].contiguous(), "last": moments[last].contiguous()}, saved)
     print(
         json.dumps(
             {
                 "seconds": seconds,
                 "tokens": tokens,
                 "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                "solutions_bytes": held,
             }
         )
     )
@@ -294,6 +394,21 @@ def measure(src: Path, data: Path, work: Path, opts: dict, paths) -> dict[str, d
     return results
 
 
+def time_merge(opts: dict) -> dict:
+    """One layer's calibrated merge in its own child process: CPU seconds to solve and to apply."""
+    me = str(Path(__file__).resolve())
+    print(f"timing one layer's merge at hidden {opts['merge_hidden']}", file=sys.stderr, flush=True)
+    merge = run_child([sys.executable, me, "--child", "merge", json.dumps(opts)])
+    print(
+        f"merge of one layer at hidden {merge['hidden']} ({merge['heads']} heads → {merge['groups']} KV heads, "
+        f"{merge['threads']} thread(s), {opts['device']}): solve {merge['solve_cpu_seconds']} CPU-s "
+        f"({merge['solve_wall_seconds']} s), apply {merge['apply_cpu_seconds']} CPU-s "
+        f"({merge['apply_wall_seconds']} s), "
+        f"peak RSS {merge['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
+    return merge
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.child:
@@ -312,8 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "threads": args.threads,
+        "groups": max(1, shape["heads"] // 4),  # the merge's KV heads in the solved path
     }
-    paths = [p for p in PATHS if not (p == "whole" and args.no_whole)]
+    merge = None
+    if args.merge_only or args.merge_hidden:
+        merge = time_merge({**opts, "merge_hidden": args.merge_hidden or 4096, "threads": args.threads or 1})
+    if args.merge_only:
+        print(json.dumps({"merge": merge}))
+        return 0
+    paths = [p for p in PATHS if not (p == "whole" and args.no_whole) and not (p == "solved" and not args.solved)]
     with tempfile.TemporaryDirectory(prefix="bench-calibrate-", dir=args.workdir) as tmp:
         work = Path(tmp)
         os.environ["HF_DATASETS_CACHE"] = str(work / "datasets-cache")  # the tokenized text goes with the rest
@@ -334,6 +456,13 @@ def main(argv: list[str] | None = None) -> int:
             src2 = write_checkpoint(work / "src2x", {**shape, "layers": 2 * shape["layers"]})
             double = {"layers": 2 * shape["layers"], **measure(src2, data, work, opts, ["layerwise"])["layerwise"]}
     report = summarize(shape, checkpoint_bytes, results, double, difference, args)
+    if merge is not None:
+        report["merge_one_layer"] = merge
+    if "solved" in results:
+        # What each path keeps of the layers it has calibrated: every moment (spilled to TMPDIR) or
+        # each layer's merge solution (in memory).
+        report["moments_bytes"] = shape["layers"] * (shape["hidden"] + 1) ** 2 * 8
+        report["solutions_bytes"] = results["solved"]["solutions_bytes"]
     print_table(report)
     print(json.dumps(report))
     return 0
@@ -412,6 +541,11 @@ def print_table(report: dict) -> None:
         f"RSS over baseline, layerwise / whole: {report['rss_ratio_vs_whole']} (target ≤ 0.25); moments' largest "
         f"relative difference {report['moments_max_relative_difference']}"
     )
+    if "solutions_bytes" in report:
+        print(
+            f"kept across layers: every moment {report['moments_bytes'] / 2**20:.0f} MiB (layerwise, spilled) vs "
+            f"merge solutions {report['solutions_bytes'] / 2**20:.1f} MiB (solved, {report['layers']} layers)"
+        )
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in report["targets_met"].items()))
 
 

@@ -24,8 +24,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Safetensors reading and writing, atomic folders and locks, sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
     # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,
-    # token shards (`uptrain tokenize`'s folder and its reader) and the command that writes them.
-    ("data", ("uptrain.budgets", "uptrain.textdata", "uptrain.corpus", "uptrain.token_shards", "uptrain.pretokenize")),
+    # token shards (`uptrain tokenize`'s folder and its reader) and the command that writes them,
+    # the encoder–decoder objectives (span corruption, text infilling) on token blocks.
+    (
+        "data",
+        (
+            "uptrain.budgets",
+            "uptrain.textdata",
+            "uptrain.corpus",
+            "uptrain.token_shards",
+            "uptrain.pretokenize",
+            "uptrain.objectives",
+        ),
+    ),
     # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM and the encoder–decoders (T5, BART, mBART,
     # Marian, Whisper); importing it registers them with transformers.
     ("modeling", ("uptrain.modeling.*",)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -224,3 +225,73 @@ def test_streamed_calibration_data_reads_the_same_first_blocks(tokenizer, calibr
     assert len(local) > 5
     assert torch.equal(_first_blocks(streamed, 5), _first_blocks(local, 5))
     assert torch.equal(_first_blocks(streamed, 10**6), _first_blocks(local, 10**6))
+
+
+@pytest.mark.parametrize("options", [dict(pooling="calibrated"), dict(grouping="similarity", pooling="mean")])
+def test_merges_solved_during_calibration_equal_merges_from_kept_moments(
+    options, tokenizer, calibration_text, tmp_path
+):
+    """`calibrate` solves each layer's merge as its moment completes and keeps no moment; the
+    conversion is bit for bit the one made from the kept moments (compare's path)."""
+    from uptrain.convert.pipeline import calibrate, execute, prepare
+    from uptrain.convert.spec import conversion_spec
+
+    src = save(build("phi", tokenizer), tokenizer, tmp_path / "src")  # partial rotary: both key paths
+    spec = conversion_spec(
+        source=str(src),
+        num_kv_heads=2,
+        calibration_data=str(calibration_text),
+        calibration_tokens=NUM_TOKENS,
+        calibration_seq_len=SEQ_LEN,
+        calibration_device="cpu",
+        **options,
+    )
+    outputs = []
+    for keep in (False, True):
+        with prepare(spec) as prepared:
+            calibration = calibrate(prepared, progress=False, keep_moments=keep)
+            if keep:
+                assert isinstance(calibration.moments, SpilledMoments) and not calibration.solved
+            else:
+                assert dict(calibration.moments) == {} and sorted(calibration.solved) == [0, 1]
+            out = execute(prepared, tmp_path / f"keep-{keep}", calibration=calibration, progress=False)
+        outputs.append((load_file(out / "model.safetensors"), (out / "uptrain.json").read_text()))
+    (solved, solved_card), (kept, kept_card) = outputs
+    assert solved.keys() == kept.keys() and all(torch.equal(solved[k], kept[k]) for k in solved)
+    order = json.loads(solved_card).get("kv_head_order")
+    assert order == json.loads(kept_card).get("kv_head_order")
+
+
+def test_per_layer_moments_are_handed_over_in_layer_order_and_not_kept(tokenizer, calibration_text, tmp_path):
+    src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
+    reference, _ = collect_attention_moments(
+        src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu", progress=False
+    )
+    handed = []
+    moments, info = collect_attention_moments(
+        src,
+        str(calibration_text),
+        num_tokens=256,
+        seq_len=SEQ_LEN,
+        device="cpu",
+        progress=False,
+        per_layer=lambda layer, c: handed.append((layer, c)),
+    )
+    assert len(moments) == 0 and info["tokens"] == 256
+    assert [layer for layer, _ in handed] == [0, 1]
+    assert all(c.dtype == torch.float64 and torch.equal(c, reference[layer]) for layer, c in handed)
+
+
+def test_a_calibration_solved_for_one_conversion_is_refused_by_another(tokenizer, calibration_text, tmp_path):
+    from uptrain.convert.pipeline import calibrate, execute, prepare
+    from uptrain.convert.spec import conversion_spec
+
+    src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
+    common = dict(source=str(src), pooling="calibrated", calibration_data=str(calibration_text))
+    common.update(calibration_tokens=128, calibration_seq_len=SEQ_LEN, calibration_device="cpu")
+    with prepare(conversion_spec(num_kv_heads=2, **common)) as prepared:
+        calibration = calibrate(prepared, progress=False)
+    with prepare(conversion_spec(num_kv_heads=4, **common)) as other:
+        with pytest.raises(UptrainError, match="solved for another conversion"):
+            execute(other, tmp_path / "out", calibration=calibration, progress=False)
+    assert not (tmp_path / "out").exists()

@@ -88,3 +88,33 @@ def test_identical_heads_pool_losslessly_and_the_caches_hold_g_heads(name, tmp_p
         cached = converted.generate(batch["input_ids"], max_new_tokens=6, do_sample=False)
         uncached = converted.generate(batch["input_ids"], max_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+def test_the_feature_extractor_and_sentencepiece_files_travel_with_the_weights(tmp_path):
+    """A Whisper checkpoint's preprocessor_config.json (its feature extractor, which speech
+    training and transcription read) and Marian's source/target .spm files are copied byte for byte."""
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=16,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    WhisperForConditionalGeneration(config).save_pretrained(tmp_path / "src")
+    WhisperFeatureExtractor(feature_size=8).save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "source.spm").write_bytes(b"\x00sentencepiece model bytes")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 2, progress=False)
+    for name in ("preprocessor_config.json", "source.spm"):
+        assert (out / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
+    assert WhisperFeatureExtractor.from_pretrained(out).feature_size == 8

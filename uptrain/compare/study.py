@@ -170,7 +170,7 @@ def _calibration(prepared, root: Path, log=print) -> Calibration:
         except (OSError, SafetensorError, UptrainError, KeyError, ValueError):
             pass
         log(f"[compare] {path} is damaged or incomplete; calibrating again")
-    calibration = calibrate(prepared, progress=False)
+    calibration = calibrate(prepared, progress=False, keep_moments=True)  # reused by every conversion
     with atomic_file(path) as tmp:
         save_file(
             {str(k): calibration.moments[k].contiguous() for k in calibration.moments},

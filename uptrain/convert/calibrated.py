@@ -20,6 +20,13 @@ scales per pair. Each source head's key pair u_s is approximated by σ_s · v (s
 scale σ_s), weighted by its queries' energy E|q|²; the best v is a rank-1 Hermitian
 eigenproblem, and conj(σ_s) is folded into the query pair rows. Dimensions outside the
 rotary part are handled the same way with real scales.
+
+Each merge is two steps: `solve_calibrated` decides, from C and the layer's weights, the few
+numbers the merge needs (per group the eigenvectors that make the shared V, per source head its
+d×d map and its key scales: O(kv·d²), not O(D²)); `apply_calibrated` computes the merged weights
+from the source weights and those numbers. Solving is the expensive part (O(D²·h·d) per layer,
+in float64) and runs as soon as a layer's C is complete, on the device C is on; C is then no
+longer needed, so no layer's C outlives its calibration.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class LayerAttention:
 
 
 def _augment(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    ones_col = b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+    ones_col = b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
     return torch.cat([w, ones_col[:, None]], dim=1)
 
 
@@ -67,11 +74,71 @@ def _psd_sqrt(m: torch.Tensor) -> torch.Tensor:
 def regularised(c: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
     """C plus a small ridge so directions the calibration text never visited stay invertible."""
     scale = c.diagonal().mean().clamp(min=1e-12)
-    return c + ridge * scale * torch.eye(c.shape[0], dtype=c.dtype)
+    return c + ridge * scale * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
 
 
-def merge_values(
-    layer: LayerAttention, groups: int, c: torch.Tensor
+@dataclass
+class RankOne:
+    """One `_solve_rank_one`: query energies α [P, r], the top eigenvector e [P, r] and value λ [P]
+    of the weighted Gram, and the per-head scales σ [P, r] folded into the query rows."""
+
+    alpha: torch.Tensor
+    e: torch.Tensor
+    lam: torch.Tensor
+    sigma: torch.Tensor
+
+
+@dataclass
+class CalibratedSolution:
+    """What the calibrated merge of one layer takes from C (see the module docstring)."""
+
+    value_mix: list[torch.Tensor]  # per group: [r·d, d]; the shared V is value_mixᵀ · a (a: `_value_inputs`)
+    value_maps: list[torch.Tensor]  # per source KV head s: M_s [d, d], folded into its queries' o_proj columns
+    key_rotary: list[RankOne | None]  # per group: the rotary pairs' complex scales (None without rotary dims)
+    key_plain: list[RankOne | None]  # per group: the real scales of dims RoPE leaves alone (None if all rotate)
+
+    def to(self, device) -> CalibratedSolution:
+        def move(x):
+            return None if x is None else RankOne(*(t.to(device) for t in (x.alpha, x.e, x.lam, x.sigma)))
+
+        return CalibratedSolution(
+            [t.to(device) for t in self.value_mix],
+            [t.to(device) for t in self.value_maps],
+            [move(x) for x in self.key_rotary],
+            [move(x) for x in self.key_plain],
+        )
+
+
+def _value_inputs(layer: LayerAttention, v_aug: torch.Tensor, j: int, r: int) -> torch.Tensor:
+    """a: group j's source V heads, each weighted by the square root of its queries' o_proj Gram, [r·d, D+1]."""
+    d = layer.head_dim
+    blocks = []
+    for s in range(j * r, (j + 1) * r):
+        o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
+        gram = sum(o.mT @ o for o in o_cols)
+        blocks.append(_psd_sqrt(gram) @ v_aug[s * d : (s + 1) * d])
+    return torch.cat(blocks)
+
+
+def solve_values(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[list, list]:
+    """Per group the mix that makes its shared V; per source head its map M_s: (value_mix, value_maps)."""
+    d, kv = layer.head_dim, layer.num_kv_heads
+    r = kv // groups
+    v_aug = _augment(layer.v_w, layer.v_b)
+    mix, maps = [], []
+    for j in range(groups):
+        a = _value_inputs(layer, v_aug, j, r)
+        vals, vecs = torch.linalg.eigh(a @ c @ a.mT)
+        top_vals, top_vecs = vals[-d:].flip(0), vecs[:, -d:].flip(1)
+        mix.append(top_vecs / top_vals.clamp(min=1e-30).sqrt())
+        w = mix[-1].mT @ a  # [d, D+1], w C wᵀ = I
+        for s in range(j * r, (j + 1) * r):
+            maps.append(v_aug[s * d : (s + 1) * d] @ c @ w.mT)  # [d, d]
+    return mix, maps
+
+
+def apply_values(
+    layer: LayerAttention, groups: int, solution: CalibratedSolution
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Shared V per group and o_proj with each head's map folded in: (v_w, v_b, o_w)."""
     d, kv = layer.head_dim, layer.num_kv_heads
@@ -80,70 +147,93 @@ def merge_values(
     o_w = layer.o_w.clone()
     new_v = []
     for j in range(groups):
-        sources = range(j * r, (j + 1) * r)
-        blocks = []
-        for s in sources:
-            o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
-            gram = sum(o.mT @ o for o in o_cols)
-            blocks.append(_psd_sqrt(gram) @ v_aug[s * d : (s + 1) * d])
-        a = torch.cat(blocks)  # [r·d, D+1]
-        vals, vecs = torch.linalg.eigh(a @ c @ a.mT)
-        top_vals, top_vecs = vals[-d:].flip(0), vecs[:, -d:].flip(1)
-        w = (top_vecs / top_vals.clamp(min=1e-30).sqrt()).mT @ a  # [d, D+1], w C wᵀ = I
-        new_v.append(w)
-        for s in sources:
-            m = v_aug[s * d : (s + 1) * d] @ c @ w.mT  # [d, d]
+        new_v.append(solution.value_mix[j].mT @ _value_inputs(layer, v_aug, j, r))
+        for s in range(j * r, (j + 1) * r):
             for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
-                o_w[:, q * d : (q + 1) * d] = layer.o_w[:, q * d : (q + 1) * d] @ m
+                o_w[:, q * d : (q + 1) * d] = layer.o_w[:, q * d : (q + 1) * d] @ solution.value_maps[s]
     v_w, v_b = _split(torch.cat(new_v), layer.v_b is not None)
     return v_w, v_b, o_w
 
 
-def _rank_one(u: torch.Tensor, alpha: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best shared v and scales σ with u_s ≈ σ_s v under Σ_s α_s ‖·‖²_C.
+def _solve_rank_one(u: torch.Tensor, alpha: torch.Tensor, c: torch.Tensor) -> RankOne:
+    """Best shared v and scales σ with u_s ≈ σ_s v under Σ_s α_s ‖·‖²_C (v itself: `_shared_vector`).
 
     u: [P, r, D+1] (complex for rotary pairs, real otherwise), alpha: [P, r].
-    Returns v: [P, D+1], sigma: [P, r].
     """
     a = u * alpha.sqrt()[..., None]  # [P, r, D+1]
     cc = c.to(a.dtype)
     gram = a.conj() @ cc @ a.mT  # [P, r, r], gram[p, s, t] = a_s^H C a_t
     vals, vecs = torch.linalg.eigh(gram)
     lam, e = vals[:, -1].clamp(min=1e-30), vecs[:, :, -1]  # [P], [P, r]
-    v = (e[:, None, :] @ a)[:, 0] / lam.sqrt()[:, None].to(a.dtype)  # v = Σ_s e_s a_s / √λ
     s_prime = (e.conj()[:, None, :] @ gram)[:, 0] / lam.sqrt()[:, None].to(a.dtype)  # [P, r]
     # Heads whose queries carry no energy have α = 0: any scale is as good; keep theirs finite.
     sigma = torch.where(alpha > 0, s_prime / alpha.clamp(min=1e-30).sqrt().to(a.dtype), torch.zeros_like(s_prime))
-    return v, sigma
+    return RankOne(alpha, e, lam, sigma)
 
 
-def merge_keys(
-    layer: LayerAttention, groups: int, c: torch.Tensor
+def _shared_vector(u: torch.Tensor, solved: RankOne) -> torch.Tensor:
+    """v = Σ_s e_s a_s / √λ, [P, D+1]."""
+    a = u * solved.alpha.sqrt()[..., None]
+    return (solved.e[:, None, :] @ a)[:, 0] / solved.lam.sqrt()[:, None].to(a.dtype)
+
+
+def _key_heads(layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    d = layer.head_dim
+    return (
+        _augment(layer.k_w, layer.k_b).view(layer.num_kv_heads, d, -1),
+        _augment(layer.q_w, layer.q_b).view(layer.num_heads, d, -1),
+    )
+
+
+def _rotary_pairs(ks: torch.Tensor, half: int, rot: int) -> torch.Tensor:
+    return torch.complex(ks[:, :half], ks[:, half:rot]).transpose(0, 1)  # [half, r, D+1]
+
+
+def solve_keys(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[list, list]:
+    """Per group the key scales of the rotary pairs and of the other dims: (key_rotary, key_plain)."""
+    d, kv, rot = layer.head_dim, layer.num_kv_heads, layer.rotary_dim
+    r, half = kv // groups, rot // 2
+    k_aug, q_aug = _key_heads(layer)
+    # Query energy per source KV head and dim: α[s, i] = Σ_{q→s} E[(q_i)²].
+    q_energy = torch.einsum("hdx,xy,hdy->hd", q_aug, c, q_aug).view(kv, layer.n_rep, d).sum(1)
+    rotary, plain = [], []
+    for j in range(groups):
+        sources = list(range(j * r, (j + 1) * r))
+        ks = k_aug[sources]  # [r, d, D+1]
+        rotary.append(
+            _solve_rank_one(
+                _rotary_pairs(ks, half, rot), (q_energy[sources, :half] + q_energy[sources, half:rot]).mT, c
+            )
+            if half
+            else None
+        )
+        plain.append(_solve_rank_one(ks[:, rot:].transpose(0, 1), q_energy[sources, rot:].mT, c) if rot < d else None)
+    return rotary, plain
+
+
+def apply_keys(
+    layer: LayerAttention, groups: int, solution: CalibratedSolution
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Shared K per group; each query head's rows absorb its conj(σ): (k_w, k_b, q_w, q_b)."""
     d, kv, rot = layer.head_dim, layer.num_kv_heads, layer.rotary_dim
     r, half = kv // groups, rot // 2
-    k_aug = _augment(layer.k_w, layer.k_b).view(kv, d, -1)
-    q_aug = _augment(layer.q_w, layer.q_b).view(layer.num_heads, d, -1)
-    new_k = torch.zeros(groups, d, k_aug.shape[-1], dtype=k_aug.dtype)
+    k_aug, q_aug = _key_heads(layer)
+    new_k = torch.zeros(groups, d, k_aug.shape[-1], dtype=k_aug.dtype, device=k_aug.device)
     new_q = q_aug.clone()
-    # Query energy per source KV head and dim: α[s, i] = Σ_{q→s} E[(q_i)²].
-    q_energy = torch.einsum("hdx,xy,hdy->hd", q_aug, c, q_aug).view(kv, layer.n_rep, d).sum(1)
     for j in range(groups):
         sources = list(range(j * r, (j + 1) * r))
         ks = k_aug[sources]  # [r, d, D+1]
         if half:
-            u = torch.complex(ks[:, :half], ks[:, half:rot]).transpose(0, 1)  # [half, r, D+1]
-            alpha = (q_energy[sources, :half] + q_energy[sources, half:rot]).mT  # [half, r]
-            v, sigma = _rank_one(u, alpha, c)
+            solved = solution.key_rotary[j]
+            v, sigma = _shared_vector(_rotary_pairs(ks, half, rot), solved), solved.sigma
             new_k[j, :half], new_k[j, half:rot] = v.real, v.imag
             for i, s in enumerate(sources):
                 for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
                     pair = torch.complex(q_aug[q, :half], q_aug[q, half:rot]) * sigma[:, i, None].conj()
                     new_q[q, :half], new_q[q, half:rot] = pair.real, pair.imag
         if rot < d:  # dims RoPE leaves alone: real scales
-            u = ks[:, rot:].transpose(0, 1)  # [d - rot, r, D+1]
-            v, sigma = _rank_one(u, q_energy[sources, rot:].mT, c)
+            solved = solution.key_plain[j]
+            v, sigma = _shared_vector(ks[:, rot:].transpose(0, 1), solved), solved.sigma
             new_k[j, rot:] = v
             for i, s in enumerate(sources):
                 for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
@@ -153,19 +243,29 @@ def merge_keys(
     return k_w, k_b, q_w, q_b
 
 
+def solve_calibrated(layer: LayerAttention, groups: int, c: torch.Tensor) -> CalibratedSolution:
+    """Everything the calibrated merge of `layer` to `groups` KV heads takes from C."""
+    c = regularised(c)
+    return CalibratedSolution(*solve_values(layer, groups, c), *solve_keys(layer, groups, c))
+
+
+def apply_calibrated(layer: LayerAttention, groups: int, solution: CalibratedSolution) -> LayerAttention:
+    """Pool a layer to `groups` KV heads with a solved calibrated merge (weights only, no C)."""
+    v_w, v_b, o_w = apply_values(layer, groups, solution)
+    k_w, k_b, q_w, q_b = apply_keys(layer, groups, solution)
+    return replace(layer, q_w=q_w, q_b=q_b, k_w=k_w, k_b=k_b, v_w=v_w, v_b=v_b, o_w=o_w, num_kv_heads=groups)
+
+
 def calibrated_merge(layer: LayerAttention, groups: int, c: torch.Tensor) -> LayerAttention:
     """Pool a layer to `groups` KV heads with the calibrated K and V merges."""
-    c = regularised(c)
-    v_w, v_b, o_w = merge_values(layer, groups, c)
-    k_w, k_b, q_w, q_b = merge_keys(layer, groups, c)
-    return replace(layer, q_w=q_w, q_b=q_b, k_w=k_w, k_b=k_b, v_w=v_w, v_b=v_b, o_w=o_w, num_kv_heads=groups)
+    return apply_calibrated(layer, groups, solve_calibrated(layer, groups, c))
 
 
 def head_similarity(layer: LayerAttention, c: torch.Tensor) -> torch.Tensor:
     """[kv, kv] similarity of source KV heads: how much their K and V read the same input
     directions under C (1 for heads spanning the same subspace, 0 for orthogonal ones)."""
     d, kv = layer.head_dim, layer.num_kv_heads
-    sim = torch.zeros(kv, kv, dtype=torch.float64)
+    sim = torch.zeros(kv, kv, dtype=torch.float64, device=c.device)
     for w in (_augment(layer.k_w, layer.k_b), _augment(layer.v_w, layer.v_b)):
         heads = w.view(kv, d, -1)
         cross = torch.einsum("sdx,xy,tey->stde", heads, c, heads).pow(2).sum((2, 3))  # ‖W_s C W_tᵀ‖²_F
@@ -204,8 +304,10 @@ def permute_kv_heads(layer: LayerAttention, order: list[int]) -> LayerAttention:
     """Renumber KV heads (and the query heads that read them) — exact: Q rows, K/V rows and
     O columns move together, so the layer computes the same function."""
     d, n_rep = layer.head_dim, layer.n_rep
-    kv_rows = torch.tensor([s * d + i for s in order for i in range(d)])
-    q_rows = torch.tensor([(s * n_rep + k) * d + i for s in order for k in range(n_rep) for i in range(d)])
+    kv_rows = torch.tensor([s * d + i for s in order for i in range(d)], device=layer.k_w.device)
+    q_rows = torch.tensor(
+        [(s * n_rep + k) * d + i for s in order for k in range(n_rep) for i in range(d)], device=layer.q_w.device
+    )
 
     def rows(t, index):
         return None if t is None else t[index]

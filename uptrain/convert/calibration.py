@@ -14,7 +14,10 @@ embedding — whatever the number of layers:
 - each decoder layer's weights are then read from the safetensors shards by the converter's
   reader, every batch's hidden states pass through it, its attention input is folded into its
   moment, and the layer goes back to the meta device before the next one is read;
-- each finished moment (float64) is spilled to a temporary file: `moments[layer]` reads it back.
+- each finished moment (float64) goes, while still on the calibration device, to `per_layer`
+  (the conversion solves that layer's merge with it at once and drops it, see
+  `pipeline.calibrate`); without `per_layer` every moment is kept, spilled to a temporary file
+  that `moments[layer]` reads back (`uptrain compare` reuses them across conversions).
 Running transformers' own layer modules (rather than re-implementing each architecture's
 block) keeps every architecture's quirks — partial rotary, parallel residuals, biases, q/k
 norms — exactly as in the model users load, and gives the same moments as running the whole
@@ -28,7 +31,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -232,12 +235,15 @@ def collect_attention_moments(
     progress: bool | None = None,
     dataset_config: str | None = None,
     split: str = "train",
+    per_layer: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[Mapping[int, torch.Tensor], dict]:
     """Return ({layer: C of shape [(hidden + 1), (hidden + 1)], float64}, a description for provenance).
 
     The forward pass runs in `dtype` on `device` (auto: the first GPU when there is one), one
     decoder layer at a time; moments are accumulated in float64 and read back from disk on
-    access. `progress`: None shows a bar on terminals, False never, True always. A Hub dataset
+    access. With `per_layer`, each moment is instead handed to `per_layer(layer, C)` as soon as
+    it is complete (C on the calibration device) and not kept: the mapping returned is empty.
+    `progress`: None shows a bar on terminals, False never, True always. A Hub dataset
     (`dataset_config`, `split`) is streamed: only its first blocks are read.
     """
 
@@ -271,7 +277,7 @@ def collect_attention_moments(
     # Weights only (weights_only=True for pickles); whether a pickle source may be converted
     # at all is decided by the conversion's own checks (pipeline.prepare, --allow-pickle).
     checkpoint = SourceCheckpoint(model_dir, allow_pickle=True)
-    moments = SpilledMoments()
+    moments = SpilledMoments() if per_layer is None else {}
     try:
         model = _empty_model(model_dir, run_dtype)
         base, layers = model.get_submodule(base_path), model.get_submodule(layers_path)
@@ -312,7 +318,10 @@ def collect_attention_moments(
                 finally:
                     hook.remove()
                 layer.to("meta")  # frees this layer's weights before the next layer is read
-                moments.add(i, moment / tokens)
+                if per_layer is None:
+                    moments.add(i, moment / tokens)
+                else:
+                    per_layer(i, moment / tokens)
                 del moment
                 release_freed_memory()
                 bar.update(1)

@@ -3,11 +3,18 @@
 The converter asks for one output tensor at a time in file order; the first request for a
 layer reads that layer's Q, K, V and O, merges them, and keeps the results until each has
 been written. Memory: one layer's attention projections.
+
+What a merge takes from the layer's calibration moment C is decided by `LayerMerger.solve`
+(a `LayerSolution`: the similarity order, the calibrated merge's maps and scales, O(kv·d²)):
+calibration calls it as soon as each layer's C is complete, on the device C is on, and drops C
+(`pipeline.calibrate`); given moments instead (`uptrain compare` reuses them across
+conversions), the merge solves each layer when it is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -15,11 +22,13 @@ from tqdm.auto import tqdm
 from uptrain import UptrainError
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.calibrated import (
+    CalibratedSolution,
     LayerAttention,
-    calibrated_merge,
+    apply_calibrated,
     head_similarity,
     permute_kv_heads,
     similarity_order,
+    solve_calibrated,
 )
 from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
@@ -132,11 +141,23 @@ def whole_layer_shapes(
     return shapes
 
 
+@dataclass
+class LayerSolution:
+    """What one layer's whole-layer merge takes from its moment C."""
+
+    order: list[int] | None  # similarity grouping: the source KV heads in their new order
+    calibrated: CalibratedSolution | None  # calibrated pooling: the merge's maps and scales
+
+    def to(self, device) -> LayerSolution:
+        return LayerSolution(self.order, None if self.calibrated is None else self.calibrated.to(device))
+
+
 class LayerMerger:
     """Merges one layer at a time, when the converter first asks for one of its tensors.
 
     `calibration` maps a layer to its moment C (a lazy mapping is read one layer at a time);
-    None compares heads in weight space. `progress`: a bar over layers (None: on terminals).
+    None compares heads in weight space. `solutions`: layers already solved (`solve`), whose
+    moments are not needed. `progress`: a bar over layers (None: on terminals).
     """
 
     def __init__(
@@ -152,8 +173,10 @@ class LayerMerger:
         seed: int,
         init_std: float,
         progress: bool | None = None,
+        solutions: Mapping[int, LayerSolution] | None = None,
     ):
         self.source, self.layout, self.geometry = source, layout, geometry
+        self.solutions = dict(solutions or {})
         self.num_kv_heads, self.strategy, self.grouping = num_kv_heads, strategy, grouping
         self.rotary_dim, self.calibration, self.seed, self.init_std = rotary_dim, calibration, seed, init_std
         self.names = layer_tensor_names(layout)
@@ -184,7 +207,8 @@ class LayerMerger:
             return self.calibration[layer].to(torch.float64)
         return torch.eye(self.geometry.hidden_size + 1, dtype=torch.float64)  # weight-space similarity
 
-    def _merge(self, layer: int) -> dict[str, torch.Tensor]:
+    def _read_layer(self, layer: int, device: torch.device | str = "cpu") -> tuple[LayerAttention, dict]:
+        """The layer's attention projections in float64 on `device`, and each tensor's stored dtype."""
         prefix = self.layout.attn_prefix.format(layer=layer) + "."
         geo = self.geometry
         fields, dtypes = {}, {}
@@ -192,7 +216,7 @@ class LayerMerger:
             name = prefix + rel
             if name in self.source.tensors:
                 t = self.source.read_tensor(name)
-                fields[field], dtypes[field] = t.to(torch.float64), t.dtype
+                fields[field], dtypes[field] = t.to(device=device, dtype=torch.float64), t.dtype
             else:
                 fields[field] = None
         attention = LayerAttention(
@@ -202,13 +226,33 @@ class LayerMerger:
             head_dim=geo.head_dim,
             rotary_dim=self.rotary_dim,
         )
-        c = self._second_moment(layer)
+        return attention, dtypes
+
+    def _solve(self, attention: LayerAttention, c: torch.Tensor) -> LayerSolution:
+        order = None
         if self.grouping == "similarity":
-            order = similarity_order(head_similarity(attention, c), self.num_kv_heads)
+            order = similarity_order(head_similarity(attention, c).cpu(), self.num_kv_heads)
             attention = permute_kv_heads(attention, order)
-            self.kv_orders[layer] = order
+        solved = solve_calibrated(attention, self.num_kv_heads, c) if self.strategy.whole_layer else None
+        return LayerSolution(order, solved)
+
+    def solve(self, layer: int, c: torch.Tensor) -> None:
+        """Decide what `layer`'s merge takes from its moment `c` ([(D+1)², float64), on c's device
+        (a GPU's float64 when calibration ran there), and keep it (on the CPU) for the write."""
+        attention, _ = self._read_layer(layer, c.device)
+        self.solutions[layer] = self._solve(attention, c).to("cpu")
+
+    def _merge(self, layer: int) -> dict[str, torch.Tensor]:
+        prefix = self.layout.attn_prefix.format(layer=layer) + "."
+        attention, dtypes = self._read_layer(layer)
+        solution = self.solutions.pop(layer, None)
+        if solution is None:
+            solution = self._solve(attention, self._second_moment(layer))
+        if solution.order is not None:
+            attention = permute_kv_heads(attention, solution.order)
+            self.kv_orders[layer] = solution.order
         if self.strategy.whole_layer:
-            attention = calibrated_merge(attention, self.num_kv_heads, c)
+            attention = apply_calibrated(attention, self.num_kv_heads, solution.calibrated)
         else:
             for rel, field in self.names.items():
                 t = getattr(attention, field)
@@ -216,9 +260,11 @@ class LayerMerger:
                     ctx = PoolingContext(
                         "bias" if field.endswith("_b") else "weight", prefix + rel, self.seed, self.init_std
                     )
-                    setattr(attention, field, pool_rows(t, self.num_kv_heads, geo.head_dim, self.strategy, ctx))
+                    setattr(
+                        attention, field, pool_rows(t, self.num_kv_heads, self.geometry.head_dim, self.strategy, ctx)
+                    )
         return {
             prefix + rel: getattr(attention, field).to(dtypes[field])
             for rel, field in self.names.items()
-            if fields[field] is not None
+            if field in dtypes
         }

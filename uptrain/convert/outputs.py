@@ -32,6 +32,10 @@ SIDE_FILE_PATTERNS = (
     "vocab.*",
     "merges.txt",
     "*.model",
+    "*.spm",  # Marian's source/target sentencepiece models
+    "preprocessor_config.json",  # Whisper's feature extractor
+    "processor_config.json",
+    "normalizer.json",  # Whisper's English text normaliser
     "chat_template.*",
     "generation_config.json",
     "LICENSE*",

@@ -23,7 +23,7 @@ from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
-from uptrain.convert.layer_merge import LayerMerger, check_no_clamp, merges_whole_layers
+from uptrain.convert.layer_merge import LayerMerger, LayerSolution, check_no_clamp, merges_whole_layers
 from uptrain.convert.layouts import DECODER_SELF, Layout, layout_for
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.plan import DTYPES, ConversionPlan, choose_attentions, plan_conversion
@@ -36,10 +36,16 @@ from uptrain.model_info import AttentionGeometry, read_config, rotary_dim
 @dataclass
 class Calibration:
     """Per-layer second moments of the attention input, augmented with a constant 1
-    ((hidden + 1)², see `uptrain.convert.calibration`), and a description for provenance."""
+    ((hidden + 1)², see `uptrain.convert.calibration`), and a description for provenance.
+
+    `solved`: what `calibrate` decided from each layer's moment as soon as it was complete (the
+    moments themselves are then empty); it holds for the conversion it was made for (`solved_for`),
+    whereas moments serve any conversion of the source."""
 
     moments: Mapping[int, torch.Tensor]
     info: dict = field(default_factory=dict)
+    solved: Mapping[int, LayerSolution] = field(default_factory=dict)
+    solved_for: tuple | None = None
 
 
 @dataclass
@@ -128,13 +134,43 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
 
 
-def calibrate(prepared: PreparedConversion, progress: bool | None = None) -> Calibration | None:
-    """Calibration statistics when the conversion uses them, else None."""
+def _merger(prepared: PreparedConversion, calibration: Calibration | None, progress: bool | None) -> LayerMerger:
+    spec = prepared.spec
+    return LayerMerger(
+        prepared.checkpoint,
+        prepared.plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only
+        prepared.geometry,
+        spec.num_kv_heads,
+        prepared.strategy,
+        spec.grouping,
+        rotary_dim(prepared.config, prepared.geometry.head_dim),
+        calibration.moments if calibration else None,
+        spec.seed,
+        prepared.layout.init_std(prepared.config),
+        progress,
+        solutions=calibration.solved if calibration else None,
+    )
+
+
+def _solved_for(prepared: PreparedConversion) -> tuple:
+    spec = prepared.spec
+    return (str(prepared.source.folder), spec.num_kv_heads, spec.pooling, spec.grouping)
+
+
+def calibrate(
+    prepared: PreparedConversion, progress: bool | None = None, keep_moments: bool = False
+) -> Calibration | None:
+    """Calibration statistics when the conversion uses them, else None.
+
+    Each layer's merge is solved as soon as its moment is complete, on the calibration device,
+    and the moment dropped: no layer's moment outlives its layer (7B: 134 MB each, 4.3 GB in
+    all). `keep_moments`: keep every moment instead (to reuse them for other conversions)."""
     if not prepared.needs_calibration:
         return None
     from uptrain.convert.calibration import collect_attention_moments
 
     spec = prepared.spec
+    solver = None if keep_moments else _merger(prepared, None, progress=False)
     moments, info = collect_attention_moments(
         prepared.source.folder,
         spec.calibration_data,
@@ -147,8 +183,11 @@ def calibrate(prepared: PreparedConversion, progress: bool | None = None) -> Cal
         progress=progress,
         dataset_config=spec.calibration_dataset_config,
         split=spec.calibration_split,
+        per_layer=None if solver is None else solver.solve,
     )
-    return Calibration(moments, info)
+    if solver is None:
+        return Calibration(moments, info)
+    return Calibration({}, info, solver.solutions, _solved_for(prepared))
 
 
 def execute(
@@ -163,24 +202,17 @@ def execute(
     Holds at most one layer's K and V (pooled ahead on a second thread) and the tensor being
     written — one layer's Q, K, V and O for `calibrated` pooling or `similarity` grouping.
     """
-    spec, geometry, checkpoint = prepared.spec, prepared.geometry, prepared.checkpoint
+    spec, checkpoint = prepared.spec, prepared.checkpoint
     if prepared.strategy.whole_layer and calibration is None:
         raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
+    if calibration is not None and calibration.solved and calibration.solved_for != _solved_for(prepared):
+        raise UptrainError(
+            f"this calibration was solved for another conversion {calibration.solved_for}; "
+            "calibrate(..., keep_moments=True) gives moments that serve any conversion of the source"
+        )
     out = Path(out).absolute()
     init_std = prepared.layout.init_std(prepared.config)
-    merger = LayerMerger(
-        checkpoint,
-        prepared.plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only
-        geometry,
-        spec.num_kv_heads,
-        prepared.strategy,
-        spec.grouping,
-        rotary_dim(prepared.config, geometry.head_dim),
-        calibration.moments if calibration else None,
-        spec.seed,
-        init_std,
-        progress,
-    )
+    merger = _merger(prepared, calibration, progress)
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
         write_weights(
             prepared.plan,

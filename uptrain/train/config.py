@@ -24,6 +24,7 @@ from uptrain.options import REQUIRED, Key, Option, add_arguments, given, key_pro
 from uptrain.strict_json import too_many_digits
 
 Reporter = Literal["wandb", "jsonl", "none"]
+Objective = Literal["causal", "span_corruption", "text_infilling", "pairs", "speech_pairs"]
 EMBEDDED = (ConversionOptions, UptrainingBudget)
 
 
@@ -96,7 +97,19 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
         description="stream the data instead of tokenizing it all up front "
         "(default: true for Hub names, false for local files)",
     )
-    eval_blocks: int = Field(64, ge=1, description="most `seq_len` blocks of `eval_data` used for evaluation")
+    objective: Objective | None = Field(
+        None,
+        description="what the model learns: causal (next token), span_corruption (T5), text_infilling (BART), "
+        "pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); default: causal for models "
+        "without an encoder, else the family's (t5 span_corruption, bart/mbart text_infilling, marian pairs, "
+        "whisper speech_pairs)",
+    )
+    target_len: int | None = Field(
+        None, ge=1, description="most target tokens of a pairs/speech_pairs example (longer are cut); default: seq_len"
+    )
+    eval_blocks: int = Field(
+        64, ge=1, description="most `seq_len` blocks (pairs: examples) of `eval_data` used for evaluation"
+    )
     data_workers: int | None = Field(
         None,
         ge=1,
@@ -106,7 +119,12 @@ class _RunKeys(_embedded(ConversionOptions, _Strict)):
 
     # Shape of a step.
     output_dir: str = Field(..., description="run folder: metrics.jsonl, checkpoints/, final/, wandb/")
-    seq_len: int = Field(..., ge=2, description="tokens per packed block; at most the model's positions")
+    seq_len: int = Field(
+        ...,
+        ge=2,
+        description="tokens per packed block (encoder–decoders: encoder input tokens; a pairs source is cut "
+        "there); at most the model's positions",
+    )
     batch_size: int = Field(..., ge=1, description="blocks per micro-batch on each process")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
 
@@ -171,6 +189,20 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
     run_name: str | None = Field(None, description="run name in wandb (default: the output_dir's name)")
     wandb_group: str | None = Field(None, description="wandb group that collects related runs (e.g. a comparison)")
 
+    # How long processes wait for each other.
+    collective_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a collective (gradient all-reduce, barrier) may wait for the other processes before "
+        "the run fails (default: torch's, 600 under NCCL, 1800 under gloo)",
+    )
+    conversion_timeout_s: float = Field(
+        6 * 3600,
+        gt=0,
+        description="seconds the other processes wait for the main process to convert `source` (calibration, "
+        "merges, writing), whatever collective_timeout_s is",
+    )
+
     # What to do with an existing output_dir.
     resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
     overwrite: bool = Field(False, description="delete an existing output_dir and start over")
@@ -203,6 +235,8 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
             raise ValueError(problems[0])
         if "none" in self.report_to and len(self.report_to) > 1:
             raise ValueError("`report_to: none` cannot be combined with other reporters")
+        if self.target_len is not None and self.objective not in (None, "pairs", "speech_pairs"):
+            raise ValueError(f"`target_len` applies to objective pairs and speech_pairs, not {self.objective}")
         if self.resume and self.overwrite:
             raise ValueError("`resume` and `overwrite` exclude each other")
         return self
@@ -229,7 +263,9 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
         return [r for r in self.report_to if r == "wandb"]
 
     def tokens_per_step(self, num_processes: int) -> int:
-        """Tokens consumed by one optimizer step across all processes."""
+        """Tokens consumed by one optimizer step across all processes: seq_len per example, for
+        encoder–decoders too (their encoder positions, padding included, as T5 counts its
+        pretraining tokens: 2^19 steps × 128 × 512 = 2^35); budgets and tokens/s read this."""
         return self.seq_len * self.batch_size * self.grad_accum * num_processes
 
     def total_steps(self, num_processes: int) -> int:
@@ -260,6 +296,8 @@ OPERATIONAL_KEYS = frozenset(
         "grad_accum",
         "calibration_device",
         "source_hash",
+        "collective_timeout_s",
+        "conversion_timeout_s",
     }
 )
 

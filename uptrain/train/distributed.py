@@ -4,7 +4,8 @@ accelerate falls back silently when it cannot do what its config says: an FSDP o
 on a machine without GPUs becomes N independent single-process runs (or, with
 `ACCELERATE_USE_CPU=1`, DDP). `make_accelerator` turns each such mismatch into one line before
 anything is written. `place_teacher` shards the distillation teacher under FSDP2 instead of
-copying it whole to every GPU.
+copying it whole to every GPU. `MainProcessWait` lets the other processes wait for the main
+process's conversion longer than the collectives' timeout.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -97,12 +99,20 @@ def _gpus_in_use(accelerator) -> int | None:
     return len(set(everyone))
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(collective_timeout_s: float | None = None, **kwargs):
     """`Accelerator(**kwargs)`, refused with one line when the launch cannot do what it says.
 
-    Builds nothing on disk: call it before the first write to output_dir."""
+    `collective_timeout_s`: how long any collective of the run may wait before the run fails
+    (set when the process group is created; None: torch's default, 10 minutes under NCCL, 30 under
+    gloo). Builds nothing on disk: call it before the first write to output_dir."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
+    if collective_timeout_s is not None:
+        # backend None: accelerate picks it for the device, as without the handler. (accelerate
+        # passes on only values that differ from its defaults: exactly 600 s is torch's default.)
+        timeout = timedelta(seconds=collective_timeout_s)
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend=None, timeout=timeout)]
     accelerator = Accelerator(**kwargs)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     launch = Launch(
@@ -118,6 +128,44 @@ def make_accelerator(**kwargs):
     if problem := launch_problem(launch):
         raise UptrainError(problem)
     return accelerator
+
+
+class MainProcessWait:
+    """A barrier at which the other processes wait for a long step of the main process (the
+    conversion of `source`: calibration, merges and writing take from seconds to hours) with a
+    timeout of its own, `timeout_s`.
+
+    The run's collectives keep theirs (NCCL: 10 minutes by default), so a hung process is still
+    caught within minutes during training; raising the process group's timeout for the sake of
+    this one wait would let every later hang go unnoticed for as long. The wait runs on a
+    dedicated gloo group: a CPU barrier, which under NCCL keeps the idle GPUs free of a pending
+    collective (and of NCCL's watchdog). Build it on every process before the main process starts
+    the step: creating a group is itself a collective, with the run's timeout.
+    """
+
+    def __init__(self, accelerator, timeout_s: float, what: str = "the main process"):
+        self.accelerator, self.timeout_s, self.what = accelerator, timeout_s, what
+        self.group = None
+        if accelerator.num_processes > 1:
+            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def wait(self) -> None:
+        """Every process, once the main process has finished the step."""
+        if self.group is None:
+            return
+        try:
+            torch.distributed.barrier(group=self.group)
+        except RuntimeError as err:  # gloo's timeout, or the connection of a process that died
+            if self.accelerator.is_main_process:
+                raise UptrainError(f"the other processes stopped waiting for {self.what}: {err}") from None
+            raise UptrainError(
+                f"waited {self.timeout_s:g} s for {self.what} (conversion_timeout_s) and gave up, or it failed: "
+                f"see its own error; raise conversion_timeout_s if it was still running "
+                f"({str(err).splitlines()[0][:160]})"
+            ) from None
+        finally:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
 
 
 def teacher_dtype(accelerator) -> torch.dtype:

@@ -32,14 +32,26 @@ from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.objectives import IGNORE_INDEX
 from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, load_data_state, save_checkpoint
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
-from uptrain.train.distributed import make_accelerator, place_teacher, teacher_dtype
+from uptrain.train.distributed import MainProcessWait, make_accelerator, place_teacher, teacher_dtype
 from uptrain.train.packing import DocumentPacking, check_document_mask
+from uptrain.train.pairs import load_pairs, pair_eval_batches
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
+from uptrain.train.seq2seq import (
+    PAIR_OBJECTIVES,
+    Objective,
+    auto_class_name,
+    block_length,
+    objective_for,
+    resolve_objective,
+    target_counts,
+)
+from uptrain.train.seq2seq import train_flops_per_token as seq2seq_flops
 from uptrain.train.tracking import ensure_wandb_never_prompts, run_config, start_trackers
 
 ETA_AFTER_STEPS = 3  # the first steps include warm-up costs; estimate from a few more
@@ -131,6 +143,7 @@ class Plan:
     source_dtype: str  # the dtype final/ writes tensors the starting checkpoint lacked in
     eval_block_count: int  # over all processes
     notes: tuple[str, ...] = ()  # printed above the plan
+    objective: str = "causal"
 
 
 @dataclass
@@ -154,7 +167,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     teacher: torch.nn.Module | None
     train_blocks: TrainBlocks | StreamedTrainBlocks
-    eval_set: list
+    eval_set: list  # (batch, counted rows) pairs
+    objective: Objective
     log: M.MetricsLog | None  # main process only
     progress: Progress = field(default_factory=Progress)
     packing: DocumentPacking | None = None  # document_mask: the forward's inputs that keep documents apart
@@ -208,6 +222,7 @@ def setup(config: TrainConfig) -> Run:
     # Refuses a launch that cannot do what it says (processes that did not join one run, FSDP or
     # DeepSpeed asked for where accelerate falls back) before anything is written.
     accelerator = make_accelerator(
+        config.collective_timeout_s,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=_mixed_precision(config),
         log_with=config.trackers or None,
@@ -228,20 +243,26 @@ def setup(config: TrainConfig) -> Run:
         # The converted model's tokenizer and positions are the source's.
         checked = model_path if conversion is None else str(conversion.checked_folder)
         tokenizer, model_config, teacher_config = _check_models(config, checked, teacher_path)
-        train_blocks, eval_set = _load_data(config, accelerator, tokenizer, global_batch)
+        objective = _objective(config, checked, tokenizer, model_config, teacher_config)
+        train_blocks, eval_set = _load_data(
+            config, accelerator, tokenizer, global_batch, objective, checked, model_config
+        )
         accelerator.wait_for_everyone()
+        # The conversion runs on the main process alone, for minutes to hours: the others wait for
+        # it at a barrier with its own timeout (conversion_timeout_s), not the collectives' one.
+        converted = MainProcessWait(accelerator, config.conversion_timeout_s, "the conversion of `source`")
         if accelerator.is_main_process:
             initialise_run_dir(config, start, _run_info(start, world, global_batch))
             if conversion is not None:
                 conversion.execute(accelerator)
-    accelerator.wait_for_everyone()
+    converted.wait()
     if conversion is not None:
         model_path, model_config = str(conversion.folder), read_config(conversion.folder)  # the converted KV heads
 
     model, optimizer, teacher, flops = _build_models(
-        config, accelerator, model_path, model_config, teacher_path, teacher_config
+        config, accelerator, model_path, model_config, teacher_path, teacher_config, objective
     )
-    plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes)
+    plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes, objective.name)
     return Run(
         plan=plan,
         start=start,
@@ -251,6 +272,7 @@ def setup(config: TrainConfig) -> Run:
         teacher=teacher,
         train_blocks=train_blocks,
         eval_set=eval_set,
+        objective=objective,
         log=M.MetricsLog(out / "metrics.jsonl") if accelerator.is_main_process else None,
         packing=DocumentPacking.for_model(accelerator.unwrap_model(model), tokenizer.eos_token_id)
         if config.document_mask
@@ -267,6 +289,7 @@ def _make_plan(
     flops_per_token: float,
     eval_set: list,
     notes: list[str],
+    objective: str,
 ) -> Plan:
     world = accelerator.num_processes
     geometry = config_geometry(model_config)
@@ -282,10 +305,11 @@ def _make_plan(
         peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
         static_metrics={
             "model/num_kv_heads": geometry.num_kv_heads,
-            "model/kv_cache_bytes_per_token": geometry.kv_cache_bytes_per_token(DTYPE_BYTES.get(source_dtype, 4)),
+            **M.kv_cache_metrics(model_config, DTYPE_BYTES.get(source_dtype, 4)),
         },
         source_dtype=source_dtype,
         notes=tuple(notes),
+        objective=objective,
         eval_block_count=int(accelerator.reduce(local_eval_blocks, reduction="sum")),
     )
 
@@ -308,26 +332,28 @@ def _build_models(
     model_config: dict,
     teacher_path: str | None,
     teacher_config: dict | None,
+    objective: Objective,
 ):
     """The student, its optimizer and the teacher, prepared by accelerate; and the training FLOPs
     per token of the pair. Returns (model, optimizer, teacher or None, flops per token)."""
     from accelerate.utils import set_seed
 
     set_seed(config.seed)
-    model = _load_model(model_path, "model")
+    model = _load_model(model_path, "model", auto_class=auto_class_name(model_config))
+    # from_pretrained returns the model in eval mode, and a resumed run skips the step-0
+    # evaluation that switches it back: without this its dropout would be off until the next one.
+    model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    geometry = config_geometry(model_config)
-    params = M.non_embedding_params(model)  # counted before accelerate wraps or shards the parameters
-    flops = M.train_flops_per_token(params, geometry.num_layers, geometry.num_heads * geometry.head_dim, config.seq_len)
+    flops = _flops_per_token(config, model, model_config, objective)
     teacher = None
     if config.teacher is not None:
         # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
-        teacher = _load_model(teacher_path, "teacher", teacher_dtype(accelerator)).requires_grad_(False).eval()
-        t_geo = config_geometry(teacher_config)
-        flops += M.forward_flops_per_token(
-            M.non_embedding_params(teacher), t_geo.num_layers, t_geo.num_heads * t_geo.head_dim, config.seq_len
+        teacher = _load_model(
+            teacher_path, "teacher", teacher_dtype(accelerator), auto_class=auto_class_name(teacher_config)
         )
+        teacher = teacher.requires_grad_(False).eval()
+        flops += _flops_per_token(config, teacher, teacher_config, objective) / 3  # forward only
     optimizer = torch.optim.AdamW(
         _param_groups(model, config.weight_decay),
         lr=config.lr,
@@ -340,6 +366,15 @@ def _build_models(
         # Under FSDP2 it is sharded like the student rather than copied whole to every GPU.
         teacher = place_teacher(accelerator, teacher)
     return model, optimizer, teacher, flops
+
+
+def _flops_per_token(config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: Objective) -> float:
+    """Forward + backward FLOPs per counted token; counted before accelerate wraps or shards the parameters."""
+    if objective.name != "causal":
+        return seq2seq_flops(model, model_config, objective.name, config.seq_len, config.target_len or config.seq_len)
+    geometry = config_geometry(model_config)
+    width = geometry.num_heads * geometry.head_dim
+    return M.train_flops_per_token(M.non_embedding_params(model), geometry.num_layers, width, config.seq_len)
 
 
 def _fill_known_budget(config: TrainConfig) -> None:
@@ -372,14 +407,61 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
     return tokenizer, model_config, teacher_config
 
 
-def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
-    """Tokenized, packed training blocks and this process's eval batches; refuses data too short."""
+def _objective(
+    config: TrainConfig, model_path: str, tokenizer, model_config: dict, teacher_config: dict | None
+) -> Objective:
+    """The run's objective (`objective`, or the model family's) with the special tokens it needs."""
+    name = resolve_objective(config.objective, model_config, model_path)
+    if teacher_config is not None:  # the teacher must read the same inputs and score the same labels
+        resolve_objective(name, teacher_config, f"teacher {config.teacher}")
+    if config.target_len is not None and name not in PAIR_OBJECTIVES:
+        raise UptrainError(f"`target_len` applies to objective pairs and speech_pairs, not {name}")
+    if config.document_mask and name != "causal":
+        raise UptrainError(f"document_mask applies to objective causal (packed documents), not {name}")
+    return objective_for(name, config.seed, tokenizer, model_config, model_path, config.seq_len)
+
+
+def _load_pair_data(config: TrainConfig, accelerator, tokenizer, global_batch, objective, model_path, model_config):
+    """`pairs` / `speech_pairs`: every example of train_data and eval_data read and checked."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    common = dict(
+        objective=objective.name,
+        tokenizer=tokenizer,
+        model_path=model_path,
+        model_config=model_config,
+        seq_len=config.seq_len,
+        target_len=config.target_len or config.seq_len,
+    )
+    train = load_pairs(config.train_data, "train_data", **common)
+    evaluation = load_pairs(config.eval_data, "eval_data", **common)
+    if len(train) < global_batch:
+        raise UptrainError(
+            f"train_data gives {len(train)} examples; one optimizer step needs {global_batch} (batch_size "
+            f"{config.batch_size} × grad_accum {config.grad_accum} × processes {world}): give more examples"
+        )
+    train_blocks = TrainBlocks(train, config.seed, config.batch_size, config.grad_accum, world)
+    return train_blocks, pair_eval_batches(evaluation, config.eval_blocks, config.batch_size, rank, world)
+
+
+def _load_data(
+    config: TrainConfig,
+    accelerator,
+    tokenizer,
+    global_batch: int,
+    objective: Objective,
+    model_path: str,
+    model_config: dict,
+):
+    """Tokenized, packed training blocks (or examples) and this process's eval batches; refuses data too short."""
+    if objective.name in PAIR_OBJECTIVES:
+        return _load_pair_data(config, accelerator, tokenizer, global_batch, objective, model_path, model_config)
     world, rank = accelerator.num_processes, accelerator.process_index
     # Rank 0 tokenizes first so that the others read datasets' cache instead of redoing the work.
     with accelerator.main_process_first():
         common = dict(
             tokenizer=tokenizer,
-            seq_len=config.seq_len,
+            # The raw block that gives the model seq_len input tokens (span corruption drops tokens).
+            seq_len=block_length(objective.name, config.seq_len),
             text_field=config.text_field,
             sample_by=config.sample_by,
             streaming=config.streaming,
@@ -417,7 +499,10 @@ def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
                 f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
                 f"tokens; one optimizer step needs {global_batch}: {too_short}"
             )
-    eval_set = eval_batches(eval_data, config.eval_blocks, config.batch_size, rank, world)
+    eval_set = [
+        (objective.eval_batch(rows), counted)
+        for rows, counted in eval_batches(eval_data, config.eval_blocks, config.batch_size, rank, world)
+    ]
     if not eval_set:
         raise UptrainError(
             f"eval_data {eval_source.label} gives no block of {config.seq_len} tokens: give more "
@@ -426,15 +511,17 @@ def _load_data(config: TrainConfig, accelerator, tokenizer, global_batch: int):
     return train_blocks, eval_set
 
 
-def _load_model(path: str, what: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def _load_model(
+    path: str, what: str, dtype: torch.dtype = torch.float32, auto_class: str = "AutoModelForCausalLM"
+) -> torch.nn.Module:
+    import transformers
 
     try:
         # fp32 master weights; autocast (mixed_precision) gives bf16 speed on GPUs.
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return getattr(transformers, auto_class).from_pretrained(path, dtype=dtype)
     except Exception as err:
         raise UptrainError(
-            f"cannot load {what} {path} with AutoModelForCausalLM: {type(err).__name__}: "
+            f"cannot load {what} {path} with {auto_class}: {type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         ) from None
 
@@ -446,14 +533,25 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def _logits_and_labels(model: torch.nn.Module, batch: dict[str, torch.Tensor], packing: DocumentPacking | None):
+    """A batch's logits and the labels they are scored on. Causal: each position predicts the
+    next token (under document_mask, within its document). Seq2seq: the decoder's logits for
+    `labels`, which the model shifts right into its decoder inputs itself (-100 marks padding,
+    skipped by the loss)."""
+    if "labels" not in batch:
+        input_ids = batch["input_ids"]
+        inputs = packing.inputs(input_ids) if packing is not None else {"input_ids": input_ids}
+        logits = model(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
+        return logits, input_ids[:, 1:]
+    return model(**batch, use_cache=False).logits.float(), batch["labels"]
+
+
 def _token_loss_sums(
-    run: Run, input_ids: torch.Tensor, row_weight: torch.Tensor | None = None, distill: bool = False
+    run: Run, batch: dict[str, torch.Tensor], row_weight: torch.Tensor | None = None, distill: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Summed (not averaged) next-token losses of a batch, so that the caller can divide by the
-    number of target tokens of the whole step across micro-batches and processes."""
-    inputs = run.packing.inputs(input_ids) if run.packing is not None else {"input_ids": input_ids}
-    logits = run.model(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
-    labels = input_ids[:, 1:]
+    """Summed (not averaged) losses of a batch's target tokens, so that the caller can divide by
+    the number of target tokens of the whole step across micro-batches and processes."""
+    logits, labels = _logits_and_labels(run.model, batch, run.packing)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     ce = ce.view(labels.shape).sum(dim=1)
     if row_weight is not None:
@@ -463,19 +561,15 @@ def _token_loss_sums(
         config = run.plan.config
         t = config.distill_temperature
         with torch.no_grad(), run.accelerator.autocast():
-            teacher_logits = run.teacher(**inputs, use_cache=False).logits.view(*input_ids.shape, -1)[:, :-1].float()
+            teacher_logits = _logits_and_labels(run.teacher, batch, run.packing)[0]
         # KL(teacher ‖ student) = Σ p_t (log p_t − log p_s), scaled by T² so its gradient keeps the
         # magnitude of the CE term whatever the temperature (Hinton et al. 2015).
-        kl = (
-            F.kl_div(
-                F.log_softmax(logits / t, dim=-1),
-                F.log_softmax(teacher_logits / t, dim=-1),
-                log_target=True,
-                reduction="sum",
-            )
-            * t
-            * t
-        )
+        student_lp, teacher_lp = F.log_softmax(logits / t, dim=-1), F.log_softmax(teacher_logits / t, dim=-1)
+        if "labels" in batch:  # over the scored positions only, not the padding
+            pointwise = F.kl_div(student_lp, teacher_lp, log_target=True, reduction="none").sum(dim=-1)
+            kl = (pointwise * (labels != IGNORE_INDEX)).sum() * t * t
+        else:
+            kl = F.kl_div(student_lp, teacher_lp, log_target=True, reduction="sum") * t * t
         w = config.distill_weight
         sums["kl"] = kl
         sums["loss"] = (1 - w) * sums["ce"] + w * kl
@@ -485,19 +579,24 @@ def _token_loss_sums(
 
 
 def evaluate(run: Run) -> dict:
-    """Mean next-token cross-entropy over the eval blocks (the same blocks every time)."""
+    """Mean cross-entropy per target token over the eval batches (the same batches every time)."""
     acc = run.accelerator
     run.model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=acc.device)
     with torch.no_grad():
-        for input_ids, counted in run.eval_set:
-            input_ids, counted = input_ids.to(acc.device), counted.to(acc.device)
-            ce = _token_loss_sums(run, input_ids, row_weight=counted.float())["ce"]
-            total += torch.stack([ce.double(), counted.sum().double() * (input_ids.shape[1] - 1)])
+        for batch, counted in run.eval_set:
+            targets = (target_counts(batch) * counted).sum().to(acc.device)
+            batch, counted = _on(batch, acc.device), counted.to(acc.device)
+            ce = _token_loss_sums(run, batch, row_weight=counted.float())["ce"]
+            total += torch.stack([ce.double(), targets.double()])
     run.model.train()
     total = acc.reduce(total, reduction="sum")
     loss = (total[0] / total[1]).item()
     return {"eval/loss": loss, "eval/perplexity": M.perplexity(loss)}
+
+
+def _on(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def train_step(run: Run, step: int) -> dict:
@@ -507,17 +606,23 @@ def train_step(run: Run, step: int) -> dict:
     lr = lr_at(config, step, run.plan.total_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    micro = run.train_blocks.micro_batches(step, acc.process_index)
-    local_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro)
+    rank, rows = acc.process_index, config.batch_size
+    micro = [
+        # Micro-batch m's first row in the global batch, as TrainBlocks lays them out: corruption
+        # is drawn per row of the global batch, whatever the split between processes.
+        run.objective.train_batch(blocks, step, (m * acc.num_processes + rank) * rows)
+        for m, blocks in enumerate(run.train_blocks.micro_batches(step, rank))
+    ]
+    local_tokens = sum(int(target_counts(b).sum()) for b in micro)
     step_tokens = acc.reduce(torch.tensor(float(local_tokens), dtype=torch.float64, device=acc.device), reduction="sum")
     # Each process's loss is a sum over its tokens divided by the step's tokens on all processes;
     # DDP averages gradients over processes and accelerate divides by grad_accum, hence the factor.
     scale = acc.num_processes * config.grad_accum / step_tokens
     sums = {"loss": 0.0, "ce": 0.0, "kl": 0.0}
     grad_norm = None
-    for input_ids in micro:
+    for batch in micro:
         with acc.accumulate(run.model):
-            parts = _token_loss_sums(run, input_ids.to(acc.device), distill=True)
+            parts = _token_loss_sums(run, _on(batch, acc.device), distill=True)
             acc.backward(parts["loss"] * scale)
             for k, v in parts.items():
                 sums[k] = sums[k] + v.detach().double()
@@ -590,6 +695,7 @@ def _print_plan(run: Run) -> None:
         f"{c.grad_accum} × processes {acc.num_processes}",
         f"  processes        {acc.num_processes} ({acc.device.type}, mixed precision {acc.mixed_precision})",
         f"  train data       {data}; eval: the same {plan.eval_block_count} blocks each time",
+        f"  objective        {plan.objective}",
         f"  distillation     {distill}",
         f"  output           {plan.out}",
     ]
@@ -607,7 +713,8 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
         step0 = next((r for r in M.read_metrics(plan.out / "metrics.jsonl") if r["step"] == 0 and "eval/loss" in r), {})
         record = uptraining_record(
             Path(plan.model_path),
-            plan.config.model_dump(mode="json"),
+            # The objective actually trained, where the config left it to the model's family.
+            {**plan.config.model_dump(mode="json"), "objective": plan.objective},
             steps=plan.total_steps,
             tokens=plan.total_steps * plan.tokens_per_step,
             num_processes=acc.num_processes,

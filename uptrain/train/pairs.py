@@ -1,0 +1,254 @@
+"""Aligned examples for the `pairs` and `speech_pairs` objectives, read from JSON-lines files.
+
+`pairs`: one object per line with a `source` and a `target` text (translation, summarisation).
+`speech_pairs`: an `audio` (a PCM .wav file, relative to the jsonl file's folder, or an array of
+samples at the feature extractor's rate) and its `text`; the checkpoint's feature extractor turns
+audio into the encoder's input features.
+
+Every example is read and checked when the data is loaded, before the run writes anything: a
+missing field, an empty target, audio that does not decode or has another sampling rate is one
+UptrainError naming the file and line. Sources are cut at `seq_len` tokens, targets at
+`target_len`; a batch is padded to its longest example (labels with -100, which the loss skips).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import lzma
+import math
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from uptrain import UptrainError
+from uptrain.objectives import IGNORE_INDEX
+from uptrain.strict_json import parse_json
+from uptrain.textdata import resolve_data
+
+FIELDS = {"pairs": ("source", "target"), "speech_pairs": ("audio", "text")}
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+PCM_TYPES = {1: np.uint8, 2: np.int16, 4: np.int32}  # sample width in bytes → numpy type
+
+
+@dataclass(frozen=True)
+class Where:
+    """An example's place, for messages."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file} line {self.line}"
+
+
+def _records(spec, key: str, objective: str) -> list[tuple[Where, dict]]:
+    """Every JSON object of the jsonl files of `spec`, with its place."""
+    source = resolve_data(spec, key)
+    if source.builder != "json":
+        what = "a Hub dataset" if not source.is_local else f"{source.builder} files"
+        fields = " and ".join(f"`{f}`" for f in FIELDS[objective])
+        raise UptrainError(
+            f"`{key}` ({source.label}) is {what}; objective {objective} reads .jsonl files with {fields} per line"
+        )
+    out = []
+    for file in source.files:
+        opener = OPENERS.get(Path(file).suffix, open)
+        try:
+            with opener(file, "rb") as f:
+                lines = f.read().splitlines()
+        except (OSError, EOFError, lzma.LZMAError) as err:
+            raise UptrainError(f"`{key}`: cannot read {file}: {err}") from None
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            where = Where(file, number)
+            record = parse_json(raw, f"`{key}` {where}")
+            if not isinstance(record, dict):
+                raise UptrainError(f"`{key}` {where}: a line must be a JSON object, not {type(record).__name__}")
+            out.append((where, record))
+    return out
+
+
+def _field(record: dict, name: str, where: Where, key: str):
+    if name not in record:
+        raise UptrainError(f"`{key}` {where}: no `{name}` field (it has {', '.join(map(repr, record)) or 'none'})")
+    return record[name]
+
+
+def _text(record: dict, name: str, where: Where, key: str) -> str:
+    value = _field(record, name, where, key)
+    if not isinstance(value, str):
+        raise UptrainError(f"`{key}` {where}: `{name}` is {type(value).__name__}, not text")
+    if not value.strip():
+        raise UptrainError(f"`{key}` {where}: `{name}` is empty")
+    return value
+
+
+def read_wav(path: Path, sampling_rate: int, what: str) -> np.ndarray:
+    """The samples of a PCM .wav file as float32 in [-1, 1], channels averaged. Refuses, in one
+    line, a file that does not decode and one recorded at another rate than `sampling_rate`."""
+    if path.suffix.lower() != ".wav":
+        raise UptrainError(f"{what}: {path} is not a .wav file; convert it to 16-bit PCM wav (e.g. with ffmpeg)")
+    try:
+        with wave.open(str(path), "rb") as w:
+            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            frames = w.readframes(w.getnframes())
+    except (OSError, EOFError, wave.Error) as err:
+        raise UptrainError(f"{what}: cannot decode {path} as PCM wav: {err}") from None
+    if rate != sampling_rate:
+        raise UptrainError(
+            f"{what}: {path} is sampled at {rate} Hz and the feature extractor reads {sampling_rate} Hz; resample it"
+        )
+    if width not in PCM_TYPES:
+        raise UptrainError(f"{what}: {path} has {8 * width}-bit samples; use 8-, 16- or 32-bit PCM")
+    samples = np.frombuffer(frames, dtype=PCM_TYPES[width]).astype(np.float32)
+    if width == 1:
+        samples = (samples - 128.0) / 128.0  # 8-bit wav is unsigned
+    else:
+        samples /= float(2 ** (8 * width - 1))
+    samples = samples[: len(samples) - len(samples) % channels].reshape(-1, channels).mean(axis=1)
+    if samples.size == 0:
+        raise UptrainError(f"{what}: {path} holds no samples")
+    return samples
+
+
+def _samples(value, where: Where, key: str) -> np.ndarray:
+    """An `audio` value given as an array of samples."""
+    if not value or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+        raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or a non-empty array of numbers")
+    samples = np.asarray(value, dtype=np.float32)
+    if not np.isfinite(samples).all():
+        raise UptrainError(f"`{key}` {where}: `audio` holds a non-finite sample")
+    return samples
+
+
+class PairExamples:
+    """Tokenized examples, batched on demand (`take`, as `TokenBlocks.take` but a dict of padded
+    tensors). Audio is decoded when loaded, to check it, and again for each batch it is in, so that
+    only a batch's audio is held in memory."""
+
+    def __init__(self, sources: list, targets: list[list[int]], pad_id: int | None, feature_extractor=None):
+        self.sources, self.targets = sources, targets
+        self.pad_id, self.feature_extractor = pad_id, feature_extractor
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def _audio(self, source) -> np.ndarray:
+        if isinstance(source, np.ndarray):
+            return source
+        path, what = source
+        return read_wav(path, self.feature_extractor.sampling_rate, what)
+
+    def take(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        if not indices:
+            raise ValueError("no indices")
+        targets = [self.targets[i] for i in indices]
+        width = max(map(len, targets))
+        labels = torch.tensor([t + [IGNORE_INDEX] * (width - len(t)) for t in targets])
+        if self.feature_extractor is not None:
+            audio = [self._audio(self.sources[i]) for i in indices]
+            fe = self.feature_extractor
+            features = fe(audio, sampling_rate=fe.sampling_rate, return_tensors="pt")["input_features"]
+            return {"input_features": features, "labels": labels}
+        sources = [self.sources[i] for i in indices]
+        width = max(map(len, sources))
+        input_ids = torch.tensor([s + [self.pad_id] * (width - len(s)) for s in sources])
+        attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sources])
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _target_ids(tokenizer, texts: list[str], target_len: int, decoder_start: int | None) -> list[list[int]]:
+    """Label ids as the tokenizer makes targets (`text_target`: Marian has a target vocabulary),
+    cut at `target_len`, ending in EOS. A leading decoder start token is dropped: the model puts
+    it in front of the labels itself (Whisper's tokenizer writes <|startoftranscript|> first)."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids in tokenizer(text_target=texts, truncation=True, max_length=target_len + 1)["input_ids"]:
+        if ids and decoder_start is not None and ids[0] == decoder_start:
+            ids = ids[1:]
+        ids = ids[:target_len]
+        if ids[-1:] != [eos]:
+            ids = ids[: target_len - 1] + [eos]
+        out.append(ids)
+    return out
+
+
+def load_pairs(
+    spec,
+    key: str,
+    objective: str,
+    tokenizer,
+    model_path: str,
+    model_config: dict,
+    seq_len: int,
+    target_len: int,
+) -> PairExamples:
+    """The examples of one data key, every one checked (see the module's docstring)."""
+    records = _records(spec, key, objective)
+    if not records:
+        raise UptrainError(f"`{key}` holds no examples")
+    positions = model_config.get("max_target_positions") or model_config.get("max_position_embeddings")
+    if isinstance(positions, int) and target_len > positions:
+        raise UptrainError(
+            f"target_len {target_len} is beyond the decoder's {positions} positions ({model_path}); set `target_len`"
+        )
+    source_name, target_name = FIELDS[objective]
+    targets = [_text(r, target_name, where, key) for where, r in records]
+    label_ids = _target_ids(tokenizer, targets, target_len, model_config.get("decoder_start_token_id"))
+    if objective == "pairs":
+        if tokenizer.pad_token_id is None:
+            raise UptrainError(f"objective pairs pads sources and the tokenizer of {model_path} has no padding token")
+        texts = [_text(r, source_name, where, key) for where, r in records]
+        sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
+        return PairExamples(sources, label_ids, tokenizer.pad_token_id)
+    feature_extractor = _load_feature_extractor(model_path)
+    sources = []
+    for where, r in records:
+        value = _field(r, source_name, where, key)
+        if isinstance(value, str):
+            path = Path(value) if Path(value).is_absolute() else Path(where.file).parent / value
+            what = f"`{key}` {where}"
+            read_wav(path, feature_extractor.sampling_rate, what)  # decodes now: refused before anything is written
+            sources.append((path, what))
+        elif isinstance(value, list):
+            sources.append(_samples(value, where, key))
+        else:
+            raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or an array of samples")
+    return PairExamples(sources, label_ids, None, feature_extractor)
+
+
+def _load_feature_extractor(model_path: str):
+    from transformers import AutoFeatureExtractor
+
+    try:
+        extractor = AutoFeatureExtractor.from_pretrained(model_path)
+    except Exception as err:
+        raise UptrainError(
+            f"objective speech_pairs needs the feature extractor of {model_path} (preprocessor_config.json): "
+            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        ) from None
+    if not getattr(extractor, "sampling_rate", None):
+        raise UptrainError(f"the feature extractor of {model_path} names no sampling_rate")
+    return extractor
+
+
+def pair_eval_batches(
+    examples: PairExamples, eval_blocks: int, batch_size: int, rank: int, num_processes: int
+) -> list[tuple[dict, torch.Tensor]]:
+    """The first `eval_blocks` examples, dealt round-robin to processes and batched, as
+    `uptrain.train.data.eval_batches` deals blocks: every process gets the same number of batches,
+    and the rows that only fill up a short process are not counted."""
+    n = min(eval_blocks, len(examples))
+    per_process = math.ceil(n / num_processes)
+    mine = list(range(rank, n, num_processes))
+    counted = [True] * len(mine) + [False] * (per_process - len(mine))
+    mine += [0] * (per_process - len(mine))
+    return [
+        (examples.take(mine[i : i + batch_size]), torch.tensor(counted[i : i + batch_size]))
+        for i in range(0, per_process, batch_size)
+    ]

@@ -190,10 +190,30 @@ def test_an_unknown_backend_is_refused_before_anything_is_written(base_config_mo
     assert not out.exists() or not any(p.name != ".uptrain-lock" for p in out.iterdir())
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # inductor's C++ build: 35 s cold on a quiet core here, over 100 s under the shared load
 def test_inductor_run_matches_the_eager_one(base_config_module, tiny, eager_run, tmp_path):
     # The default backend, as a GPU run would use it (here its C++ CPU kernels).
     out = tmp_path / "inductor"
     graphs = run_counting_graphs(TrainConfig(**settings(base_config_module["base"], tiny, out, compile=True)))
     assert graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+    assert_close_runs(out, eager_run)
+
+
+@pytest.mark.slow  # two 2-process launches that each compile: ~1–2 min on 2 shared cores
+@pytest.mark.parametrize("launcher", ["ddp", "fsdp"])
+def test_compiled_run_under_ddp_and_fsdp2(base_config_module, tiny, eager_run, tmp_path, launcher):
+    # 2 processes × batch 2: the eager run's global batch of 4 (the loop's curve does not depend on
+    # the split); DDP wraps, or FSDP2 shards, the eager model, then its layers compile in place.
+    import yaml
+
+    from tests.train.test_fsdp import explain, launch_ddp, launch_fsdp
+
+    out = tmp_path / launcher
+    values = settings(base_config_module["base"], tiny, out, compile=True, compile_backend="aot_eager", batch_size=2)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(values))
+    (tmp_path / "home").mkdir()
+    launch = launch_fsdp if launcher == "fsdp" else launch_ddp
+    proc = launch(["-m", "uptrain", "train", "--config", str(path)], tmp_path / "home")
+    assert proc.returncode == 0, explain(proc)
     assert_close_runs(out, eager_run)

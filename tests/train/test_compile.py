@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.train.test_seq2seq import s2s  # noqa: F401  (the encoder–decoder fixture)
 from tests.train.train_helpers import records, reset_accelerate
 from uptrain import UptrainError
 from uptrain.train.config import TrainConfig
@@ -217,3 +218,23 @@ def test_compiled_run_under_ddp_and_fsdp2(base_config_module, tiny, eager_run, t
     proc = launch(["-m", "uptrain", "train", "--config", str(path)], tmp_path / "home")
     assert proc.returncode == 0, explain(proc)
     assert_close_runs(out, eager_run)
+
+
+@pytest.mark.parametrize("kind", ["t5", "marian"])
+def test_compiled_encoder_decoder_matches_the_eager_one(s2s, tmp_path, kind):
+    # T5: encoder and decoder blocks of one class, block 0 with the relative position bias;
+    # Marian: pairs padded to each batch's longest (shapes change from batch to batch).
+    from tests.train.test_seq2seq import run_config
+
+    runs = {}
+    for name, extra in (("eager", {}), ("compiled", {"compile": True, "compile_backend": "aot_eager"})):
+        config = TrainConfig(**run_config(s2s, kind, tmp_path / name, eval_every=2, **extra))
+        torch._dynamo.reset()
+        run_training(config)
+        reset_accelerate()
+        runs[name] = Path(config.output_dir)
+    (train, evals), (ref_train, ref_evals) = losses(runs["compiled"]), losses(runs["eager"])
+    assert len(train) == 4 and all(math.isfinite(x) for x in train + evals)
+    torch.testing.assert_close(torch.tensor(train + evals), torch.tensor(ref_train + ref_evals), rtol=LOSS_RTOL, atol=0)
+    ours, theirs = final_tensors(runs["compiled"]), final_tensors(runs["eager"])
+    assert sorted(ours) == sorted(theirs)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.test_seq2seq import s2s  # noqa: F401  (the encoder–decoder fixture)
+from tests.train.test_seq2seq import s2s  # noqa: F401, F811  (the encoder–decoder fixture)
 from tests.train.train_helpers import records, reset_accelerate
 from uptrain import UptrainError
 from uptrain.train.config import TrainConfig
@@ -221,7 +221,7 @@ def test_compiled_run_under_ddp_and_fsdp2(base_config_module, tiny, eager_run, t
 
 
 @pytest.mark.parametrize("kind", ["t5", "marian"])
-def test_compiled_encoder_decoder_matches_the_eager_one(s2s, tmp_path, kind):
+def test_compiled_encoder_decoder_matches_the_eager_one(s2s, tmp_path, kind):  # noqa: F811
     # T5: encoder and decoder blocks of one class, block 0 with the relative position bias;
     # Marian: pairs padded to each batch's longest (shapes change from batch to batch).
     from tests.train.test_seq2seq import run_config

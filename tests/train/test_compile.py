@@ -183,6 +183,16 @@ def test_fused_adamw_auto_is_fused_on_cuda_only():
     assert TrainConfig.model_fields["fused_adamw"].default == "auto"
 
 
+def test_fused_adamw_values(base_config_module, tiny, tmp_path):
+    from uptrain.train.config import validated_config
+
+    values = settings(base_config_module["base"], tiny, tmp_path / "run")
+    for given, meant in (("true", True), ("False", False), (True, True), ("auto", "auto")):
+        assert validated_config({**values, "fused_adamw": given}).fused_adamw == meant
+    with pytest.raises(UptrainError, match=r"^invalid config: `fused_adamw`: must be auto, true or false, not 'yes'$"):
+        validated_config({**values, "fused_adamw": "yes"})
+
+
 def test_an_unknown_backend_is_refused_before_anything_is_written(base_config_module, tiny, tmp_path):
     out = tmp_path / "run"
     config = TrainConfig(**settings(base_config_module["base"], tiny, out, compile=True, compile_backend="nope"))

@@ -229,6 +229,16 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
             value = [v.strip() for v in value.split(",") if v.strip()]
         return value
 
+    @field_validator("fused_adamw", mode="before")
+    @classmethod
+    def _fused_setting(cls, value: Any) -> Any:
+        # One message for the union (pydantic would report each of its members).
+        if isinstance(value, bool) or value == "auto":
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"must be auto, true or false, not {value!r}")
+
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, value: Any) -> Any:

@@ -407,8 +407,9 @@ def compile_blocks(model: torch.nn.Module, backend: str) -> int:
     time of one layer, not of N), and FSDP2's per-block hooks stay outside the compiled regions
     (accelerate's regional compilation does the same). After prepare, not through accelerate's
     dynamo plugin: DDP and FSDP wrap the eager model and the accelerator is built the same way
-    with or without compile. Gradient checkpointing wraps each block's call from outside
-    (`checkpoint(compiled block)`); evaluation (eval mode, no grad) compiles once more, then reuses."""
+    with or without compile. Gradient checkpointing works wherever transformers puts it (around
+    the block's call in 5.17, inside its forward later: dynamo traces non-reentrant checkpoints);
+    evaluation (eval mode, no grad) compiles once more, then reuses that."""
     blocks = list(_repeated_blocks(model))
     for block in blocks or [model]:
         block.compile(backend=backend)

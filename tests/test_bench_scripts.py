@@ -125,6 +125,8 @@ def test_bench_train_tiny():
         "1",
     )
     assert result["tokens_per_second_ratio"] > 0 and result["mfu"] is None  # no MFU on CPU without peak_flops
+    # AdamW's step alone, torch's three implementations (all three run on a CPU in torch >= 2.4)
+    assert set(result["optimizer_step_s"]) == {"for-loop", "foreach", "fused"} and result["fused_vs_foreach"] > 0
     assert all(math.isfinite(x) and x > 0 for x in numbers(result))
 
 
@@ -208,6 +210,8 @@ def test_device_check_gpu_arguments_parse(tmp_path):
         assert parsed.device == "cuda", step
         if step.startswith("decode"):  # issue #18's GPU size: 16k context in bf16, with and without compile
             assert parsed.dtype == "bfloat16" and "16384" in parsed.contexts.split(","), step
+        if step == "calibrate":  # one 7B layer's merge timed on the GPU (issue #20)
+            assert parsed.merge_hidden == 4096 and parsed.shape == "7b"
     hidden, layers, heads, intermediate = map(int, args["uptrain_model"].split())
     flat = 12 * hidden * hidden * layers  # ≈ attention + MLP at intermediate 2.75 × hidden
     assert 0.8e9 < flat < 1.5e9 and intermediate == int(2.75 * hidden)  # "~1B"
@@ -344,6 +348,9 @@ def test_device_check_tiny(tmp_path):
             assert setting["gqa_speedup"][path] > 0
         assert all(setting[m]["compiled"]["compile_s"] > 0 for m in ("mha", "gqa"))
     assert steps["calibrate"]["result"]["device"] == "cpu" and steps["calibrate"]["result"]["tokens"] == 128
+    assert steps["calibrate"]["result"]["merge_one_layer"]["hidden"] == 256
+    train = steps["train"]["result"]  # the compiled loop and AdamW's three implementations ran
+    assert train["compile_speedup"] > 0 and set(train["optimizer_step_s"]) == {"for-loop", "foreach", "fused"}
     uptrain = steps["uptrain"]["result"]
     assert uptrain["final_num_kv_heads"] == 2 and uptrain["steps"] == 2 and uptrain["params"] > 0
     assert any(f.endswith(".safetensors") for f in uptrain["final_files"])

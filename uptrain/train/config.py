@@ -172,6 +172,20 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
         "that support it and no on CPU",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass to save memory")
+    compile: bool = Field(
+        False,
+        description="torch.compile each repeated block of the model (its layers) in place, after accelerate's "
+        "prepare: the same computation up to float rounding, state-dict names unchanged, so a resume may turn "
+        "it on or off",
+    )
+    compile_backend: str = Field(
+        "inductor", description="torch.compile backend with `compile` (one of torch.compiler.list_backends())"
+    )
+    fused_adamw: Literal["auto"] | bool = Field(
+        "auto",
+        description="torch's fused AdamW kernel; auto: fused on CUDA, torch's default elsewhere (so CPU runs "
+        "stay bit-identical to earlier versions); the same update up to float rounding",
+    )
     document_mask: bool = Field(
         False,
         description="packed documents do not see each other: positions restart after each EOS and attention "
@@ -214,6 +228,16 @@ class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+    @field_validator("fused_adamw", mode="before")
+    @classmethod
+    def _fused_setting(cls, value: Any) -> Any:
+        # One message for the union (pydantic would report each of its members).
+        if isinstance(value, bool) or value == "auto":
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"must be auto, true or false, not {value!r}")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -298,6 +322,10 @@ OPERATIONAL_KEYS = frozenset(
         "source_hash",
         "collective_timeout_s",
         "conversion_timeout_s",
+        # How the same computation runs (kernels, compiled or not): float rounding apart, the same curve.
+        "compile",
+        "compile_backend",
+        "fused_adamw",
     }
 )
 

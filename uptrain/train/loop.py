@@ -237,6 +237,8 @@ def setup(config: TrainConfig) -> Run:
     model_path = str(resolve_source(config.model).folder) if config.model is not None else None
     teacher_path = str(resolve_source(config.teacher).folder) if config.teacher is not None else None
     _fill_known_budget(config)
+    if config.compile:
+        check_compile_backend(config.compile_backend)
     start = inspect_run_dir(config, global_batch)
     conversion = SourceConversion(config, out) if config.source is not None else None
     with conversion if conversion is not None else contextlib.nullcontext():
@@ -359,13 +361,67 @@ def _build_models(
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
+        fused=fused_adamw(config.fused_adamw, accelerator.device),
     )
     model, optimizer = accelerator.prepare(model, optimizer)
+    if config.compile:
+        compile_blocks(accelerator.unwrap_model(model), config.compile_backend)
     if teacher is not None:
         # A frozen teacher needs no fp32 master copy: under autocast it computes in bf16/fp16 anyway.
         # Under FSDP2 it is sharded like the student rather than copied whole to every GPU.
         teacher = place_teacher(accelerator, teacher)
     return model, optimizer, teacher, flops
+
+
+def fused_adamw(setting: str | bool, device: torch.device) -> bool | None:
+    """AdamW's `fused` argument for `fused_adamw` on `device`. None leaves torch's default: on CPU
+    the single-tensor loop every earlier run used (so CPU results stay bit-identical), on CUDA
+    foreach. The parameters are still on the CPU when the optimizer is built (accelerate's
+    prepare moves them), so the choice is made from the device they will train on."""
+    if setting == "auto":
+        return True if device.type == "cuda" else None
+    if setting and device.type not in ("cuda", "cpu"):
+        raise UptrainError(f"fused_adamw: true runs on CUDA and CPU, not on {device.type}; use auto or false")
+    return setting
+
+
+def check_compile_backend(backend: str) -> None:
+    """Refuse an unknown torch.compile backend before anything is written."""
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        raise UptrainError(
+            f"compile_backend {backend!r} is not a torch.compile backend (e.g. "
+            f"{', '.join(torch.compiler.list_backends())}, aot_eager, eager)"
+        )
+
+
+def compile_blocks(model: torch.nn.Module, backend: str) -> int:
+    """torch.compile the repeated blocks of `model` in place (every member of a ModuleList whose
+    members share one class: the decoder layers, T5's encoder and decoder blocks); a model without
+    any is compiled whole, in place. Returns how many modules were compiled.
+
+    Why so: in place (`Module.compile`), the module tree, and so every state-dict name, stays as
+    it was (`torch.compile(model)` would wrap it and prefix `_orig_mod.`): accelerate's
+    checkpoints and final/ hold the plain names whether or not the run compiled, and a resume may
+    switch `compile` either way. Per block: one compiled layer's code serves every layer (compile
+    time of one layer, not of N), and FSDP2's per-block hooks stay outside the compiled regions
+    (accelerate's regional compilation does the same). After prepare, not through accelerate's
+    dynamo plugin: DDP and FSDP wrap the eager model and the accelerator is built the same way
+    with or without compile. Gradient checkpointing works wherever transformers puts it (around
+    the block's call in 5.17, inside its forward later: dynamo traces non-reentrant checkpoints);
+    evaluation (eval mode, no grad) compiles once more, then reuses that."""
+    blocks = list(_repeated_blocks(model))
+    for block in blocks or [model]:
+        block.compile(backend=backend)
+    return len(blocks) or 1
+
+
+def _repeated_blocks(module: torch.nn.Module):
+    if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+        yield from module  # the outermost repetition only: a block's own lists are compiled with it
+        return
+    for child in module.children():
+        yield from _repeated_blocks(child)
 
 
 def _flops_per_token(config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: Objective) -> float:

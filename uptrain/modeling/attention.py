@@ -102,14 +102,19 @@ STACK_KV_HEADS = {
 class GroupedStacksConfig:
     """Mixin for the encoder–decoder GQA configs: one KV-head count per attention
     (`STACK_KV_HEADS`), each defaulting to that attention's number of query heads
-    (`_stack_heads`, per architecture) and dividing it. `num_key_value_heads` mirrors the decoder
+    (`_stack_heads`) and dividing it. `num_key_value_heads` mirrors the decoder
     self-attention's, the count generic tools (and static caches) read. Each config declares the
     three fields and `num_key_value_heads` itself (`… : int | None = None`), so that 5.x makes them
     dataclass fields; 4.x's `__init__` keeps unknown keys as attributes."""
 
     def _stack_heads(self) -> dict[str, int]:
-        """Query heads of each attention in STACK_KV_HEADS."""
-        raise NotImplementedError
+        """Query heads of each attention in STACK_KV_HEADS, in the BART family's (and Whisper's)
+        config names; T5, with one `num_heads`, overrides it."""
+        return {
+            "encoder": self.encoder_attention_heads,
+            "decoder-self": self.decoder_attention_heads,
+            "cross": self.decoder_attention_heads,
+        }
 
     def _grouped_stacks(self) -> None:
         if getattr(self, "decoder_num_key_value_heads", None) is None:

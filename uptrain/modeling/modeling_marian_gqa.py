@@ -29,13 +29,6 @@ class MarianGQAConfig(GroupedStacksConfig, MarianConfig):
     decoder_num_key_value_heads: int | None = None
     cross_attention_num_key_value_heads: int | None = None
 
-    def _stack_heads(self) -> dict[str, int]:
-        return {
-            "encoder": self.encoder_attention_heads,
-            "decoder-self": self.decoder_attention_heads,
-            "cross": self.decoder_attention_heads,
-        }
-
 
 class MarianGQAAttention(EncoderDecoderAttention, MarianAttention):
     """Marian attention over the KV heads of its place (encoder, decoder self, cross)."""

@@ -33,13 +33,6 @@ class WhisperGQAConfig(GroupedStacksConfig, WhisperConfig):
     decoder_num_key_value_heads: int | None = None
     cross_attention_num_key_value_heads: int | None = None
 
-    def _stack_heads(self) -> dict[str, int]:
-        return {
-            "encoder": self.encoder_attention_heads,
-            "decoder-self": self.decoder_attention_heads,
-            "cross": self.decoder_attention_heads,
-        }
-
 
 class WhisperGQAAttention(EncoderDecoderAttention, WhisperAttention):
     """Whisper attention over the KV heads of its place (encoder, decoder self, cross)."""

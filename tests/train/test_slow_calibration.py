@@ -11,6 +11,7 @@ barrier dies at the timeout.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -144,9 +145,13 @@ WAITER = textwrap.dedent("""
         try:
             wait.wait()
             waited = time.perf_counter() - start
-            print(f"rank {accelerator.process_index} step {step}: waited {waited:.1f} s", flush=True)
+            # One write per line: the two processes share the pipe, and print() may write the
+            # text and its newline apart, interleaving the other's line between them.
+            sys.stdout.write(f"rank {accelerator.process_index} step {step}: waited {waited:.1f} s\\n")
+            sys.stdout.flush()
         except UptrainError as err:
-            print(f"rank {accelerator.process_index} step {step}: {err}", flush=True)
+            sys.stdout.write(f"rank {accelerator.process_index} step {step}: {err}\\n")
+            sys.stdout.flush()
             break
 """)
 
@@ -158,7 +163,7 @@ def test_main_process_wait_outlasts_the_collective_timeout_and_has_its_own(tmp_p
     proc = launch_two_processes(str(script), "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    waited = [line for line in lines if line.startswith("rank 1 step 0: waited")]
-    assert waited and float(waited[0].split()[-2]) > 3 * 4, lines  # 3× the collectives' 4 s
-    [gave_up] = [line for line in lines if line.startswith("rank 1 step 1:")]
+    waited = re.findall(r"rank 1 step 0: waited ([0-9.]+) s", proc.stdout)
+    assert waited and float(waited[0]) > 3 * 4, lines  # 3× the collectives' 4 s
+    [gave_up] = [line for line in lines if "rank 1 step 1:" in line]
     assert "waited 2 s for the main process's step (conversion_timeout_s) and gave up" in gave_up, lines

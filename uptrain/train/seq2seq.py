@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from uptrain import UptrainError
-from uptrain.convert.layouts import ENCODER_DECODER_LAYOUTS, attention_stacks
-from uptrain.model_info import AttentionGeometry
 from uptrain.modeling_table import modeling_for
 from uptrain.objectives import IGNORE_INDEX, sentinel_ids_for, span_corruption, span_corruption_lengths, text_infilling
 from uptrain.train.metrics import encoder_decoder_cost
@@ -83,18 +81,6 @@ def auto_class_name(model_config: dict) -> str:
     if model_config.get("is_encoder_decoder"):
         return "AutoModelForSeq2SeqLM"
     return "AutoModelForCausalLM"
-
-
-def attention_geometries(model_config: dict) -> dict[str, AttentionGeometry]:
-    """The geometry of each attention of an encoder–decoder ("encoder", "decoder-self", "cross"),
-    as the converter reads it."""
-    layout = ENCODER_DECODER_LAYOUTS.get(model_config.get("model_type"))
-    if layout is None:
-        raise UptrainError(
-            f"uptrain has no attention layout for {model_config.get('model_type')!r} encoder–decoders "
-            f"(it has {', '.join(sorted(ENCODER_DECODER_LAYOUTS))})"
-        )
-    return {name: stack.geometry for name, stack in attention_stacks(model_config, layout).items()}
 
 
 def train_flops_per_token(model, model_config: dict, objective: str, seq_len: int, target_len: int) -> float:

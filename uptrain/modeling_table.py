@@ -44,6 +44,8 @@ MODELING: dict[str, GQAModeling] = {
     "opt": GQAModeling("opt_gqa", "OPTGQAConfig", "OPTGQAModel", "OPTGQAForCausalLM"),
     "gptj": GQAModeling("gptj_gqa", "GPTJGQAConfig", "GPTJGQAModel", "GPTJGQAForCausalLM"),
     "bloom": GQAModeling("bloom_gqa", "BloomGQAConfig", "BloomGQAModel", "BloomGQAForCausalLM"),
+    "mpt": GQAModeling("mpt_gqa", "MptGQAConfig", "MptGQAModel", "MptGQAForCausalLM"),
+    "falcon": GQAModeling("falcon_gqa", "FalconGQAConfig", "FalconGQAModel", "FalconGQAForCausalLM"),
     # Encoder–decoders: the paper's setting (T5); mT5 and T5 v1.1 / Flan-T5 share T5's classes.
     "t5": GQAModeling("t5_gqa", "T5GQAConfig", "T5GQAModel", "T5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "bart": GQAModeling(

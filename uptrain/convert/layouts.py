@@ -36,6 +36,27 @@ DECODER_SELF = "decoder-self"
 
 
 @dataclass(frozen=True)
+class ConfigRequirement:
+    """A config setting the conversion needs: `key` (dotted into nested settings) must be
+    `value`, `default` when absent (transformers' default); `why` says what else it would be."""
+
+    key: str
+    value: object
+    default: object
+    why: str
+
+    def check(self, config: dict) -> None:
+        found: object = config
+        for part in self.key.split("."):
+            found = found.get(part, self.default) if isinstance(found, dict) else self.default
+        if found != self.value:
+            raise UptrainError(
+                f"{config.get('model_type')} with {self.key}: {found!r} cannot be converted ({self.why}); "
+                f"uptrain converts {self.key}: {self.value!r}"
+            )
+
+
+@dataclass(frozen=True)
 class AttentionLayout:
     attn_prefix: str = "model.layers.{layer}.self_attn"
     # Query and output projections: rewritten only by whole-layer merges (calibrated, similarity).
@@ -65,6 +86,8 @@ class AttentionLayout:
     # (old, new) name prefixes renamed in the output, where transformers renames a key on
     # loading by the source's class name, which uptrain's modeling classes do not share.
     renames: tuple[tuple[str, str], ...] = ()
+    # Settings of the config the modeling needs (MPT: multi-head, no q/k LayerNorm, no biases).
+    requires: tuple[ConfigRequirement, ...] = ()
     notes: str = ""
 
     def output_name(self, name: str) -> str:
@@ -170,9 +193,42 @@ LAYOUTS: dict[str, AttentionLayout] = {
         head_dim_key=None,
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
     ),
+    "mpt": AttentionLayout(
+        attn_prefix="transformer.blocks.{layer}.attn",
+        q_proj="Wqkv",
+        o_proj="out_proj",
+        kv_modules=("Wqkv",),
+        kv_rows=(),
+        fused_qkv="Wqkv.weight",
+        head_dim_key=None,
+        requires=(
+            ConfigRequirement("attn_config.attn_type", "multihead_attention", "multihead_attention", "MHA only"),
+            ConfigRequirement("attn_config.qk_ln", False, False, "transformers' MPT has no q/k LayerNorm"),
+            ConfigRequirement("no_bias", True, True, "transformers' MPT has no biases"),
+        ),
+        notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",
+    ),
+    "falcon": AttentionLayout(
+        attn_prefix="transformer.h.{layer}.self_attention",
+        q_proj="query_key_value",
+        o_proj="dense",
+        kv_modules=("query_key_value",),
+        kv_rows=(),
+        fused_qkv="query_key_value.weight",
+        fused_qkv_bias="query_key_value.bias",
+        fused_order="per_group",
+        head_dim_key=None,
+        requires=(
+            ConfigRequirement("multi_query", False, True, "it has one KV head already"),
+            ConfigRequirement("new_decoder_architecture", False, False, "its KV heads are grouped already"),
+        ),
+        notes="multi-head Falcon (Falcon-RW): query_key_value rows [h, 3, d] interleaved per head; "
+        "ALiBi (alibi: true) or rotary",
+    ),
 }
 # A converted checkpoint (uptrain's modeling) keeps its source's layout with G KV heads.
 LAYOUTS.update({f"{name}_gqa": LAYOUTS[name] for name in ("gpt2", "gpt_neox", "opt", "gptj", "bloom")})
+LAYOUTS.update({f"{name}_gqa": LAYOUTS[name] for name in ("mpt", "falcon")})
 
 
 @dataclass(frozen=True)
@@ -342,6 +398,8 @@ def attention_stacks(config: dict, layout: Layout) -> dict[str, AttentionStack]:
     """Every attention of the model, in ATTENTIONS order: a decoder-only model's one
     ("decoder-self"), an encoder–decoder's three, each with its geometry read from `config`."""
     if isinstance(layout, AttentionLayout):
+        for requirement in layout.requires:
+            requirement.check(config)
         return {DECODER_SELF: AttentionStack(DECODER_SELF, layout, attention_geometry(config, layout.head_dim_key))}
     return {
         site.attention: AttentionStack(

@@ -25,11 +25,13 @@ from transformers import AutoConfig, AutoModel
 
 from uptrain.modeling.modeling_bart_gqa import BartGQAConfig, BartGQAForConditionalGeneration, BartGQAModel
 from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausalLM, BloomGQAModel
+from uptrain.modeling.modeling_falcon_gqa import FalconGQAConfig, FalconGQAForCausalLM, FalconGQAModel
 from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
 from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
 from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM, GPTJGQAModel
 from uptrain.modeling.modeling_marian_gqa import MarianGQAConfig, MarianGQAModel, MarianGQAMTModel
 from uptrain.modeling.modeling_mbart_gqa import MBartGQAConfig, MBartGQAForConditionalGeneration, MBartGQAModel
+from uptrain.modeling.modeling_mpt_gqa import MptGQAConfig, MptGQAForCausalLM, MptGQAModel
 from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
 from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
 from uptrain.modeling.modeling_whisper_gqa import (
@@ -48,6 +50,8 @@ CLASSES = {
         (OPTGQAConfig, OPTGQAModel, OPTGQAForCausalLM),
         (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
         (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
+        (MptGQAConfig, MptGQAModel, MptGQAForCausalLM),
+        (FalconGQAConfig, FalconGQAModel, FalconGQAForCausalLM),
         (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
         (BartGQAConfig, BartGQAModel, BartGQAForConditionalGeneration),
         (MBartGQAConfig, MBartGQAModel, MBartGQAForConditionalGeneration),

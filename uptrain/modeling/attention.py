@@ -92,6 +92,26 @@ class GroupedHeadsConfig:
             self._grouped_heads()
 
 
+def rope_for_4x(kwargs: dict, theta: str, partial: str | None = None) -> dict:
+    """config.json's fields with the rotary settings also under 4.x's names: transformers 5
+    writes them only inside `rope_parameters`, which 4.x ignores (it would rotate at base 10000,
+    and NeoX a quarter of each head, whatever the model has). `theta` (and `partial`, for a
+    partial rotary factor) are the names the architecture's 4.x config reads them by."""
+    rope = kwargs.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return kwargs
+    kwargs = dict(kwargs)
+    if partial is not None and "partial_rotary_factor" in rope:
+        kwargs.setdefault(partial, rope["partial_rotary_factor"])
+    if "rope_theta" in rope:
+        kwargs.setdefault(theta, rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default":
+        kwargs.setdefault(
+            "rope_scaling", {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        )
+    return kwargs
+
+
 # An encoder–decoder's attentions, as `uptrain convert --attention` names them, and the config.json
 # field holding each one's number of KV heads.
 STACK_KV_HEADS = {

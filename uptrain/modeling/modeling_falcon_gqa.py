@@ -29,6 +29,7 @@ from .attention import (
     build_as_eager,
     pop_cache,
     refuse_backend,
+    rope_for_4x,
     update_cache,
 )
 
@@ -57,6 +58,10 @@ class FalconGQAConfig(GroupedHeadsConfig, FalconConfig):
     model_type = "falcon_gqa"
 
     num_key_value_heads: int | None = None
+
+    @staticmethod
+    def _kwargs_for_4x(kwargs: dict) -> dict:
+        return rope_for_4x(kwargs, theta="rope_theta")
 
 
 class FalconGQAAttention(FalconAttention):

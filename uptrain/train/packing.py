@@ -29,8 +29,11 @@ from uptrain import UptrainError
 # Backends to which transformers gives packed sequences from `position_ids` alone (and which
 # take no dense 4D mask).
 FROM_POSITIONS = ("flash", "flex")
-# ALiBi biases are built from the 2D padding mask; a 4D mask has no place there.
+# ALiBi biases are built from the 2D padding mask; a 4D mask has no place there. (MPT's are
+# not: they depend on the distance to each key alone, and take the document mask.)
 REFUSED = {"bloom": "BLOOM", "bloom_gqa": "BLOOM"}
+# Likewise, where the config turns ALiBi on (`alibi: true`).
+REFUSED_WITH_ALIBI = {"falcon": "Falcon with ALiBi", "falcon_gqa": "Falcon with ALiBi"}
 # Models whose forward builds its mask without `position_ids`: transformers finds no packed
 # documents there, so flash and flex attention would attend across them.
 NO_PACKED_POSITIONS = {"opt": "OPT", "opt_gqa": "OPT"}
@@ -98,9 +101,10 @@ class DocumentPacking:
 def check_document_mask(model_config: dict, seq_len: int, model: str) -> None:
     """Refuse, in one line, a model whose attention the document mask cannot express."""
     model_type = model_config.get("model_type")
-    if model_type in REFUSED:
+    name = REFUSED.get(model_type) or (REFUSED_WITH_ALIBI.get(model_type) if model_config.get("alibi") else None)
+    if name is not None:
         raise UptrainError(
-            f"document_mask: {model} is {REFUSED[model_type]}, whose ALiBi biases are built from a 2D padding "
+            f"document_mask: {model} is {name}, whose ALiBi biases are built from a 2D padding "
             "mask that a per-document mask cannot replace; set document_mask: false"
         )
     window = model_config.get("sliding_window")

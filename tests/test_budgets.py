@@ -23,6 +23,8 @@ from uptrain.demo import REFERENCE
         ("opt", "facebook/opt-125m", 180e9),
         ("gptj", "EleutherAI/gpt-j-6b", 402e9),
         ("bloom", "bigscience/bloom", 366e9),
+        ("mpt", "mosaicml/mpt-7b", 1e12),
+        ("mpt_gqa", "/data/mpt-7b-instruct", 1e12),  # a fine-tune of the base, converted
         ("llama", "meta-llama/Llama-2-7b-hf", 2e12),
         ("llama", "huggyllama/llama-65b", 1.4e12),
         ("llama", "huggyllama/llama-7b", 1.0e12),
@@ -40,6 +42,8 @@ def test_known_families(model_type, name, tokens):
         ("gpt_neox", "EleutherAI/gpt-neox-20b"),
         ("bloom", "bigscience/bloom-560m"),  # smaller BLOOMs: budget not in the table
         ("opt", "facebook/opt-iml-1.3b"),
+        ("mpt", "mosaicml/mpt-7b-8k"),  # 1.5T: continued pretraining
+        ("mpt", "mosaicml/mpt-30b"),
         ("llama", "my-model"),
     ],
 )

@@ -41,6 +41,8 @@ BUDGETS: tuple[Budget, ...] = (
     Budget("OPT", ("opt",), r"(^|[/_-])opt-\d", 180e9, "Zhang et al. 2022: 180B tokens"),
     Budget("GPT-J-6B", ("gptj",), r"gpt-j-6b", 402e9, "EleutherAI model card: 402B tokens of the Pile"),
     Budget("BLOOM-176B", ("bloom",), r"(^|/)bloom$", 366e9, "BigScience model card: 366B tokens"),
+    # MPT-7B-8k continued MPT-7B for 500B tokens more: not this row.
+    Budget("MPT-7B", ("mpt",), r"(^|[/_-])mpt-7b(?!-8k)", 1e12, "MosaicML model card: 1T tokens of text and code"),
     Budget("Llama-2", ("llama",), r"llama-?2-\d+b", 2e12, "Touvron et al. 2023b: 2T tokens"),
     Budget("Llama-1 7B/13B", ("llama",), r"(^|[/_-])llama-(7|13)b", 1.0e12, "Touvron et al. 2023a: 1.0T tokens"),
     Budget("Llama-1 33B/65B", ("llama",), r"(^|[/_-])llama-(30|33|65)b", 1.4e12, "Touvron et al. 2023a: 1.4T tokens"),

@@ -156,6 +156,7 @@ def test_load_without_uptrain_under_transformers_5_and_4_57(sources, tmp_path):
 REFUSED = [
     ("mpt", {"attn_config": {"qk_ln": True}}, "attn_config.qk_ln: True cannot be converted"),
     ("mpt", {"attn_config": {"attn_type": "multiquery_attention"}}, "attn_config.attn_type"),
+    ("mpt", {"attn_config": {"alibi": False}}, "attn_config.alibi: False cannot be converted"),
     ("mpt", {"no_bias": False}, "no_bias: False cannot be converted"),
     ("falcon", {"multi_query": True}, "multi_query: True cannot be converted"),
     ("falcon", {"new_decoder_architecture": True}, "new_decoder_architecture: True cannot be converted"),

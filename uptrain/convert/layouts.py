@@ -204,6 +204,7 @@ LAYOUTS: dict[str, AttentionLayout] = {
         requires=(
             ConfigRequirement("attn_config.attn_type", "multihead_attention", "multihead_attention", "MHA only"),
             ConfigRequirement("attn_config.qk_ln", False, False, "transformers' MPT has no q/k LayerNorm"),
+            ConfigRequirement("attn_config.alibi", True, True, "transformers' MPT has no learned positions"),
             ConfigRequirement("no_bias", True, True, "transformers' MPT has no biases"),
         ),
         notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",

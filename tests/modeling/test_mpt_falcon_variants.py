@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import uptrain.modeling  # noqa: F401  registers mpt_gqa, falcon_gqa
 from tests.modeling import load_without_uptrain
@@ -121,12 +122,21 @@ def test_g_heads_cached_and_generate_with_the_cache_equals_without(name, sources
 
 
 def test_rotary_falcon_runs_on_every_backend(sources):
-    """Rotary Falcon has no ALiBi to refuse flex attention for: eager, SDPA and flex agree."""
+    """Rotary Falcon has no ALiBi to refuse a backend for: eager, SDPA, flex and a function
+    registered with the attention interface (which sees K/V at G heads) agree."""
+    calls = []
+
+    def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[1], key.shape[1]))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("uptrain_test_recording_falcon", recording_sdpa)
     _, out = sources("falcon-rotary", 2)
     ids, _ = padded_batch()
+    backends = ("eager", "sdpa", "flex_attention", "uptrain_test_recording_falcon")
     with torch.no_grad():
-        logits = {backend: load(out, attn_implementation=backend)(ids).logits for backend in ("eager", "sdpa")}
-        logits["flex_attention"] = load(out, attn_implementation="flex_attention")(ids).logits
+        logits = {backend: load(out, attn_implementation=backend)(ids).logits for backend in backends}
+    assert calls == [(HEADS, 2)] * 2  # both layers
     for backend, value in logits.items():
         torch.testing.assert_close(value, logits["eager"], rtol=1e-4, atol=1e-4, msg=backend)
 

@@ -37,7 +37,8 @@ import torch
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
-from uptrain.compare.spec import CompareSpec
+from uptrain.checkpoint.resumable import ResumeRule, flatten, unreadable_record
+from uptrain.compare.spec import SPEED, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
@@ -45,34 +46,42 @@ from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import Schema, keys_of
 from uptrain.speed import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
+from uptrain.train.config import OPERATIONAL_KEYS as TRAIN_OPERATIONAL_KEYS
 from uptrain.train.metrics import read_metrics
-from uptrain.train.rundir import LOCK_FILE, hold_run_dir
+from uptrain.train.rundir import GLOBAL_BATCH_KEYS, LOCK_FILE, hold_run_dir
 
 RESULT = "result.json"
 RECORD = "compare.json"
 CALIBRATION = "calibration.safetensors"
 MHA = "mha"
 # Settings a rerun may change: which runs there are (each run is made alike, whatever the others),
-# how the compare is reported, how often the runs evaluate, where calibration runs.
-# The speed keys too: a change remeasures speed (`speed_rows`) and retrains nothing.
-OPERATIONAL_KEYS = frozenset(
-    {
-        "num_kv_heads",
-        "pooling",
-        "report_to",
-        "eval_every",
-        "overwrite",
-        "output_dir",
-        "conversion.pooling",
-        "conversion.calibration_device",
-        "conversion.source_hash",
-        "speed_context",
-        "speed_new_tokens",
-        "speed_batch",
-        "speed_repeats",
-        "speed_device",
-    }
-)
+# the speed measurement (a change remeasures speed, `speed_rows`, and retrains nothing), and what
+# `uptrain train` lets a resumed run change (how the compare is reported, how often the runs
+# evaluate, where calibration runs, how a step is computed), but for the keys of the global batch:
+# train allows those only with the batch kept, and a finished run keeps the batch it was made with.
+OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "conversion.pooling", "overwrite", "output_dir"})
+
+
+def operational_keys(keys) -> frozenset[str]:
+    """The operational ones among a compare's `keys` (dotted: `conversion.calibration_device`
+    is train's `calibration_device`), derived from `uptrain train`'s own rule."""
+    train = TRAIN_OPERATIONAL_KEYS - GLOBAL_BATCH_KEYS
+    speed = {k.name for k in keys_of(CompareSpec) if k.option.group == SPEED}
+    return frozenset(k for k in keys if k in OWN_OPERATIONAL_KEYS | speed or k.rpartition(".")[2] in train)
+
+
+def resume_rule() -> ResumeRule:
+    """What identifies a compare: every setting but the operational ones. A key the earlier
+    compare's uptrain did not have yet held its default there."""
+    defaults = flatten(
+        {
+            k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
+            for k in keys_of(CompareSpec)
+            if not k.required
+        }
+    )
+    keys = [*defaults, *(k.name for k in keys_of(CompareSpec) if k.required)]
+    return ResumeRule(operational_keys(keys), defaults)
 
 
 @dataclass
@@ -248,32 +257,6 @@ def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -
     return None
 
 
-def _flat(values: dict, prefix: str = "") -> dict:
-    """Nested settings as `conversion.grouping`-style keys."""
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
-def _changes(old: dict, spec: CompareSpec) -> list[str]:
-    """The settings of `spec` that differ from an earlier compare's record, but operational ones.
-    A key the earlier compare's uptrain did not have yet held its default there."""
-    defaults = _flat(
-        {
-            k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
-            for k in keys_of(CompareSpec)
-            if not k.required
-        }
-    )
-    old = {**defaults, **_flat(old)}
-    current = _flat(spec.to_dict())
-    return [f"{k}: {old.get(k)!r} → {v!r}" for k, v in current.items() if k not in OPERATIONAL_KEYS and old.get(k) != v]
-
-
 def _start(spec: CompareSpec, root: Path) -> str:
     """Under the folder's lock: clear what killed compares left, refuse an earlier compare made
     with other settings (or a folder of something else), empty the folder for --overwrite, and
@@ -300,16 +283,10 @@ def _start(spec: CompareSpec, root: Path) -> str:
         try:
             old = read_json(record)
         except UptrainError as err:
-            raise UptrainError(f"cannot resume: {err}; use another output_dir or --overwrite") from None
+            raise unreadable_record(str(err), "output_dir") from None
         if not isinstance(old, dict):
-            raise UptrainError(
-                f"cannot resume: {record} is damaged (not a JSON object); use another output_dir or --overwrite"
-            )
-        if changed := _changes(old, spec):
-            raise UptrainError(
-                f"cannot resume the compare in {root}: its settings changed ({'; '.join(changed)}); "
-                "use another output_dir or --overwrite"
-            )
+            raise unreadable_record(f"{record} is damaged (not a JSON object)", "output_dir")
+        resume_rule().check(old, spec.to_dict(), what=f"the compare in {root}", place="output_dir")
         # An earlier compare's runs are in its group; one recorded before groups were, in the folder's name.
         group = old.get("wandb_group") if isinstance(old.get("wandb_group"), str) else root.name
     # Unique per compare: two folders of one name (or one folder emptied by --overwrite) never share a group.

@@ -200,7 +200,7 @@ def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
         64,
         32,
     )
-    assert json.loads(json.dumps(spec.to_dict()))["conversion"]["grouping"] == "similarity"
+    assert json.loads(json.dumps(spec.to_dict()))["grouping"] == "similarity"  # flat, as train's and convert's
 
 
 def small_spec(out, **changes):
@@ -227,10 +227,16 @@ def test_a_compare_record_is_compared_key_by_key():
     old = spec.to_dict()
     assert _changes(old, spec) == []
     # A key the earlier uptrain did not have held its default; operational keys may change.
-    del old["seed"], old["conversion"]["grouping"]
+    del old["seed"], old["grouping"]
     assert _changes({**old, "report_to": ["none"], "pooling": ["first"], "output_dir": "elsewhere"}, spec) == []
-    old["conversion"]["calibration_tokens"] = 64
-    assert _changes({**old, "lr": 0.5}, spec) == ["lr: 0.5 → 0.001", "conversion.calibration_tokens: 64 → 32768"]
+    old["calibration_tokens"] = 64
+    assert _changes({**old, "lr": 0.5}, spec) == ["calibration_tokens: 64 → 32768", "lr: 0.5 → 0.001"]
+    # A record from before the conversion keys were flat: read flat.
+    conversion = {k: old.pop(k) for k in ("attention", "calibration_tokens")}
+    assert _changes({**old, "conversion": {**conversion, "grouping": "similarity", "pooling": "mean"}}, spec) == [
+        "grouping: 'similarity' → 'contiguous'",
+        "calibration_tokens: 64 → 32768",
+    ]
 
 
 def test_the_wandb_group_is_recorded_once_and_an_earlier_compare_keeps_its_own(tmp_path):

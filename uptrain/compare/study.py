@@ -22,7 +22,6 @@ and makes again what it finds damaged.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -42,7 +41,7 @@ from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
-from uptrain.options import Schema, keys_of
+from uptrain.options import keys_of
 from uptrain.speed import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
 from uptrain.train.metrics import read_metrics
@@ -63,9 +62,17 @@ OPERATIONAL_KEYS = frozenset(
         "eval_every",
         "overwrite",
         "output_dir",
-        "conversion.pooling",
-        "conversion.calibration_device",
-        "conversion.source_hash",
+        "calibration_device",
+        "source_hash",
+        # `uptrain train`'s keys of how the same computation runs and is reported (its OPERATIONAL_KEYS).
+        "data_workers",
+        "peak_flops",
+        "wandb_project",
+        "compile",
+        "compile_backend",
+        "fused_adamw",
+        "collective_timeout_s",
+        "conversion_timeout_s",
         "speed_context",
         "speed_new_tokens",
         "speed_batch",
@@ -106,7 +113,7 @@ def validate(spec: CompareSpec) -> None:
         ensure_wandb_never_prompts()  # WANDB_MODE=online without a key: refused before compare.json
     if spec.uptrain_fraction is not None and spec.pretrain_tokens is None:  # the rule itself: CompareSpec
         spec.pretrain_tokens = pretrain_tokens(spec.model)
-    _train_config(spec, Path(spec.model), Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
+    spec.train_config(spec.model, Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     speed_setting(spec)  # the speed measurement's refusals too
     for _, g, pooling in run_names(spec):
         if g is not None:
@@ -119,32 +126,6 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
     for g in spec.num_kv_heads:
         runs += [(f"g{g}-{p}", g, p) for p in spec.pooling]
     return runs
-
-
-def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: str | None = None):
-    from uptrain.train.config import validated_config
-
-    values = dict(
-        model=str(model),
-        train_data=spec.train_data,
-        eval_data=spec.eval_data,
-        output_dir=str(out),
-        seq_len=spec.seq_len,
-        batch_size=spec.batch_size,
-        lr=spec.lr,
-        warmup_steps=spec.warmup_steps,
-        eval_every=spec.eval_every,
-        save_every=spec.eval_every,
-        eval_blocks=spec.eval_blocks,
-        objective=spec.objective,
-        seed=spec.seed,
-        report_to=spec.report_to,
-        run_name=f"{Path(spec.output_dir).name}/{name}",
-        wandb_group=group,
-        resume=out.exists(),
-        **spec.budget(),
-    )
-    return validated_config(values, "compare")
 
 
 def _calibration(prepared, root: Path, log=print) -> Calibration:
@@ -248,29 +229,15 @@ def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -
     return None
 
 
-def _flat(values: dict, prefix: str = "") -> dict:
-    """Nested settings as `conversion.grouping`-style keys."""
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
 def _changes(old: dict, spec: CompareSpec) -> list[str]:
     """The settings of `spec` that differ from an earlier compare's record, but operational ones.
-    A key the earlier compare's uptrain did not have yet held its default there."""
-    defaults = _flat(
-        {
-            k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
-            for k in keys_of(CompareSpec)
-            if not k.required
-        }
-    )
-    old = {**defaults, **_flat(old)}
-    current = _flat(spec.to_dict())
+    A key the earlier compare's uptrain did not have yet held its default there; one that
+    recorded the conversion keys under `conversion` (before they were flat) is read flat."""
+    nested = old.get("conversion")
+    old = {**nested, **old} if isinstance(nested, dict) else old
+    defaults = {k.name: k.default for k in keys_of(CompareSpec) if not k.required}
+    old = {**defaults, **old}
+    current = spec.to_dict()
     return [f"{k}: {old.get(k)!r} → {v!r}" for k, v in current.items() if k not in OPERATIONAL_KEYS and old.get(k) != v]
 
 
@@ -368,7 +335,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     shape = model_shape(Path(spec.model), spec.model)
-    attentions = parse_attention(spec.conversion.attention)
+    attentions = parse_attention(spec.attention)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(read_config(spec.model)), 4)
     results = []
     for name, g, pooling in run_names(spec):
@@ -388,7 +355,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                 with prepare(spec.conversion_spec(g, pooling), model) as prepared:
                     calibration = _calibration(prepared, root, log) if prepared.needs_calibration else None
                     execute(prepared, model, calibration=calibration, progress=False)
-        run_training(_train_config(spec, _as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
+        run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)

@@ -25,6 +25,7 @@ import yaml
 
 from uptrain import UptrainError
 from uptrain.checkpoint.atomic import OutputLock, remove_stale_locks
+from uptrain.options import keys_of
 from uptrain.strict_json import read_json
 from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
@@ -46,9 +47,9 @@ class RunStart:
 
 
 def _differences(old: dict, new: TrainConfig) -> list[str]:
-    current = new.model_dump(mode="json")
+    current = new.to_dict()
     # A key the earlier run's uptrain did not have yet held its default there.
-    defaults = {k: f.default for k, f in TrainConfig.model_fields.items() if not f.is_required()}
+    defaults = {k.name: k.default for k in keys_of(TrainConfig) if not k.required}
     old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
     # output_dir names the folder being resumed, however it is spelled (run, run/, /abs/run).
     keys = [k for k in current if k not in OPERATIONAL_KEYS and k != "output_dir"]

@@ -200,7 +200,7 @@ def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
         64,
         32,
     )
-    assert json.loads(json.dumps(spec.to_dict()))["conversion"]["grouping"] == "similarity"
+    assert json.loads(json.dumps(spec.to_dict()))["grouping"] == "similarity"  # flat, as train's and convert's
 
 
 def small_spec(out, **changes):
@@ -221,19 +221,25 @@ def small_spec(out, **changes):
 
 
 def test_a_compare_record_is_compared_key_by_key():
-    from uptrain.compare.study import resume_rule
+    from uptrain.compare.study import _flat_record, resume_rule
 
     def changes(old, spec):
-        return [str(c) for c in resume_rule().changes(old, spec.to_dict())]
+        return [str(c) for c in resume_rule().changes(_flat_record(old), spec.to_dict())]
 
     spec = small_spec("cmp")
     old = spec.to_dict()
     assert changes(old, spec) == []
     # A key the earlier uptrain did not have held its default; operational keys may change.
-    del old["seed"], old["conversion"]["grouping"]
+    del old["seed"], old["grouping"]
     assert changes({**old, "report_to": ["none"], "pooling": ["first"], "output_dir": "elsewhere"}, spec) == []
-    old["conversion"]["calibration_tokens"] = 64
-    assert changes({**old, "lr": 0.5}, spec) == ["lr: 0.5 → 0.001", "conversion.calibration_tokens: 64 → 32768"]
+    old["calibration_tokens"] = 64
+    assert changes({**old, "lr": 0.5}, spec) == ["calibration_tokens: 64 → 32768", "lr: 0.5 → 0.001"]
+    # A record from before the conversion keys were flat: read flat.
+    conversion = {k: old.pop(k) for k in ("attention", "calibration_tokens")}
+    assert changes({**old, "conversion": {**conversion, "grouping": "similarity", "pooling": "mean"}}, spec) == [
+        "grouping: 'similarity' → 'contiguous'",
+        "calibration_tokens: 64 → 32768",
+    ]
 
 
 def test_a_compare_of_the_shipped_corpus_resumes_after_the_checkout_moved():
@@ -257,25 +263,25 @@ def test_compare_takes_train_s_operational_keys_but_the_global_batch():
     from uptrain.compare.study import OWN_OPERATIONAL_KEYS, operational_keys, resume_rule
 
     keys = ["lr", "seed", "batch_size", "grad_accum", "compile", "compile_backend", "fused_adamw", "log_every"]
-    keys += ["conversion.calibration_device", "conversion.grouping", "speed_batch", "num_kv_heads"]
+    keys += ["calibration_device", "grouping", "speed_batch", "num_kv_heads"]
     assert operational_keys(keys) == {
         "compile",
         "compile_backend",
         "fused_adamw",
         "log_every",
-        "conversion.calibration_device",
+        "calibration_device",
         "speed_batch",
         "num_kv_heads",
     }
     # The compare's own keys: at least the list it used to spell out by hand, and nothing that
     # decides what a run computes.
     operational = resume_rule().operational
-    assert not operational & {"model", "train_data", "lr", "seed", "batch_size", "max_tokens", "conversion.grouping"}
+    assert not operational & {"model", "train_data", "lr", "seed", "batch_size", "max_tokens", "grouping"}
     assert operational >= OWN_OPERATIONAL_KEYS | {
         "report_to",
         "eval_every",
-        "conversion.calibration_device",
-        "conversion.source_hash",
+        "calibration_device",
+        "source_hash",
         "speed_context",
         "speed_new_tokens",
         "speed_batch",

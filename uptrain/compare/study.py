@@ -22,7 +22,6 @@ and makes again what it finds damaged.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -37,13 +36,13 @@ import torch
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
-from uptrain.checkpoint.resumable import ResumeRule, flatten, unreadable_record
+from uptrain.checkpoint.resumable import ResumeRule, unreadable_record
 from uptrain.compare.spec import SPEED, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
-from uptrain.options import Schema, keys_of
+from uptrain.options import keys_of
 from uptrain.speed import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
 from uptrain.train.config import OPERATIONAL_KEYS as TRAIN_OPERATIONAL_KEYS
@@ -59,29 +58,30 @@ MHA = "mha"
 # `uptrain train` lets a resumed run change (how the compare is reported, how often the runs
 # evaluate, where calibration runs, how a step is computed), but for the keys of the global batch:
 # train allows those only with the batch kept, and a finished run keeps the batch it was made with.
-OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "conversion.pooling", "overwrite", "output_dir"})
+OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "overwrite", "output_dir"})
 
 
 def operational_keys(keys) -> frozenset[str]:
-    """The operational ones among a compare's `keys` (dotted: `conversion.calibration_device`
-    is train's `calibration_device`), derived from `uptrain train`'s own rule."""
+    """The operational ones among a compare's `keys`, derived from `uptrain train`'s own rule."""
     train = TRAIN_OPERATIONAL_KEYS - GLOBAL_BATCH_KEYS
     speed = {k.name for k in keys_of(CompareSpec) if k.option.group == SPEED}
-    return frozenset(k for k in keys if k in OWN_OPERATIONAL_KEYS | speed or k.rpartition(".")[2] in train)
+    return frozenset(k for k in keys if k in OWN_OPERATIONAL_KEYS | speed | train)
 
 
 def resume_rule() -> ResumeRule:
     """What identifies a compare: every setting but the operational ones. A key the earlier
     compare's uptrain did not have yet held its default there."""
-    defaults = flatten(
-        {
-            k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
-            for k in keys_of(CompareSpec)
-            if not k.required
-        }
-    )
-    keys = [*defaults, *(k.name for k in keys_of(CompareSpec) if k.required)]
-    return ResumeRule(operational_keys(keys), defaults)
+    defaults = {k.name: k.default for k in keys_of(CompareSpec) if not k.required}
+    return ResumeRule(operational_keys([k.name for k in keys_of(CompareSpec)]), defaults)
+
+
+def _flat_record(old: dict) -> dict:
+    """A compare record as today's flat keys: one written before the conversion keys were flat
+    holds them under `conversion`."""
+    nested = old.get("conversion")
+    if not isinstance(nested, dict):
+        return old
+    return {**nested, **{k: v for k, v in old.items() if k != "conversion"}}
 
 
 @dataclass
@@ -115,7 +115,7 @@ def validate(spec: CompareSpec) -> None:
         ensure_wandb_never_prompts()  # WANDB_MODE=online without a key: refused before compare.json
     if spec.uptrain_fraction is not None and spec.pretrain_tokens is None:  # the rule itself: CompareSpec
         spec.pretrain_tokens = pretrain_tokens(spec.model)
-    _train_config(spec, Path(spec.model), Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
+    spec.train_config(spec.model, Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     speed_setting(spec)  # the speed measurement's refusals too
     for _, g, pooling in run_names(spec):
         if g is not None:
@@ -128,32 +128,6 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
     for g in spec.num_kv_heads:
         runs += [(f"g{g}-{p}", g, p) for p in spec.pooling]
     return runs
-
-
-def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: str | None = None):
-    from uptrain.train.config import validated_config
-
-    values = dict(
-        model=str(model),
-        train_data=spec.train_data,
-        eval_data=spec.eval_data,
-        output_dir=str(out),
-        seq_len=spec.seq_len,
-        batch_size=spec.batch_size,
-        lr=spec.lr,
-        warmup_steps=spec.warmup_steps,
-        eval_every=spec.eval_every,
-        save_every=spec.eval_every,
-        eval_blocks=spec.eval_blocks,
-        objective=spec.objective,
-        seed=spec.seed,
-        report_to=spec.report_to,
-        run_name=f"{Path(spec.output_dir).name}/{name}",
-        wandb_group=group,
-        resume=out.exists(),
-        **spec.budget(),
-    )
-    return validated_config(values, "compare")
 
 
 def _calibration(prepared, root: Path, log=print) -> Calibration:
@@ -286,7 +260,7 @@ def _start(spec: CompareSpec, root: Path) -> str:
             raise unreadable_record(str(err), "output_dir") from None
         if not isinstance(old, dict):
             raise unreadable_record(f"{record} is damaged (not a JSON object)", "output_dir")
-        resume_rule().check(old, spec.to_dict(), what=f"the compare in {root}", place="output_dir")
+        resume_rule().check(_flat_record(old), spec.to_dict(), what=f"the compare in {root}", place="output_dir")
         # An earlier compare's runs are in its group; one recorded before groups were, in the folder's name.
         group = old.get("wandb_group") if isinstance(old.get("wandb_group"), str) else root.name
     # Unique per compare: two folders of one name (or one folder emptied by --overwrite) never share a group.
@@ -345,7 +319,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     shape = model_shape(Path(spec.model), spec.model)
-    attentions = parse_attention(spec.conversion.attention)
+    attentions = parse_attention(spec.attention)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(read_config(spec.model)), 4)
     results = []
     for name, g, pooling in run_names(spec):
@@ -365,7 +339,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                 with prepare(spec.conversion_spec(g, pooling), model) as prepared:
                     calibration = _calibration(prepared, root, log) if prepared.needs_calibration else None
                     execute(prepared, model, calibration=calibration, progress=False)
-        run_training(_train_config(spec, _as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
+        run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)

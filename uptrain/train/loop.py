@@ -770,7 +770,7 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
         record = uptraining_record(
             Path(plan.model_path),
             # The objective actually trained, where the config left it to the model's family.
-            {**plan.config.model_dump(mode="json"), "objective": plan.objective},
+            {**plan.config.to_dict(), "objective": plan.objective},
             steps=plan.total_steps,
             tokens=plan.total_steps * plan.tokens_per_step,
             num_processes=acc.num_processes,

@@ -26,6 +26,7 @@ import yaml
 from uptrain import UptrainError
 from uptrain.checkpoint.atomic import OutputLock, remove_stale_locks
 from uptrain.checkpoint.resumable import Change, ResumeRule, settings_changed, unreadable_record
+from uptrain.options import keys_of
 from uptrain.strict_json import read_json
 from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
@@ -56,7 +57,7 @@ GLOBAL_BATCH = "batch_size × grad_accum × processes"
 def resume_rule() -> ResumeRule:
     """What identifies a run: every key but the bookkeeping ones (`OPERATIONAL_KEYS`) and
     output_dir, which names the folder being resumed however it is spelled (run, run/, /abs/run)."""
-    defaults = {k: f.default for k, f in TrainConfig.model_fields.items() if not f.is_required()}
+    defaults = {k.name: k.default for k in keys_of(TrainConfig) if not k.required}
     return ResumeRule(OPERATIONAL_KEYS | {"output_dir"}, defaults)
 
 
@@ -137,7 +138,7 @@ def inspect_run_dir(config: TrainConfig, global_batch: int) -> RunStart:
     if not marker.is_file():
         raise UptrainError(f"cannot resume: {out} is not an uptrain run ({RUN_CONFIG} is missing)")
     what = f"the run in {out}"
-    resume_rule().check(_read_run_config(marker), config.model_dump(mode="json"), what=what, place="output_dir")
+    resume_rule().check(_read_run_config(marker), config.to_dict(), what=what, place="output_dir")
     info = read_json(out / RUN_INFO) if (out / RUN_INFO).is_file() else {}
     if not isinstance(info, dict):
         raise unreadable_record(f"{out / RUN_INFO} is damaged (not a JSON object)", "output_dir")

@@ -21,6 +21,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # No uptrain dependencies beyond each other: the error type, strict JSON, what a config says,
     # and the table of uptrain's own GQA modeling (data only; read by the converter).
     ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info", "uptrain.modeling_table")),
+    # What each architecture is (attention sites, quirks, uptrain's modeling of it), as data.
+    ("architecture", ("uptrain.architecture.*",)),
     # Safetensors reading and writing, atomic folders and locks, sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
     # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,

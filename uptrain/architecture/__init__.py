@@ -19,13 +19,16 @@ A record (`Architecture`) holds:
   (`whole_layer_merges`), and an encoder–decoder's `source_positions_key` / `source_unit`.
 
 To add an architecture:
-1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`) or to
-   `encoder_decoders.py` (`bart_family(...)`, or sites of its own as T5's), naming its tensors
-   relative to the checkpoint's root and the config keys of its heads and layers.
+1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`, with
+   `geometry=StackKeys(...)` where the config does not use transformers' standard names, e.g.
+   n_layers / n_heads / d_model) or to `encoder_decoders.py` (`bart_family(...)`, or sites of its
+   own as T5's), naming its tensors relative to the checkpoint's root and the config keys of its
+   heads and layers (each site's KV heads under `STACK_KV_HEADS`, as uptrain's modeling reads them).
 2. If its transformers modeling has no `num_key_value_heads`, it needs uptrain's: write
    `uptrain/modeling/modeling_<model_type>_gqa.py` (loadable alone beside the weights: it imports
-   only torch, transformers and `.attention`) and name its classes in `modeling=GQAModeling(...)`;
-   `uptrain.modeling` registers them from the record. Otherwise leave `modeling` None.
+   only torch, transformers and `.attention`) and name its classes in `modeling=GQAModeling(...)`
+   (`decoders.gqa_modeling` for a causal LM's usual names). `uptrain.modeling` imports that module
+   and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
 3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, no
    whole-layer merges), and `default_objective` / `auto_class` / `pipeline_tag` for an
    encoder–decoder. Tests: a tiny model from its config, converted exactly (tests/convert).

@@ -8,6 +8,7 @@ from uptrain.architecture.schema import (
     Architecture,
     AttentionLayout,
     AttentionSite,
+    GeometryKeys,
     GQAModeling,
     StandardKeys,
 )
@@ -16,11 +17,19 @@ STANDARD = AttentionLayout()
 
 
 def decoder_only(
-    model_type: str, name: str, layout: AttentionLayout = STANDARD, *, head_dim_key: str | None = "head_dim", **fields
+    model_type: str,
+    name: str,
+    layout: AttentionLayout = STANDARD,
+    *,
+    head_dim_key: str | None = "head_dim",
+    geometry: GeometryKeys | None = None,
+    **fields,
 ) -> Architecture:
-    """The record of a decoder-only architecture: its one attention's `layout`, with `head_dim_key`
-    the config field that overrides hidden_size // heads (None where the modeling ignores it)."""
-    site = AttentionSite(DECODER_SELF, layout, StandardKeys(head_dim_key))
+    """The record of a decoder-only architecture: its one attention's `layout`, read under the
+    standard config names with `head_dim_key` the field that overrides hidden_size // heads (None
+    where the modeling ignores it), or under names of its own (`geometry`: `StackKeys`, e.g.
+    n_layers, n_heads, d_model)."""
+    site = AttentionSite(DECODER_SELF, layout, geometry or StandardKeys(head_dim_key))
     return Architecture(model_type, name, (site,), **fields)
 
 
@@ -29,6 +38,18 @@ def gqa_modeling(model_type: str, prefix: str) -> GQAModeling:
     `<prefix>GQAModel` and `<prefix>GQAForCausalLM`."""
     return GQAModeling(f"{model_type}_gqa", f"{prefix}GQAConfig", f"{prefix}GQAModel", f"{prefix}GQAForCausalLM")
 
+
+# A fused `query_key_value` whose rows are [h, 3, d], Q, K and V interleaved per head (GPT-NeoX,
+# BLOOM), with a `dense` output projection.
+PER_HEAD_QKV = dict(
+    q_proj="query_key_value",
+    o_proj="dense",
+    kv_modules=("query_key_value",),
+    kv_rows=(),
+    fused_qkv="query_key_value.weight",
+    fused_qkv_bias="query_key_value.bias",
+    fused_order="per_group",
+)
 
 # Separate K and V projections whose rows are pooled in place: transformers has native GQA.
 NATIVE_GQA = (
@@ -98,13 +119,7 @@ UPTRAIN_MODELING = (
         "GPT-NeoX",
         AttentionLayout(
             attn_prefix="gpt_neox.layers.{layer}.attention",
-            q_proj="query_key_value",
-            o_proj="dense",
-            kv_modules=("query_key_value",),
-            kv_rows=(),
-            fused_qkv="query_key_value.weight",
-            fused_qkv_bias="query_key_value.bias",
-            fused_order="per_group",
+            **PER_HEAD_QKV,
         ),
         head_dim_key=None,
         modeling=gqa_modeling("gpt_neox", "GPTNeoX"),
@@ -142,13 +157,7 @@ UPTRAIN_MODELING = (
         AttentionLayout(
             attn_prefix="transformer.h.{layer}.self_attention",
             attn_prefix_alternatives=("h.{layer}.self_attention",),
-            q_proj="query_key_value",
-            o_proj="dense",
-            kv_modules=("query_key_value",),
-            kv_rows=(),
-            fused_qkv="query_key_value.weight",
-            fused_qkv_bias="query_key_value.bias",
-            fused_order="per_group",
+            **PER_HEAD_QKV,
         ),
         head_dim_key=None,
         modeling=gqa_modeling("bloom", "Bloom"),

@@ -61,3 +61,23 @@ def test_one_auto_class_per_config():
     assert auto_class_name({"model_type": "gpt2_gqa"}) == "AutoModelForCausalLM"
     assert auto_class_name({"model_type": "unknown", "is_encoder_decoder": True}) == "AutoModelForSeq2SeqLM"
     assert auto_class_name({"model_type": "unknown"}) == "AutoModelForCausalLM"
+
+
+def test_one_record_per_model_type():
+    from uptrain.architecture import REGISTRY
+    from uptrain.architecture.decoders import DECODERS
+    from uptrain.architecture.encoder_decoders import ENCODER_DECODERS
+
+    assert len(REGISTRY) == len(DECODERS) + len(ENCODER_DECODERS)  # none overwrites another
+    assert not set(REGISTRY) & set(converted_architectures())
+
+
+def test_a_decoder_with_config_names_of_its_own():
+    """A decoder-only record may read its geometry under its own names (MPT: n_layers, n_heads,
+    d_model), and a converted config records its KV heads where that site says."""
+    from uptrain.architecture import StackKeys
+    from uptrain.architecture.decoders import decoder_only
+
+    record = decoder_only("mine", "Mine", geometry=StackKeys("n_layers", "n_heads", "num_key_value_heads"))
+    geometry = record.stacks({"model_type": "mine", "n_layers": 2, "n_heads": 8, "d_model": 64})[DECODER_SELF].geometry
+    assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (2, 8, 8, 8)

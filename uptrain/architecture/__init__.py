@@ -79,12 +79,19 @@ __all__ = [
 
 # Source model_type → its record.
 REGISTRY: dict[str, Architecture] = {a.model_type: a for a in (*DECODERS, *ENCODER_DECODERS)}
-# A converted checkpoint's model_type → the record of the first source that converts to it
-# (t5_gqa: t5's, which mt5 shares).
-CONVERTED: dict[str, Architecture] = {}
-for _record in REGISTRY.values():
-    if _record.modeling is not None:
-        CONVERTED.setdefault(_record.modeling.model_type, _record)
+
+
+def _converted() -> dict[str, Architecture]:
+    """A converted checkpoint's model_type → the record of the first source that converts to it
+    (t5_gqa: t5's, which mt5 shares)."""
+    found: dict[str, Architecture] = {}
+    for record in REGISTRY.values():
+        if record.modeling is not None:
+            found.setdefault(record.modeling.model_type, record)
+    return found
+
+
+CONVERTED = _converted()
 
 
 def source_model_type(model_type: str | None) -> str | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from uptrain import UptrainError
-from uptrain.modeling_table import DEFAULT_ATTENTIONS, STACK_KV_HEADS
+from uptrain.architecture import DEFAULT_ATTENTIONS, STACK_KV_HEADS
 from uptrain.options import REQUIRED, Schema, option, validated
 
 Grouping = Literal["contiguous", "similarity"]

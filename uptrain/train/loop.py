@@ -26,10 +26,10 @@ from tqdm.auto import tqdm
 import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
+from uptrain.architecture import auto_class_name, config_geometry
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import check_apart
 from uptrain.checkpoint.source import resolve_source
-from uptrain.convert.layouts import config_geometry
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.objectives import IGNORE_INDEX
@@ -45,7 +45,6 @@ from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, ins
 from uptrain.train.seq2seq import (
     PAIR_OBJECTIVES,
     Objective,
-    auto_class_name,
     block_length,
     objective_for,
     resolve_objective,

@@ -111,25 +111,19 @@ def _count(config: dict, key: str, model_type: str) -> int:
 
 
 # Older configs name the geometry as their transformers class's `attribute_map` does:
-# GPT-2 and GPT-J (n_head, n_layer, n_embd), BLOOM (n_head, n_layer, n_embed, hidden_size),
-# MPT (n_heads, n_layers, d_model).
+# GPT-2 and GPT-J (n_head, n_layer, n_embd), BLOOM (n_head, n_layer, n_embed, hidden_size).
 CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
-    "num_attention_heads": ("n_head", "n_heads"),
-    "num_hidden_layers": ("n_layer", "n_layers"),
+    "num_attention_heads": ("n_head",),
+    "num_hidden_layers": ("n_layer",),
     "hidden_size": ("n_embd", "n_embed"),
 }
-# MPT's width is d_model, a name the encoder–decoders use too, whose configs keep it alone.
-WIDTH_AS_D_MODEL = ("mpt", "mpt_gqa")
 
 
 def standard_config_names(config: dict) -> dict:
     """`config` with num_attention_heads, num_hidden_layers and hidden_size filled in from
     their older spellings where they are missing; every other field as it was."""
     filled = dict(config)
-    aliases_of = dict(CONFIG_ALIASES)
-    if config.get("model_type") in WIDTH_AS_D_MODEL:
-        aliases_of["hidden_size"] = ("d_model",)
-    for name, aliases in aliases_of.items():
+    for name, aliases in CONFIG_ALIASES.items():
         if filled.get(name) is None:
             for alias in aliases:
                 if config.get(alias) is not None:

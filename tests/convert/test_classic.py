@@ -28,7 +28,7 @@ from uptrain.convert import convert_checkpoint
 from uptrain.speed import output_cache
 
 # GPT-2-style configs (n_head, n_layer, n_embd) need uptrain.model_info to read those names.
-NEEDS_ALIASES = {"gpt2", "gptj", "bloom", "mpt"}
+NEEDS_ALIASES = {"gpt2", "gptj", "bloom"}
 # Backends on which transformers' own model is no reference to match bit for bit.
 NO_REFERENCE = {
     ("bloom", "sdpa"): "transformers' BLOOM has no SDPA",

@@ -116,7 +116,7 @@ def test_flash_layout_is_one_row_of_documents():
 def test_models_the_mask_cannot_express_are_refused():
     with pytest.raises(UptrainError, match="ALiBi"):
         check_document_mask({"model_type": "bloom_gqa"}, 64, "m")
-    with pytest.raises(UptrainError, match="Falcon with ALiBi"):
+    with pytest.raises(UptrainError, match="m is Falcon, whose ALiBi"):
         check_document_mask({"model_type": "falcon_gqa", "alibi": True}, 64, "m")
     check_document_mask({"model_type": "falcon_gqa", "alibi": False}, 64, "m")  # rotary
     with pytest.raises(UptrainError, match="sliding window of 16 tokens, shorter than seq_len 64"):

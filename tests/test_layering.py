@@ -19,8 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # above. `name.*` is a package with all its modules; a plain name is that module alone.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # No uptrain dependencies beyond each other: the error type, strict JSON, what a config says,
-    # and the table of uptrain's own GQA modeling (data only; read by the converter).
-    ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info", "uptrain.modeling_table")),
+    # the table of uptrain's own GQA modeling (data only; read by the converter), and the one
+    # tokenizer and model loader (every layer loads tokenizers).
+    (
+        "leaves",
+        (
+            "uptrain",
+            "uptrain.strict_json",
+            "uptrain.options",
+            "uptrain.model_info",
+            "uptrain.modeling_table",
+            "uptrain.loading",
+        ),
+    ),
     # Safetensors reading and writing, atomic folders and locks, sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
     # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,

@@ -31,6 +31,7 @@ from uptrain.checkpoint.atomic import check_apart
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.layouts import config_geometry
 from uptrain.convert.pipeline import calibrate, execute, prepare
+from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.objectives import IGNORE_INDEX
 from uptrain.textdata import TokenBlocks, load_blocks
@@ -75,21 +76,6 @@ def _mixed_precision(config: TrainConfig) -> str | None:
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16"
     return "no"
-
-
-def _load_tokenizer(path: str, what: str):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as err:
-        raise UptrainError(
-            f"{what} {path} has no usable tokenizer: {type(err).__name__}: "
-            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-        ) from None
-    if tokenizer.eos_token_id is None:
-        raise UptrainError(f"the tokenizer of {what} {path} has no EOS token to join documents with")
-    return tokenizer
 
 
 def _check_same_tokenizer(student, teacher, teacher_path: str) -> None:
@@ -341,7 +327,8 @@ def _build_models(
     from accelerate.utils import set_seed
 
     set_seed(config.seed)
-    model = _load_model(model_path, "model", auto_class=auto_class_name(model_config))
+    # fp32 master weights (the loader's default); autocast (mixed_precision) gives bf16 speed on GPUs.
+    model = load_model(model_path, "model", auto_class_name(model_config))
     # from_pretrained returns the model in eval mode, and a resumed run skips the step-0
     # evaluation that switches it back: without this its dropout would be off until the next one.
     model.train()
@@ -351,9 +338,7 @@ def _build_models(
     teacher = None
     if config.teacher is not None:
         # Loaded straight in the dtype it is held in: no fp32 copy of a 7B teacher in host memory.
-        teacher = _load_model(
-            teacher_path, "teacher", teacher_dtype(accelerator), auto_class=auto_class_name(teacher_config)
-        )
+        teacher = load_model(teacher_path, "teacher", auto_class_name(teacher_config), teacher_dtype(accelerator))
         teacher = teacher.requires_grad_(False).eval()
         flops += _flops_per_token(config, teacher, teacher_config, objective) / 3  # forward only
     optimizer = torch.optim.AdamW(
@@ -448,13 +433,13 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
             f"seq_len {config.seq_len} is beyond the model's {positions} positions "
             f"(max_position_embeddings of {model_path})"
         )
-    tokenizer = _load_tokenizer(model_path, "model")
+    tokenizer = load_tokenizer(model_path, "model")
     if config.document_mask:
         check_document_mask(model_config, config.seq_len, model_path)
     teacher_config = None
     if teacher_path is not None:
         teacher_config = read_config(teacher_path)
-        _check_same_tokenizer(tokenizer, _load_tokenizer(teacher_path, "teacher"), config.teacher)
+        _check_same_tokenizer(tokenizer, load_tokenizer(teacher_path, "teacher"), config.teacher)
         if teacher_config.get("vocab_size") != model_config.get("vocab_size"):
             raise UptrainError(
                 f"teacher {config.teacher} has vocab_size {teacher_config.get('vocab_size')}, the "
@@ -565,21 +550,6 @@ def _load_data(
             "text or a smaller seq_len"
         )
     return train_blocks, eval_set
-
-
-def _load_model(
-    path: str, what: str, dtype: torch.dtype = torch.float32, auto_class: str = "AutoModelForCausalLM"
-) -> torch.nn.Module:
-    import transformers
-
-    try:
-        # fp32 master weights; autocast (mixed_precision) gives bf16 speed on GPUs.
-        return getattr(transformers, auto_class).from_pretrained(path, dtype=dtype)
-    except Exception as err:
-        raise UptrainError(
-            f"cannot load {what} {path} with {auto_class}: {type(err).__name__}: "
-            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-        ) from None
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

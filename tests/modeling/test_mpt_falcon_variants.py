@@ -184,3 +184,19 @@ def test_settings_the_modeling_cannot_compute_are_refused(model_type, edit, mess
     with pytest.raises(UptrainError, match=message):
         convert_checkpoint(tmp_path / "src", tmp_path / "out", 2, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_refuses_a_setting_whose_geometry_it_would_misread(tmp_path, capsys):
+    """Multi-query Falcon (Falcon-7B) has one KV head, which no config key counts: `inspect`
+    reads the geometry as the conversion does, refusing it in one line rather than reporting
+    num_attention_heads KV heads; multi-head Falcon it reports."""
+    from uptrain.cli import main
+
+    build("falcon", multi_query=True).save_pretrained(tmp_path / "mqa")
+    build("falcon").save_pretrained(tmp_path / "mha")
+    capsys.readouterr()  # save_pretrained's progress bars
+    assert main(["inspect", str(tmp_path / "mqa")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "falcon with multi_query: True cannot be converted" in err
+    assert main(["inspect", str(tmp_path / "mha"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_key_value_heads"] == HEADS

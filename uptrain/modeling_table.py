@@ -62,6 +62,16 @@ MODELING: dict[str, GQAModeling] = {
         "WhisperGQAForConditionalGeneration",
         "AutoModelForSpeechSeq2Seq",
     ),
+    "m2m_100": GQAModeling(  # also NLLB-200 (dense)
+        "m2m_100_gqa", "M2M100GQAConfig", "M2M100GQAModel", "M2M100GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"
+    ),
+    "pegasus": GQAModeling(
+        "pegasus_gqa",
+        "PegasusGQAConfig",
+        "PegasusGQAModel",
+        "PegasusGQAForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
+    ),
 }
 MODELING["mt5"] = MODELING["t5"]
 MODELING.update({m.model_type: m for m in list(MODELING.values())})

@@ -15,8 +15,8 @@ Architectures without native GQA in transformers (gpt2, gpt_neox, opt, gptj, blo
 uptrain's own modeling (`uptrain.modeling`), which reads the same layouts with G heads; their
 converted model_types (gpt2_gqa, …) are listed too, so a converted checkpoint can be pooled further.
 
-An encoder–decoder (T5, BART, mBART, Marian, Whisper: `ENCODER_DECODER_LAYOUTS`) has three
-attentions per model, each an `AttentionSite`: the encoder's self-attention ("encoder"), the
+An encoder–decoder (T5, BART, mBART, Marian, Whisper, M2M100, Pegasus: `ENCODER_DECODER_LAYOUTS`)
+has three attentions per model, each an `AttentionSite`: the encoder's self-attention ("encoder"), the
 decoder's self-attention ("decoder-self") and the decoder's cross-attention ("cross"), each with
 its own `AttentionLayout` and the config keys that give its layers and heads. A decoder-only
 model has one, "decoder-self" (`attention_stacks`).
@@ -306,10 +306,16 @@ ENCODER_DECODER_LAYOUTS: dict[str, EncoderDecoderLayout] = {
         pipeline_tag="automatic-speech-recognition",
         notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
     ),
+    # M2M100 and NLLB-200 (translation) and Pegasus (summarization): BART's names and biases.
+    "m2m_100": _bart_family(pipeline_tag="translation", notes="q/k/v biases; head_dim = d_model // heads"),
+    "pegasus": _bart_family(pipeline_tag="summarization", notes="q/k/v biases; head_dim = d_model // heads"),
 }
 # A converted checkpoint keeps its source's layout with fewer KV heads (mt5 becomes t5_gqa).
 ENCODER_DECODER_LAYOUTS.update(
-    {f"{name}_gqa": ENCODER_DECODER_LAYOUTS[name] for name in ("t5", "bart", "mbart", "marian", "whisper")}
+    {
+        f"{name}_gqa": ENCODER_DECODER_LAYOUTS[name]
+        for name in ("t5", "bart", "mbart", "marian", "whisper", "m2m_100", "pegasus")
+    }
 )
 
 Layout = AttentionLayout | EncoderDecoderLayout

@@ -28,9 +28,19 @@ from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausa
 from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
 from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
 from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM, GPTJGQAModel
+from uptrain.modeling.modeling_m2m_100_gqa import (
+    M2M100GQAConfig,
+    M2M100GQAForConditionalGeneration,
+    M2M100GQAModel,
+)
 from uptrain.modeling.modeling_marian_gqa import MarianGQAConfig, MarianGQAModel, MarianGQAMTModel
 from uptrain.modeling.modeling_mbart_gqa import MBartGQAConfig, MBartGQAForConditionalGeneration, MBartGQAModel
 from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
+from uptrain.modeling.modeling_pegasus_gqa import (
+    PegasusGQAConfig,
+    PegasusGQAForConditionalGeneration,
+    PegasusGQAModel,
+)
 from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
 from uptrain.modeling.modeling_whisper_gqa import (
     WhisperGQAConfig,
@@ -53,6 +63,8 @@ CLASSES = {
         (MBartGQAConfig, MBartGQAModel, MBartGQAForConditionalGeneration),
         (MarianGQAConfig, MarianGQAModel, MarianGQAMTModel),
         (WhisperGQAConfig, WhisperGQAModel, WhisperGQAForConditionalGeneration),
+        (M2M100GQAConfig, M2M100GQAModel, M2M100GQAForConditionalGeneration),
+        (PegasusGQAConfig, PegasusGQAModel, PegasusGQAForConditionalGeneration),
     )
 }
 

@@ -35,6 +35,13 @@ DEFAULT_OBJECTIVE = {
     "mbart": "text_infilling",
     "marian": "pairs",
     "whisper": "speech_pairs",
+    "m2m_100": "pairs",  # translation (also NLLB-200)
+    # Pegasus was pretrained on gap sentences (whole sentences masked, the target only those
+    # sentences), which uptrain does not implement. text_infilling would be the nearest, but it
+    # frames each block with a BOS token that Pegasus's tokenizer does not have, and it teaches
+    # reconstructing the whole text. Pegasus checkpoints are used as summarizers, fine-tuned on
+    # document → summary pairs: the data their users have, and what `pairs` trains on.
+    "pegasus": "pairs",
 }
 DEFAULT_OBJECTIVE.update({f"{t}_gqa": o for t, o in DEFAULT_OBJECTIVE.items() if t != "mt5"})
 

@@ -80,8 +80,7 @@ def converted_tensors(
             converted[name] = state[name]
         else:
             converted[name] = conversion.compute(t, source, merger).to(state[name].device)
-    plan = conversion.plan
-    return converted, plan
+    return converted, conversion.plan
 
 
 def convert_model(

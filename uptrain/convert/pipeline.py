@@ -22,7 +22,6 @@ from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
 from uptrain.convert.conversion import Calibration, Conversion, conversion_for
-from uptrain.convert.layer_merge import LayerMerger
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.plan import DTYPES, ConversionPlan
 from uptrain.convert.pooling import Strategy, get_strategy
@@ -127,10 +126,6 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
 
 
-def _merger(prepared: PreparedConversion, calibration: Calibration | None, progress: bool | None) -> LayerMerger:
-    return prepared.conversion.merger(prepared.checkpoint, calibration, progress)
-
-
 def _solved_for(prepared: PreparedConversion) -> tuple:
     spec = prepared.spec
     return (str(prepared.source.folder), spec.num_kv_heads, spec.pooling, spec.grouping)
@@ -149,7 +144,7 @@ def calibrate(
     from uptrain.convert.calibration import collect_attention_moments
 
     spec = prepared.spec
-    solver = None if keep_moments else _merger(prepared, None, progress=False)
+    solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
     moments, info = collect_attention_moments(
         prepared.source.folder,
         spec.calibration_data,
@@ -190,7 +185,7 @@ def execute(
             "calibrate(..., keep_moments=True) gives moments that serve any conversion of the source"
         )
     out = Path(out).absolute()
-    merger = _merger(prepared, calibration, progress)
+    merger = prepared.conversion.merger(checkpoint, calibration, progress)
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
         write_weights(prepared.conversion, checkpoint, tmp, prepared.max_shard_bytes, progress, merger)
         source_files = hasher.result()

@@ -32,7 +32,7 @@ from uptrain.checkpoint.atomic import check_apart
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
-from uptrain.objectives import IGNORE_INDEX
+from uptrain.objectives import IGNORE_INDEX, key_problem
 from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name, load_checkpoint, load_data_state, save_checkpoint
@@ -42,14 +42,7 @@ from uptrain.train.distributed import MainProcessWait, make_accelerator, place_t
 from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.pairs import load_pairs, pair_eval_batches
 from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, inspect_run_dir
-from uptrain.train.seq2seq import (
-    PAIR_OBJECTIVES,
-    Objective,
-    block_length,
-    objective_for,
-    resolve_objective,
-    target_counts,
-)
+from uptrain.train.seq2seq import ObjectiveBatches, objective_for, resolve_objective, target_counts
 from uptrain.train.seq2seq import train_flops_per_token as seq2seq_flops
 from uptrain.train.tracking import ensure_wandb_never_prompts, run_config, start_trackers
 
@@ -167,7 +160,7 @@ class Run:
     teacher: torch.nn.Module | None
     train_blocks: TrainBlocks | StreamedTrainBlocks
     eval_set: list  # (batch, counted rows) pairs
-    objective: Objective
+    objective: ObjectiveBatches
     log: M.MetricsLog | None  # main process only
     progress: Progress = field(default_factory=Progress)
     packing: DocumentPacking | None = None  # document_mask: the forward's inputs that keep documents apart
@@ -333,7 +326,7 @@ def _build_models(
     model_config: dict,
     teacher_path: str | None,
     teacher_config: dict | None,
-    objective: Objective,
+    objective: ObjectiveBatches,
 ):
     """The student, its optimizer and the teacher, prepared by accelerate; and the training FLOPs
     per token of the pair. Returns (model, optimizer, teacher or None, flops per token)."""
@@ -423,10 +416,13 @@ def _repeated_blocks(module: torch.nn.Module):
         yield from _repeated_blocks(child)
 
 
-def _flops_per_token(config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: Objective) -> float:
+def _flops_per_token(
+    config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: ObjectiveBatches
+) -> float:
     """Forward + backward FLOPs per counted token; counted before accelerate wraps or shards the parameters."""
-    if objective.name != "causal":
-        return seq2seq_flops(model, model_config, objective.name, config.seq_len, config.target_len or config.seq_len)
+    if objective.objective.encoder_decoder:
+        target_len = config.target_len or config.seq_len
+        return seq2seq_flops(model, model_config, objective.objective, config.seq_len, target_len)
     geometry = config_geometry(model_config)
     width = geometry.num_heads * geometry.head_dim
     return M.train_flops_per_token(M.non_embedding_params(model), geometry.num_layers, width, config.seq_len)
@@ -464,23 +460,21 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
 
 def _objective(
     config: TrainConfig, model_path: str, tokenizer, model_config: dict, teacher_config: dict | None
-) -> Objective:
+) -> ObjectiveBatches:
     """The run's objective (`objective`, or the model family's) with the special tokens it needs."""
-    name = resolve_objective(config.objective, model_config, model_path)
+    objective = resolve_objective(config.objective, model_config, model_path)
     if teacher_config is not None:  # the teacher must read the same inputs and score the same labels
-        resolve_objective(name, teacher_config, f"teacher {config.teacher}")
-    if config.target_len is not None and name not in PAIR_OBJECTIVES:
-        raise UptrainError(f"`target_len` applies to objective pairs and speech_pairs, not {name}")
-    if config.document_mask and name != "causal":
-        raise UptrainError(f"document_mask applies to objective causal (packed documents), not {name}")
-    return objective_for(name, config.seed, tokenizer, model_config, model_path, config.seq_len)
+        resolve_objective(objective.name, teacher_config, f"teacher {config.teacher}")
+    if problem := key_problem(objective, config.target_len, config.document_mask):
+        raise UptrainError(problem)
+    return objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)
 
 
 def _load_pair_data(config: TrainConfig, accelerator, tokenizer, global_batch, objective, model_path, model_config):
     """`pairs` / `speech_pairs`: every example of train_data and eval_data read and checked."""
     world, rank = accelerator.num_processes, accelerator.process_index
     common = dict(
-        objective=objective.name,
+        objective=objective.objective,
         tokenizer=tokenizer,
         model_path=model_path,
         model_config=model_config,
@@ -503,12 +497,12 @@ def _load_data(
     accelerator,
     tokenizer,
     global_batch: int,
-    objective: Objective,
+    objective: ObjectiveBatches,
     model_path: str,
     model_config: dict,
 ):
     """Tokenized, packed training blocks (or examples) and this process's eval batches; refuses data too short."""
-    if objective.name in PAIR_OBJECTIVES:
+    if objective.objective.reads_examples:
         return _load_pair_data(config, accelerator, tokenizer, global_batch, objective, model_path, model_config)
     world, rank = accelerator.num_processes, accelerator.process_index
     # Rank 0 tokenizes first so that the others read datasets' cache instead of redoing the work.
@@ -516,7 +510,7 @@ def _load_data(
         common = dict(
             tokenizer=tokenizer,
             # The raw block that gives the model seq_len input tokens (span corruption drops tokens).
-            seq_len=block_length(objective.name, config.seq_len),
+            seq_len=objective.objective.block_length(config.seq_len),
             text_field=config.text_field,
             sample_by=config.sample_by,
             streaming=config.streaming,

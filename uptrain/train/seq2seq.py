@@ -1,8 +1,10 @@
 """What a training run's model learns — its objective — and the batches that objective makes.
 
-`causal` (decoder-only models) trains on packed text blocks as they are. Encoder–decoders train
-on the same blocks corrupted (`span_corruption`, T5; `text_infilling`, BART; see
-`uptrain.objectives`) or on aligned examples (`pairs`, `speech_pairs`; see `uptrain.train.pairs`).
+The objectives are records of the registry `uptrain.objectives` (what each reads, its special
+tokens, corruption and lengths); this module picks a run's, checks that its model and tokenizer
+fit it, and makes its batches. `causal` (decoder-only models) trains on packed text blocks as
+they are. Encoder–decoders train on the same blocks corrupted (`span_corruption`, T5;
+`text_infilling`, BART) or on aligned examples (`pairs`, `speech_pairs`; see `uptrain.train.pairs`).
 
 The corruption of a training block is a pure function of (seed, step, its row in the step's
 global batch), so a resumed run, or one split differently between processes and micro-batches,

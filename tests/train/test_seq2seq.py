@@ -23,12 +23,13 @@ from safetensors.torch import load_file
 
 from tests.train.train_helpers import KILLER, curve, make_text, python_env, records
 from uptrain import UptrainError
+from uptrain.objectives import OBJECTIVES
 from uptrain.textdata import load_blocks
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import TrainBlocks, eval_batches
 from uptrain.train.loop import run_training
 from uptrain.train.pairs import load_pairs, pair_eval_batches
-from uptrain.train.seq2seq import block_length, objective_for
+from uptrain.train.seq2seq import objective_for
 
 SENTINELS = 20
 SAMPLING_RATE = 16000
@@ -250,12 +251,12 @@ def eval_set_here(config: TrainConfig, objective_name: str) -> list:
 
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     model_config = read_config(config.model)
-    objective = objective_for(objective_name, config.seed, tokenizer, model_config, config.model)
+    objective = objective_for(OBJECTIVES[objective_name], config.seed, tokenizer, model_config, config.model)
     if objective_name in ("pairs", "speech_pairs"):
         examples = load_pairs(
             config.eval_data,
             "eval_data",
-            objective_name,
+            OBJECTIVES[objective_name],
             tokenizer,
             config.model,
             model_config,
@@ -267,7 +268,7 @@ def eval_set_here(config: TrainConfig, objective_name: str) -> list:
         config.eval_data,
         "eval_data",
         tokenizer,
-        block_length(objective_name, config.seq_len),
+        OBJECTIVES[objective_name].block_length(config.seq_len),
         "text",
         "train",
         None,
@@ -332,11 +333,11 @@ def test_first_step_loss_is_the_models_own(s2s, tmp_path):
     config = TrainConfig(**run_config(s2s, "t5", tmp_path, max_steps=1))
     run_training(config)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
+    block = OBJECTIVES["span_corruption"].block_length(32)
     blocks, _ = load_blocks(
-        config.train_data, "train_data", tokenizer, block_length("span_corruption", 32), "text", "train", None,
-        "paragraph", False, None,
+        config.train_data, "train_data", tokenizer, block, "text", "train", None, "paragraph", False, None
     )  # fmt: skip
-    objective = objective_for("span_corruption", 0, tokenizer, read_config(config.model), config.model)
+    objective = objective_for(OBJECTIVES["span_corruption"], 0, tokenizer, read_config(config.model), config.model)
     batch = objective.train_batch(TrainBlocks(blocks, 0, 4, 1, 1).micro_batches(0, 0)[0], 0, 0)
     assert batch["input_ids"].shape == (4, 32)  # span corruption gives exactly seq_len encoder tokens
     model = AutoModelForSeq2SeqLM.from_pretrained(config.model)
@@ -422,7 +423,7 @@ def test_distillation_scores_labels_not_padding(s2s, tmp_path):
     step1 = records(config.output_dir)[1]
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     examples = load_pairs(
-        config.train_data, "train_data", "pairs", tokenizer, config.model, read_config(config.model), 32, 32
+        config.train_data, "train_data", OBJECTIVES["pairs"], tokenizer, config.model, read_config(config.model), 32, 32
     )
     batch = TrainBlocks(examples, 0, 4, 1, 1).micro_batches(0, 0)[0]
     scored = batch["labels"] != -100
@@ -526,7 +527,7 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     counted = counter.get_total_flops() / (2 * seq_len)
     dec = config_geometry(config)  # the decoder self-attention's
     full_causal = 6 * dec.num_layers * dec.num_heads * dec.head_dim * target_len**2 / seq_len
-    formula = train_flops_per_token(model, config, "span_corruption", seq_len, seq_len)
+    formula = train_flops_per_token(model, config, OBJECTIVES["span_corruption"], seq_len, seq_len)
     assert formula + full_causal == pytest.approx(counted, rel=0.02)
 
 

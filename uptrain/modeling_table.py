@@ -55,6 +55,10 @@ MODELING: dict[str, GQAModeling] = {
     "marian": GQAModeling(
         "marian_gqa", "MarianGQAConfig", "MarianGQAModel", "MarianGQAMTModel", "AutoModelForSeq2SeqLM"
     ),
+    # UMT5: T5 with a position bias in every layer; transformers runs it with classes of its own.
+    "umt5": GQAModeling(
+        "umt5_gqa", "UMT5GQAConfig", "UMT5GQAModel", "UMT5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"
+    ),
     "whisper": GQAModeling(
         "whisper_gqa",
         "WhisperGQAConfig",

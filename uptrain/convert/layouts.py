@@ -15,7 +15,7 @@ Architectures without native GQA in transformers (gpt2, gpt_neox, opt, gptj, blo
 uptrain's own modeling (`uptrain.modeling`), which reads the same layouts with G heads; their
 converted model_types (gpt2_gqa, …) are listed too, so a converted checkpoint can be pooled further.
 
-An encoder–decoder (T5, BART, mBART, Marian, Whisper: `ENCODER_DECODER_LAYOUTS`) has three
+An encoder–decoder (T5, UMT5, BART, mBART, Marian, Whisper: `ENCODER_DECODER_LAYOUTS`) has three
 attentions per model, each an `AttentionSite`: the encoder's self-attention ("encoder"), the
 decoder's self-attention ("decoder-self") and the decoder's cross-attention ("cross"), each with
 its own `AttentionLayout` and the config keys that give its layers and heads. A decoder-only
@@ -24,7 +24,7 @@ model has one, "decoder-self" (`attention_stacks`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from uptrain import UptrainError
 from uptrain.model_info import AttentionGeometry, attention_geometry, stack_geometry
@@ -254,6 +254,13 @@ T5 = EncoderDecoderLayout(
     "(one column per query head) stays with the query heads",
 )
 
+# UMT5 stores its attentions under T5's names; only the position bias differs (every layer's own).
+UMT5 = replace(
+    T5,
+    notes="as T5; every self-attention layer has its own relative_attention_bias (one column per query "
+    "head), which stays with the query heads",
+)
+
 
 def _bart_attention(prefix: str, what: str) -> AttentionLayout:
     return AttentionLayout(
@@ -297,6 +304,7 @@ def _bart_family(**extra) -> EncoderDecoderLayout:
 ENCODER_DECODER_LAYOUTS: dict[str, EncoderDecoderLayout] = {
     "t5": T5,  # also T5 v1.1 and Flan-T5 (gated-GELU feed-forward): the same attention
     "mt5": T5,
+    "umt5": UMT5,
     "bart": _bart_family(notes="q/k/v biases; head_dim = d_model // heads"),
     "mbart": _bart_family(notes="q/k/v biases; head_dim = d_model // heads"),
     "marian": _bart_family(pipeline_tag="translation", notes="q/k/v biases; head_dim = d_model // heads"),
@@ -309,7 +317,7 @@ ENCODER_DECODER_LAYOUTS: dict[str, EncoderDecoderLayout] = {
 }
 # A converted checkpoint keeps its source's layout with fewer KV heads (mt5 becomes t5_gqa).
 ENCODER_DECODER_LAYOUTS.update(
-    {f"{name}_gqa": ENCODER_DECODER_LAYOUTS[name] for name in ("t5", "bart", "mbart", "marian", "whisper")}
+    {f"{name}_gqa": ENCODER_DECODER_LAYOUTS[name] for name in ("t5", "umt5", "bart", "mbart", "marian", "whisper")}
 )
 
 Layout = AttentionLayout | EncoderDecoderLayout

@@ -32,6 +32,7 @@ from uptrain.modeling.modeling_marian_gqa import MarianGQAConfig, MarianGQAModel
 from uptrain.modeling.modeling_mbart_gqa import MBartGQAConfig, MBartGQAForConditionalGeneration, MBartGQAModel
 from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
 from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
+from uptrain.modeling.modeling_umt5_gqa import UMT5GQAConfig, UMT5GQAForConditionalGeneration, UMT5GQAModel
 from uptrain.modeling.modeling_whisper_gqa import (
     WhisperGQAConfig,
     WhisperGQAForConditionalGeneration,
@@ -49,6 +50,7 @@ CLASSES = {
         (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
         (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
         (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
+        (UMT5GQAConfig, UMT5GQAModel, UMT5GQAForConditionalGeneration),
         (BartGQAConfig, BartGQAModel, BartGQAForConditionalGeneration),
         (MBartGQAConfig, MBartGQAModel, MBartGQAForConditionalGeneration),
         (MarianGQAConfig, MarianGQAModel, MarianGQAMTModel),

@@ -31,6 +31,7 @@ PAIR_OBJECTIVES = ("pairs", "speech_pairs")  # read jsonl examples
 DEFAULT_OBJECTIVE = {
     "t5": "span_corruption",
     "mt5": "span_corruption",
+    "umt5": "span_corruption",
     "bart": "text_infilling",
     "mbart": "text_infilling",
     "marian": "pairs",

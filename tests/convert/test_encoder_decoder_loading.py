@@ -13,6 +13,8 @@ from transformers import (
     MT5ForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
 )
 
 import uptrain.modeling  # noqa: F401  registers t5_gqa, …: plain Auto classes load the outputs
@@ -21,13 +23,30 @@ from uptrain.speed import output_cache
 
 T5_SHAPE = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4)
 T5_IDS = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+
+
+def perturbed(model):
+    """`model` with its norms and position biases moved off their init, so a pooling or bias
+    mistake shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name or "relative_attention_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
 ARCHITECTURES = {
     "t5": lambda: T5ForConditionalGeneration(T5Config(**T5_SHAPE, **T5_IDS)),
     "t5-v1.1": lambda: T5ForConditionalGeneration(
         T5Config(**T5_SHAPE, **T5_IDS, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
     ),
     "mt5": lambda: MT5ForConditionalGeneration(MT5Config(**T5_SHAPE, **T5_IDS)),
+    "umt5": lambda: perturbed(
+        UMT5ForConditionalGeneration(UMT5Config(**T5_SHAPE, **T5_IDS, tie_word_embeddings=False))
+    ),
 }
+# The GQA class each converts to: T5's, or UMT5's own (a position bias in every layer).
+GQA_CLASS = {"umt5": "UMT5GQAForConditionalGeneration"}
 
 
 def inputs(vocab: int) -> dict:
@@ -60,7 +79,7 @@ def test_g_equal_h_is_the_source_bit_for_bit(name, tmp_path):
     source.save_pretrained(tmp_path / "src")
     out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 4, progress=False)
     converted = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
-    assert type(converted).__name__ == "T5GQAForConditionalGeneration"
+    assert type(converted).__name__ == GQA_CLASS.get(name, "T5GQAForConditionalGeneration")
     batch = inputs(source.config.vocab_size)
     with torch.no_grad():
         assert torch.equal(converted(**batch).logits, source(**batch).logits)

@@ -169,21 +169,23 @@ class UMT5Backends(AttentionBackends):
     _supports_attention_backend = False
 
 
+def _build(model, init, config: UMT5GQAConfig) -> None:
+    """Build `model` with transformers' `init` (its class's `__init__`), then its GQA attentions."""
+    build_as_eager(init, model, config)
+    check_backend(model.config._attn_implementation)
+    _use_gqa_attention(model)
+    model.post_init()
+
+
 class UMT5GQAModel(UMT5Backends, UMT5Model):
     config_class = UMT5GQAConfig
 
     def __init__(self, config: UMT5GQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self)
-        self.post_init()
+        _build(self, super().__init__, config)
 
 
 class UMT5GQAForConditionalGeneration(UMT5Backends, UMT5ForConditionalGeneration):
     config_class = UMT5GQAConfig
 
     def __init__(self, config: UMT5GQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self)
-        self.post_init()
+        _build(self, super().__init__, config)

@@ -37,9 +37,11 @@ from transformers import (
 
 import uptrain.modeling  # noqa: F401  registers t5_gqa, as a user's `import uptrain` does
 from tests.modeling.second_environment import transformers4_python
+from uptrain.convert import convert_checkpoint
 from uptrain.modeling import CLASSES
 from uptrain.modeling.attention import STACK_KV_HEADS
 from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration
+from uptrain.modeling.modeling_umt5_gqa import UMT5GQAForConditionalGeneration
 from uptrain.modeling_table import modeling_files
 
 HEADS, VOCAB = 4, 64
@@ -318,10 +320,30 @@ print(json.dumps({"transformers": transformers.__version__, "results": results})
 def resaved(tmp_path_factory):
     """Per family: a t5_gqa model (all three attentions grouped) saved, loaded back through
     uptrain's registered classes and saved again (the usual load-fine-tune-save); what that
-    loaded model computes in this process on each backend; the spec for the fresh processes."""
+    loaded model computes in this process on each backend; the spec for the fresh processes.
+    Also a UMT5 converted by `convert_checkpoint` (its config.json the source's, edited)."""
     root = tmp_path_factory.mktemp("t5_gqa")
     batch = inputs()
     folders, expected = {}, {}
+
+    def computed(loaded) -> dict:
+        return {
+            "logits": [float(x).hex() for x in logits(loaded, batch).double().flatten().tolist()],
+            "generated": greedy(loaded, batch, new_tokens=6).tolist(),
+        }
+
+    source = build("umt5")
+    source.lm_head.weight = torch.nn.Parameter(torch.randn_like(source.lm_head.weight))  # as UMT5 on the Hub
+    source.save_pretrained(root / "umt5-source")
+    folders["umt5-converted"] = str(
+        convert_checkpoint(
+            root / "umt5-source", root / "umt5-converted", 2, attention="encoder,decoder-self,cross", progress=False
+        )
+    )
+    for backend in BACKENDS:
+        converted = AutoModelForSeq2SeqLM.from_pretrained(folders["umt5-converted"], attn_implementation=backend)
+        assert type(converted) is UMT5GQAForConditionalGeneration
+        expected[f"umt5-converted/{backend}"] = computed(converted.eval())
     for kind in sorted(KINDS):
         made = gqa_twin(build(kind), ALL_GROUPED)
         if kind != "t5":
@@ -333,10 +355,7 @@ def resaved(tmp_path_factory):
             assert type(loaded) is CLASSES[gqa_type(kind)][2]  # uptrain's class, not the file's
             if backend == BACKENDS[0]:
                 loaded.save_pretrained(root / f"{kind}-resaved")
-            expected[f"{kind}/{backend}"] = {
-                "logits": [float(x).hex() for x in logits(loaded, batch).double().flatten().tolist()],
-                "generated": greedy(loaded, batch, new_tokens=6).tolist(),
-            }
+            expected[f"{kind}/{backend}"] = computed(loaded)
         folders[kind] = str(root / f"{kind}-resaved")
     spec = {
         "folders": folders,

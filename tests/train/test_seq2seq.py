@@ -1,4 +1,4 @@
-"""Uptraining encoder–decoders (issue #19): T5 on span corruption, BART on text infilling, Marian on
+"""Uptraining encoder–decoders (issue #19): T5 (and UMT5) on span corruption, BART on text infilling, Marian on
 text pairs, Whisper on speech pairs — tiny real transformers models built from configs.
 
 The loop's losses are checked against the models' own `forward(labels=…)` loss on batches built
@@ -69,8 +69,8 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
     layers = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
     ffn = dict(encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32, dropout=dropout, attention_dropout=dropout)
     vocab = len(tokenizer)
-    if kind == "t5":
-        config = tf.T5Config(
+    if kind in ("t5", "umt5"):
+        config = (tf.UMT5Config if kind == "umt5" else tf.T5Config)(
             vocab_size=vocab,
             d_model=32,
             d_kv=8,
@@ -81,7 +81,7 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
             dropout_rate=dropout,
             **ids,
         )
-        model = tf.T5ForConditionalGeneration(config)
+        model = (tf.UMT5ForConditionalGeneration if kind == "umt5" else tf.T5ForConditionalGeneration)(config)
     elif kind == "bart":
         config = tf.BartConfig(
             vocab_size=vocab,
@@ -174,6 +174,7 @@ def s2s(tmp_path_factory) -> dict[str, Path]:
         "train": root / "train.txt",
         "eval": root / "eval.txt",
         "t5": build_model("t5", root / "t5", t5_tok),
+        "umt5": build_model("umt5", root / "umt5", t5_tok),
         "t5-teacher": build_model("t5", root / "t5-teacher", t5_tok, seed=1),
         # T5's own default: resume must restore the dropout RNG and the training mode too.
         "t5-dropout": build_model("t5", root / "t5-dropout", t5_tok, dropout=0.1),
@@ -188,6 +189,7 @@ def run_config(s2s, kind: str, tmp_path, **overrides) -> dict:
     data = {
         "t5": ("train", "eval"),
         "t5-dropout": ("train", "eval"),
+        "umt5": ("train", "eval"),
         "bart": ("train", "eval"),
         "marian": ("pairs-train.jsonl", "pairs-eval.jsonl"),
         "whisper": ("speech-train.jsonl", "speech-eval.jsonl"),
@@ -264,7 +266,13 @@ def models_own_loss(model_path: str, batches: list) -> float:
     return total / count
 
 
-CASES = [("t5", "span_corruption"), ("bart", "text_infilling"), ("marian", "pairs"), ("whisper", "speech_pairs")]
+CASES = [
+    ("t5", "span_corruption"),
+    ("umt5", "span_corruption"),
+    ("bart", "text_infilling"),
+    ("marian", "pairs"),
+    ("whisper", "speech_pairs"),
+]
 
 
 @pytest.mark.parametrize(("kind", "objective"), CASES)
@@ -507,16 +515,18 @@ def test_span_corruption_on_streamed_data_matches_tokenized(s2s, tmp_path):
     assert all(math.isfinite(r["train/loss"]) for r in b[1:])
 
 
-def test_convert_a_t5_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys):
-    """`source` + `num_kv_heads`: the T5 is converted to t5_gqa (decoder self- and cross-attention
-    at 2 KV heads), loaded through uptrain's registration, and trained on span corruption."""
+@pytest.mark.parametrize("kind", ["t5", "umt5"])
+def test_convert_a_t5_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys, kind):
+    """`source` + `num_kv_heads`: the T5 (UMT5) is converted to t5_gqa (umt5_gqa; decoder self- and
+    cross-attention at 2 KV heads), loaded through uptrain's registration, and trained on span
+    corruption, its family's objective."""
     values = run_config(s2s, "t5", tmp_path, max_steps=2, save_every=10)
     del values["model"]
-    config = TrainConfig(**values, source=str(s2s["t5"]), num_kv_heads=2)
+    config = TrainConfig(**values, source=str(s2s[kind]), num_kv_heads=2)
     final = run_training(config)
     assert "objective        span_corruption" in capsys.readouterr().out
     recs = records(config.output_dir)
     assert recs[0]["model/num_kv_heads"] == 2
     assert recs[0]["model/kv_cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # K,V × decoder layers × 2 × d × fp32
     assert all(math.isfinite(r["train/loss"]) for r in recs[1:])
-    assert json.loads((final / "config.json").read_text())["model_type"] == "t5_gqa"
+    assert json.loads((final / "config.json").read_text())["model_type"] == f"{kind}_gqa"

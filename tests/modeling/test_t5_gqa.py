@@ -268,8 +268,17 @@ def test_the_base_model_groups_its_attentions_too(model_type):
     assert out.shape == (2, 6, 32) and torch.isfinite(out).all()
 
 
-def test_a_few_training_steps_lower_the_loss():
-    model = gqa_twin(build("t5-v1.1"), ALL_GROUPED).train()
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+@pytest.mark.parametrize("model_type", ["t5_gqa", "umt5_gqa"])
+def test_backends_without_a_place_for_the_position_bias_are_refused(model_type, implementation):
+    config_class, _, head_class = CLASSES[model_type]
+    with pytest.raises(ValueError, match="does not support"):
+        head_class(config_class(**SHARED, d_kv=8, attn_implementation=implementation))
+
+
+@pytest.mark.parametrize("kind", ["t5-v1.1", "umt5"])
+def test_a_few_training_steps_lower_the_loss(kind):
+    model = gqa_twin(build(kind), ALL_GROUPED).train()
     batch = inputs()
     labels = batch.pop("decoder_input_ids")[:, 1:].contiguous()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -282,6 +291,9 @@ def test_a_few_training_steps_lower_the_loss():
         losses.append(loss.item())
     grad = model.decoder.block[0].layer[1].EncDecAttention.k.weight.grad
     assert grad.shape == (2 * model.config.d_kv, model.config.d_model) and grad.abs().sum() > 0
+    # UMT5 learns a position bias in every self-attention layer, T5 in block 0 of each stack.
+    biases = [p for n, p in model.named_parameters() if "relative_attention_bias" in n]
+    assert len(biases) == (4 if kind == "umt5" else 2) and all(p.grad.abs().sum() > 0 for p in biases)
     assert losses[-1] < losses[0], losses
 
 

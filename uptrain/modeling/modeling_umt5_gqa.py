@@ -125,13 +125,9 @@ class UMT5GQAAttention(UMT5Attention):
             # One additive mask: the bias with the mask in it (4.57's UMT5 adds them so). The bias
             # enters the scores as ALiBi does, hence attention.py's fold; with no mask an encoder's
             # or cross-attention's queries see every key.
-            causal = self.is_causal and not cross
-            mask = (
-                bias
-                if attention_mask is None and not causal
-                else alibi_as_mask(bias, attention_mask, t, k.shape[-2], bias.dtype)
-            )
-            extra = {}
+            if attention_mask is not None or (self.is_causal and not cross):
+                bias = alibi_as_mask(bias, attention_mask, t, k.shape[-2], bias.dtype)
+            mask, extra = bias, {}
         else:
             mask, extra = attention_mask, {"position_bias": bias}
         out, weights = attend(

@@ -475,7 +475,8 @@ def test_refuses_bad_audio(s2s, tmp_path):
     refuses({**whisper, "eval_data": str(data)}, "no `text` field")
 
 
-def test_flops_per_token_match_a_count_of_the_model(s2s):
+@pytest.mark.parametrize("kind", ["t5", "umt5"])
+def test_flops_per_token_match_a_count_of_the_model(s2s, kind):
     """perf/mfu's FLOPs for T5 (whose parameters are all matmul weights but its norms) against
     torch's count of one forward + backward. The count's eager attention computes the decoder's
     causal scores in full, which the formula (as causal kernels) halves: added back here."""
@@ -487,8 +488,8 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     from uptrain.objectives import span_corruption_lengths
     from uptrain.train.seq2seq import train_flops_per_token
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(s2s["t5"], attn_implementation="eager")
-    config = read_config(s2s["t5"])
+    model = AutoModelForSeq2SeqLM.from_pretrained(s2s[kind], attn_implementation="eager")
+    config = read_config(s2s[kind])
     seq_len = 32
     target_len = span_corruption_lengths(seq_len)[1]
     inputs, labels = torch.randint(5, 50, (2, seq_len)), torch.randint(5, 50, (2, target_len))

@@ -477,7 +477,7 @@ def test_refuses_bad_audio(s2s, tmp_path):
 
 @pytest.mark.parametrize("kind", ["t5", "umt5"])
 def test_flops_per_token_match_a_count_of_the_model(s2s, kind):
-    """perf/mfu's FLOPs for T5 (whose parameters are all matmul weights but its norms) against
+    """perf/mfu's FLOPs for T5 and UMT5 (whose parameters are all matmul weights but its norms) against
     torch's count of one forward + backward. The count's eager attention computes the decoder's
     causal scores in full, which the formula (as causal kernels) halves: added back here."""
     from torch.utils.flop_counter import FlopCounterMode

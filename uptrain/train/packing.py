@@ -25,15 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from uptrain import UptrainError
+from uptrain.architecture import find_architecture
 
 # Backends to which transformers gives packed sequences from `position_ids` alone (and which
 # take no dense 4D mask).
 FROM_POSITIONS = ("flash", "flex")
-# ALiBi biases are built from the 2D padding mask; a 4D mask has no place there.
-REFUSED = {"bloom": "BLOOM", "bloom_gqa": "BLOOM"}
-# Models whose forward builds its mask without `position_ids`: transformers finds no packed
-# documents there, so flash and flex attention would attend across them.
-NO_PACKED_POSITIONS = {"opt": "OPT", "opt_gqa": "OPT"}
 
 
 def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -72,10 +68,12 @@ class DocumentPacking:
     def for_model(cls, model: torch.nn.Module, eos_id: int) -> DocumentPacking:
         """For an (unwrapped) transformers model: its attention backend and dtype."""
         implementation = str(model.config._attn_implementation)
-        name = NO_PACKED_POSITIONS.get(model.config.model_type)
-        if name is not None and any(kind in implementation for kind in FROM_POSITIONS):
+        # A forward that builds its mask without `position_ids` (the registry's
+        # `mask_ignores_positions`): transformers finds no packed documents there.
+        arch = find_architecture(model.config.model_type)
+        if arch is not None and arch.mask_ignores_positions and any(kind in implementation for kind in FROM_POSITIONS):
             raise UptrainError(
-                f"document_mask: {name} builds its attention mask without position ids, so {implementation} "
+                f"document_mask: {arch.name} builds its attention mask without position ids, so {implementation} "
                 "would attend across documents; use sdpa or eager attention"
             )
         return cls(eos_id, implementation, next(model.parameters()).dtype)
@@ -97,10 +95,10 @@ class DocumentPacking:
 
 def check_document_mask(model_config: dict, seq_len: int, model: str) -> None:
     """Refuse, in one line, a model whose attention the document mask cannot express."""
-    model_type = model_config.get("model_type")
-    if model_type in REFUSED:
+    arch = find_architecture(model_config.get("model_type"))
+    if arch is not None and arch.alibi:  # ALiBi biases are built from the 2D padding mask
         raise UptrainError(
-            f"document_mask: {model} is {REFUSED[model_type]}, whose ALiBi biases are built from a 2D padding "
+            f"document_mask: {model} is {arch.name}, whose ALiBi biases are built from a 2D padding "
             "mask that a per-document mask cannot replace; set document_mask: false"
         )
     window = model_config.get("sliding_window")

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from uptrain import UptrainError
+from uptrain import UptrainError, loading
 from uptrain.architecture import architecture, auto_class_name, config_geometry, find_architecture
 from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, read_config
@@ -316,12 +316,11 @@ def load_model(folder: str | Path, dtype: str, device):
     """A checkpoint as transformers loads it, with its Auto class (causal LM, seq2seq LM or
     speech seq2seq), on `device`, in eval mode."""
     import torch
-    import transformers
 
     import uptrain.modeling  # noqa: F401  registers the *_gqa architectures with the Auto classes
 
-    auto = getattr(transformers, auto_class_name(read_config(folder)))
-    model = auto.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=str(device))
+    auto = auto_class_name(read_config(folder))
+    model = loading.load_model(folder, "checkpoint", auto, dtype=getattr(torch, dtype), device_map=str(device))
     return model.eval()
 
 

@@ -1,4 +1,4 @@
-"""Uptraining encoder–decoders (issue #19): T5 on span corruption, BART on text infilling, Marian,
+"""Uptraining encoder–decoders (issue #19): T5 (and UMT5) on span corruption, BART on text infilling, Marian,
 M2M100 and Pegasus on text pairs, Whisper on speech pairs — tiny real transformers models built
 from configs.
 
@@ -71,8 +71,8 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
     layers = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
     ffn = dict(encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32, dropout=dropout, attention_dropout=dropout)
     vocab = len(tokenizer)
-    if kind == "t5":
-        config = tf.T5Config(
+    if kind in ("t5", "umt5"):
+        config = (tf.UMT5Config if kind == "umt5" else tf.T5Config)(
             vocab_size=vocab,
             d_model=32,
             d_kv=8,
@@ -83,7 +83,7 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
             dropout_rate=dropout,
             **ids,
         )
-        model = tf.T5ForConditionalGeneration(config)
+        model = (tf.UMT5ForConditionalGeneration if kind == "umt5" else tf.T5ForConditionalGeneration)(config)
     elif kind == "bart":
         config = tf.BartConfig(
             vocab_size=vocab,
@@ -201,6 +201,7 @@ def s2s(tmp_path_factory) -> dict[str, Path]:
         "train": root / "train.txt",
         "eval": root / "eval.txt",
         "t5": build_model("t5", root / "t5", t5_tok),
+        "umt5": build_model("umt5", root / "umt5", t5_tok),
         "t5-teacher": build_model("t5", root / "t5-teacher", t5_tok, seed=1),
         # T5's own default: resume must restore the dropout RNG and the training mode too.
         "t5-dropout": build_model("t5", root / "t5-dropout", t5_tok, dropout=0.1),
@@ -217,6 +218,7 @@ def run_config(s2s, kind: str, tmp_path, **overrides) -> dict:
     data = {
         "t5": ("train", "eval"),
         "t5-dropout": ("train", "eval"),
+        "umt5": ("train", "eval"),
         "bart": ("train", "eval"),
         "marian": ("pairs-train.jsonl", "pairs-eval.jsonl"),
         "whisper": ("speech-train.jsonl", "speech-eval.jsonl"),
@@ -297,6 +299,7 @@ def models_own_loss(model_path: str, batches: list) -> float:
 
 CASES = [
     ("t5", "span_corruption"),
+    ("umt5", "span_corruption"),
     ("bart", "text_infilling"),
     ("marian", "pairs"),
     ("whisper", "speech_pairs"),
@@ -505,8 +508,9 @@ def test_refuses_bad_audio(s2s, tmp_path):
     refuses({**whisper, "eval_data": str(data)}, "no `text` field")
 
 
-def test_flops_per_token_match_a_count_of_the_model(s2s):
-    """perf/mfu's FLOPs for T5 (whose parameters are all matmul weights but its norms) against
+@pytest.mark.parametrize("kind", ["t5", "umt5"])
+def test_flops_per_token_match_a_count_of_the_model(s2s, kind):
+    """perf/mfu's FLOPs for T5 and UMT5 (whose parameters are all matmul weights but its norms) against
     torch's count of one forward + backward. The count's eager attention computes the decoder's
     causal scores in full, which the formula (as causal kernels) halves: added back here."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -517,8 +521,8 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     from uptrain.objectives import span_corruption_lengths
     from uptrain.train.seq2seq import train_flops_per_token
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(s2s["t5"], attn_implementation="eager")
-    config = read_config(s2s["t5"])
+    model = AutoModelForSeq2SeqLM.from_pretrained(s2s[kind], attn_implementation="eager")
+    config = read_config(s2s[kind])
     seq_len = 32
     target_len = span_corruption_lengths(seq_len)[1]
     inputs, labels = torch.randint(5, 50, (2, seq_len)), torch.randint(5, 50, (2, target_len))
@@ -545,7 +549,10 @@ def test_span_corruption_on_streamed_data_matches_tokenized(s2s, tmp_path):
     assert all(math.isfinite(r["train/loss"]) for r in b[1:])
 
 
-@pytest.mark.parametrize(("kind", "objective"), [("t5", "span_corruption"), ("m2m_100", "pairs"), ("pegasus", "pairs")])
+@pytest.mark.parametrize(
+    ("kind", "objective"),
+    [("t5", "span_corruption"), ("umt5", "span_corruption"), ("m2m_100", "pairs"), ("pegasus", "pairs")],
+)
 def test_convert_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys, kind, objective):
     """`source` + `num_kv_heads`: the model is converted to its `*_gqa` type (decoder self- and
     cross-attention at 2 KV heads), loaded through uptrain's registration, and trained on its

@@ -51,9 +51,13 @@ def test_every_record_is_consistent():
             assert set(modeling_files(model_type)) == {f"{record.modeling.module}.py", "attention.py"}
         else:
             assert modeling_files(model_type) == {}
-    decoders = ("gpt2", "gpt_neox", "opt", "gptj", "bloom", "mpt", "falcon")
-    encoder_decoders = ("t5", "bart", "mbart", "marian", "whisper")
-    assert set(converted_architectures()) == {f"{t}_gqa" for t in (*decoders, *encoder_decoders)}
+    assert set(converted_architectures()) == {
+        f"{t}_gqa"
+        for t in (
+            *("gpt2", "gpt_neox", "opt", "gptj", "bloom", "mpt", "falcon"),
+            *("t5", "umt5", "bart", "mbart", "marian", "whisper", "m2m_100", "pegasus"),
+        )
+    }
 
 
 def test_one_auto_class_per_config():

@@ -1,5 +1,6 @@
-"""Encoder–decoders (T5, T5 v1.1 / Flan gated-GELU, mT5, BART, mBART, Marian, Whisper): conversion of
-tiny real checkpoints built with transformers' own classes and saved with save_pretrained.
+"""Encoder–decoders (T5, T5 v1.1 / Flan gated-GELU, mT5, UMT5, BART, mBART, Marian, Whisper,
+M2M100, Pegasus): conversion of tiny real checkpoints built with transformers' own classes and
+saved with save_pretrained.
 
 What the converter must do is checked here against an independent computation written from
 transformers' tensor names (not from uptrain's layout tables): each chosen attention's K/V rows
@@ -19,14 +20,20 @@ from safetensors.torch import load_file
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
+    M2M100Config,
+    M2M100ForConditionalGeneration,
     MarianConfig,
     MarianMTModel,
     MBartConfig,
     MBartForConditionalGeneration,
     MT5Config,
     MT5ForConditionalGeneration,
+    PegasusConfig,
+    PegasusForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
     WhisperConfig,
     WhisperForConditionalGeneration,
 )
@@ -71,21 +78,28 @@ MODELS = {
         lambda: T5Config(**T5_GEOMETRY, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
     ),
     "mt5": (MT5ForConditionalGeneration, lambda: MT5Config(**T5_GEOMETRY)),
+    # UMT5: T5's tensor names, a relative_attention_bias in every self-attention layer.
+    "umt5": (UMT5ForConditionalGeneration, lambda: UMT5Config(**T5_GEOMETRY, tie_word_embeddings=False)),
     "bart": (BartForConditionalGeneration, lambda: BartConfig(**BART_GEOMETRY)),
     "mbart": (MBartForConditionalGeneration, lambda: MBartConfig(**BART_GEOMETRY)),
     "marian": (MarianMTModel, lambda: MarianConfig(**BART_GEOMETRY)),
     "whisper": (WhisperForConditionalGeneration, lambda: WhisperConfig(**WHISPER_GEOMETRY)),
+    "m2m_100": (M2M100ForConditionalGeneration, lambda: M2M100Config(**BART_GEOMETRY)),
+    "pegasus": (PegasusForConditionalGeneration, lambda: PegasusConfig(**BART_GEOMETRY)),
 }
-T5_LIKE = ("t5", "t5-gated", "mt5")
-GQA_TYPE = {"t5": "t5_gqa", "t5-gated": "t5_gqa", "mt5": "t5_gqa"} | {
-    name: f"{name}_gqa" for name in ("bart", "mbart", "marian", "whisper")
+T5_LIKE = ("t5", "t5-gated", "mt5", "umt5")
+GQA_TYPE = {"t5": "t5_gqa", "t5-gated": "t5_gqa", "mt5": "t5_gqa", "umt5": "umt5_gqa"} | {
+    name: f"{name}_gqa" for name in ("bart", "mbart", "marian", "whisper", "m2m_100", "pegasus")
 }
 HEAD_CLASS = {
     "t5_gqa": ("T5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
+    "umt5_gqa": ("UMT5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "bart_gqa": ("BartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "mbart_gqa": ("MBartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "marian_gqa": ("MarianGQAMTModel", "AutoModelForSeq2SeqLM"),
     "whisper_gqa": ("WhisperGQAForConditionalGeneration", "AutoModelForSpeechSeq2Seq"),
+    "m2m_100_gqa": ("M2M100GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
+    "pegasus_gqa": ("PegasusGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
 }
 
 # Where each attention's K and V live, written from transformers' module names.
@@ -114,8 +128,8 @@ def heads_and_dim(name: str, attention: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """One saved checkpoint per architecture, built once; biases and norms randomised so that
-    pooling them is tested (fresh ones are zeros and ones)."""
+    """One saved checkpoint per architecture, built once; biases (T5's position biases too) and
+    norms randomised so that pooling them is tested (fresh ones are zeros and ones)."""
     built = {}
 
     def get(name: str):
@@ -125,7 +139,7 @@ def sources(tmp_path_factory):
             model = model_class(config()).eval()
             with torch.no_grad():
                 for param_name, p in model.named_parameters():
-                    if param_name.endswith("bias") or "norm" in param_name:
+                    if param_name.endswith("bias") or "norm" in param_name or "relative_attention" in param_name:
                         p.add_(torch.randn_like(p) * 0.1)
             folder = tmp_path_factory.mktemp(name) / "src"
             model.save_pretrained(folder)
@@ -234,7 +248,13 @@ def test_default_pools_the_decoder_attentions(name, sources, tmp_path):
     card = (out / "README.md").read_text()
     assert "decoder self-attention" in card and "cross-attention: " not in card
     assert "encoder self-attention: unchanged" in card
-    task = {"whisper": "automatic-speech-recognition", "marian": "translation"}.get(name, "text2text-generation")
+    tasks = {
+        "whisper": "automatic-speech-recognition",
+        "marian": "translation",
+        "m2m_100": "translation",
+        "pegasus": "summarization",
+    }
+    task = tasks.get(name, "text2text-generation")
     assert f"pipeline_tag: {task}\n" in card
     modeling = f"modeling_{GQA_TYPE[name]}.py"
     assert (out / modeling).is_file()
@@ -256,6 +276,7 @@ def test_g_equals_h_keeps_every_bit(name, sources, tmp_path):
         ("t5", "encoder", 4, {"encoder"}),
         ("t5", "cross,encoder,decoder-self", 1, {"encoder", "decoder-self", "cross"}),
         ("mt5", "decoder-self", 2, {"decoder-self"}),
+        ("umt5", "encoder,decoder-self", 4, {"encoder", "decoder-self"}),
         ("bart", "encoder,cross", 2, {"encoder", "cross"}),
         ("whisper", "encoder", 1, {"encoder"}),
     ],

@@ -97,6 +97,16 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
     T5,
     # mT5 converts to t5_gqa (T5's classes), told not to rescale the decoder's output.
     dataclasses.replace(T5, model_type="mt5", name="mT5", converted_config=(("scale_decoder_outputs", False),)),
+    # UMT5 stores its attentions under T5's names; only the position bias differs (each
+    # self-attention layer's own), so it runs on classes of its own (umt5_gqa).
+    dataclasses.replace(
+        T5,
+        model_type="umt5",
+        name="UMT5",
+        modeling=_seq2seq_modeling("umt5", "UMT5"),
+        notes="as T5; every self-attention layer has its own relative_attention_bias (one column per "
+        "query head), which stays with the query heads",
+    ),
     bart_family("bart", "BART", _seq2seq_modeling("bart", "Bart")),
     bart_family("mbart", "mBART", _seq2seq_modeling("mbart", "MBart")),
     bart_family(
@@ -116,5 +126,25 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         source_positions_key="max_source_positions",
         source_unit="audio frame",
         notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
+    ),
+    # M2M100 (also NLLB-200's dense models, which are M2M100 checkpoints): translation.
+    bart_family(
+        "m2m_100",
+        "M2M100",
+        _seq2seq_modeling("m2m_100", "M2M100"),
+        default_objective="pairs",
+        pipeline_tag="translation",
+    ),
+    # Pegasus was pretrained on gap sentences (whole sentences masked, the target only those
+    # sentences), which uptrain does not implement. text_infilling would be the nearest, but it
+    # frames each block with a BOS token that Pegasus's tokenizer does not have, and it teaches
+    # reconstructing the whole text. Pegasus checkpoints are used as summarizers, fine-tuned on
+    # document → summary pairs: the data their users have, and what `pairs` trains on.
+    bart_family(
+        "pegasus",
+        "Pegasus",
+        _seq2seq_modeling("pegasus", "Pegasus"),
+        default_objective="pairs",
+        pipeline_tag="summarization",
     ),
 )

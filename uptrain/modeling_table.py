@@ -44,6 +44,7 @@ MODELING: dict[str, GQAModeling] = {
     "opt": GQAModeling("opt_gqa", "OPTGQAConfig", "OPTGQAModel", "OPTGQAForCausalLM"),
     "gptj": GQAModeling("gptj_gqa", "GPTJGQAConfig", "GPTJGQAModel", "GPTJGQAForCausalLM"),
     "bloom": GQAModeling("bloom_gqa", "BloomGQAConfig", "BloomGQAModel", "BloomGQAForCausalLM"),
+    "gpt_neo": GQAModeling("gpt_neo_gqa", "GPTNeoGQAConfig", "GPTNeoGQAModel", "GPTNeoGQAForCausalLM"),
     # Encoder–decoders: the paper's setting (T5); mT5 and T5 v1.1 / Flan-T5 share T5's classes.
     "t5": GQAModeling("t5_gqa", "T5GQAConfig", "T5GQAModel", "T5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "bart": GQAModeling(

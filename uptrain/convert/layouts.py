@@ -170,9 +170,15 @@ LAYOUTS: dict[str, AttentionLayout] = {
         head_dim_key=None,
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
     ),
+    "gpt_neo": AttentionLayout(
+        attn_prefix="transformer.h.{layer}.attn.attention",
+        o_proj="out_proj",
+        head_dim_key=None,
+        notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
+    ),
 }
 # A converted checkpoint (uptrain's modeling) keeps its source's layout with G KV heads.
-LAYOUTS.update({f"{name}_gqa": LAYOUTS[name] for name in ("gpt2", "gpt_neox", "opt", "gptj", "bloom")})
+LAYOUTS.update({f"{name}_gqa": LAYOUTS[name] for name in ("gpt2", "gpt_neox", "opt", "gptj", "bloom", "gpt_neo")})
 
 
 @dataclass(frozen=True)

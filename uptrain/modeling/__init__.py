@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModel
 from uptrain.modeling.modeling_bart_gqa import BartGQAConfig, BartGQAForConditionalGeneration, BartGQAModel
 from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausalLM, BloomGQAModel
 from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
+from uptrain.modeling.modeling_gpt_neo_gqa import GPTNeoGQAConfig, GPTNeoGQAForCausalLM, GPTNeoGQAModel
 from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
 from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM, GPTJGQAModel
 from uptrain.modeling.modeling_marian_gqa import MarianGQAConfig, MarianGQAModel, MarianGQAMTModel
@@ -48,6 +49,7 @@ CLASSES = {
         (OPTGQAConfig, OPTGQAModel, OPTGQAForCausalLM),
         (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
         (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
+        (GPTNeoGQAConfig, GPTNeoGQAModel, GPTNeoGQAForCausalLM),
         (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
         (BartGQAConfig, BartGQAModel, BartGQAForConditionalGeneration),
         (MBartGQAConfig, MBartGQAModel, MBartGQAForConditionalGeneration),

@@ -12,15 +12,14 @@ name: imports only torch, transformers and the attention file next to it.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 from transformers import GPTNeoConfig
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoForCausalLM, GPTNeoModel, GPTNeoSelfAttention
 
 from .attention import (
-    ALL_ATTENTION_FUNCTIONS,
+    TRANSFORMERS_4,
     AttentionBackends,
     GroupedHeadsConfig,
     attend,
@@ -29,20 +28,26 @@ from .attention import (
     update_cache,
 )
 
-# Flex attention takes a per-head bias (`position_bias`) in transformers 5, which carries the
-# local layers' window; 4.x's would drop the window silently.
-FLEX_TAKES_BIAS = "position_bias" in inspect.signature(ALL_ATTENTION_FUNCTIONS["flex_attention"]).parameters
+# Flex attention under transformers 5 only: 4.x's takes no per-head bias (for the window), and
+# 4.x's GPT-Neo gives it no mask at all without padding, which it takes for no mask (every key).
+FLEX = not TRANSFORMERS_4
 
 
-def check_backend(implementation: str | None) -> None:
-    """Refuse, in one line, an attention implementation the local layers' window cannot reach:
-    continuous batching's paged attention (its mask spans every request's keys, and it reads
-    windows only from `sliding_window` configs) and 4.x's flex attention (no per-head bias)."""
+def check_backend(implementation: str | None, cache=None) -> None:
+    """Refuse, in one line, what the local layers' window cannot reach: continuous batching
+    (`generate_batch`: its paged cache lays every request's keys side by side and takes windows
+    only from `sliding_window` configs; `paged|eager` names its attention), and 4.x's flex
+    attention (see FLEX)."""
     implementation = implementation or "eager"
-    if "paged" in implementation or (implementation == "flex_attention" and not FLEX_TAKES_BIAS):
+    if isinstance(cache, PagedAttentionCache) or "paged" in implementation:
         raise ValueError(
-            f"gpt_neo_gqa cannot use attn_implementation={implementation!r}: its local layers' window "
-            "does not reach it; use eager or sdpa attention"
+            "gpt_neo_gqa cannot run continuous batching (a paged KV cache): its local layers' window "
+            "does not reach it; use generate()"
+        )
+    if implementation == "flex_attention" and not FLEX:
+        raise ValueError(
+            "gpt_neo_gqa cannot use attn_implementation='flex_attention' under transformers 4: "
+            "use eager or sdpa attention"
         )
 
 
@@ -77,7 +82,9 @@ class GPTNeoGQAAttention(GPTNeoSelfAttention):
             return attention_mask
         b, h, t = q.shape[:3]
         allowed = self._allowed(t, s)
-        if implementation == "flex_attention":  # a BlockMask, which the window joins as a bias
+        if implementation == "flex_attention":
+            # A BlockMask (causal, padding, documents), with the window as a per-head bias on the
+            # scores: torch 2.13's CPU flex kernel fails to compile a window inside the BlockMask.
             if self.window is not None:
                 bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
                 kwargs["position_bias"] = bias.masked_fill(~allowed, torch.finfo(q.dtype).min).expand(b, h, t, s)
@@ -106,7 +113,7 @@ class GPTNeoGQAAttention(GPTNeoSelfAttention):
         if kwargs.pop("head_mask", None) is not None:
             raise ValueError("gpt_neo_gqa does not support head masks")
         implementation = self.config._attn_implementation or "eager"
-        check_backend(implementation)
+        check_backend(implementation, cache)
         input_shape = hidden_states.shape[:-1]
         heads = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(heads).transpose(1, 2)
@@ -140,10 +147,10 @@ def _use_gqa_attention(model: GPTNeoModel, config: GPTNeoGQAConfig) -> None:
 
 class GPTNeoBackends(AttentionBackends):
     """Eager, SDPA, flash attention (the window as the kernel's `sliding_window`) and, under
-    transformers 5, flex attention (the window as a per-head bias) apply the local layers'
-    window; registered kernels get the window in the mask, as SDPA does, and `sliding_window`."""
+    transformers 5, flex attention (the window as a per-head bias) apply the local layers' window;
+    registered kernels get the window in the mask, as SDPA does, and `sliding_window`."""
 
-    _supports_flex_attn = FLEX_TAKES_BIAS
+    _supports_flex_attn = FLEX
 
 
 class GPTNeoGQAModel(GPTNeoBackends, GPTNeoModel):

@@ -225,7 +225,7 @@ def test_older_transformers_are_refused_in_one_line():
     )
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "opt"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "opt", "gpt_neo"])
 def test_gqa_counterpart_of_a_model_in_memory(model_type):
     """The class and config an in-memory conversion builds: at G = h, the original's state dict
     loads into it and gives the same logits, bit for bit."""

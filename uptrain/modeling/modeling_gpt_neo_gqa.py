@@ -72,8 +72,16 @@ class GPTNeoGQAAttention(GPTNeoSelfAttention):
 
     def _allowed(self, t: int, s: int) -> torch.Tensor:
         """`[1, 1, T, S]` boolean, True where query i (the last T of S positions) may see key j:
-        causal, and within the window in a local layer. The rows of transformers' own `bias`."""
-        return self.bias[:, :, s - t : s, :s]
+        causal, and within the window in a local layer. The rows of transformers' own `bias`,
+        computed rather than sliced from it: packed documents laid out as one row (flash, flex)
+        run longer than `max_position_embeddings`."""
+        device = self.q_proj.weight.device
+        query = torch.arange(s - t, s, device=device)[:, None]
+        key = torch.arange(s, device=device)[None, :]
+        allowed = key <= query
+        if self.window is not None:
+            allowed &= key > query - self.window
+        return allowed[None, None]
 
     def _layer_mask(self, attention_mask, implementation: str, q: torch.Tensor, s: int, kwargs: dict):
         """The mask this layer attends with on `implementation`: the model's (causal, padding,

@@ -34,6 +34,10 @@ REFUSED = {"bloom": "BLOOM", "bloom_gqa": "BLOOM"}
 # Models whose forward builds its mask without `position_ids`: transformers finds no packed
 # documents there, so flash and flex attention would attend across them.
 NO_PACKED_POSITIONS = {"opt": "OPT", "opt_gqa": "OPT"}
+# Models whose layers never pass `position_ids` on to attention: flash attention, which finds the
+# documents from them, would attend across them (flex attention's block mask is built from the
+# forward's positions, and GPT-Neo's local window applies inside each document as it does alone).
+NO_POSITIONS_IN_ATTENTION = {"gpt_neo": "GPT-Neo", "gpt_neo_gqa": "GPT-Neo"}
 
 
 def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -77,6 +81,12 @@ class DocumentPacking:
             raise UptrainError(
                 f"document_mask: {name} builds its attention mask without position ids, so {implementation} "
                 "would attend across documents; use sdpa or eager attention"
+            )
+        name = NO_POSITIONS_IN_ATTENTION.get(model.config.model_type)
+        if name is not None and "flash" in implementation:
+            raise UptrainError(
+                f"document_mask: {name}'s layers do not pass position ids to attention, so {implementation} "
+                "would attend across documents; use sdpa, eager or flex attention"
             )
         return cls(eos_id, implementation, next(model.parameters()).dtype)
 

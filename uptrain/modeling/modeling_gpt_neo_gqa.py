@@ -5,7 +5,7 @@ GPT-Neo, with `k_proj` and `v_proj` of G·d rows. No rotary embedding (positions
 added to the input), and GPT-Neo does not scale the scores by 1/√d. Layers alternate global and
 local attention (`attention_layers`); a local layer's query sees only the `window_size` keys up
 to itself. transformers' GPT-Neo makes that window from the key and query lengths (its `bias`
-buffer, kept here), not from the positions, and so does every backend here (`GPTNeoGQAAttention`).
+buffer), not from the positions, and so does every backend here (`GPTNeoGQAAttention`).
 Everything else is transformers' GPT-Neo unchanged. Copied beside converted weights under this
 name: imports only torch, transformers and the attention file next to it.
 """

@@ -5,6 +5,8 @@ each: the same logits within float32 noise and the same tokens, with K/V at G he
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
@@ -71,6 +73,16 @@ def outputs(model, padding=True):
     }
 
 
+def flex_as_compiled(model_type: str, backend: str):
+    """Where flex attention is compiled as transformers compiles it: everywhere but GPT-Neo's,
+    which runs flex attention uncompiled (its own unfused arithmetic, the same function): torch
+    2.13's CPU flex template fails to compile GPT-Neo's window bias for some shapes, depending on
+    what was compiled before."""
+    if backend == "flex_attention" and model_type == "gpt_neo":
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def load(folder, backend):
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend).eval()
     assert model.config._attn_implementation == backend
@@ -88,15 +100,16 @@ def test_every_backend_gives_the_same_model(model_type, converted):
     for backend in BACKENDS:
         padding = backend != "flex_attention"
         model = load(folder, backend)
-        if backend == "flex_attention" and model_type in ("bloom", "gpt_neo"):
-            # Inductor's CPU flex template fails to compile a per-head bias (BLOOM's ALiBi, GPT-Neo's
-            # local window) when decoding with a cache (torch 2.13): the forward only.
+        if backend == "flex_attention" and model_type == "bloom":
+            # Inductor's CPU flex template fails to compile ALiBi's per-head bias when decoding
+            # with a cache (torch 2.13): the forward only.
             with torch.no_grad():
                 result = model(padded_batch()[0], use_cache=True)
             assert output_cache(result).layers[0].keys.shape[1] == 2
             torch.testing.assert_close(result.logits, reference[False]["logits"], **TOLERANCE, msg=backend)
             continue
-        result, expected = outputs(model, padding=padding), reference[padding]
+        with flex_as_compiled(model_type, backend):
+            result, expected = outputs(model, padding=padding), reference[padding]
         assert result["kv_heads"] == 2, backend
         torch.testing.assert_close(result["logits"], expected["logits"], **TOLERANCE, msg=backend)
         if padding:
@@ -112,7 +125,7 @@ def test_g_equals_h_is_the_original_model_on_every_backend(model_type, backend, 
     source, folder = converted(model_type, HEADS)
     ids, mask = padded_batch()
     model = load(folder, backend)
-    with torch.no_grad():
+    with torch.no_grad(), flex_as_compiled(model_type, backend):
         torch.testing.assert_close(model(ids).logits, source(ids).logits, **TOLERANCE)
         if backend != "flex_attention":  # see `outputs`
             torch.testing.assert_close(
@@ -215,7 +228,7 @@ def test_gpt_neo_local_window_reaches_every_backend(backend, converted):
     ones change (and the tests above compare the windowed model across backends)."""
     _, folder = converted("gpt_neo", 2)
     ids = padded_batch()[0]
-    with torch.no_grad():
+    with torch.no_grad(), flex_as_compiled("gpt_neo", backend):
         windowed = load(folder, backend)(ids).logits
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend, window_size=64).eval()
         wide = model(ids).logits

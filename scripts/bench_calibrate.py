@@ -343,8 +343,8 @@ def run_child(argv: list[str]) -> dict:
 
 def write_checkpoint(folder: Path, shape: dict) -> Path:
     import torch
+    from synthetic_checkpoint import write_synthetic_llama
 
-    from uptrain.convert.synthetic import write_synthetic_llama
     from uptrain.corpus import load_tokenizer
 
     write_synthetic_llama(folder, **shape, dtype=torch.bfloat16)

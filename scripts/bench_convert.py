@@ -285,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
-
-    from uptrain.convert.synthetic import write_synthetic_llama
+    from synthetic_checkpoint import write_synthetic_llama
 
     shape = model_shape(args.size_gb * 1e9)
     if HEADS % args.num_kv_heads:

@@ -67,9 +67,9 @@ def copy_in_kernel(ranges, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
+    from synthetic_checkpoint import write_synthetic_llama
 
     from uptrain.checkpoint.reader import SourceCheckpoint
-    from uptrain.convert.synthetic import write_synthetic_llama
 
     chunks = {f"chunks {c}": parse_chunk(c) for c in args.chunks.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-copy-", dir=args.workdir) as tmp:

@@ -275,7 +275,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from uptrain.convert.synthetic import write_synthetic_llama
+from scripts.synthetic_checkpoint import write_synthetic_llama
 from uptrain.corpus import load_tokenizer, split_path
 from uptrain.train.metrics import read_metrics
 

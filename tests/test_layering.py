@@ -18,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import modules of its own layer or of any layer below it, never one
 # above. `name.*` is a package with all its modules; a plain name is that module alone.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # No uptrain dependencies beyond each other: the error type, strict JSON, what a config says,
-    # and the table of uptrain's own GQA modeling (data only; read by the converter).
-    ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info", "uptrain.modeling_table")),
-    # Safetensors reading and writing, atomic folders and locks, sources, digests, provenance, cards.
+    # No uptrain dependencies beyond each other: the error type, strict JSON, what a config says.
+    ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info")),
+    # What each architecture is (attention sites, quirks, uptrain's modeling of it), as data.
+    ("architecture", ("uptrain.architecture.*",)),
+    # Safetensors reading and writing, atomic folders and locks, the resume rule of resumable folders,
+    # sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
     # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,
     # token shards (`uptrain tokenize`'s folder and its reader) and the command that writes them,

@@ -1,8 +1,10 @@
-"""Commands from schemas (`uptrain.options`): every key in `--help` with its default, one-line
-refusals naming every bad key, and no pydantic on `uptrain convert`'s start-up."""
+"""Commands from schemas (`uptrain.options`): every key in `--help` with its default, every flag
+as `--snake_case` and `--kebab-case`, one-line refusals naming every bad key, compare embedding
+train's keys with their bounds, and no pydantic or train module on `uptrain convert`'s start-up."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -39,37 +41,49 @@ def shown(default) -> str:
     return " ".join(map(str, default)) if isinstance(default, list) else str(default)
 
 
-def command_keys(command: str):
-    if command == "train":
-        from uptrain.train.config import config_keys
-
-        return config_keys(), True
-    return flag_keys(COMMANDS[command].schema()), False
-
-
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_help_lists_every_key_with_its_default(command, capsys):
-    keys, file_keys = command_keys(command)
+    keys = flag_keys(COMMANDS[command].schema())
     entries = help_entries(command, capsys)
     assert len(keys) >= 2
     for key in keys:
-        flag = (
-            (key.option.metavar or key.name)
-            if key.option.positional
-            else "--" + (key.name if file_keys else key.name.replace("_", "-"))
-        )
+        flag = (key.option.metavar or key.name) if key.option.positional else f"--{key.name}"
         assert flag in entries, (command, flag, sorted(entries))
         text = entries[flag]
         # argparse wraps after hyphens too (decoder-self): compare without whitespace.
         assert "".join(key.option.help.split()) in "".join(text.split()), (flag, text)
         if key.required:
             assert key.option.positional or "[required]" in text, (flag, text)
-        elif key.default is not None and (key.default is not False or file_keys):
+        elif key.default is not None:
             # argparse wraps long lines at spaces and after hyphens (a path like /tmp/ci-clone/…):
             # compare without whitespace.
             assert "".join(f"(default: {shown(key.default)})".split()) in "".join(text.split()), (flag, text)
         else:
-            assert "(default: None)" not in text and "(default: False)" not in text, (flag, text)
+            assert "(default: None)" not in text, (flag, text)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_flag_takes_both_spellings(command):
+    """`--seq_len` and `--seq-len` are one flag of every command (convert's `--num_kv_heads` too)."""
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = {s: a.dest for a in sub._actions for s in a.option_strings}
+    for key in flag_keys(COMMANDS[command].schema()):
+        if not key.option.positional:
+            assert flags[f"--{key.name}"] == flags[f"--{key.name.replace('_', '-')}"] == key.name, (command, key)
+
+
+def test_both_spellings_mean_the_same():
+    for spelling in ("--num_kv_heads", "--num-kv-heads", "-g"):
+        args = build_parser("convert").parse_args(["convert", "src", "out", spelling, "2", "--max_shard_size", "1GB"])
+        options = COMMANDS["convert"].options(args, "convert")
+        assert (options.num_kv_heads, options.max_shard_size) == (2, "1GB")
+    for spelling in ("--num_kv_heads", "--num-kv-heads"):
+        argv = ["compare", "--model", "m", spelling, "4", "2", "--output_dir", "d", "--max-tokens", "64"]
+        spec = COMMANDS["compare"].options(build_parser("compare").parse_args(argv), "compare")
+        assert spec.num_kv_heads == [4, 2] and spec.max_tokens == 64
+    argv = ["speed", "a", "b", "--new_tokens", "4", "--new-tokens", "5"]
+    assert COMMANDS["speed"].options(build_parser("speed").parse_args(argv), "speed").new_tokens == 5
 
 
 def test_flag_spellings_that_scripts_use():
@@ -112,9 +126,9 @@ def test_train_embeds_the_conversion_keys_and_their_checks(tmp_path):
     from uptrain.options import keys_of
     from uptrain.train.config import TrainConfig, load_config
 
+    train_keys = {k.name: k for k in keys_of(TrainConfig)}
     for key in keys_of(ConversionOptions):
-        field = TrainConfig.model_fields[key.name]
-        assert (field.default, field.description) == (key.default, key.option.help)
+        assert train_keys[key.name] == key  # the same key: type, default, help, checks
     values = {
         "source": "s",
         "num_kv_heads": 2,
@@ -134,11 +148,64 @@ def test_train_embeds_the_conversion_keys_and_their_checks(tmp_path):
     assert (spec.source, spec.grouping, spec.calibration_data, spec.calibration_seq_len) == ("s", "similarity", "t", 8)
 
 
-def test_convert_never_imports_pydantic(tmp_path):
+def test_compare_embeds_train_keys_with_their_bounds():
+    from uptrain.compare.spec import CompareSpec
+    from uptrain.options import keys_of
+    from uptrain.train.config import TrainConfig
+
+    train_keys = {k.name: k for k in keys_of(TrainConfig)}
+    shared = [k for k in keys_of(CompareSpec) if k.name in train_keys]
+    assert len(shared) >= 40  # data, step, optimizer, budget, execution, reporting, timeouts, conversion
+    checks = ("at_least", "above", "at_most", "below", "choices", "check", "before")
+    for key in shared:
+        train = train_keys[key.name]
+        assert [getattr(key.option, c) for c in checks] == [getattr(train.option, c) for c in checks], key.name
+        # Several G and strategies to try, each as train takes one; the model is required.
+        if key.name not in ("num_kv_heads", "pooling", "model"):
+            assert key.annotation == train.annotation, key.name
+    values = {"model": "m", "num_kv_heads": [2], "output_dir": "o", "max_steps": 1}
+    for bad, message in (
+        ({"lr": 0}, "`lr`: must be more than 0 (got 0"),
+        ({"adam_beta2": 1}, "`adam_beta2`: must be less than 1 (got 1"),
+        ({"seq_len": 1}, "`seq_len`: must be at least 2 (got 1)"),
+        ({"num_kv_heads": [2, 0]}, "`num_kv_heads`: must be at least 1 (got 0)"),
+        ({"objective": "causall"}, "`objective`: must be one of"),
+        ({"report_to": ["none", "jsonl"]}, "`report_to: none` cannot be combined"),
+    ):
+        with pytest.raises(InvalidOptions, match=re.escape(message)):
+            CompareSpec(**{**values, **bad})
+
+
+def test_compare_runs_are_train_configs_of_its_keys(tmp_path):
+    from uptrain.compare.spec import TRAINED_ALIKE, CompareSpec
+    from uptrain.options import names_of
+
+    spec = CompareSpec(
+        model="m", num_kv_heads=[2], output_dir=str(tmp_path / "cmp"), max_steps=3, grad_accum=2, weight_decay=0.0
+    )
+    config = spec.train_config("converted/g2", tmp_path / "run", "g2-mean", "group")
+    assert all(getattr(config, name) == getattr(spec, name) for name in names_of(*TRAINED_ALIKE))
+    assert (config.grad_accum, config.weight_decay, config.seq_len, config.lr) == (2, 0.0, 256, 1e-3)
+    assert (config.save_every, config.run_name, config.wandb_group) == (10, "cmp/g2-mean", "group")
+    assert config.resume is False  # its folder does not exist yet
+
+
+def test_the_keys_a_compare_rerun_may_change_are_keys():
+    from uptrain.compare.spec import CompareSpec
+    from uptrain.compare.study import OWN_OPERATIONAL_KEYS, resume_rule
+    from uptrain.options import keys_of
+
+    names = {k.name for k in keys_of(CompareSpec)}
+    assert OWN_OPERATIONAL_KEYS <= names
+    # compare's keys of how its runs run (compile, fused AdamW, data workers, …) are train's.
+    assert {"compile", "fused_adamw", "data_workers", "report_to", "speed_batch"} <= resume_rule().operational
+
+
+def test_convert_never_imports_pydantic_or_train(tmp_path):
     src = save(build_model("llama"), tmp_path / "src")
     probe = (
         "import sys; from uptrain.cli import main; code = main(sys.argv[1:]); "
-        "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic'))"
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic' or m.startswith('uptrain.train')))"
     )
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
@@ -156,4 +223,13 @@ def test_convert_never_imports_pydantic(tmp_path):
 def test_required_keys_are_required_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         build_parser("convert").parse_args(["convert", "src", "out"])
-    assert "--num-kv-heads" in capsys.readouterr().err
+    assert "--num_kv_heads/--num-kv-heads/-g" in capsys.readouterr().err
+
+
+def test_a_bad_flag_value_is_the_schemas_one_line(capsys):
+    from uptrain.cli import main
+
+    assert main(["convert", "src", "out", "-g", "two", "--grouping", "nearest"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("uptrain convert: error: invalid option: "), err
+    assert "`num_kv_heads`: must be a whole number, not 'two'" in err and "`grouping`: must be one of" in err

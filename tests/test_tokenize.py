@@ -260,6 +260,7 @@ def test_an_interrupted_run_with_other_settings_is_refused_unless_overwrite(corp
     assert proc.returncode == -9
     argv = [str(corpus["jsonl"]), str(out), "--tokenizer", str(corpus["model"]), "--seq-len", "8"]
     err = refused(capsys, *argv)
-    assert "with other settings (seq_len: 16 → 8" in err and "pass --overwrite to start over" in err
+    assert "cannot resume the interrupted `uptrain tokenize` to" in err and "pass --overwrite to start over" in err
+    assert "its settings changed (seq_len: 16 → 8; blocks_per_shard: " in err
     assert main(["tokenize", *argv, "--overwrite"]) == 0
     assert json.loads((out / INDEX).read_text())["seq_len"] == 8

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from uptrain import UptrainError
+from uptrain.architecture import source_model_type
 from uptrain.checkpoint.provenance import conversion_record, read_provenance
 from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import read_config
@@ -53,7 +54,7 @@ BUDGETS: tuple[Budget, ...] = (
 
 def find_budget(config: dict, name: str) -> Budget | None:
     """The table row that identifies this checkpoint, or None."""
-    model_type = str(config.get("model_type", "")).removesuffix("_gqa")  # converted by uptrain: same family
+    model_type = source_model_type(config.get("model_type"))  # converted by uptrain: the source's family
     names = [n for n in (name, config.get("_name_or_path")) if n]
     for budget in BUDGETS:
         if model_type in budget.model_types and any(re.search(budget.name, str(n), re.IGNORECASE) for n in names):

@@ -1,5 +1,7 @@
 """The `uptrain` command. Each subcommand is a schema of its options (`uptrain.options`) and a
-plain function given the validated options; `COMMANDS` pairs them with their help."""
+plain function given the validated options; `COMMANDS` pairs them with their help. Every command
+reads its flags the same way (`--snake_case` or `--kebab-case`, values checked by the schema,
+one-line refusals); `uptrain train` also reads them from a YAML file (`--config`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from uptrain import UptrainError, __version__
-from uptrain.options import add_arguments, flag_keys, from_args
+from uptrain.options import add_schema_arguments, from_args
 
 if TYPE_CHECKING:  # each command imports its own schema, when it runs
     from uptrain.compare.spec import CompareSpec
@@ -157,16 +159,10 @@ def _tokenize_schema():
     return TokenizeOptions
 
 
-def _train_arguments(parser: argparse.ArgumentParser) -> None:
-    from uptrain.train.config import add_config_arguments
+def _train_schema():
+    from uptrain.train.config import TrainConfig
 
-    add_config_arguments(parser)
-
-
-def _train_config(args: argparse.Namespace, command: str):
-    from uptrain.train.config import config_from_args
-
-    return config_from_args(args)
+    return TrainConfig
 
 
 @dataclass(frozen=True)
@@ -175,23 +171,18 @@ class Command:
     for the command being run, so no command's start-up pays for another's imports."""
 
     run: Callable[[Any], int]
+    schema: Callable[[], type]
     help: str
     description: str
     epilog: str | None = None
-    schema: Callable[[], type] | None = None  # a dataclass schema of uptrain.options …
-    # … or, for `train` (YAML keys under its flags), how its flags are added and read.
-    arguments: Callable[[argparse.ArgumentParser], None] | None = None
-    parse: Callable[[argparse.Namespace, str], Any] | None = None
+    config_file: bool = False  # `--config FILE.yaml` gives the keys, flags override it
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        if self.schema is not None:
-            add_arguments(parser, flag_keys(self.schema()))
-        else:
-            self.arguments(parser)
+        add_schema_arguments(parser, self.schema(), self.config_file)
 
     def options(self, args: argparse.Namespace, name: str) -> Any:
         """The validated options of a parsed command line."""
-        return from_args(self.schema(), args, name) if self.schema is not None else self.parse(args, name)
+        return from_args(self.schema(), args, name, config=getattr(args, "config", None))
 
 
 COMMANDS = {
@@ -228,8 +219,8 @@ COMMANDS = {
     ),
     "train": Command(
         train,
-        arguments=_train_arguments,
-        parse=_train_config,
+        schema=_train_schema,
+        config_file=True,
         help="uptrain a (converted) checkpoint with Accelerate",
         description="Continue pretraining a checkpoint for a budget of tokens or steps; runs alone or under "
         "`accelerate launch -m uptrain train`.",
@@ -256,7 +247,7 @@ COMMANDS = {
 
 def build_parser(command: str | None = "train") -> argparse.ArgumentParser:
     """The full parser, with the flags of `command` only: each command's start-up pays for its
-    own schema alone (`uptrain convert` never imports pydantic)."""
+    own schema alone (`uptrain convert` never imports a train module)."""
     parser = argparse.ArgumentParser(prog="uptrain", description="Convert MHA checkpoints to GQA and uptrain them.")
     parser.add_argument("--version", action="version", version=f"uptrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

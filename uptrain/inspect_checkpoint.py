@@ -13,16 +13,9 @@ import math
 from dataclasses import dataclass
 
 from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF, Architecture, config_geometry, find_architecture
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import resolve_source
-from uptrain.convert.layouts import (
-    DECODER_SELF,
-    ENCODER_DECODER_LAYOUTS,
-    EncoderDecoderLayout,
-    attention_stacks,
-    config_geometry,
-    is_convertible,
-)
 from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config
 from uptrain.options import Schema, option
 
@@ -49,6 +42,7 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     folder, label = resolved.folder, resolved.label
     config = read_config(folder)
     model_type = config.get("model_type")
+    arch = find_architecture(model_type)
     geo = config_geometry(config)
     dtype = dtype or config_dtype(config)
     if dtype not in DTYPE_BYTES:
@@ -60,8 +54,8 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
         weights.close()
     except UptrainError:  # pickle-only or weightless folders: the layout is still worth showing
         parameters = None
-    if model_type in ENCODER_DECODER_LAYOUTS:
-        report = _encoder_decoder_report(config, ENCODER_DECODER_LAYOUTS[model_type], dtype_bytes, context, batch)
+    if arch is not None and arch.encoder_decoder:
+        report = _encoder_decoder_report(config, arch, dtype_bytes, context, batch)
         run = {"parameters": parameters, "dtype": dtype, "context": context, "batch": batch}
         return {"source": label, "model_type": model_type, **report, **run}
     current = geo.kv_cache_bytes_per_token(dtype_bytes)
@@ -82,7 +76,7 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
         "source": label,
         "model_type": model_type,
         "encoder_decoder": False,
-        "convertible": is_convertible(model_type),
+        "convertible": arch is not None,
         "num_layers": geo.num_layers,
         "num_attention_heads": geo.num_heads,
         "num_key_value_heads": geo.num_kv_heads,
@@ -98,14 +92,12 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     }
 
 
-def _encoder_decoder_report(
-    config: dict, layout: EncoderDecoderLayout, dtype_bytes: int, context: int, batch: int
-) -> dict:
+def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, context: int, batch: int) -> dict:
     """The caches of an encoder–decoder generating `context` tokens for `batch` inputs, each
     input `source_positions` long: Whisper's fixed number of audio frames, else `context` tokens."""
-    stacks = attention_stacks(config, layout)
+    stacks = arch.stacks(config)
     decoder, cross = stacks[DECODER_SELF].geometry, stacks["cross"].geometry
-    source = config.get(layout.source_positions_key) if layout.source_positions_key else None
+    source = config.get(arch.source_positions_key) if arch.source_positions_key else None
     source_len = source if isinstance(source, int) and not isinstance(source, bool) and source > 0 else context
 
     def caches(g_self: int, g_cross: int) -> dict:
@@ -148,7 +140,7 @@ def _encoder_decoder_report(
             }
             for name, stack in stacks.items()
         },
-        "source_unit": layout.source_unit,
+        "source_unit": arch.source_unit,
         "source_positions": source_len,
         **current,
         "options": options,

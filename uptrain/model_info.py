@@ -119,21 +119,11 @@ CONFIG_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-# GPT-Neo spells them num_heads and num_layers, as T5 does; T5's configs are read by their own
-# keys (`stack_geometry`) and keep theirs, so these hold for GPT-Neo only.
-MODEL_CONFIG_ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
-    "gpt_neo": {"num_attention_heads": ("num_heads",), "num_hidden_layers": ("num_layers",)},
-}
-MODEL_CONFIG_ALIASES["gpt_neo_gqa"] = MODEL_CONFIG_ALIASES["gpt_neo"]
-
-
 def standard_config_names(config: dict) -> dict:
     """`config` with num_attention_heads, num_hidden_layers and hidden_size filled in from
     their older spellings where they are missing; every other field as it was."""
     filled = dict(config)
-    own = MODEL_CONFIG_ALIASES.get(config.get("model_type"), {})
     for name, aliases in CONFIG_ALIASES.items():
-        aliases = aliases + own.get(name, ())
         if filled.get(name) is None:
             for alias in aliases:
                 if config.get(alias) is not None:

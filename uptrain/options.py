@@ -1,16 +1,21 @@
-"""Command options declared once: a schema gives each command its flags, defaults, choices, help
-and validation.
+"""Command options declared once: a schema gives each command its flags, YAML keys, defaults,
+choices, help and validation. Every command's options are such a schema, `TrainConfig` too.
 
 A schema is a stdlib dataclass (`@dataclass(kw_only=True)`, subclassing `Schema`) whose fields
 are declared with `option(...)`: the default, the help text, the checks and how the flag is
-spelled. `add_arguments` turns a schema into argparse flags; `from_args` and `validated` build
-it, refusing unknown keys and naming every bad value in one line (`InvalidOptions`). A new
-command is such a schema plus a plain function taking it (see `uptrain/cli.py`).
+spelled. Schemas are built from groups of keys by inheritance, and the keys stay flat (YAML keys,
+flags and `to_dict()` alike): `TrainConfig` is its data, step, optimizer, budget and conversion
+groups plus its own keys, and `CompareSpec` embeds the same groups. A key another schema
+declares can be taken over with a default of one's own (`option_like`), bounds and checks kept.
+
+`add_arguments` turns a schema's keys into argparse flags (each as `--snake_case` and
+`--kebab-case`); `from_args`, `validated` and `load` build it, refusing unknown keys and naming
+every bad value in one line (`InvalidOptions`, the one formatter of every command). A new command
+is such a schema plus a plain function taking it (see `uptrain/cli.py`).
 
 Stdlib only, and nothing imported until used: `uptrain convert` validates its arguments before
 the first byte is read, so its schema's imports are part of every conversion's start-up
-(pydantic's were a measured share of it, BENCHMARKS.md). `TrainConfig` stays pydantic and
-embeds the conversion and budget schemas' keys (`uptrain/train/config.py`).
+(pydantic's were a measured share of it, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, Union
 
 from uptrain import UptrainError
+from uptrain.strict_json import too_many_digits
 
 REQUIRED: Any = dataclasses.MISSING
 
@@ -42,20 +50,32 @@ class Option:
     at_least: float | None = None
     above: float | None = None
     at_most: float | None = None
+    below: float | None = None
     check: Callable[[Any], str | None] | None = None  # a problem with the value (each item of a list), or None
+    # The value as the key means it, before its type is checked (`report_to: wandb` is a list of
+    # one); raises ValueError with the problem where no reading fits.
+    before: Callable[[Any], Any] | None = None
     group: str | None = None  # title of the --help section the flag is listed in
     flag: bool = True  # False: a key for other callers (train, compare) that the command line does not set
-    # For a nested schema: which of its keys are this command's flags (the rest keep their defaults).
-    keys: tuple[str, ...] = ()
 
 
 def option(default: Any = REQUIRED, **spelling: Any) -> Any:
     """A schema field: `default` (omitted: required) and the `Option` fields as keywords."""
+    return _field(default, Option(**spelling))
+
+
+def _field(default: Any, spelling: Option) -> Any:
     if isinstance(default, list):  # a fresh list per instance
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"option": Option(**spelling)})
-    if isinstance(default, type) and issubclass(default, Schema):  # a nested schema at its defaults
-        return dataclasses.field(default_factory=default, metadata={"option": Option(**spelling)})
-    return dataclasses.field(default=default, metadata={"option": Option(**spelling)})
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"option": spelling})
+    return dataclasses.field(default=default, metadata={"option": spelling})
+
+
+def option_like(schema: type, name: str, default: Any = REQUIRED, **changes: Any) -> Any:
+    """A field that is `schema`'s key `name` (its help, bounds, choices and checks) with a
+    default of its own and any `Option` fields in `changes`: how a command embeds another's key
+    without restating it (`uptrain compare`'s `seq_len` is `uptrain train`'s, default 256)."""
+    key = next(k for k in keys_of(schema) if k.name == name)
+    return _field(default, dataclasses.replace(key.option, **changes))
 
 
 class Key(NamedTuple):
@@ -72,21 +92,26 @@ class Key(NamedTuple):
 
 
 class InvalidOptions(UptrainError):
-    """Every problem found in one set of options, reported on one line."""
+    """Every problem found in one set of options, reported on one line: `invalid option: …`
+    (flags), `invalid config: …` (`uptrain train`, whose keys also come from YAML), after the
+    file they came from when there is one. The one formatter of every command's options."""
 
-    def __init__(self, problems: list[str]):
-        super().__init__("invalid option: " + "; ".join(problems))
+    def __init__(self, problems: list[str], what: str = "option", where: str | Path | None = None):
+        self.problems = problems
+        super().__init__((f"{where}: " if where else "") + f"invalid {what}: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(kw_only=True)
 class Schema:
     """Base of every options schema: construction checks every field, then `problems()`."""
 
+    # What the keys are called in messages: options (flags) or config (YAML keys and flags).
+    WHAT = "option"
+
     def __post_init__(self) -> None:
         found = []
         for key in keys_of(type(self)):
-            value = getattr(self, key.name)
-            problem, value = key_problem(key, value)
+            problem, value = key_problem(key, getattr(self, key.name))
             if problem:
                 found.append(f"`{key.name}`: {problem}")
             else:
@@ -94,14 +119,14 @@ class Schema:
         if not found:
             found = self.problems()
         if found:
-            raise InvalidOptions(found)
+            raise InvalidOptions(found, self.WHAT)
 
     def problems(self) -> list[str]:
-        """Rules that span several keys; a subclass adds its own (and keeps its bases')."""
+        """Rules that span several keys; a group adds its own and keeps its bases' (`super()`)."""
         return []
 
     def to_dict(self) -> dict:
-        """The keys and values, nested schemas as nested dicts (JSON-ready)."""
+        """The keys and values, in declaration order (JSON-ready)."""
         return dataclasses.asdict(self)
 
 
@@ -118,6 +143,11 @@ def keys_of(schema: type) -> tuple[Key, ...]:
         )
         keys.append(Key(f.name, hints[f.name], default, f.metadata.get("option") or Option(help="")))
     return tuple(keys)
+
+
+def names_of(*schemas: type) -> tuple[str, ...]:
+    """The key names of `schemas`, in order: what a group contributes to a schema built on it."""
+    return tuple(k.name for schema in schemas for k in keys_of(schema))
 
 
 def choices_of(option: Option) -> Sequence[str] | Mapping[str, str] | None:
@@ -157,6 +187,11 @@ def _describe(annotation: Any) -> str:
     return " or ".join(words)
 
 
+# A number written in a form YAML 1.1 reads as text (`3e-4`, `1e6`, `2.0e12` without the exponent's
+# sign): for a key that takes a number it is that number, as in YAML 1.2 and Python.
+_NUMBER = re.compile(r"[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _fits(annotation: Any, value: Any) -> tuple[bool, Any]:
     """Whether `value` is of type `annotation`, and the value to keep (an int given for a float
     becomes a float)."""
@@ -176,8 +211,8 @@ def _fits(annotation: Any, value: Any) -> tuple[bool, Any]:
             items = [_fits(typing.get_args(m)[0], v) for v in value]
             if all(ok for ok, _ in items):
                 return True, [v for _, v in items]
-        if isinstance(m, type) and issubclass(m, Schema) and isinstance(value, m):
-            return True, value
+    if float in _members(annotation) and isinstance(value, str) and len(value) < 100 and _NUMBER.fullmatch(value):
+        return True, float(value.replace("_", ""))
     return False, value
 
 
@@ -187,12 +222,17 @@ def _bound(limit: float) -> str:
 
 def key_problem(key: Key, value: Any) -> tuple[str | None, Any]:
     """(what is wrong with `value` for `key` or None, the value to keep)."""
+    o = key.option
+    if o.before is not None:
+        try:
+            value = o.before(value)
+        except ValueError as err:
+            return str(err), value
     ok, value = _fits(key.annotation, value)
     if not ok:
         return f"must be {_describe(key.annotation)}, not {value!r}", value
-    if value is None or isinstance(value, (bool, Schema)):
+    if value is None or isinstance(value, bool):
         return None, value
-    o = key.option
     for item in value if isinstance(value, list) else [value]:
         allowed = choices_of(o)
         if allowed is not None and item not in allowed:
@@ -204,60 +244,119 @@ def key_problem(key: Key, value: Any) -> tuple[str | None, Any]:
                 return f"must be more than {_bound(o.above)} (got {item!r})", value
             if o.at_most is not None and item > o.at_most:
                 return f"must be at most {_bound(o.at_most)} (got {item!r})", value
+            if o.below is not None and item >= o.below:
+                return f"must be less than {_bound(o.below)} (got {item!r})", value
         if o.check is not None and (problem := o.check(item)):
             return problem, value
     return None, value
 
 
-def validated(schema: type[Schema], command: str | None = None, **values: Any) -> Any:
+def validated_values(
+    schema: type[Schema], values: Mapping[str, Any], command: str | None = None, where: str | Path | None = None
+) -> Any:
     """`schema(**values)`, refusing unknown and missing keys; raises one InvalidOptions naming
-    every offending key (and, for an unknown one, the `--help` of `command` that lists them)."""
+    every offending key (and, for an unknown one, the `--help` of `command` that lists them;
+    `where`: the file the values came from)."""
     keys = {k.name: k for k in keys_of(schema)}
     see = f" (see `uptrain {command} --help`)" if command else ""
+    # An unknown key is most likely a misspelt one: named alone, the others' problems may be its.
     problems = [f"unknown key `{name}`{see}" for name in values if name not in keys]
-    problems += [f"`{k.name}` is required" for k in keys.values() if k.required and k.name not in values]
+    if not problems:  # each missing key and each bad value, in the schema's order
+        for key in keys.values():
+            if key.name not in values:
+                problems += [f"`{key.name}` is required"] if key.required else []
+            elif problem := key_problem(key, values[key.name])[0]:
+                problems.append(f"`{key.name}`: {problem}")
     if problems:
-        raise InvalidOptions(problems)
-    return schema(**values)
+        raise InvalidOptions(problems, schema.WHAT, where)
+    try:
+        return schema(**values)
+    except InvalidOptions as err:
+        if where is None:
+            raise
+        raise InvalidOptions(err.problems, schema.WHAT, where) from None
+
+
+def validated(schema: type[Schema], command: str | None = None, **values: Any) -> Any:
+    """`validated_values` with the values as keywords."""
+    return validated_values(schema, values, command)
+
+
+# Config files: YAML mappings of keys (`uptrain train --config FILE`).
+
+# What PyYAML's constructors raise, beside YAMLError, on values its own resolver let through.
+YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, LookupError, ArithmeticError)
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of keys; anything larger is not one, and parsing it costs
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in `path`; anything that is not a config file is one UptrainError."""
+    import yaml
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # read no more than the bound, whatever the file holds
+    except OSError as err:
+        raise UptrainError(f"cannot read {path}: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UptrainError(f"{path} is larger than a config can be ({MAX_CONFIG_BYTES // 2**20} MiB)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UptrainError(f"{path} is not UTF-8 text (byte {err.start})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
+        if too_many_digits(err):
+            raise UptrainError(f"{path}: {too_many_digits(err)}") from None
+        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None
+
+
+def load(schema: type[Schema], path: str | Path | None, overrides: Mapping[str, Any], command: str) -> Any:
+    """The keys of a YAML file (optional) with `overrides` on top, validated. Raises UptrainError."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UptrainError(f"config file {path} does not exist")
+        loaded = read_yaml(path)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UptrainError(f"{path} must hold a mapping of config keys, not {type(loaded).__name__}")
+        if bad := [k for k in loaded or {} if not isinstance(k, str)]:  # `1: x`, `? [a]: x`, a bare `?`
+            raise UptrainError(f"{path}: config keys are names, not {bad[0]!r}")
+        values.update(loaded or {})
+    values.update(overrides)
+    return validated_values(schema, values, command, path)
 
 
 # Flags.
 
 
 def flag_keys(schema: type[Schema]) -> list[Key]:
-    """The keys of `schema` that are flags, nested schemas' chosen keys in their place."""
-    found = []
-    for key in keys_of(schema):
-        if not key.option.flag:
-            continue
-        if isinstance(key.annotation, type) and issubclass(key.annotation, Schema):
-            nested = {k.name: k for k in keys_of(key.annotation)}
-            group = key.option.help or None
-            found += [
-                k._replace(option=dataclasses.replace(k.option, group=group))
-                for k in (nested[name] for name in key.option.keys)
-            ]
-        else:
-            found.append(key)
-    return found
+    """The keys of `schema` that are flags."""
+    return [key for key in keys_of(schema) if key.option.flag]
 
 
-def _help(key: Key, file_keys: bool) -> str:
+def _help(key: Key) -> str:
     text = key.option.help
     allowed = choices_of(key.option)
     if isinstance(allowed, Mapping):
         text += " (" + "; ".join(f"{name}: {what}" for name, what in allowed.items()) + ")"
     if key.required:
         return text + ("" if key.option.positional else " [required]")
-    shown = " ".join(map(str, key.default)) if isinstance(key.default, list) else key.default
-    if key.default is None or key.default is False and not file_keys:
+    if key.default is None:
         return text
+    shown = " ".join(map(str, key.default)) if isinstance(key.default, list) else key.default
     return f"{text} (default: {shown})"
 
 
 def _parse_flag_value(text: str) -> Any:
-    # YAML scalars, so that `--lr 3e-4`, `--max_grad_norm null` and `--resume true` mean what they
-    # mean in a config file.
+    # YAML scalars, so that `--lr 3e-4`, `--max_grad_norm null` and `--resume true` mean on the
+    # command line what they mean in a config file.
     import yaml
 
     try:
@@ -273,58 +372,73 @@ def _is_text(annotation: Any) -> bool:
     return any(m is str or typing.get_origin(m) is Literal for m in _members(annotation))
 
 
+def _literal_metavar(annotation: Any) -> str | None:
+    """`{line,paragraph,document}` for a key that takes one of fixed words (true/false among them),
+    as argparse writes choices."""
+    words = [a for m in _members(annotation) if typing.get_origin(m) is Literal for a in typing.get_args(m)]
+    words += ["true", "false"] if bool in _members(annotation) else []
+    return "{" + ",".join(map(str, words)) + "}" if words else None
+
+
+def spellings(key: Key) -> list[str]:
+    """A key's flags: `--seq_len` and `--seq-len` (one where they agree), then its short ones."""
+    names = [f"--{key.name}"] + ([f"--{key.name.replace('_', '-')}"] if "_" in key.name else [])
+    return names + list(key.option.flags)
+
+
 def add_arguments(
-    parser: argparse.ArgumentParser, keys: Iterable[Key], file_keys: bool = False, group: str | None = None
+    parser: argparse.ArgumentParser, keys: Iterable[Key], group: str | None = None, file_keys: bool = False
 ) -> None:
-    """One flag per key. Plain (`uptrain convert`): `--num-kv-heads`, argparse types and choices,
-    `--overwrite` alone for true, required keys required. With `file_keys` (`uptrain train`, whose
-    keys can come from a YAML file): `--seq_len` and `--seq-len`, values read as YAML scalars and
-    checked by the schema, `--resume [BOOL]`, and nothing required of the command line. Absent
-    flags set nothing, so that the schema's defaults (or the file's values) apply. Keys without a
-    group of their own are listed under `group` (a title), else among the parser's options."""
+    """One flag per key, the same way for every command: `--seq_len` and `--seq-len` both; the
+    value read as a YAML scalar (`--lr 3e-4`, `--max_grad_norm null`) unless the key takes text,
+    and checked by the schema, so that a bad one is the schema's one-line message; a list key
+    takes several values; a true/false key alone means true. Where positional arguments follow
+    the flags (`uptrain convert --overwrite SRC OUT`) a flag takes no more than its own value: a
+    true/false key no value, a key that takes text or a list of it one. Absent flags set nothing,
+    so that the schema's defaults (or the file's values) apply; required keys are required of the
+    command line unless `file_keys` (they may come from a config file). Keys without a group of
+    their own are listed under `group` (a title), else among the parser's options."""
+    keys = list(keys)
+    bounded = any(k.option.positional for k in keys)
     groups: dict[str | None, Any] = {None: parser.add_argument_group(group) if group else parser}
     for key in keys:
         o = key.option
         target = groups.get(o.group) or groups.setdefault(o.group, parser.add_argument_group(o.group))
-        kwargs: dict[str, Any] = dict(help=_help(key, file_keys), default=argparse.SUPPRESS)
         item = _list_item(key.annotation)
         if o.positional:
             more = {"nargs": "+"} if item is not None else {}  # `uptrain speed MODEL [MODEL …]`
-            target.add_argument(key.name, metavar=o.metavar or key.name, help=kwargs["help"], **more)
+            target.add_argument(key.name, metavar=o.metavar or key.name, help=_help(key), **more)
             continue
-        dashed = "--" + key.name.replace("_", "-")
-        if file_keys:
-            flags = [f"--{key.name}"] + ([dashed] if "_" in key.name else [])
-            kwargs.update(dest=key.name, metavar=o.metavar or key.name.upper())
-            if key.annotation is bool:  # `--resume` alone means true; `--resume false` works too
+        kwargs: dict[str, Any] = dict(
+            help=_help(key),
+            default=argparse.SUPPRESS,
+            dest=key.name,
+            metavar=o.metavar or _literal_metavar(item if item is not None else key.annotation) or key.name.upper(),
+            required=key.required and not file_keys,
+        )
+        if key.annotation is bool:
+            if bounded:
+                kwargs = {k: v for k, v in kwargs.items() if k != "metavar"} | {"action": "store_true"}
+            else:  # `--resume` alone means true; `--resume false` works too
                 kwargs.update(nargs="?", const=True, type=_parse_flag_value, metavar="BOOL")
-            elif item is not None:
-                kwargs.update(nargs="+")
-                if not _is_text(item):
-                    kwargs.update(type=_parse_flag_value)
-            elif not _is_text(key.annotation):
-                kwargs.update(type=_parse_flag_value)
         else:
-            flags = [dashed, *o.flags]
-            kwargs.update(dest=key.name, required=key.required)
-            if key.annotation is bool:
-                kwargs.update(action="store_true")
-            else:
-                # One value per flag unless the key takes only lists: `--calibration-data FILE`
-                # must not swallow the positional SRC OUT that may follow it.
-                one = key.annotation if item is None or str in _members(key.annotation) else item
-                if item is not None and one is item:
-                    kwargs.update(nargs="+")
-                members = [m for m in _members(one) if m is not type(None)]
-                literal = next((m for m in members if typing.get_origin(m) is Literal), None)
-                allowed = choices_of(o) or (typing.get_args(literal) if literal is not None else None)
-                if allowed is not None and "nargs" not in kwargs:  # a list's values: checked by the schema
-                    kwargs.update(choices=list(allowed))
-                if str not in members and (int in members or float in members):
-                    kwargs.update(type=int if int in members else float)
-                if o.metavar:
-                    kwargs.update(metavar=o.metavar)
-        target.add_argument(*flags, **kwargs)
+            one = item if item is not None and not (bounded and str in _members(key.annotation)) else None
+            if one is not None:
+                kwargs.update(nargs="+")
+            if not _is_text(one if one is not None else key.annotation):
+                kwargs.update(type=_parse_flag_value)
+        target.add_argument(*spellings(key), **kwargs)
+
+
+CONFIG_TITLE = "config keys (each also a YAML key; flags override the file)"
+
+
+def add_schema_arguments(parser: argparse.ArgumentParser, schema: type[Schema], config_file: bool = False) -> None:
+    """The flags of a command: one per key of `schema`; with `config_file`, `--config FILE.yaml`
+    first, whose keys the flags override (`from_args(..., config=args.config)`)."""
+    if config_file:
+        parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of config keys; flags override it")
+    add_arguments(parser, flag_keys(schema), group=CONFIG_TITLE if config_file else None, file_keys=config_file)
 
 
 def given(args: argparse.Namespace, keys: Iterable[Key]) -> dict[str, Any]:
@@ -340,11 +454,10 @@ def given(args: argparse.Namespace, keys: Iterable[Key]) -> dict[str, Any]:
     return values
 
 
-def from_args(schema: type[Schema], args: argparse.Namespace, command: str) -> Any:
-    """The validated schema of a parsed command line (`add_arguments(parser, flag_keys(schema))`)."""
-    values = given(args, [k for k in keys_of(schema) if k.option.flag])
-    for key in keys_of(schema):
-        if key.option.flag and isinstance(key.annotation, type) and issubclass(key.annotation, Schema):
-            nested = given(args, [k for k in keys_of(key.annotation) if k.name in key.option.keys])
-            values[key.name] = validated(key.annotation, command, **nested)
-    return validated(schema, command, **values)
+def from_args(schema: type[Schema], args: argparse.Namespace, command: str, config: str | Path | None = None) -> Any:
+    """The validated schema of a parsed command line (`add_arguments(parser, flag_keys(schema))`),
+    on top of the keys of the YAML file `config` when one is given."""
+    values = given(args, flag_keys(schema))
+    if config is not None:
+        return load(schema, config, values, command)
+    return validated_values(schema, values, command)

@@ -94,22 +94,22 @@ def _data_files(files: tuple[str, ...]) -> list[dict]:
 
 def _identity(record: dict) -> dict:
     """What decides the bytes of the shards: two runs with the same identity write the same folder.
-    File names are not part of it (DATA may be spelled otherwise on a rerun)."""
+    File names are not part of it (DATA may be spelled otherwise on a rerun); the files' sizes and
+    digests are, summed up in one line."""
+    import blake3
+
+    files = [(f["bytes"], f["blake3"]) for f in record["data"]["files"]]
+    digest = blake3.blake3(json.dumps(files).encode()).hexdigest()
     return {
         "seq_len": record["seq_len"],
         "dtype": record["dtype"],
         "blocks_per_shard": record["blocks_per_shard"],
         "tokenizer": record["tokenizer"]["digest"],
-        "data": [(f["bytes"], f["blake3"]) for f in record["data"]["files"]],
+        "data": f"{len(files)} file{'s' * (len(files) != 1)}, {sum(b for b, _ in files)} bytes, blake3 {digest}",
         "text_field": record["data"]["text_field"],
         "sample_by": record["data"]["sample_by"],
         "packing": record["packing"],
     }
-
-
-def _changes(before: dict, now: dict) -> str:
-    a, b = _identity(before), _identity(now)
-    return ", ".join(k if k in ("data", "tokenizer", "packing") else f"{k}: {a[k]} → {b[k]}" for k in a if a[k] != b[k])
 
 
 def _rows(source, text_field: str, sample_by: str) -> Iterator[dict]:
@@ -139,6 +139,7 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
         replace_directory,
         write_file,
     )
+    from uptrain.checkpoint.resumable import ResumeRule, settings_changed
     from uptrain.checkpoint.source import portable
     from uptrain.textdata import MAP_BATCH, pack_function, resolve_data
     from uptrain.token_shards import FORMAT, FORMAT_VERSION, INDEX, is_token_folder, token_dtype, tokenizer_digest
@@ -182,12 +183,9 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
             raise UptrainError(f"{partial} is in the way of the shards and not a folder uptrain made; remove it")
         # A finished index first: a run killed between writing it and renaming the folder is done.
         state = _read_state(partial / INDEX) or _read_state(partial / PROGRESS)
-        if state is not None and _identity(state) != _identity(record):
+        if state is not None and (changed := ResumeRule().changes(_identity(state), _identity(record))):
             if not options.overwrite:
-                raise UptrainError(
-                    f"an interrupted `uptrain tokenize` to {out} with other settings ({_changes(state, record)}) "
-                    "left its shards; rerun it as it was to continue, or pass --overwrite to start over"
-                )
+                raise settings_changed(f"the interrupted `uptrain tokenize` to {out}", changed, "OUT")
             state = None
         if state is None:
             shutil.rmtree(partial, ignore_errors=True)

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError
+from uptrain.architecture import architecture, auto_class_name, config_geometry, find_architecture
 from uptrain.checkpoint.source import resolve_source
-from uptrain.convert.layouts import config_geometry
-from uptrain.model_info import DTYPE_BYTES, MAX_COUNT, AttentionGeometry, read_config
-from uptrain.modeling_table import modeling_for
+from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, read_config
 from uptrain.options import Schema, option
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -75,7 +74,6 @@ class SpeedOptions(Schema):
     json: bool = option(False, help="one JSON object per model, for scripts")
 
 
-TIMINGS = ("prefill_s", "decode_s_per_token", "time_per_sample_s", "decode_tokens_per_s")
 PROMPT_SEED = 0
 
 
@@ -269,11 +267,26 @@ class ModelShape:
 
 
 def model_shape(folder: Path, label: str) -> ModelShape:
+    """The attention geometry of a checkpoint (as the conversion reads it: the architecture
+    registry's keys) and its position limits. An encoder–decoder's `geometry` is its decoder
+    self-attention's (KV heads: a converted checkpoint's `decoder_num_key_value_heads`, else its
+    query heads) and `cross` its cross-attention's."""
     config = read_config(folder)
-    if config.get("is_encoder_decoder"):
-        return encoder_decoder_shape(config, label)
-    limit = _positions(config, ("max_position_embeddings", "n_positions"), label)
-    return ModelShape(label, config_geometry(config), limit)
+    arch = find_architecture(config.get("model_type"))
+    if arch is None and config.get("is_encoder_decoder"):
+        arch = architecture(config.get("model_type"))  # one line: the encoder–decoders uptrain reads
+    geometry = config_geometry(config)
+    if arch is None or "cross" not in arch.attentions:
+        return ModelShape(label, geometry, _positions(config, ("max_position_embeddings", "n_positions"), label))
+    return ModelShape(
+        label,
+        geometry,
+        _positions(config, ("max_target_positions", "max_position_embeddings"), label),
+        cross=arch.site("cross").geometry.read(config),
+        source_positions=_positions(config, ("max_source_positions", "max_position_embeddings"), label),
+        # Whisper: input features of a fixed length, the positions each cross-attention caches whole.
+        fixed_source=arch.source_positions_key is not None,
+    )
 
 
 def _positions(config: dict, keys: tuple[str, ...], label: str) -> int | None:
@@ -282,53 +295,6 @@ def _positions(config: dict, keys: tuple[str, ...], label: str) -> int | None:
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise UptrainError(f"{label}: config.json's number of positions is {limit!r}, not a whole number")
     return limit
-
-
-# How an encoder–decoder's config names its decoder's geometry: T5 (and mT5, v1.1, Flan-T5, t5_gqa)
-# by `d_kv`, which marks it; the BART family and Whisper by per-stack keys, head_dim = d_model / heads.
-T5_KEYS = {"layers": ("num_decoder_layers", "num_layers"), "heads": ("num_heads",)}
-BART_KEYS = {"layers": ("decoder_layers",), "heads": ("decoder_attention_heads",)}
-
-
-def encoder_decoder_shape(config: dict, label: str) -> ModelShape:
-    """The decoder's self-attention and cross-attention geometry of an encoder–decoder config
-    (KV heads: `decoder_num_key_value_heads` and `cross_attention_num_key_value_heads` of a
-    converted checkpoint, each defaulting to the decoder's query heads: MHA)."""
-    model_type = config.get("model_type", "?")
-    keys = T5_KEYS if "d_kv" in config else BART_KEYS
-
-    def count(names: tuple[str, ...], what: str) -> int:
-        value = next((config[n] for n in names if config.get(n) is not None), None)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT:
-            raise UptrainError(f"{label}: config.json ({model_type}) has no valid {what} ({' or '.join(names)})")
-        return value
-
-    layers, heads = count(keys["layers"], "number of decoder layers"), count(keys["heads"], "number of decoder heads")
-    if "d_kv" in config:
-        head_dim, hidden = count(("d_kv",), "head size"), count(("d_model",), "width")
-    else:
-        hidden = count(("d_model",), "width")
-        if hidden % heads:
-            raise UptrainError(f"{label}: d_model {hidden} is not divisible by {heads} decoder heads")
-        head_dim = hidden // heads
-
-    def kv_heads(names: tuple[str, ...]) -> int:
-        kv = count(names, "KV head count") if any(config.get(n) is not None for n in names) else heads
-        if heads % kv:
-            raise UptrainError(f"{label}: {' or '.join(names)} {kv} does not divide the decoder's {heads} heads")
-        return kv
-
-    self_kv = kv_heads(("decoder_num_key_value_heads", "num_key_value_heads"))
-    cross_kv = kv_heads(("cross_attention_num_key_value_heads",))
-    speech = config.get("num_mel_bins") is not None  # Whisper: input features of a fixed length
-    return ModelShape(
-        label,
-        AttentionGeometry(model_type, layers, heads, self_kv, head_dim, hidden),
-        _positions(config, ("max_target_positions", "max_position_embeddings"), label),
-        cross=AttentionGeometry(model_type, layers, heads, cross_kv, head_dim, hidden),
-        source_positions=_positions(config, ("max_source_positions", "max_position_embeddings"), label),
-        fixed_source=speech,
-    )
 
 
 def free_memory_bytes(device) -> int | None:
@@ -357,21 +323,6 @@ def load_model(folder: str | Path, dtype: str, device):
     auto = getattr(transformers, auto_class_name(read_config(folder)))
     model = auto.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=str(device))
     return model.eval()
-
-
-def auto_class_name(config: dict) -> str:
-    """The Auto class that loads a checkpoint with its generation head: the *_gqa table's (for a
-    source type or a converted one alike), else the kind of transformers model it is."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
-
-    model_type = config.get("model_type")
-    modeling = modeling_for(model_type)
-    if modeling is not None:
-        return modeling.auto_class
-    if not config.get("is_encoder_decoder"):
-        return "AutoModelForCausalLM"
-    speech = model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
-    return "AutoModelForSpeechSeq2Seq" if speech else "AutoModelForSeq2SeqLM"
 
 
 def measure_models(

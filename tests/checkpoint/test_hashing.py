@@ -13,10 +13,10 @@ import threading
 import blake3
 import pytest
 
+from scripts.synthetic_checkpoint import write_synthetic_llama
 from uptrain import UptrainError
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.convert import convert_checkpoint
-from uptrain.convert.synthetic import write_synthetic_llama
 
 
 @pytest.fixture(scope="module")

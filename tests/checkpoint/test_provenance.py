@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from scripts.synthetic_checkpoint import write_synthetic_llama
 from uptrain import UptrainError
 from uptrain.checkpoint.provenance import CONVERSION_KEYS, conversion_record, read_provenance
 from uptrain.checkpoint.source import portable, resolve_source, snapshot_of
-from uptrain.convert.synthetic import write_synthetic_llama
 
 CONVERSION = {
     "source": "org/model",

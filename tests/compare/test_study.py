@@ -200,7 +200,7 @@ def test_compare_conversions_share_grouping_and_calibration(setup, tmp_path):
         64,
         32,
     )
-    assert json.loads(json.dumps(spec.to_dict()))["conversion"]["grouping"] == "similarity"
+    assert json.loads(json.dumps(spec.to_dict()))["grouping"] == "similarity"  # flat, as train's and convert's
 
 
 def small_spec(out, **changes):
@@ -221,16 +221,73 @@ def small_spec(out, **changes):
 
 
 def test_a_compare_record_is_compared_key_by_key():
-    from uptrain.compare.study import _changes
+    from uptrain.compare.study import _flat_record, resume_rule
+
+    def changes(old, spec):
+        return [str(c) for c in resume_rule().changes(_flat_record(old), spec.to_dict())]
 
     spec = small_spec("cmp")
     old = spec.to_dict()
-    assert _changes(old, spec) == []
+    assert changes(old, spec) == []
     # A key the earlier uptrain did not have held its default; operational keys may change.
-    del old["seed"], old["conversion"]["grouping"]
-    assert _changes({**old, "report_to": ["none"], "pooling": ["first"], "output_dir": "elsewhere"}, spec) == []
-    old["conversion"]["calibration_tokens"] = 64
-    assert _changes({**old, "lr": 0.5}, spec) == ["lr: 0.5 → 0.001", "conversion.calibration_tokens: 64 → 32768"]
+    del old["seed"], old["grouping"]
+    assert changes({**old, "report_to": ["none"], "pooling": ["first"], "output_dir": "elsewhere"}, spec) == []
+    old["calibration_tokens"] = 64
+    assert changes({**old, "lr": 0.5}, spec) == ["calibration_tokens: 64 → 32768", "lr: 0.5 → 0.001"]
+    # A record from before the conversion keys were flat: read flat.
+    conversion = {k: old.pop(k) for k in ("attention", "calibration_tokens")}
+    assert changes({**old, "conversion": {**conversion, "grouping": "similarity", "pooling": "mean"}}, spec) == [
+        "grouping: 'similarity' → 'contiguous'",
+        "calibration_tokens: 64 → 32768",
+    ]
+
+
+def test_a_compare_of_the_shipped_corpus_resumes_after_the_checkout_moved():
+    """The default data are files of the package: recorded where the package was, they are the same
+    files once it moved (a compare made before the move resumes); other paths still count as paths."""
+    from uptrain.compare.study import resume_rule
+    from uptrain.corpus import split_path
+
+    spec = small_spec("cmp", train_data=str(split_path("train")), eval_data=str(split_path("validation")))
+    moved = {**spec.to_dict()}
+    for key, split in (("train_data", "train"), ("eval_data", "validation")):
+        moved[key] = f"/elsewhere/checkout/uptrain/data/corpus/{split}.jsonl.gz"
+    assert resume_rule().changes(moved, spec.to_dict()) == []
+    mine = {**moved, "train_data": "/elsewhere/mine/train.jsonl.gz"}
+    assert [c.key for c in resume_rule().changes(mine, spec.to_dict())] == ["train_data"]
+
+
+def test_compare_takes_train_s_operational_keys_but_the_global_batch():
+    """Derived, not listed: whatever train lets a resumed run change (compile, fused AdamW, where
+    calibration runs, …) a compare may change too, once it has the key; the batch it may not."""
+    from uptrain.compare.study import OWN_OPERATIONAL_KEYS, operational_keys, resume_rule
+
+    keys = ["lr", "seed", "batch_size", "grad_accum", "compile", "compile_backend", "fused_adamw", "log_every"]
+    keys += ["calibration_device", "grouping", "speed_batch", "num_kv_heads"]
+    assert operational_keys(keys) == {
+        "compile",
+        "compile_backend",
+        "fused_adamw",
+        "log_every",
+        "calibration_device",
+        "speed_batch",
+        "num_kv_heads",
+    }
+    # The compare's own keys: at least the list it used to spell out by hand, and nothing that
+    # decides what a run computes.
+    operational = resume_rule().operational
+    assert not operational & {"model", "train_data", "lr", "seed", "batch_size", "max_tokens", "grouping"}
+    assert operational >= OWN_OPERATIONAL_KEYS | {
+        "report_to",
+        "eval_every",
+        "calibration_device",
+        "source_hash",
+        "speed_context",
+        "speed_new_tokens",
+        "speed_batch",
+        "speed_repeats",
+        "speed_device",
+    }
 
 
 def test_the_wandb_group_is_recorded_once_and_an_earlier_compare_keeps_its_own(tmp_path):

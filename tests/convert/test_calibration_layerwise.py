@@ -153,9 +153,9 @@ def test_spilled_moments_leave_nothing_behind_a_kill(tmp_path):
 def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tmp_path, capsys):
     from contextlib import closing
 
+    from uptrain.architecture import DECODER_SELF, architecture
     from uptrain.checkpoint.reader import SourceCheckpoint
     from uptrain.convert.layer_merge import LayerMerger
-    from uptrain.convert.layouts import layout_for
     from uptrain.convert.pooling import get_strategy
     from uptrain.model_info import attention_geometry, read_config
 
@@ -171,7 +171,7 @@ def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tm
         with closing(SourceCheckpoint(src)) as checkpoint:
             merger = LayerMerger(
                 checkpoint,
-                layout_for("llama"),
+                architecture("llama").site(DECODER_SELF).layout,
                 geometry,
                 2,
                 get_strategy("mean"),

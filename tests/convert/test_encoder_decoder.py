@@ -370,8 +370,8 @@ def test_random_pooling_draws_with_t5s_init_std(sources, tmp_path):
 def test_config_keys_match_the_modeling():
     """The converter writes the KV-head keys the GQA configs read (`uptrain.modeling.attention`,
     carried beside converted checkpoints, keeps its own copy of the table)."""
+    from uptrain.architecture import STACK_KV_HEADS as WRITTEN
     from uptrain.modeling.attention import STACK_KV_HEADS as READ
-    from uptrain.modeling_table import STACK_KV_HEADS as WRITTEN
 
     assert WRITTEN == READ
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.convert.tiny_models import build_model, save
 from tests.robustness.opened_files import files_opened
+from uptrain.architecture import supported_model_types
 from uptrain.cli import main
-from uptrain.convert.layouts import LAYOUTS
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_unsupported_model_type_lists_supported(capsys, tmp_path, mha):
     config["model_type"] = "bert"
     (src / "config.json").write_text(json.dumps(config))
     err = fails(capsys, tmp_path, [src, "-g", 2], "unsupported model_type 'bert'")
-    assert all(name in err for name in LAYOUTS)
+    assert all(name in err for name in supported_model_types())
 
 
 def test_missing_shard(capsys, tmp_path, sharded):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from scripts.synthetic_checkpoint import write_synthetic_llama
 from tests.convert.tiny_models import build_model, save
 from uptrain.checkpoint.reader import read_safetensors_header
 from uptrain.convert import convert_checkpoint
-from uptrain.convert.synthetic import write_synthetic_llama
 
 # A child's peak RSS starts from its parent's resident size at fork (Linux keeps the old mm's
 # high-water mark across exec), so a converter started straight from pytest would report

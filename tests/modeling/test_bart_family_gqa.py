@@ -21,8 +21,8 @@ import transformers
 
 import uptrain.modeling  # noqa: F401  registers bart_gqa, …: loads without trust_remote_code in-process
 from tests.modeling.second_environment import transformers4_python
+from uptrain.architecture import architecture
 from uptrain.modeling import CLASSES
-from uptrain.modeling_table import modeling_for
 
 HEADS, HEAD_DIM, D_MODEL, VOCAB = 4, 8, 32, 64
 SEQ2SEQ = dict(
@@ -88,7 +88,7 @@ def reference(name: str, backend: str = "eager", seed: int = 0):
 def gqa_model(name: str, kv_heads: dict[str, int], backend: str = "eager", seed: int = 0, **fields):
     """uptrain's GQA model of the architecture (random), `kv_heads` per attention (others MHA);
     `fields` override the config's."""
-    modeling = modeling_for(name)
+    modeling = architecture(name).modeling
     config_class, _, head_class = CLASSES[modeling.model_type]
     fields = dict(ARCHITECTURES[name][2], **{KV_KEYS[a]: g for a, g in kv_heads.items()}, **fields)
     torch.manual_seed(seed)
@@ -305,11 +305,11 @@ def test_a_converted_checkpoint_loads_with_its_auto_class(name, tmp_path):
 
     ref = reference(name)
     ref.save_pretrained(tmp_path / "src")
-    auto = getattr(transformers, modeling_for(name).auto_class)
+    auto = getattr(transformers, architecture(name).auto_class)
     batch = inputs(name)
     out = convert_checkpoint(tmp_path / "src", tmp_path / "g4", HEADS, progress=False)
     same = auto.from_pretrained(out, attn_implementation="eager")
-    assert type(same).__name__ == CLASSES[modeling_for(name).model_type][2].__name__
+    assert type(same).__name__ == CLASSES[architecture(name).modeling.model_type][2].__name__
     with torch.no_grad():
         assert torch.equal(same.eval()(**batch).logits, ref(**batch).logits)
     make_heads_identical(ref, dict.fromkeys(KV_KEYS, 2))
@@ -360,12 +360,14 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("bart_family")
     cases, expected = {}, {}
     for name in NAMES:
-        auto_class = modeling_for(name).auto_class
+        auto_class = architecture(name).auto_class
         grouped_model(name, ALL_GROUPED).save_pretrained(root / f"{name}-first")
         loaded = getattr(transformers, auto_class).from_pretrained(root / f"{name}-first")
-        assert type(loaded).__module__ == f"uptrain.modeling.{modeling_for(name).module}"
+        assert type(loaded).__module__ == f"uptrain.modeling.{architecture(name).modeling.module}"
         loaded.save_pretrained(root / f"{name}-gqa")
-        assert {f"{modeling_for(name).module}.py", "attention.py"} <= {p.name for p in (root / f"{name}-gqa").iterdir()}
+        assert {f"{architecture(name).modeling.module}.py", "attention.py"} <= {
+            p.name for p in (root / f"{name}-gqa").iterdir()
+        }
         batch = inputs(name)
         cases[name] = (str(root / f"{name}-gqa"), auto_class, batch)
         for backend in BACKENDS:

@@ -19,13 +19,14 @@ from transformers.models.auto.modeling_auto import (
     MODEL_MAPPING,
 )
 
-import uptrain.modeling
 from tests.modeling.classic_models import ARCHITECTURES, build, token_ids
+from uptrain.architecture import converted_architectures
+from uptrain.architecture.converted import gqa_config, modeling_files
 from uptrain.convert import convert_checkpoint
 from uptrain.modeling import CLASSES, gqa_counterpart
-from uptrain.modeling_table import MODELING, gqa_config, modeling_files
+from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
 
-GQA_TYPES = sorted({m.model_type for m in MODELING.values()})
+GQA_TYPES = sorted(converted_architectures())
 # The Auto class a table entry names → the mapping its `register` fills.
 HEAD_MAPPINGS = {
     "AutoModelForCausalLM": MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -45,11 +46,12 @@ def run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_the_table_names_the_classes_the_package_registers():
-    """`uptrain.modeling_table` (read by the converter) and the classes (registered here) agree:
+    """The architecture registry (read by the converter) and the classes (registered here) agree:
     config.json's `auto_map` names the file and classes that `save_pretrained` writes."""
     assert sorted(CLASSES) == GQA_TYPES
     for model_type in GQA_TYPES:
-        entry = MODELING[model_type]
+        arch = converted_architectures()[model_type]
+        entry = arch.modeling
         config, model, head = CLASSES[model_type]
         assert (config.__name__, model.__name__, head.__name__) == (
             entry.config_class,
@@ -59,7 +61,7 @@ def test_the_table_names_the_classes_the_package_registers():
         assert {c.__module__ for c in (config, model, head)} == {f"uptrain.modeling.{entry.module}"}
         assert config.model_type == model_type
         assert CONFIG_MAPPING[model_type] is config
-        assert MODEL_MAPPING[config] is model and HEAD_MAPPINGS[entry.auto_class][config] is head
+        assert MODEL_MAPPING[config] is model and HEAD_MAPPINGS[arch.auto_class][config] is head
 
 
 def test_a_converted_checkpoint_loads_with_plain_auto_classes(tmp_path):
@@ -67,7 +69,7 @@ def test_a_converted_checkpoint_loads_with_plain_auto_classes(tmp_path):
     source.save_pretrained(tmp_path / "src")
     out = convert_checkpoint(tmp_path / "src", tmp_path / "out", 8, progress=False)  # G = h: lossless
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(model) is uptrain.modeling.GPT2GQAForCausalLM
+    assert type(model) is GPT2GQAForCausalLM
     with torch.no_grad():
         assert torch.equal(model(token_ids()).logits, source(token_ids()).logits)
 
@@ -112,10 +114,10 @@ def test_save_pretrained_of_a_loaded_model_carries_its_code(tmp_path):
     # A model made from a config of its own (no `auto_map` to inherit): both classes' markings
     # write theirs.
     def bare_config():
-        return uptrain.modeling.GPT2GQAConfig(n_embd=64, n_head=8, n_layer=1, num_key_value_heads=4, vocab_size=128)
+        return GPT2GQAConfig(n_embd=64, n_head=8, n_layer=1, num_key_value_heads=4, vocab_size=128)
 
     torch.manual_seed(0)
-    bare = uptrain.modeling.GPT2GQAForCausalLM(bare_config()).eval()
+    bare = GPT2GQAForCausalLM(bare_config()).eval()
     bare.save_pretrained(tmp_path / "bare")
     resaved["bare"] = str(tmp_path / "bare")
     with torch.no_grad():
@@ -124,7 +126,7 @@ def test_save_pretrained_of_a_loaded_model_carries_its_code(tmp_path):
         "AutoConfig",
         "AutoModelForCausalLM",
     }
-    uptrain.modeling.GPT2GQAModel(bare_config()).save_pretrained(tmp_path / "bare_base")
+    GPT2GQAModel(bare_config()).save_pretrained(tmp_path / "bare_base")
     assert set(json.loads((tmp_path / "bare_base" / "config.json").read_text())["auto_map"]) == {
         "AutoConfig",
         "AutoModel",

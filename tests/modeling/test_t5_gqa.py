@@ -34,9 +34,9 @@ from transformers import (
 
 import uptrain.modeling  # noqa: F401  registers t5_gqa, as a user's `import uptrain` does
 from tests.modeling.second_environment import transformers4_python
+from uptrain.architecture.converted import modeling_files
 from uptrain.modeling.attention import STACK_KV_HEADS
 from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
-from uptrain.modeling_table import modeling_files
 
 HEADS, VOCAB = 4, 64
 SHARED = dict(

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import uptrain.modeling  # noqa: F401  (registers gpt2_gqa, opt_gqa, … as a user's `import uptrain` does)
 from tests.modeling.classic_models import build, token_ids
+from uptrain.architecture.converted import modeling_files
 from uptrain.convert import convert_checkpoint
-from uptrain.modeling_table import modeling_files
 
 STEPS = 2
 

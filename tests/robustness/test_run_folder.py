@@ -78,6 +78,14 @@ def test_a_damaged_run_file_is_one_line_and_nothing_changes(base_config, interru
     assert snapshot(interrupted) == before
 
 
+def test_another_global_batch_is_refused_in_the_shared_wording(base_config, interrupted):
+    """batch_size and grad_accum may change only together, their product kept: run.json records it."""
+    before = snapshot(interrupted)
+    message = refused(values(base_config, resume=True, batch_size=8), "its settings changed")
+    assert "(batch_size × grad_accum × processes: 4 → 8); rerun with the earlier value" in message
+    assert "--overwrite" in message and snapshot(interrupted) == before
+
+
 def test_a_damaged_checkpoint_is_one_line(base_config, interrupted):
     (latest_checkpoint(interrupted)[1] / "model.safetensors").write_bytes(b"\x00" * 16)
     message = refused(values(base_config, resume=True), "cannot resume from .*step_00000002")

@@ -7,6 +7,7 @@ import yaml
 
 from uptrain import UptrainError
 from uptrain.cli import build_parser, main
+from uptrain.options import keys_of
 from uptrain.train.config import TrainConfig, config_from_args, load_config
 
 MINIMAL = {
@@ -118,6 +119,12 @@ def test_help_documents_every_key(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     text = capsys.readouterr().out
-    for name, field in TrainConfig.model_fields.items():
-        assert f"--{name}" in text, name
-        assert field.description.split()[0] in text, name
+    for key in keys_of(TrainConfig):
+        assert f"--{key.name}" in text, key.name
+        assert key.option.help.split()[0] in text, key.name
+
+
+def test_the_keys_a_resume_may_change_are_keys():
+    from uptrain.train.config import OPERATIONAL_KEYS
+
+    assert OPERATIONAL_KEYS <= {k.name for k in keys_of(TrainConfig)}

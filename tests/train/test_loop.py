@@ -298,7 +298,8 @@ def test_refuses_output_dir_of_another_run(base_config, tmp_path):
     first = {**base_config, "output_dir": str(tmp_path / "first"), "max_steps": 1}
     run_training(TrainConfig(**first))
     refuses(first, "already holds another uptrain run")
-    refuses({**first, "resume": True, "lr": 1.0}, r"the config changed \(lr: 0.003 → 1.0\)")
+    changed = r"cannot resume the run in .*first: its settings changed \(lr: 0.003 → 1.0\); rerun with the earlier"
+    refuses({**first, "resume": True, "lr": 1.0}, changed)
     run_training(TrainConfig(**{**first, "overwrite": True, "max_steps": 2}))
     assert [r["step"] for r in records(first["output_dir"])] == [0, 1, 2]
 
@@ -326,7 +327,7 @@ def test_resume_accepts_a_run_started_before_a_key_existed(base_config, tmp_path
     assert [r["step"] for r in records(config["output_dir"])] == [0, 1, 2]
     saved["lr"] = 1.0  # a real change is still refused
     marker.write_text(yaml.safe_dump(saved))
-    refuses({**config, "resume": True}, r"the config changed \(lr: 1.0 → 0.003\)")
+    refuses({**config, "resume": True}, r"its settings changed \(lr: 1.0 → 0.003\)")
 
 
 def test_uptrain_fraction_alone_takes_a_known_family_budget(base_config, assets, tmp_path):

@@ -204,7 +204,7 @@ def test_kv_cache_metrics_of_an_encoder_decoder_count_self_and_cross_caches(tmp_
 
 
 def test_decoder_only_kv_cache_metrics_are_unchanged(assets):
-    from uptrain.convert.layouts import config_geometry
+    from uptrain.architecture import config_geometry
     from uptrain.model_info import read_config
 
     config = read_config(assets["gqa"])  # Llama, 2 layers, 2 KV heads, head_dim 8

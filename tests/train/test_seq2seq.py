@@ -474,7 +474,7 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForSeq2SeqLM
 
-    from uptrain.convert.layouts import config_geometry
+    from uptrain.architecture import config_geometry
     from uptrain.model_info import read_config
     from uptrain.objectives import span_corruption_lengths
     from uptrain.train.seq2seq import train_flops_per_token

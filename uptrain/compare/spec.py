@@ -1,14 +1,30 @@
 """What a comparison is: the `uptrain compare` schema. Light to import (no torch), so that
-building the command line costs nothing the other commands would pay for."""
+building the command line costs nothing the other commands would pay for.
+
+A comparison embeds `uptrain train`'s own groups of keys (data, step, optimizer, budget,
+execution, reporting, timeouts: bounds and checks included) and the conversion keys, flat as in
+`uptrain train` and `uptrain convert`; a handful take a default of its own (`option_like`). Each
+run's `TrainConfig` is built from those groups as they are (`CompareSpec.train_config`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, seed_option, strategies
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, kv_heads_option, seed_option
 from uptrain.corpus import split_path
-from uptrain.options import keys_of, option
+from uptrain.options import REQUIRED, InvalidOptions, names_of, option, option_like, validated_values
+from uptrain.train.config import (
+    Execution,
+    Optimization,
+    Reporting,
+    StepShape,
+    Timeouts,
+    TrainConfig,
+    TrainData,
+)
 
 SPEED = "speed (measured once per G after the runs, with `uptrain speed`'s method)"
 # The reference model's 512 positions as a 480-token prompt + 32 new tokens, at batch 8: MHA's cache
@@ -16,34 +32,40 @@ SPEED = "speed (measured once per G after the runs, with `uptrain speed`'s metho
 # pay (docs/DOMAIN.md §2); 32 new tokens keep the measurement a small share of the demo's time
 # (measured figures: the README's demo table and BENCHMARKS.md).
 SPEED_CONTEXT, SPEED_NEW_TOKENS = 480, 32
+# `uptrain train`'s groups that every run of a comparison takes as they are.
+TRAINED_ALIKE = (TrainData, StepShape, Optimization, UptrainingBudget, Execution, Reporting, Timeouts)
 
 
 @dataclass(kw_only=True)
-class CompareSpec(UptrainingBudget):
-    """Every (G, pooling) run of one comparison, trained alike; the budget keys are `uptrain
-    train`'s, under the same rule."""
+class CompareSpec(
+    Timeouts, Reporting, Execution, UptrainingBudget, Optimization, StepShape, TrainData, ConversionOptions
+):
+    """Every (G, pooling) run of one comparison, trained alike: `uptrain train`'s keys of
+    `TRAINED_ALIKE` (the budget under the same rule) and the conversion keys, then the
+    comparison's own."""
 
     model: str = option(help="the MHA (or GQA) checkpoint folder")
-    num_kv_heads: list[int] = option(metavar="G", help="KV head counts to try")
-    pooling: list[str] = option(
+    num_kv_heads: list[int] = kv_heads_option(REQUIRED, "KV head counts to try")
+    # The conversion's `pooling`, several strategies: one run each.
+    pooling: list[str] = option_like(
+        ConversionOptions,
+        "pooling",
         ["mean", "first", "random"],
-        choices=strategies,
         help="strategies to try (calibrated is calibrated on train_data)",
     )
-    train_data: str = option(str(split_path("train")), help="uptraining text (the default: the shipped corpus)")
-    eval_data: str = option(str(split_path("validation")), help="evaluation text (the default: the shipped corpus)")
-    output_dir: str = option(help="runs, results and plots go here")
-    seq_len: int = option(256, help="tokens per packed block")
-    batch_size: int = option(8, help="blocks per step")
-    lr: float = option(1e-3, help="peak learning rate")
-    warmup_steps: int = option(10, help="linear warmup steps")
-    eval_every: int = option(10, help="evaluate (and checkpoint) every N steps")
-    eval_blocks: int = option(64, help="eval blocks of seq_len tokens")
-    objective: str | None = option(None, help="what every run learns, as `uptrain train`'s (default: by the model)")
-    seed: int = seed_option("seed of data order, initialisation and random pooling")
-    report_to: list[str] = option(
-        ["wandb", "jsonl"], choices=("wandb", "jsonl", "none"), help="wandb, jsonl, none (several allowed)"
+    train_data: str | list[str] = option_like(
+        TrainData, "train_data", str(split_path("train")), help="uptraining text (the default: the shipped corpus)"
     )
+    eval_data: str | list[str] = option_like(
+        TrainData, "eval_data", str(split_path("validation")), help="evaluation text (the default: the shipped corpus)"
+    )
+    seq_len: int = option_like(StepShape, "seq_len", 256)
+    batch_size: int = option_like(StepShape, "batch_size", 8)
+    lr: float = option_like(Optimization, "lr", 1e-3)
+    warmup_steps: int = option_like(Optimization, "warmup_steps", 10)
+    output_dir: str = option(help="runs, results and plots go here")
+    eval_every: int = option_like(TrainConfig, "eval_every", 10, help="evaluate (and checkpoint) every N steps")
+    seed: int = seed_option("seed of data order, initialisation and random pooling")
     speed_context: int | None = option(
         None,
         at_least=1,
@@ -85,17 +107,10 @@ class CompareSpec(UptrainingBudget):
     overwrite: bool = option(
         False, help="delete an earlier compare in output_dir (or whatever else it holds) and start over"
     )
-    # Shared by every conversion; `pooling` above replaces its pooling.
-    conversion: ConversionOptions = option(
-        ConversionOptions,
-        keys=("grouping", "attention", "calibration_tokens", "calibration_device", "calibration_dtype"),
-        help="grouping, attentions (encoder–decoders) and calibration of every conversion (calibration reads "
-        "train_data)",
-    )
 
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
         """The conversion of one run (calibrated on the training data, as `uptrain train` does)."""
-        shared = {k.name: getattr(self.conversion, k.name) for k in keys_of(ConversionOptions) if k.name != "pooling"}
+        shared = {name: getattr(self, name) for name in names_of(ConversionOptions) if name != "pooling"}
         return conversion_spec(
             source=self.model,
             num_kv_heads=num_kv_heads,
@@ -108,4 +123,24 @@ class CompareSpec(UptrainingBudget):
 
     def budget(self) -> dict:
         """The budget keys, as `TrainConfig` takes them."""
-        return {k.name: getattr(self, k.name) for k in keys_of(UptrainingBudget)}
+        return {name: getattr(self, name) for name in names_of(UptrainingBudget)}
+
+    def train_config(self, model: str | Path, output_dir: str | Path, run: str, group: str | None = None):
+        """The `uptrain train` config (`TrainConfig`) of the run named `run`: the keys of
+        `TRAINED_ALIKE` as they are, checkpoints where it evaluates, resumed when its folder
+        exists. One UptrainError naming every bad key."""
+        values = {name: getattr(self, name) for name in names_of(*TRAINED_ALIKE)}
+        values.update(
+            model=str(model),
+            output_dir=str(output_dir),
+            eval_every=self.eval_every,
+            save_every=self.eval_every,
+            seed=self.seed,
+            run_name=f"{Path(self.output_dir).name}/{run}",
+            wandb_group=group,
+            resume=Path(output_dir).exists(),
+        )
+        try:
+            return validated_values(TrainConfig, values, "compare")
+        except InvalidOptions as err:  # compare's keys are options (flags), not a config file's
+            raise InvalidOptions(err.problems) from None

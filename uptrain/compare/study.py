@@ -22,7 +22,6 @@ and makes again what it finds damaged.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -37,42 +36,52 @@ import torch
 from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
-from uptrain.compare.spec import CompareSpec
+from uptrain.checkpoint.resumable import ResumeRule, unreadable_record
+from uptrain.compare.spec import SPEED, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
-from uptrain.options import Schema, keys_of
+from uptrain.options import keys_of
 from uptrain.speed import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
+from uptrain.train.config import OPERATIONAL_KEYS as TRAIN_OPERATIONAL_KEYS
 from uptrain.train.metrics import read_metrics
-from uptrain.train.rundir import LOCK_FILE, hold_run_dir
+from uptrain.train.rundir import GLOBAL_BATCH_KEYS, LOCK_FILE, hold_run_dir
 
 RESULT = "result.json"
 RECORD = "compare.json"
 CALIBRATION = "calibration.safetensors"
 MHA = "mha"
 # Settings a rerun may change: which runs there are (each run is made alike, whatever the others),
-# how the compare is reported, how often the runs evaluate, where calibration runs.
-# The speed keys too: a change remeasures speed (`speed_rows`) and retrains nothing.
-OPERATIONAL_KEYS = frozenset(
-    {
-        "num_kv_heads",
-        "pooling",
-        "report_to",
-        "eval_every",
-        "overwrite",
-        "output_dir",
-        "conversion.pooling",
-        "conversion.calibration_device",
-        "conversion.source_hash",
-        "speed_context",
-        "speed_new_tokens",
-        "speed_batch",
-        "speed_repeats",
-        "speed_device",
-    }
-)
+# the speed measurement (a change remeasures speed, `speed_rows`, and retrains nothing), and what
+# `uptrain train` lets a resumed run change (how the compare is reported, how often the runs
+# evaluate, where calibration runs, how a step is computed), but for the keys of the global batch:
+# train allows those only with the batch kept, and a finished run keeps the batch it was made with.
+OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "overwrite", "output_dir"})
+
+
+def operational_keys(keys) -> frozenset[str]:
+    """The operational ones among a compare's `keys`, derived from `uptrain train`'s own rule."""
+    train = TRAIN_OPERATIONAL_KEYS - GLOBAL_BATCH_KEYS
+    speed = {k.name for k in keys_of(CompareSpec) if k.option.group == SPEED}
+    return frozenset(k for k in keys if k in OWN_OPERATIONAL_KEYS | speed | train)
+
+
+def resume_rule() -> ResumeRule:
+    """What identifies a compare: every setting but the operational ones. A key the earlier
+    compare's uptrain did not have yet held its default there."""
+    defaults = {k.name: k.default for k in keys_of(CompareSpec) if not k.required}
+    return ResumeRule(operational_keys([k.name for k in keys_of(CompareSpec)]), defaults)
+
+
+def _flat_record(old: dict) -> dict:
+    """A compare record as today's flat keys: one written before the conversion keys were flat
+    holds them under `conversion`."""
+    nested = old.get("conversion")
+    if not isinstance(nested, dict):
+        return old
+    return {**nested, **{k: v for k, v in old.items() if k != "conversion"}}
 
 
 @dataclass
@@ -106,7 +115,7 @@ def validate(spec: CompareSpec) -> None:
         ensure_wandb_never_prompts()  # WANDB_MODE=online without a key: refused before compare.json
     if spec.uptrain_fraction is not None and spec.pretrain_tokens is None:  # the rule itself: CompareSpec
         spec.pretrain_tokens = pretrain_tokens(spec.model)
-    _train_config(spec, Path(spec.model), Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
+    spec.train_config(spec.model, Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     speed_setting(spec)  # the speed measurement's refusals too
     for _, g, pooling in run_names(spec):
         if g is not None:
@@ -119,32 +128,6 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
     for g in spec.num_kv_heads:
         runs += [(f"g{g}-{p}", g, p) for p in spec.pooling]
     return runs
-
-
-def _train_config(spec: CompareSpec, model: Path, out: Path, name: str, group: str | None = None):
-    from uptrain.train.config import validated_config
-
-    values = dict(
-        model=str(model),
-        train_data=spec.train_data,
-        eval_data=spec.eval_data,
-        output_dir=str(out),
-        seq_len=spec.seq_len,
-        batch_size=spec.batch_size,
-        lr=spec.lr,
-        warmup_steps=spec.warmup_steps,
-        eval_every=spec.eval_every,
-        save_every=spec.eval_every,
-        eval_blocks=spec.eval_blocks,
-        objective=spec.objective,
-        seed=spec.seed,
-        report_to=spec.report_to,
-        run_name=f"{Path(spec.output_dir).name}/{name}",
-        wandb_group=group,
-        resume=out.exists(),
-        **spec.budget(),
-    )
-    return validated_config(values, "compare")
 
 
 def _calibration(prepared, root: Path, log=print) -> Calibration:
@@ -248,32 +231,6 @@ def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -
     return None
 
 
-def _flat(values: dict, prefix: str = "") -> dict:
-    """Nested settings as `conversion.grouping`-style keys."""
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
-def _changes(old: dict, spec: CompareSpec) -> list[str]:
-    """The settings of `spec` that differ from an earlier compare's record, but operational ones.
-    A key the earlier compare's uptrain did not have yet held its default there."""
-    defaults = _flat(
-        {
-            k.name: dataclasses.asdict(k.default) if isinstance(k.default, Schema) else k.default
-            for k in keys_of(CompareSpec)
-            if not k.required
-        }
-    )
-    old = {**defaults, **_flat(old)}
-    current = _flat(spec.to_dict())
-    return [f"{k}: {old.get(k)!r} → {v!r}" for k, v in current.items() if k not in OPERATIONAL_KEYS and old.get(k) != v]
-
-
 def _start(spec: CompareSpec, root: Path) -> str:
     """Under the folder's lock: clear what killed compares left, refuse an earlier compare made
     with other settings (or a folder of something else), empty the folder for --overwrite, and
@@ -300,16 +257,10 @@ def _start(spec: CompareSpec, root: Path) -> str:
         try:
             old = read_json(record)
         except UptrainError as err:
-            raise UptrainError(f"cannot resume: {err}; use another output_dir or --overwrite") from None
+            raise unreadable_record(str(err), "output_dir") from None
         if not isinstance(old, dict):
-            raise UptrainError(
-                f"cannot resume: {record} is damaged (not a JSON object); use another output_dir or --overwrite"
-            )
-        if changed := _changes(old, spec):
-            raise UptrainError(
-                f"cannot resume the compare in {root}: its settings changed ({'; '.join(changed)}); "
-                "use another output_dir or --overwrite"
-            )
+            raise unreadable_record(f"{record} is damaged (not a JSON object)", "output_dir")
+        resume_rule().check(_flat_record(old), spec.to_dict(), what=f"the compare in {root}", place="output_dir")
         # An earlier compare's runs are in its group; one recorded before groups were, in the folder's name.
         group = old.get("wandb_group") if isinstance(old.get("wandb_group"), str) else root.name
     # Unique per compare: two folders of one name (or one folder emptied by --overwrite) never share a group.
@@ -368,7 +319,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     os.environ.setdefault("WANDB_SILENT", "true")
     root = Path(spec.output_dir)
     shape = model_shape(Path(spec.model), spec.model)
-    attentions = parse_attention(spec.conversion.attention)
+    attentions = parse_attention(spec.attention)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(read_config(spec.model)), 4)
     results = []
     for name, g, pooling in run_names(spec):
@@ -388,7 +339,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                 with prepare(spec.conversion_spec(g, pooling), model) as prepared:
                     calibration = _calibration(prepared, root, log) if prepared.needs_calibration else None
                     execute(prepared, model, calibration=calibration, progress=False)
-        run_training(_train_config(spec, _as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
+        run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)

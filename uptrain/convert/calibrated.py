@@ -256,11 +256,6 @@ def apply_calibrated(layer: LayerAttention, groups: int, solution: CalibratedSol
     return replace(layer, q_w=q_w, q_b=q_b, k_w=k_w, k_b=k_b, v_w=v_w, v_b=v_b, o_w=o_w, num_kv_heads=groups)
 
 
-def calibrated_merge(layer: LayerAttention, groups: int, c: torch.Tensor) -> LayerAttention:
-    """Pool a layer to `groups` KV heads with the calibrated K and V merges."""
-    return apply_calibrated(layer, groups, solve_calibrated(layer, groups, c))
-
-
 def head_similarity(layer: LayerAttention, c: torch.Tensor) -> torch.Tensor:
     """[kv, kv] similarity of source KV heads: how much their K and V read the same input
     directions under C (1 for heads spanning the same subspace, 0 for orthogonal ones)."""

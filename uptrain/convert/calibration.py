@@ -38,9 +38,9 @@ import torch
 from tqdm.auto import tqdm
 
 from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF, architecture
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
-from uptrain.convert.layouts import layout_for
 from uptrain.model_info import read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 
@@ -249,7 +249,7 @@ def collect_attention_moments(
 
     model_dir = resolve_source(src).folder
     config = read_config(model_dir)
-    layout = layout_for(config.get("model_type"))
+    layout = architecture(config.get("model_type")).site(DECODER_SELF).layout  # whole-layer merges: decoder-only
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     run_device, run_dtype = calibration_device(device, dtype)
     tokenizer = load_calibration_tokenizer(model_dir)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS, architecture
 from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
-from uptrain.convert.layouts import DECODER_SELF, layout_for
 from uptrain.convert.pipeline import Calibration
 from uptrain.convert.plan import ConversionPlan, choose_attentions, plan_conversion
 from uptrain.convert.pooling import get_strategy
@@ -23,7 +23,6 @@ from uptrain.convert.spec import ConversionOptions
 from uptrain.convert.stream import compute_tensor
 from uptrain.model_info import rotary_dim
 from uptrain.modeling import gqa_counterpart
-from uptrain.modeling_table import DEFAULT_ATTENTIONS
 from uptrain.options import validated
 
 
@@ -68,16 +67,16 @@ def converted_tensors(
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
     strategy = get_strategy(options.pooling)
     config = model.config.to_dict()
-    layout = layout_for(config.get("model_type"))
-    stacks, chosen = choose_attentions(config, layout, options.attention, num_kv_heads)
+    arch = architecture(config.get("model_type"))
+    stacks, chosen = choose_attentions(config, arch, options.attention, num_kv_heads)
     geometry = stacks[DECODER_SELF].geometry
     if strategy.whole_layer and calibration is None:
         raise UptrainError(f"pooling {pooling!r} needs calibration statistics (calibration=Calibration(...))")
     check_no_clamp(strategy, config)
     state = model.state_dict()
     source = StateDictSource(state)
-    plan = plan_conversion(source, layout, geometry, num_kv_heads, None, strategy, options.grouping, stacks, chosen)
-    init_std = layout.init_std(config)
+    plan = plan_conversion(source, arch, stacks, chosen, num_kv_heads, None, strategy, options.grouping)
+    init_std = arch.init_std(config)
     merger = LayerMerger(
         source,
         plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only

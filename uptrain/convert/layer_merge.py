@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from uptrain import UptrainError
+from uptrain.architecture import AttentionLayout
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.calibrated import (
     CalibratedSolution,
@@ -30,7 +31,6 @@ from uptrain.convert.calibrated import (
     similarity_order,
     solve_calibrated,
 )
-from uptrain.convert.layouts import AttentionLayout
 from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
 from uptrain.model_info import AttentionGeometry
 

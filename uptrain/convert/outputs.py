@@ -15,13 +15,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import uptrain
+from uptrain.architecture import DECODER_SELF, Architecture, AttentionLayout, architecture
+from uptrain.architecture.converted import copy_modeling_files, gqa_config
 from uptrain.checkpoint.card import front_matter
 from uptrain.checkpoint.source import ResolvedSource, portable
 from uptrain.convert.grouping import kv_groups, query_to_kv
-from uptrain.convert.layouts import AttentionLayout, EncoderDecoderLayout, layout_for
 from uptrain.convert.plan import ATTENTION_NAMES, ConversionPlan
 from uptrain.convert.pooling import Strategy
-from uptrain.modeling_table import copy_modeling_files, gqa_config
 
 # Files besides the weights that make the output a usable checkpoint, and the licence terms
 # the source was published under (they bind the converted model too).
@@ -173,9 +173,10 @@ def _grouping_text(p: dict, layout: AttentionLayout) -> str:
     )
 
 
-def _pooling_text(p: dict, layout: AttentionLayout) -> str:
+def _pooling_text(p: dict, arch: Architecture) -> str:
     """What the strategy did, naming the tensors each layer's attention really has (`layout`):
     separate K and V projections, or the K and V parts of a fused Q|K|V projection."""
+    layout = arch.site(DECODER_SELF).layout
     cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
     renumbered = p.get("grouping") == "similarity"
     moved = " except for the renumbering of heads" if renumbered else ""
@@ -198,7 +199,7 @@ def _pooling_text(p: dict, layout: AttentionLayout) -> str:
     how = {
         "mean": "each group's K and V heads (weights, biases and per-head key norms) are averaged",
         "first": "each group keeps the K and V heads (weights, biases and key norms) of its first head",
-        "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(layout)}) "
+        "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(arch)}) "
         "weights, zero biases)",
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
     if layout.fused_qkv is not None:  # Q, K and V in one tensor: only its K and V parts change
@@ -215,25 +216,25 @@ def _pooling_text(p: dict, layout: AttentionLayout) -> str:
     return f"`{p['pooling']}` pooling: {how}. {where}{moved}{cast}."
 
 
-def _renames_text(layout: AttentionLayout) -> str:
+def _renames_text(arch: Architecture) -> str:
     """Tensors stored under another name than the source's (values unchanged)."""
     return "".join(
         f" `{old.rstrip('.')}` is stored as `{new.rstrip('.')}`, the name uptrain's modeling reads; its "
         "values are unchanged."
-        for old, new in layout.renames
+        for old, new in arch.renames
     )
 
 
-def _random_init_text(layout: AttentionLayout) -> str:
-    if layout.init_std_width_key is not None:
+def _random_init_text(arch: Architecture) -> str:
+    if arch.init_std_width_key is not None:
         return (
-            f"`{layout.init_std_key}` × `{layout.init_std_width_key}`^-½ of config.json, as the "
+            f"`{arch.init_std_key}` × `{arch.init_std_width_key}`^-½ of config.json, as the "
             "architecture initialises K and V"
         )
-    return f"`{layout.init_std_key}` of config.json"
+    return f"`{arch.init_std_key}` of config.json"
 
 
-def _encoder_decoder_text(p: dict, layout: EncoderDecoderLayout) -> str:
+def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
     """What a conversion did to each attention of an encoder–decoder, naming its tensors."""
     cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
     attentions, chosen = p["attentions"], p["attention"]
@@ -242,7 +243,7 @@ def _encoder_decoder_text(p: dict, layout: EncoderDecoderLayout) -> str:
     for name in chosen:
         a = attentions[name]
         h, kv, new = a["num_attention_heads"], a["source_num_key_value_heads"], a["num_key_value_heads"]
-        site = layout.site(name).layout
+        site = arch.site(name).layout
         modules = ",".join(site.kv_modules)
         lines.append(
             f"- {ATTENTION_NAMES[name]} ({a['num_layers']} layers, {h} query heads, head_dim {a['head_dim']}): "
@@ -256,12 +257,12 @@ def _encoder_decoder_text(p: dict, layout: EncoderDecoderLayout) -> str:
             f"- {ATTENTION_NAMES[name]}: unchanged, {attentions[name]['num_key_value_heads']} KV heads "
             f"(`uptrain convert --attention` chooses which attentions are pooled)."
         )
-    site = layout.site(chosen[0]).layout
+    site = arch.site(chosen[0]).layout
     parts = "weights and biases" if any(rel.endswith(".bias") for rel in site.kv_rows) else "weights"
     how = {
         "mean": f"each group's K and V heads ({parts}) are averaged",
         "first": f"each group keeps the K and V heads ({parts}) of its first head",
-        "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(site)}) weights"
+        "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(arch)}) weights"
         + (", zero biases)" if parts != "weights" else ")"),
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
     return (
@@ -270,13 +271,13 @@ def _encoder_decoder_text(p: dict, layout: EncoderDecoderLayout) -> str:
         + ":\n\n"
         + "\n".join(lines)
         + f"\n\n`{p['pooling']}` pooling: {how}. `{site.q_proj}`, `{site.o_proj}` and every other tensor are "
-        f"copied unchanged{cast}. Layout: {layout.notes}."
+        f"copied unchanged{cast}. Layout: {arch.notes}."
     )
 
 
 def model_card(p: dict, source_card: dict | None = None) -> str:
     """README.md of a converted checkpoint: Hub metadata and what the conversion did."""
-    layout = layout_for(p["model_type"])
+    arch = architecture(p["model_type"])
     base = p.get("base_model")
     if base is not None and base == p["source"]:
         source = f"`{p['source']}`"
@@ -285,29 +286,29 @@ def model_card(p: dict, source_card: dict | None = None) -> str:
         if base:
             source += f" (derived from {_names([base] if isinstance(base, str) else base)})"
     source += f" (revision `{p['source_revision']}`)" if p.get("source_revision") else ""
-    if isinstance(layout, EncoderDecoderLayout):
+    if arch.encoder_decoder:
         body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads in its decoder (converted by uptrain)
 
 Converted from {source}, an encoder–decoder.
 
-{_encoder_decoder_text(p, layout)} Strategy: {p["pooling_reference"]}. Seed {p["seed"]}.
+{_encoder_decoder_text(p, arch)} Strategy: {p["pooling_reference"]}. Seed {p["seed"]}.
 
 The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
 `uptrain.json` records the source files' digests, the groups of each attention and the uptrain version \
 ({p["uptrain_version"]}).
 """
         tags = [p["model_type"], "encoder-decoder"]
-        return front_matter(base, source_card or {}, tags, layout.pipeline_tag) + "\n" + body
+        return front_matter(base, source_card or {}, tags, arch.pipeline_tag) + "\n" + body
     body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads (converted by uptrain)
 
 Converted from {source} ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \
 to grouped-query attention with {p["num_key_value_heads"]} KV heads.
 
-{_grouping_text(p, layout)}
+{_grouping_text(p, arch.site(DECODER_SELF).layout)}
 
-{_pooling_text(p, layout)}{_renames_text(layout)} Strategy: {p["pooling_reference"]}. Seed {p["seed"]}.
+{_pooling_text(p, arch)}{_renames_text(arch)} Strategy: {p["pooling_reference"]}. Seed {p["seed"]}.
 
 The weights have not been trained since conversion: uptrain them (`uptrain train`) before use.
 `uptrain.json` records the source files' digests, the groups and the uptrain version ({p["uptrain_version"]}).
 """
-    return front_matter(base, source_card or {}, [p["model_type"]]) + "\n" + body
+    return front_matter(base, source_card or {}, [p["model_type"]], arch.pipeline_tag) + "\n" + body

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF, Architecture, architecture
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
 from uptrain.convert.layer_merge import LayerMerger, LayerSolution, check_no_clamp, merges_whole_layers
-from uptrain.convert.layouts import DECODER_SELF, Layout, layout_for
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.plan import DTYPES, ConversionPlan, choose_attentions, plan_conversion
 from uptrain.convert.pooling import Strategy, get_strategy
@@ -55,7 +55,7 @@ class PreparedConversion:
     spec: ConversionSpec
     source: ResolvedSource
     config: dict
-    layout: Layout
+    arch: Architecture
     geometry: AttentionGeometry  # the decoder self-attention's (a decoder-only model's one)
     strategy: Strategy
     plan: ConversionPlan
@@ -103,19 +103,15 @@ def prepare(
     if out is not None:
         check_not_overlapping(Path(out).absolute(), source.folder)
     config = read_config(source.folder)
-    layout = layout_for(config.get("model_type"))
-    stacks, attention = choose_attentions(config, layout, spec.attention, spec.num_kv_heads)
+    arch = architecture(config.get("model_type"))
+    stacks, attention = choose_attentions(config, arch, spec.attention, spec.num_kv_heads)
     geometry = stacks[DECODER_SELF].geometry
     check_no_clamp(strategy, config)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
-        plan = plan_conversion(
-            checkpoint, layout, geometry, spec.num_kv_heads, cast, strategy, spec.grouping, stacks, attention
-        )
-        prepared = PreparedConversion(
-            spec, source, config, layout, geometry, strategy, plan, checkpoint, max_shard_bytes
-        )
+        plan = plan_conversion(checkpoint, arch, stacks, attention, spec.num_kv_heads, cast, strategy, spec.grouping)
+        prepared = PreparedConversion(spec, source, config, arch, geometry, strategy, plan, checkpoint, max_shard_bytes)
         if prepared.needs_calibration and not calibration_given:
             _check_calibration_inputs(prepared)
     except BaseException:
@@ -146,7 +142,7 @@ def _merger(prepared: PreparedConversion, calibration: Calibration | None, progr
         rotary_dim(prepared.config, prepared.geometry.head_dim),
         calibration.moments if calibration else None,
         spec.seed,
-        prepared.layout.init_std(prepared.config),
+        prepared.arch.init_std(prepared.config),
         progress,
         solutions=calibration.solved if calibration else None,
     )
@@ -211,7 +207,7 @@ def execute(
             "calibrate(..., keep_moments=True) gives moments that serve any conversion of the source"
         )
     out = Path(out).absolute()
-    init_std = prepared.layout.init_std(prepared.config)
+    init_std = prepared.arch.init_std(prepared.config)
     merger = _merger(prepared, calibration, progress)
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
         write_weights(

@@ -9,15 +9,14 @@ from dataclasses import dataclass, field
 import torch
 
 from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF, Architecture, AttentionLayout, AttentionStack
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry
 from uptrain.convert.grouping import check_num_kv_heads, kv_groups
 from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_shapes
-from uptrain.convert.layouts import DECODER_SELF, AttentionLayout, AttentionStack, Layout, attention_stacks
 from uptrain.convert.pooling import Role, Strategy
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import AttentionGeometry
-from uptrain.modeling_table import MODELING
 
 # How messages and the model card name each attention.
 ATTENTION_NAMES = {
@@ -77,21 +76,21 @@ class ConversionPlan:
 
 
 def choose_attentions(
-    config: dict, layout: Layout, attention: str, num_kv_heads: int
+    config: dict, arch: Architecture, attention: str, num_kv_heads: int
 ) -> tuple[dict[str, AttentionStack], tuple[str, ...]]:
     """Every attention of the model and those `--attention` chooses, G checked against each
-    chosen one. A decoder-only model has only its self-attention: the default (the decoder's
-    self- and cross-attention) means it, and a list naming the encoder or leaving out
-    decoder-self is refused."""
-    stacks = attention_stacks(config, layout)
-    chosen = parse_attention(attention)
-    model_type = config.get("model_type")
-    if isinstance(layout, AttentionLayout):
-        if "encoder" in chosen or DECODER_SELF not in chosen:
-            raise UptrainError(
-                f"--attention {attention}: {model_type} is decoder-only, its one attention is decoder-self"
-            )
-        chosen = (DECODER_SELF,)
+    chosen one. The default (the decoder's self- and cross-attention) means a decoder-only
+    model's one attention; a list naming an attention the model lacks is refused, unless it is
+    the cross-attention beside the self-attention of a decoder without one."""
+    stacks = arch.stacks(config)
+    named = parse_attention(attention)
+    chosen = tuple(a for a in named if a in stacks)
+    lacking = [a for a in named if a not in stacks]
+    if not chosen or any(a != "cross" for a in lacking):
+        raise UptrainError(
+            f"--attention {attention}: {config.get('model_type')} is decoder-only, its one attention is "
+            f"{', '.join(stacks)}"
+        )
     for name in chosen:
         geo = stacks[name].geometry
         try:
@@ -112,25 +111,22 @@ def _role(rel_name: str) -> Role:
 
 def plan_conversion(
     source: SourceCheckpoint,
-    layout: Layout,
-    geometry: AttentionGeometry,
+    arch: Architecture,
+    stacks: Mapping[str, AttentionStack],
+    attention: Sequence[str],
     num_kv_heads: int,
     cast: torch.dtype | None,
     strategy: Strategy,
     grouping: str = "contiguous",
-    stacks: Mapping[str, AttentionStack] | None = None,
-    attention: Sequence[str] = (DECODER_SELF,),
 ) -> ConversionPlan:
     """Decide every output tensor. Raises on a K/V tensor the layout does not describe.
 
-    `stacks` are the model's attentions (`choose_attentions`; a decoder-only model's one by
-    default) and `attention` those whose K/V are pooled to `num_kv_heads`: every other tensor,
-    the K/V of the attentions not chosen included, is copied. When the strategy or grouping
-    merges whole layers, each layer's Q, K, V and O tensors are planned as one unit for
-    `LayerMerger`.
+    `stacks` are the model's attentions (`choose_attentions`) and `attention` those whose K/V
+    are pooled to `num_kv_heads`: every other tensor, the K/V of the attentions not chosen
+    included, is copied. When the strategy or grouping merges whole layers, each layer's Q, K,
+    V and O tensors are planned as one unit for `LayerMerger`.
     """
-    if stacks is None:
-        stacks = {DECODER_SELF: AttentionStack(DECODER_SELF, layout, geometry)}
+    geometry = stacks[DECODER_SELF].geometry
     tensors = source.tensors
     pooled: dict[str, PlannedTensor] = {}  # keyed by the first source tensor
 
@@ -139,7 +135,7 @@ def plan_conversion(
         return cast if cast is not None and dtype.is_floating_point else dtype
 
     whole_layer = merges_whole_layers(strategy, grouping)
-    if whole_layer and geometry.model_type in MODELING:
+    if whole_layer and not arch.whole_layer_merges:
         what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
         kind = "encoder–decoders" if len(stacks) > 1 else geometry.model_type
         raise UptrainError(f"{what} does not support {kind} yet; use mean, first or random with contiguous grouping")
@@ -163,7 +159,7 @@ def plan_conversion(
             dtype = out_dtype(info.name)
             kind = "copy" if dtype == info.dtype else "cast"
             plan.tensors.append(
-                PlannedTensor(OutputEntry(layout.output_name(info.name), dtype, info.shape), [info.name], kind)
+                PlannedTensor(OutputEntry(arch.output_name(info.name), dtype, info.shape), [info.name], kind)
             )
     return plan
 

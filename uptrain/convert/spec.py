@@ -2,7 +2,9 @@
 (converting `source` on the fly) and `uptrain compare` all build on.
 
 Stdlib dataclasses (`uptrain.options`), so that validating `uptrain convert`'s arguments adds
-nothing to its start-up; `TrainConfig` embeds `ConversionOptions`' keys.
+nothing to its start-up. The conversion keys are flat everywhere: `ConversionOptions` is one
+group of keys that `ConversionSpec`, `TrainConfig` and `CompareSpec` all build on, so that
+`--grouping similarity` is the same key, with the same check, in every command.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from uptrain import UptrainError
-from uptrain.modeling_table import DEFAULT_ATTENTIONS, STACK_KV_HEADS
-from uptrain.options import Schema, option, validated
+from uptrain.architecture import DEFAULT_ATTENTIONS, STACK_KV_HEADS
+from uptrain.options import REQUIRED, Schema, option, validated
 
 Grouping = Literal["contiguous", "similarity"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -66,6 +68,12 @@ SEED_RANGE = (0, 2**32 - 1)
 def seed_option(help: str):
     """The `seed` key of a schema."""
     return option(0, at_least=SEED_RANGE[0], at_most=SEED_RANGE[1], help=help)
+
+
+def kv_heads_option(default, help: str, **spelling):
+    """The `num_kv_heads` key of a schema: one G (`uptrain convert`, `uptrain train`'s `source`)
+    or several (`uptrain compare`), each at least 1."""
+    return option(default, at_least=1, metavar="G", help=help, **spelling)
 
 
 def parse_attention(value: str) -> tuple[str, ...]:
@@ -137,10 +145,8 @@ class ConversionSpec(ConversionOptions):
     source: str = option(
         positional=True, metavar="src", help="checkpoint folder (safetensors, single or sharded) or a Hub id"
     )
-    num_kv_heads: int = option(
-        flags=("-g",),
-        metavar="G",
-        help="KV heads after conversion; must divide the attention heads and the current KV heads",
+    num_kv_heads: int = kv_heads_option(
+        REQUIRED, "KV heads after conversion; must divide the attention heads and the current KV heads", flags=("-g",)
     )
     seed: int = seed_option("seed of `random` pooling")
     dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")

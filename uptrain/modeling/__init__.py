@@ -3,7 +3,8 @@
 Each architecture is one module here (`modeling_gpt2_gqa.py`, …) built on transformers' own
 classes; `attention.py` holds the one grouped-query attention they share. A converted
 checkpoint of such an architecture gets its own `model_type` (e.g. "gpt2_gqa"), an `auto_map`,
-and a copy of its modeling file and attention.py beside the weights (`uptrain.modeling_table`).
+and a copy of its modeling file and attention.py beside the weights; the architecture registry
+(`uptrain.architecture`, its records' `modeling`) names each file and its classes.
 
 Importing this package registers every GQA architecture the way transformers documents for
 custom models:
@@ -13,57 +14,41 @@ custom models:
   modeling file (and the attention.py it imports) and writes `auto_map`: the saved checkpoint
   loads without uptrain, with `trust_remote_code=True`, as a converted one does.
 It imports torch and transformers, which `uptrain convert` never needs: conversion reads only
-`uptrain.modeling_table`.
+the registry.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 
 import transformers
 from transformers import AutoConfig, AutoModel
 
-from uptrain.modeling.modeling_bart_gqa import BartGQAConfig, BartGQAForConditionalGeneration, BartGQAModel
-from uptrain.modeling.modeling_bloom_gqa import BloomGQAConfig, BloomGQAForCausalLM, BloomGQAModel
-from uptrain.modeling.modeling_gpt2_gqa import GPT2GQAConfig, GPT2GQAForCausalLM, GPT2GQAModel
-from uptrain.modeling.modeling_gpt_neo_gqa import GPTNeoGQAConfig, GPTNeoGQAForCausalLM, GPTNeoGQAModel
-from uptrain.modeling.modeling_gpt_neox_gqa import GPTNeoXGQAConfig, GPTNeoXGQAForCausalLM, GPTNeoXGQAModel
-from uptrain.modeling.modeling_gptj_gqa import GPTJGQAConfig, GPTJGQAForCausalLM, GPTJGQAModel
-from uptrain.modeling.modeling_marian_gqa import MarianGQAConfig, MarianGQAModel, MarianGQAMTModel
-from uptrain.modeling.modeling_mbart_gqa import MBartGQAConfig, MBartGQAForConditionalGeneration, MBartGQAModel
-from uptrain.modeling.modeling_opt_gqa import OPTGQAConfig, OPTGQAForCausalLM, OPTGQAModel
-from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
-from uptrain.modeling.modeling_whisper_gqa import (
-    WhisperGQAConfig,
-    WhisperGQAForConditionalGeneration,
-    WhisperGQAModel,
-)
-from uptrain.modeling_table import gqa_config, modeling_for
+from uptrain.architecture import converted_architectures, find_architecture
+from uptrain.architecture.converted import gqa_config
 
-# Converted model_type → its (config, base model, model with its task head) classes.
-CLASSES = {
-    config.model_type: (config, model, causal_lm)
-    for config, model, causal_lm in (
-        (GPT2GQAConfig, GPT2GQAModel, GPT2GQAForCausalLM),
-        (GPTNeoXGQAConfig, GPTNeoXGQAModel, GPTNeoXGQAForCausalLM),
-        (OPTGQAConfig, OPTGQAModel, OPTGQAForCausalLM),
-        (GPTJGQAConfig, GPTJGQAModel, GPTJGQAForCausalLM),
-        (BloomGQAConfig, BloomGQAModel, BloomGQAForCausalLM),
-        (GPTNeoGQAConfig, GPTNeoGQAModel, GPTNeoGQAForCausalLM),
-        (T5GQAConfig, T5GQAModel, T5GQAForConditionalGeneration),
-        (BartGQAConfig, BartGQAModel, BartGQAForConditionalGeneration),
-        (MBartGQAConfig, MBartGQAModel, MBartGQAForConditionalGeneration),
-        (MarianGQAConfig, MarianGQAModel, MarianGQAMTModel),
-        (WhisperGQAConfig, WhisperGQAModel, WhisperGQAForConditionalGeneration),
-    )
-}
+
+def _classes() -> dict[str, tuple[type, type, type]]:
+    """Converted model_type → its (config, base model, model with its task head) classes, found
+    in the module and under the names the architecture registry gives (`GQAModeling`)."""
+    found = {}
+    for model_type, arch in converted_architectures().items():
+        modeling = arch.modeling
+        module = importlib.import_module(f"{__name__}.{modeling.module}")
+        names = (modeling.config_class, modeling.model_class, modeling.head_class)
+        found[model_type] = tuple(getattr(module, name) for name in names)
+    return found
+
+
+CLASSES = _classes()
 
 
 def _register() -> None:
     """Register every GQA architecture with transformers' Auto classes and mark each class for
     `save_pretrained` to carry its code (see the module docstring)."""
-    for config, model, head in CLASSES.values():
-        auto_head = modeling_for(config.model_type).auto_class  # AutoModelForCausalLM, …ForSeq2SeqLM, …
+    for model_type, (config, model, head) in CLASSES.items():
+        auto_head = find_architecture(model_type).auto_class  # AutoModelForCausalLM, …ForSeq2SeqLM, …
         AutoConfig.register(config.model_type, config)
         AutoModel.register(config, model)
         getattr(transformers, auto_head).register(config, head)
@@ -78,8 +63,9 @@ _register()
 def gqa_counterpart(model, num_kv_heads: int):
     """`(model class, config)` for a copy of transformers model `model` with `num_kv_heads` KV
     heads: its own class where transformers has native GQA, uptrain's GQA class (same task
-    head) for gpt2, gpt_neox, opt, gptj and bloom."""
-    modeling = modeling_for(model.config.model_type)
+    head) where the architecture registry names one (gpt2, gpt_neox, …, t5, …)."""
+    arch = find_architecture(model.config.model_type)
+    modeling = None if arch is None else arch.modeling
     if modeling is None:
         config = copy.deepcopy(model.config)
         config.num_key_value_heads = num_kv_heads

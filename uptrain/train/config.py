@@ -1,273 +1,328 @@
 """The `uptrain train` configuration: one validated schema, read from YAML and overridden by flags.
 
-Every field is a config key and a `--flag` of the same name; its description is the `--help` text.
-Unknown keys are refused (`extra="forbid"`) so that a typo never silently falls back to a default.
-The conversion keys and the budget keys are not declared here: they are the keys of
-`ConversionOptions` and `UptrainingBudget` (stdlib schemas, see `uptrain.options`), embedded
-as pydantic fields with the same types, defaults, help and checks.
+Every key is a YAML key and a `--flag` of the same name (`--seq_len` or `--seq-len`); its help is
+the `--help` text. Unknown keys are refused so that a typo never silently falls back to a default.
+The schema is `uptrain.options`' like every command's, built from groups of keys: the conversion
+keys (`ConversionOptions`, applied when `source` is converted on the fly), the data, the step,
+the optimizer, the budget (`UptrainingBudget`), distillation, how the steps run, reporting and
+timeouts, then the keys of one run. `uptrain compare` embeds the same groups (bounds and checks
+included) and builds each of its runs' `TrainConfig` from them.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from uptrain.budgets import UptrainingBudget
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, kv_heads_option, seed_option
+from uptrain.options import (
+    MAX_CONFIG_BYTES,
+    Schema,
+    add_schema_arguments,
+    from_args,
+    load,
+    names_of,
+    option,
+    validated_values,
+)
 
-from uptrain import UptrainError
-from uptrain.budgets import UptrainingBudget, budget_problems
-from uptrain.convert.spec import SEED_RANGE, ConversionOptions, ConversionSpec
-from uptrain.options import REQUIRED, Key, Option, add_arguments, given, key_problem, keys_of
-from uptrain.strict_json import too_many_digits
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "OPERATIONAL_KEYS",
+    "TrainConfig",
+    "add_config_arguments",
+    "config_from_args",
+    "config_to_yaml",
+    "load_config",
+    "validated_config",
+]
 
 Reporter = Literal["wandb", "jsonl", "none"]
 Objective = Literal["causal", "span_corruption", "text_infilling", "pairs", "speech_pairs"]
-EMBEDDED = (ConversionOptions, UptrainingBudget)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+def _names_data(value: str) -> str | None:
+    return None if value else "must name at least one file or dataset"
 
 
-def _embedded(schema: type, base: type[BaseModel]) -> type[BaseModel]:
-    """`base` extended by the keys of a dataclass schema, as pydantic fields: the same names,
-    types, defaults and help, each value checked by the schema's own check."""
-    keys = {k.name: k for k in keys_of(schema)}
+@dataclass(kw_only=True)
+class TrainData(Schema):
+    """What the model reads: training and evaluation text, how it is read, what is learnt from it."""
 
-    def check(cls, value: Any, info) -> Any:
-        problem, value = key_problem(keys[info.field_name], value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-    fields: dict[str, Any] = {
-        k.name: (k.annotation, Field(k.default, description=k.option.help)) for k in keys.values()
-    }
-    return create_model(
-        f"_{schema.__name__}Keys",
-        __base__=base,
-        # named per schema: a subclass's validator of the same name would replace its base's
-        __validators__={f"_check_{schema.__name__}": field_validator(*keys)(check)},
-        **fields,
+    train_data: str | list[str] = option(
+        check=_names_data,
+        help="training text: local .txt/.jsonl/.json/.parquet file(s) or folder, or a datasets Hub name (streamed)",
     )
-
-
-class _RunKeys(_embedded(ConversionOptions, _Strict)):
-    """The conversion keys (applied when `source` is converted on the fly; calibration reads
-    `train_data`), then what to train, on what data, and how. The budget keys follow (see
-    TrainConfig): the class is split only so that every key keeps its place in run_config.yaml
-    and `--help`."""
-
-    # What to train.
-    model: str | None = Field(
+    eval_data: str | list[str] = option(
+        check=_names_data,
+        help="evaluation text, same forms as `train_data`; the same blocks are scored at every evaluation",
+    )
+    dataset_config: str | None = option(None, help="configuration name of a Hub `train_data` (e.g. sample-10BT)")
+    eval_dataset_config: str | None = option(
+        None, help="configuration name of a Hub `eval_data` (default: dataset_config)"
+    )
+    train_split: str = option("train", help="split of a Hub `train_data`")
+    eval_split: str = option("validation", help="split of a Hub `eval_data` (local files have only `train`)")
+    text_field: str = option("text", help="column holding the text in jsonl/parquet/Hub datasets")
+    sample_by: Literal["line", "paragraph", "document"] = option(
+        "paragraph", help="what one document is in a .txt file; documents are joined with EOS"
+    )
+    streaming: bool | None = option(
         None,
-        description="checkpoint folder to uptrain (e.g. the output of `uptrain convert`); "
-        "give either `model` or `source`",
+        help="stream the data instead of tokenizing it all up front (default: true for Hub names, false for local "
+        "files)",
     )
-    source: str | None = Field(
+    objective: Objective | None = option(
         None,
-        description="MHA checkpoint to convert first (same code as `uptrain convert`); "
-        "the result is written to OUTPUT_DIR/converted and trained",
-    )
-    num_kv_heads: int | None = Field(None, ge=1, description="KV heads after conversion; required with `source`")
-    # Data.
-    train_data: str | list[str] = Field(
-        ...,
-        description="training text: local .txt/.jsonl/.json/.parquet file(s) "
-        "or folder, or a datasets Hub name (streamed)",
-    )
-    eval_data: str | list[str] = Field(
-        ..., description="evaluation text, same forms as `train_data`; the same blocks are scored at every evaluation"
-    )
-    dataset_config: str | None = Field(None, description="configuration name of a Hub `train_data` (e.g. sample-10BT)")
-    eval_dataset_config: str | None = Field(
-        None, description="configuration name of a Hub `eval_data` (default: dataset_config)"
-    )
-    train_split: str = Field("train", description="split of a Hub `train_data`")
-    eval_split: str = Field("validation", description="split of a Hub `eval_data` (local files have only `train`)")
-    text_field: str = Field("text", description="column holding the text in jsonl/parquet/Hub datasets")
-    sample_by: Literal["line", "paragraph", "document"] = Field(
-        "paragraph", description="what one document is in a .txt file; documents are joined with EOS"
-    )
-    streaming: bool | None = Field(
-        None,
-        description="stream the data instead of tokenizing it all up front "
-        "(default: true for Hub names, false for local files)",
-    )
-    objective: Objective | None = Field(
-        None,
-        description="what the model learns: causal (next token), span_corruption (T5), text_infilling (BART), "
+        help="what the model learns: causal (next token), span_corruption (T5), text_infilling (BART), "
         "pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); default: causal for models "
         "without an encoder, else the family's (t5 span_corruption, bart/mbart text_infilling, marian pairs, "
         "whisper speech_pairs)",
     )
-    target_len: int | None = Field(
-        None, ge=1, description="most target tokens of a pairs/speech_pairs example (longer are cut); default: seq_len"
-    )
-    eval_blocks: int = Field(
-        64, ge=1, description="most `seq_len` blocks (pairs: examples) of `eval_data` used for evaluation"
-    )
-    data_workers: int | None = Field(
+    target_len: int | None = option(
         None,
-        ge=1,
-        description="processes that tokenize: for data tokenized up front in all; for streamed data, "
+        at_least=1,
+        help="most target tokens of a pairs/speech_pairs example (longer are cut); default: seq_len",
+    )
+    eval_blocks: int = option(
+        64, at_least=1, help="most `seq_len` blocks (pairs: examples) of `eval_data` used for evaluation"
+    )
+    data_workers: int | None = option(
+        None,
+        at_least=1,
+        help="processes that tokenize: for data tokenized up front in all; for streamed data, "
         "DataLoader workers per process, each reading its own share (default: 1)",
     )
 
-    # Shape of a step.
-    output_dir: str = Field(..., description="run folder: metrics.jsonl, checkpoints/, final/, wandb/")
-    seq_len: int = Field(
-        ...,
-        ge=2,
-        description="tokens per packed block (encoder–decoders: encoder input tokens; a pairs source is cut "
-        "there); at most the model's positions",
-    )
-    batch_size: int = Field(..., ge=1, description="blocks per micro-batch on each process")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    def problems(self) -> list[str]:
+        found = super().problems()
+        found += [
+            f"`{name}`: must name at least one file or dataset"
+            for name in ("train_data", "eval_data")
+            if getattr(self, name) == []
+        ]
+        if self.target_len is not None and self.objective not in (None, "pairs", "speech_pairs"):
+            found.append(f"`target_len` applies to objective pairs and speech_pairs, not {self.objective}")
+        return found
 
-    # Optimizer and schedule.
-    lr: float = Field(..., gt=0, description="peak learning rate (AdamW)")
-    warmup_steps: int = Field(0, ge=0, description="linear warmup steps, then cosine decay to min_lr_ratio × lr")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="learning rate at the end of the cosine, relative to lr")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not applied to biases and norms)")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW β1")
-    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW β2")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW ε")
-    max_grad_norm: float | None = Field(
-        1.0, gt=0, description="clip the gradient's global norm to this (null: no clipping)"
+
+@dataclass(kw_only=True)
+class StepShape(Schema):
+    """The shape of one optimizer step."""
+
+    seq_len: int = option(
+        at_least=2,
+        help="tokens per packed block (encoder–decoders: encoder input tokens; a pairs source is cut there); at "
+        "most the model's positions",
+    )
+    batch_size: int = option(at_least=1, help="blocks per micro-batch on each process")
+    grad_accum: int = option(1, at_least=1, help="micro-batches per optimizer step")
+
+
+@dataclass(kw_only=True)
+class Optimization(Schema):
+    """AdamW and its schedule."""
+
+    lr: float = option(above=0, help="peak learning rate (AdamW)")
+    warmup_steps: int = option(0, at_least=0, help="linear warmup steps, then cosine decay to min_lr_ratio × lr")
+    min_lr_ratio: float = option(
+        0.1, at_least=0, at_most=1, help="learning rate at the end of the cosine, relative to lr"
+    )
+    weight_decay: float = option(0.1, at_least=0, help="AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = option(0.9, at_least=0, below=1, help="AdamW β1")
+    adam_beta2: float = option(0.95, at_least=0, below=1, help="AdamW β2")
+    adam_eps: float = option(1e-8, above=0, help="AdamW ε")
+    max_grad_norm: float | None = option(
+        1.0, above=0, help="clip the gradient's global norm to this (null: no clipping)"
     )
 
-    @field_validator("train_data", "eval_data")
-    @classmethod
-    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
-        if not value or (isinstance(value, list) and not all(value)):
-            raise ValueError("must name at least one file or dataset")
+
+@dataclass(kw_only=True)
+class Distillation(Schema):
+    """Distillation from the original MHA model."""
+
+    teacher: str | None = option(None, help="frozen teacher checkpoint (same tokenizer) for distillation")
+    distill_weight: float = option(0.5, at_least=0, at_most=1, help="w in loss = (1 − w)·CE + w·KL(teacher ‖ student)")
+    distill_temperature: float = option(1.0, above=0, help="softmax temperature T of the KL term (scaled by T²)")
+
+
+def _fused_setting(value: Any) -> Any:
+    # One message for the union (its members would each be named).
+    if isinstance(value, bool) or value == "auto":
         return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"must be auto, true or false, not {value!r}")
 
 
-class TrainConfig(_embedded(UptrainingBudget, _RunKeys)):
-    """Everything one uptraining run needs. Field descriptions double as `--help` text.
+def _yaml_no(value: Any) -> Any:
+    # YAML 1.1 reads a bare `no` as false.
+    return "no" if value is False else value
+
+
+@dataclass(kw_only=True)
+class Execution(Schema):
+    """How the steps run: precision, memory, kernels. Apart from `mixed_precision` and
+    `document_mask`, the same computation up to float rounding."""
+
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
+        "auto",
+        before=_yaml_no,
+        help="autocast; auto: `accelerate launch --mixed_precision` if given, else bf16 on GPUs that support it "
+        "and no on CPU",
+    )
+    gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass to save memory")
+    compile: bool = option(
+        False,
+        help="torch.compile each repeated block of the model (its layers) in place, after accelerate's prepare: "
+        "the same computation up to float rounding, state-dict names unchanged, so a resume may turn it on or off",
+    )
+    compile_backend: str = option(
+        "inductor", help="torch.compile backend with `compile` (one of torch.compiler.list_backends())"
+    )
+    fused_adamw: Literal["auto"] | bool = option(
+        "auto",
+        before=_fused_setting,
+        help="torch's fused AdamW kernel; auto: fused on CUDA, torch's default elsewhere (so CPU runs stay "
+        "bit-identical to earlier versions); the same update up to float rounding",
+    )
+    document_mask: bool = option(
+        False,
+        help="packed documents do not see each other: positions restart after each EOS and attention stays inside "
+        "each document (a block-diagonal mask; varlen kernels from positions with flash attention)",
+    )
+    peak_flops: float | None = option(
+        None,
+        above=0,
+        help="peak FLOP/s of one device for perf/mfu (default: known bf16 peaks of common GPUs; none on CPU)",
+    )
+
+
+def _reporters(value: Any) -> Any:
+    # `--report_to wandb,jsonl` and YAML `report_to: wandb` both mean a list.
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = [part.strip() for v in value for part in v.split(",") if part.strip()]
+    return value
+
+
+@dataclass(kw_only=True)
+class Reporting(Schema):
+    """Where metrics go besides metrics.jsonl."""
+
+    report_to: list[Reporter] = option(
+        ["wandb", "jsonl"],
+        before=_reporters,
+        help="wandb, jsonl, none (several allowed); metrics.jsonl is written in any case",
+    )
+    wandb_project: str = option("uptrain", help="wandb project name")
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if "none" in self.report_to and len(self.report_to) > 1:
+            found.append("`report_to: none` cannot be combined with other reporters")
+        return found
+
+
+@dataclass(kw_only=True)
+class Timeouts(Schema):
+    """How long processes wait for each other."""
+
+    collective_timeout_s: float | None = option(
+        None,
+        above=0,
+        help="seconds a collective (gradient all-reduce, barrier) may wait for the other processes before the run "
+        "fails (default: torch's, 600 under NCCL, 1800 under gloo)",
+    )
+    conversion_timeout_s: float = option(
+        6 * 3600.0,
+        above=0,
+        help="seconds the other processes wait for the main process to convert `source` (calibration, merges, "
+        "writing), whatever collective_timeout_s is",
+    )
+
+
+@dataclass(kw_only=True)
+class RunTarget(Schema):
+    """What one run trains: a checkpoint as it is, or an MHA checkpoint converted first."""
+
+    model: str | None = option(
+        None,
+        help="checkpoint folder to uptrain (e.g. the output of `uptrain convert`); give either `model` or `source`",
+    )
+    source: str | None = option(
+        None,
+        help="MHA checkpoint to convert first (same code as `uptrain convert`); the result is written to "
+        "OUTPUT_DIR/converted and trained",
+    )
+    num_kv_heads: int | None = kv_heads_option(None, "KV heads after conversion; required with `source`")
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if (self.model is None) == (self.source is None):
+            found.append(
+                "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
+            )
+        elif self.source is not None and self.num_kv_heads is None:
+            found.append("`source` needs `num_kv_heads`")
+        elif self.source is None and self.num_kv_heads is not None:
+            found.append("`num_kv_heads` only applies with `source`; `model` is trained as it is")
+        return found
+
+
+# A dataclass lists its bases' keys last base first: the keys follow in run_config.yaml and
+# `--help` as RunTarget, ConversionOptions, TrainData, …, Timeouts, then TrainConfig's own.
+@dataclass(kw_only=True)
+class TrainConfig(
+    Timeouts,
+    Reporting,
+    Execution,
+    Distillation,
+    UptrainingBudget,
+    Optimization,
+    StepShape,
+    TrainData,
+    ConversionOptions,
+    RunTarget,
+):
+    """Everything one uptraining run needs: what it trains, the conversion keys (applied when
+    `source` is converted on the fly; calibration reads `train_data`), the data, the step, the
+    optimizer, the budget, distillation, execution, reporting and timeouts, then where the run
+    goes, how often it is evaluated and saved, and what to do with an earlier run.
 
     Budget: exactly one of max_steps, max_tokens, uptrain_fraction × pretrain_tokens (the rule
     `uptrain compare` checks too, `budgets.budget_problems`).
     """
 
-    # Distillation from the original MHA model.
-    teacher: str | None = Field(None, description="frozen teacher checkpoint (same tokenizer) for distillation")
-    distill_weight: float = Field(0.5, ge=0, le=1, description="w in loss = (1 − w)·CE + w·KL(teacher ‖ student)")
-    distill_temperature: float = Field(1.0, gt=0, description="softmax temperature T of the KL term (scaled by T²)")
+    WHAT = "config"
 
-    # Cadence, precision, reporting.
-    eval_every: int = Field(100, ge=1, description="evaluate every N optimizer steps (and at step 0 and the end)")
-    save_every: int = Field(500, ge=1, description="checkpoint (accelerator.save_state) every N optimizer steps")
-    keep_checkpoints: int = Field(2, ge=1, description="keep the last K checkpoints")
-    log_every: int = Field(1, ge=1, description="log training metrics every N optimizer steps")
-    seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="seed for data order and initialisation")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "auto",
-        description="autocast; auto: `accelerate launch --mixed_precision` if given, else bf16 on GPUs "
-        "that support it and no on CPU",
-    )
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass to save memory")
-    compile: bool = Field(
-        False,
-        description="torch.compile each repeated block of the model (its layers) in place, after accelerate's "
-        "prepare: the same computation up to float rounding, state-dict names unchanged, so a resume may turn "
-        "it on or off",
-    )
-    compile_backend: str = Field(
-        "inductor", description="torch.compile backend with `compile` (one of torch.compiler.list_backends())"
-    )
-    fused_adamw: Literal["auto"] | bool = Field(
-        "auto",
-        description="torch's fused AdamW kernel; auto: fused on CUDA, torch's default elsewhere (so CPU runs "
-        "stay bit-identical to earlier versions); the same update up to float rounding",
-    )
-    document_mask: bool = Field(
-        False,
-        description="packed documents do not see each other: positions restart after each EOS and attention "
-        "stays inside each document (a block-diagonal mask; varlen kernels from positions with flash attention)",
-    )
-    peak_flops: float | None = Field(
-        None,
-        gt=0,
-        description="peak FLOP/s of one device for perf/mfu (default: known bf16 peaks of common GPUs; none on CPU)",
-    )
-    report_to: list[Reporter] = Field(
-        ["wandb", "jsonl"], description="wandb, jsonl, none (several allowed); metrics.jsonl is written in any case"
-    )
-    wandb_project: str = Field("uptrain", description="wandb project name")
-    run_name: str | None = Field(None, description="run name in wandb (default: the output_dir's name)")
-    wandb_group: str | None = Field(None, description="wandb group that collects related runs (e.g. a comparison)")
-
-    # How long processes wait for each other.
-    collective_timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="seconds a collective (gradient all-reduce, barrier) may wait for the other processes before "
-        "the run fails (default: torch's, 600 under NCCL, 1800 under gloo)",
-    )
-    conversion_timeout_s: float = Field(
-        6 * 3600,
-        gt=0,
-        description="seconds the other processes wait for the main process to convert `source` (calibration, "
-        "merges, writing), whatever collective_timeout_s is",
-    )
-
+    output_dir: str = option(help="run folder: metrics.jsonl, checkpoints/, final/, wandb/")
+    # Cadence.
+    eval_every: int = option(100, at_least=1, help="evaluate every N optimizer steps (and at step 0 and the end)")
+    save_every: int = option(500, at_least=1, help="checkpoint (accelerator.save_state) every N optimizer steps")
+    keep_checkpoints: int = option(2, at_least=1, help="keep the last K checkpoints")
+    log_every: int = option(1, at_least=1, help="log training metrics every N optimizer steps")
+    seed: int = seed_option("seed for data order and initialisation")
+    run_name: str | None = option(None, help="run name in wandb (default: the output_dir's name)")
+    wandb_group: str | None = option(None, help="wandb group that collects related runs (e.g. a comparison)")
     # What to do with an existing output_dir.
-    resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
-    overwrite: bool = Field(False, description="delete an existing output_dir and start over")
+    resume: bool = option(False, help="continue the run in output_dir from its latest checkpoint")
+    overwrite: bool = option(False, help="delete an existing output_dir and start over")
 
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _split_reporters(cls, value: Any) -> Any:
-        # `--report_to wandb,jsonl` and YAML `report_to: wandb` both mean a list.
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        return value
-
-    @field_validator("fused_adamw", mode="before")
-    @classmethod
-    def _fused_setting(cls, value: Any) -> Any:
-        # One message for the union (pydantic would report each of its members).
-        if isinstance(value, bool) or value == "auto":
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError(f"must be auto, true or false, not {value!r}")
-
-    @field_validator("mixed_precision", mode="before")
-    @classmethod
-    def _yaml_no(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare `no` as false.
-        return "no" if value is False else value
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> TrainConfig:
-        if (self.model is None) == (self.source is None):
-            raise ValueError(
-                "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
-            )
-        if self.source is not None and self.num_kv_heads is None:
-            raise ValueError("`source` needs `num_kv_heads`")
-        if self.source is None and self.num_kv_heads is not None:
-            raise ValueError("`num_kv_heads` only applies with `source`; `model` is trained as it is")
-        if problems := budget_problems(self):
-            raise ValueError(problems[0])
-        if "none" in self.report_to and len(self.report_to) > 1:
-            raise ValueError("`report_to: none` cannot be combined with other reporters")
-        if self.target_len is not None and self.objective not in (None, "pairs", "speech_pairs"):
-            raise ValueError(f"`target_len` applies to objective pairs and speech_pairs, not {self.objective}")
+    def problems(self) -> list[str]:
+        found = super().problems()
         if self.resume and self.overwrite:
-            raise ValueError("`resume` and `overwrite` exclude each other")
-        return self
+            found.append("`resume` and `overwrite` exclude each other")
+        return found
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        shared = {k.name: getattr(self, k.name) for k in keys_of(ConversionOptions)}
+        shared = {name: getattr(self, name) for name in names_of(ConversionOptions)}
         return ConversionSpec(
             source=self.source,
             num_kv_heads=self.num_kv_heads,
@@ -330,108 +385,30 @@ OPERATIONAL_KEYS = frozenset(
 )
 
 
-def format_validation_error(err: ValidationError, path: str | Path | None, command: str = "train") -> str:
-    """One line naming every offending key."""
-    problems = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            problems.append(f"unknown key `{key}` (see `uptrain {command} --help`)")
-        elif e["type"] == "missing":
-            problems.append(f"`{key}` is required")
-        else:
-            message = e["msg"].removeprefix("Value error, ")
-            problems.append(f"`{key}`: {message}" if key else message)
-    where = f"{path}: " if path else ""
-    what = "config" if command == "train" else "option"  # train reads YAML keys; the others flags
-    return f"{where}invalid {what}: " + "; ".join(problems)
-
-
 def validated_config(values: dict[str, Any], command: str = "train", path: str | Path | None = None) -> TrainConfig:
     """`TrainConfig(**values)`; bad values raise one UptrainError naming every offending key (and
     `path`, the file they came from)."""
-    try:
-        return TrainConfig(**values)
-    except ValidationError as err:
-        raise UptrainError(format_validation_error(err, path, command)) from None
-
-
-# What PyYAML's constructors raise, beside YAMLError, on values its own resolver let through.
-YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, LookupError, ArithmeticError)
-MAX_CONFIG_BYTES = 1 << 20  # a config is a page of keys; anything larger is not one, and parsing it costs
-
-
-def read_yaml(path: Path) -> Any:
-    """The YAML document in `path`; anything that is not a config file is one UptrainError."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)  # read no more than the bound, whatever the file holds
-    except OSError as err:
-        raise UptrainError(f"cannot read {path}: {err.strerror or err}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise UptrainError(f"{path} is larger than a config can be ({MAX_CONFIG_BYTES // 2**20} MiB)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UptrainError(f"{path} is not UTF-8 text (byte {err.start})") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
-    except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
-        if too_many_digits(err):
-            raise UptrainError(f"{path}: {too_many_digits(err)}") from None
-        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
-    except RecursionError:
-        raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None
+    return validated_values(TrainConfig, values, command, path)
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
     """Read a YAML file (optional), apply `overrides` on top, validate. Raises UptrainError."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UptrainError(f"config file {path} does not exist")
-        loaded = read_yaml(path)
-        if loaded is not None and not isinstance(loaded, dict):
-            raise UptrainError(f"{path} must hold a mapping of config keys, not {type(loaded).__name__}")
-        if bad := [k for k in loaded or {} if not isinstance(k, str)]:  # `1: x`, `? [a]: x`, a bare `?`
-            raise UptrainError(f"{path}: config keys are names, not {bad[0]!r}")
-        values.update(loaded or {})
-    values.update(overrides)
-    return validated_config(values, path=path)
-
-
-def config_keys() -> list[Key]:
-    """TrainConfig's keys as `uptrain.options` sees them: an embedded schema's keys as that
-    schema declares them (help, choices, group), the others from their pydantic fields."""
-    embedded = {k.name: k for schema in EMBEDDED for k in keys_of(schema)}
-    return [
-        embedded.get(name)
-        or Key(
-            name,
-            field.annotation,
-            REQUIRED if field.is_required() else field.default,
-            Option(help=field.description or ""),
-        )
-        for name, field in TrainConfig.model_fields.items()
-    ]
+    return load(TrainConfig, path, overrides, "train")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `--config` and one flag per config key (`--seq_len` and `--seq-len` both work)."""
-    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of config keys; flags override it")
-    add_arguments(
-        parser, config_keys(), file_keys=True, group="config keys (each also a YAML key; flags override the file)"
-    )
+    """Add `--config` and one flag per config key (`--seq_len` and `--seq-len` both work), as
+    `uptrain train` has them (for scripts with a parser of their own, `recipes/uptrain.py`)."""
+    add_schema_arguments(parser, TrainConfig, config_file=True)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The validated config of a parsed `uptrain train` command line."""
-    return load_config(getattr(args, "config", None), given(args, config_keys()))
+    return from_args(TrainConfig, args, "train", config=getattr(args, "config", None))
 
 
 def config_to_yaml(config: TrainConfig) -> str:
     """The config as YAML, keys in schema order (written to OUTPUT_DIR/run_config.yaml)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    import yaml
+
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

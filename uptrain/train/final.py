@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 import uptrain
+from uptrain.architecture import find_architecture
 from uptrain.checkpoint.atomic import atomic_directory
 from uptrain.checkpoint.card import CARD, card_metadata, front_matter, is_hub_id
 from uptrain.checkpoint.provenance import PROVENANCE, conversion_record
 from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SourceCheckpoint
 from uptrain.checkpoint.source import local_source, portable
 from uptrain.checkpoint.writer import write_tensors
-from uptrain.convert.layouts import ENCODER_DECODER_LAYOUTS
 from uptrain.convert.plan import ATTENTION_NAMES
 from uptrain.model_info import read_config
 
@@ -244,10 +244,11 @@ def uptrained_card(record: dict, start: Path) -> str:
     start_card = card_metadata(start)
     tags = [conversion["model_type"]] if conversion else []
     # The starting checkpoint's own model_type (t5_gqa, or t5 for a model uptrain did not convert).
-    layout = ENCODER_DECODER_LAYOUTS.get(read_config(start).get("model_type"))
-    if layout is not None:
+    arch = find_architecture(read_config(start).get("model_type"))
+    encoder_decoder = arch is not None and arch.encoder_decoder
+    if encoder_decoder:
         tags.append("encoder-decoder")
-    if conversion and layout is not None and isinstance(conversion.get("attentions"), dict):
+    if conversion and encoder_decoder and isinstance(conversion.get("attentions"), dict):
         what = _encoder_decoder_conversion(conversion)
     elif conversion:
         # portable(): records written before sources were named portably hold the absolute path.
@@ -293,5 +294,5 @@ def uptrained_card(record: dict, start: Path) -> str:
 changed (each tensor in its dtype there). `uptrain.json` records the run's full config and the provenance chain \
 (uptrain {record["uptrain_version"]}).
 """
-    task = layout.pipeline_tag if layout is not None else "text-generation"
+    task = arch.pipeline_tag if arch is not None else "text-generation"
     return front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"], task) + "\n" + body

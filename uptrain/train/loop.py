@@ -26,10 +26,10 @@ from tqdm.auto import tqdm
 import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
+from uptrain.architecture import auto_class_name, config_geometry
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import check_apart
 from uptrain.checkpoint.source import resolve_source
-from uptrain.convert.layouts import config_geometry
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.objectives import IGNORE_INDEX
@@ -45,7 +45,6 @@ from uptrain.train.rundir import RunStart, hold_run_dir, initialise_run_dir, ins
 from uptrain.train.seq2seq import (
     PAIR_OBJECTIVES,
     Objective,
-    auto_class_name,
     block_length,
     objective_for,
     resolve_objective,
@@ -770,7 +769,7 @@ def _save_final(run: Run, final_metrics: dict) -> Path:
         record = uptraining_record(
             Path(plan.model_path),
             # The objective actually trained, where the config left it to the model's family.
-            {**plan.config.model_dump(mode="json"), "objective": plan.objective},
+            {**plan.config.to_dict(), "objective": plan.objective},
             steps=plan.total_steps,
             tokens=plan.total_steps * plan.tokens_per_step,
             num_processes=acc.num_processes,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.convert.layouts import DECODER_SELF, ENCODER_DECODER_LAYOUTS, attention_stacks, config_geometry
+from uptrain.architecture import DECODER_SELF, config_geometry, find_architecture
 
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
 # first, so "H100 PCIe" is not read as "H100" and "L40S" not as "L4".
@@ -147,12 +147,13 @@ class EncoderDecoderCost:
 
 def encoder_decoder_cost(model: torch.nn.Module, model_config: dict) -> EncoderDecoderCost:
     """The parameter counts of `model` (counted before accelerate wraps or shards it) and the
-    attention widths of its config.json, `model_config` (any model_type of
-    `ENCODER_DECODER_LAYOUTS`: t5, mt5, bart, mbart, marian, whisper and their `_gqa`)."""
+    attention widths of its config.json, `model_config` (any encoder–decoder of the architecture
+    registry: t5, mt5, bart, mbart, marian, whisper and their `_gqa`)."""
     model_type = model_config.get("model_type")
-    if model_type not in ENCODER_DECODER_LAYOUTS:
+    arch = find_architecture(model_type)
+    if arch is None or not arch.encoder_decoder:
         raise UptrainError(f"model_type {model_type!r} is not an encoder–decoder uptrain knows")
-    stacks = attention_stacks(model_config, ENCODER_DECODER_LAYOUTS[model_type])
+    stacks = arch.stacks(model_config)
     cross = stacks["cross"]
     cross_kv = tuple(
         f"{prefix.format(layer=i)}.{module}."
@@ -193,14 +194,12 @@ def kv_cache_metrics(model_config: dict, dtype_bytes: int) -> dict[str, int]:
     `model/cross_kv_cache_bytes_per_source_token`: the cross-attention's K and V of every decoder
     layer for each encoder position, computed once per input and held while generating. A batch
     generating T tokens from S source positions holds T·(first) + S·(second) bytes per input."""
-    model_type = model_config.get("model_type")
-    if model_type not in ENCODER_DECODER_LAYOUTS:
-        return {"model/kv_cache_bytes_per_token": config_geometry(model_config).kv_cache_bytes_per_token(dtype_bytes)}
-    stacks = attention_stacks(model_config, ENCODER_DECODER_LAYOUTS[model_type])
-    return {
-        "model/kv_cache_bytes_per_token": stacks[DECODER_SELF].geometry.kv_cache_bytes_per_token(dtype_bytes),
-        "model/cross_kv_cache_bytes_per_source_token": stacks["cross"].geometry.kv_cache_bytes_per_token(dtype_bytes),
-    }
+    arch = find_architecture(model_config.get("model_type"))
+    per_token = {"model/kv_cache_bytes_per_token": config_geometry(model_config).kv_cache_bytes_per_token(dtype_bytes)}
+    if arch is None or "cross" not in arch.attentions:
+        return per_token
+    cross = arch.site("cross").geometry.read(model_config)
+    return {**per_token, "model/cross_kv_cache_bytes_per_source_token": cross.kv_cache_bytes_per_token(dtype_bytes)}
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float, num_processes: int) -> float:

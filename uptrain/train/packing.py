@@ -25,19 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from uptrain import UptrainError
+from uptrain.architecture import Architecture, find_architecture
 
 # Backends to which transformers gives packed sequences from `position_ids` alone (and which
 # take no dense 4D mask).
 FROM_POSITIONS = ("flash", "flex")
-# ALiBi biases are built from the 2D padding mask; a 4D mask has no place there.
-REFUSED = {"bloom": "BLOOM", "bloom_gqa": "BLOOM"}
-# Models whose forward builds its mask without `position_ids`: transformers finds no packed
-# documents there, so flash and flex attention would attend across them.
-NO_PACKED_POSITIONS = {"opt": "OPT", "opt_gqa": "OPT"}
-# Models whose layers never pass `position_ids` on to attention: flash attention, which finds the
-# documents from them, would attend across them (flex attention's block mask is built from the
-# forward's positions, and GPT-Neo's local window applies inside each document as it does alone).
-NO_POSITIONS_IN_ATTENTION = {"gpt_neo": "GPT-Neo", "gpt_neo_gqa": "GPT-Neo"}
 
 
 def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -64,6 +56,21 @@ def document_attention_mask(input_ids: torch.Tensor, eos_id: int) -> torch.Tenso
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
+def positions_lost(arch: Architecture | None, implementation: str) -> tuple[str, str] | None:
+    """Why `implementation`, which finds packed documents from `position_ids` alone, never gets
+    them on this architecture, and the backends that do see the documents; None where it gets
+    them. From the registry: a forward that builds its mask without them
+    (`mask_ignores_positions`, OPT: flash and flex) or layers that pass none to attention
+    (`attention_ignores_positions`, GPT-Neo: flash; flex's block mask is built by the forward)."""
+    if arch is None:
+        return None
+    if arch.mask_ignores_positions and any(kind in implementation for kind in FROM_POSITIONS):
+        return f"{arch.name} builds its attention mask without position ids", "sdpa or eager"
+    if arch.attention_ignores_positions and "flash" in implementation:
+        return f"{arch.name}'s layers do not pass position ids to attention", "sdpa, eager or flex"
+    return None
+
+
 @dataclass(frozen=True)
 class DocumentPacking:
     """The forward's inputs that keep each packed document to itself, for one model's backend."""
@@ -76,17 +83,11 @@ class DocumentPacking:
     def for_model(cls, model: torch.nn.Module, eos_id: int) -> DocumentPacking:
         """For an (unwrapped) transformers model: its attention backend and dtype."""
         implementation = str(model.config._attn_implementation)
-        name = NO_PACKED_POSITIONS.get(model.config.model_type)
-        if name is not None and any(kind in implementation for kind in FROM_POSITIONS):
+        lost = positions_lost(find_architecture(model.config.model_type), implementation)
+        if lost is not None:
+            why, instead = lost
             raise UptrainError(
-                f"document_mask: {name} builds its attention mask without position ids, so {implementation} "
-                "would attend across documents; use sdpa or eager attention"
-            )
-        name = NO_POSITIONS_IN_ATTENTION.get(model.config.model_type)
-        if name is not None and "flash" in implementation:
-            raise UptrainError(
-                f"document_mask: {name}'s layers do not pass position ids to attention, so {implementation} "
-                "would attend across documents; use sdpa, eager or flex attention"
+                f"document_mask: {why}, so {implementation} would attend across documents; use {instead} attention"
             )
         return cls(eos_id, implementation, next(model.parameters()).dtype)
 
@@ -107,10 +108,10 @@ class DocumentPacking:
 
 def check_document_mask(model_config: dict, seq_len: int, model: str) -> None:
     """Refuse, in one line, a model whose attention the document mask cannot express."""
-    model_type = model_config.get("model_type")
-    if model_type in REFUSED:
+    arch = find_architecture(model_config.get("model_type"))
+    if arch is not None and arch.alibi:  # ALiBi biases are built from the 2D padding mask
         raise UptrainError(
-            f"document_mask: {model} is {REFUSED[model_type]}, whose ALiBi biases are built from a 2D padding "
+            f"document_mask: {model} is {arch.name}, whose ALiBi biases are built from a 2D padding "
             "mask that a per-document mask cannot replace; set document_mask: false"
         )
     window = model_config.get("sliding_window")

@@ -1,7 +1,7 @@
 """The run folder: refuse to mix runs, decide between a fresh start and a resume.
 
 output_dir/
-  run_config.yaml   the config this run was started with (marks the folder as a run)
+  run_config.yaml   the config this run was started with (marks the folder as a run; `resume_rule`)
   run.json          facts fixed at the start: processes, global batch, wandb run id
   metrics.jsonl     one record per logged step
   converted/        the `source` checkpoint after conversion (with `source`)
@@ -25,6 +25,8 @@ import yaml
 
 from uptrain import UptrainError
 from uptrain.checkpoint.atomic import OutputLock, remove_stale_locks
+from uptrain.checkpoint.resumable import Change, ResumeRule, settings_changed, unreadable_record
+from uptrain.options import keys_of
 from uptrain.strict_json import read_json
 from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
@@ -45,14 +47,18 @@ class RunStart:
     complete: bool  # an earlier run already wrote final/
 
 
-def _differences(old: dict, new: TrainConfig) -> list[str]:
-    current = new.model_dump(mode="json")
-    # A key the earlier run's uptrain did not have yet held its default there.
-    defaults = {k: f.default for k, f in TrainConfig.model_fields.items() if not f.is_required()}
-    old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
-    # output_dir names the folder being resumed, however it is spelled (run, run/, /abs/run).
-    keys = [k for k in current if k not in OPERATIONAL_KEYS and k != "output_dir"]
-    return [f"{k}: {old.get(k)!r} → {current[k]!r}" for k in keys if old.get(k) != current[k]]
+# batch_size and grad_accum are operational only while the global batch, their product with the
+# number of processes, stays: run.json records it and `inspect_run_dir` checks it apart. A
+# compare, whose finished runs are kept as they are, treats them as identifying.
+GLOBAL_BATCH_KEYS = frozenset({"batch_size", "grad_accum"})
+GLOBAL_BATCH = "batch_size × grad_accum × processes"
+
+
+def resume_rule() -> ResumeRule:
+    """What identifies a run: every key but the bookkeeping ones (`OPERATIONAL_KEYS`) and
+    output_dir, which names the folder being resumed however it is spelled (run, run/, /abs/run)."""
+    defaults = {k.name: k.default for k in keys_of(TrainConfig) if not k.required}
+    return ResumeRule(OPERATIONAL_KEYS | {"output_dir"}, defaults)
 
 
 @contextmanager
@@ -108,13 +114,9 @@ def _read_run_config(marker: Path) -> dict:
     try:
         old = yaml.safe_load(marker.read_text())
     except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as err:
-        raise UptrainError(
-            f"cannot resume: {marker} is damaged ({type(err).__name__}); use another output_dir or --overwrite"
-        ) from None
+        raise unreadable_record(f"{marker} is damaged ({type(err).__name__})", "output_dir") from None
     if not isinstance(old, dict):
-        raise UptrainError(
-            f"cannot resume: {marker} is damaged (not a mapping of config keys); use another output_dir or --overwrite"
-        )
+        raise unreadable_record(f"{marker} is damaged (not a mapping of config keys)", "output_dir")
     return old
 
 
@@ -135,19 +137,13 @@ def inspect_run_dir(config: TrainConfig, global_batch: int) -> RunStart:
         )
     if not marker.is_file():
         raise UptrainError(f"cannot resume: {out} is not an uptrain run ({RUN_CONFIG} is missing)")
-    changed = _differences(_read_run_config(marker), config)
-    if changed:
-        raise UptrainError(
-            f"cannot resume {out}: the config changed ({'; '.join(changed)}); use another output_dir or --overwrite"
-        )
+    what = f"the run in {out}"
+    resume_rule().check(_read_run_config(marker), config.to_dict(), what=what, place="output_dir")
     info = read_json(out / RUN_INFO) if (out / RUN_INFO).is_file() else {}
     if not isinstance(info, dict):
-        raise UptrainError(f"cannot resume: {out / RUN_INFO} is damaged (not a JSON object)")
+        raise unreadable_record(f"{out / RUN_INFO} is damaged (not a JSON object)", "output_dir")
     if info.get("global_batch", global_batch) != global_batch:
-        raise UptrainError(
-            f"cannot resume {out}: its global batch was {info['global_batch']} blocks, now "
-            f"{global_batch} (batch_size × grad_accum × processes must stay the same)"
-        )
+        raise settings_changed(what, [Change(GLOBAL_BATCH, info["global_batch"], global_batch)], "output_dir")
     complete = (out / "final" / "config.json").is_file()
     latest = latest_checkpoint(out)
     if latest is None:

@@ -18,53 +18,43 @@ from dataclasses import dataclass
 import torch
 
 from uptrain import UptrainError
-from uptrain.modeling_table import modeling_for
+from uptrain.architecture import find_architecture
 from uptrain.objectives import IGNORE_INDEX, sentinel_ids_for, span_corruption, span_corruption_lengths, text_infilling
 from uptrain.train.metrics import encoder_decoder_cost
 
 OBJECTIVES = ("causal", "span_corruption", "text_infilling", "pairs", "speech_pairs")
-BLOCK_OBJECTIVES = ("causal", "span_corruption", "text_infilling")  # read packed text blocks
 PAIR_OBJECTIVES = ("pairs", "speech_pairs")  # read jsonl examples
-
-# The objective each encoder–decoder family was pretrained (or is fine-tuned) with; a converted
-# `*_gqa` checkpoint keeps its source's.
-DEFAULT_OBJECTIVE = {
-    "t5": "span_corruption",
-    "mt5": "span_corruption",
-    "bart": "text_infilling",
-    "mbart": "text_infilling",
-    "marian": "pairs",
-    "whisper": "speech_pairs",
-}
-DEFAULT_OBJECTIVE.update({f"{t}_gqa": o for t, o in DEFAULT_OBJECTIVE.items() if t != "mt5"})
 
 
 def resolve_objective(objective: str | None, model_config: dict, model_label: str) -> str:
     """The objective a run trains `model_config` with: `objective` if given, else its family's
-    default (`causal` for decoder-only models). Refuses, in one line, an objective the model
-    cannot learn (a decoder-only model has no encoder to read corrupted inputs)."""
+    default (the architecture registry's: `causal` for decoder-only models; a converted `*_gqa`
+    checkpoint keeps its source's). Refuses, in one line, an objective the model cannot learn (a
+    decoder-only model has no encoder to read corrupted inputs)."""
     model_type = model_config.get("model_type", "?")
     encoder_decoder = bool(model_config.get("is_encoder_decoder"))
+    arch = find_architecture(model_type)
+    default = None if arch is None else arch.default_objective
     if objective is None:
         if not encoder_decoder:
             return "causal"
-        if model_type not in DEFAULT_OBJECTIVE:
+        if default is None:
             raise UptrainError(
                 f"{model_label} is an encoder–decoder ({model_type}) with no default objective; "
                 f"set `objective` ({', '.join(OBJECTIVES[1:])})"
             )
-        return DEFAULT_OBJECTIVE[model_type]
+        return default
     if encoder_decoder and objective == "causal":
         raise UptrainError(
             f"objective causal is for decoder-only models; {model_label} is an encoder–decoder ({model_type}): "
-            f"use {DEFAULT_OBJECTIVE.get(model_type, 'span_corruption')}"
+            f"use {default or 'span_corruption'}"
         )
     if not encoder_decoder and objective != "causal":
         raise UptrainError(
             f"objective {objective} needs an encoder–decoder model; {model_label} is decoder-only ({model_type}): "
             "use causal"
         )
-    speech = DEFAULT_OBJECTIVE.get(model_type) == "speech_pairs"
+    speech = default == "speech_pairs"
     if speech != (objective == "speech_pairs"):
         reads = "audio" if speech else "text"
         raise UptrainError(
@@ -72,15 +62,6 @@ def resolve_objective(objective: str | None, model_config: dict, model_label: st
             f"use {'speech_pairs' if speech else 'span_corruption, text_infilling or pairs'}"
         )
     return objective
-
-
-def auto_class_name(model_config: dict) -> str:
-    """The transformers Auto class that loads the model with its task head."""
-    if (modeling := modeling_for(model_config.get("model_type"))) is not None:
-        return modeling.auto_class
-    if model_config.get("is_encoder_decoder"):
-        return "AutoModelForSeq2SeqLM"
-    return "AutoModelForCausalLM"
 
 
 def train_flops_per_token(model, model_config: dict, objective: str, seq_len: int, target_len: int) -> float:

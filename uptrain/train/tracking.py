@@ -103,7 +103,7 @@ def run_config(config, model_path: str | Path, num_kv_heads: int, num_processes:
     """The wandb config of a run. `pooling`, `grouping` and `num_kv_heads` are those of the model
     trained (from its provenance; `pooling: null` for a model uptrain did not convert), so that
     runs can be grouped and filtered by them whichever way the model was made."""
-    values = config.model_dump(mode="json")
+    values = config.to_dict()
     conversion = conversion_record(read_provenance(model_path))
     values.update(
         {

@@ -1,7 +1,10 @@
 """Random-weight Llama checkpoints written straight to safetensors, shard by shard.
 
 For benchmarks and memory tests: no model object is ever built, so writing a multi-GB
-checkpoint costs one shard of memory.
+checkpoint costs one shard of memory. A helper of the scripts and tests, not shipped in the
+package: the benchmark scripts import it as their sibling (`from synthetic_checkpoint import
+…`), tests and `device_check.sh` from the repository root (`from scripts.synthetic_checkpoint
+import …`).
 """
 
 from __future__ import annotations

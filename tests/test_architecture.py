@@ -1,0 +1,101 @@
+"""The architecture registry: one record per model_type, converted `*_gqa` types found by one
+function, one-line refusal of an unknown model_type, and records that agree with the files."""
+
+from __future__ import annotations
+
+import pytest
+
+from uptrain import UptrainError
+from uptrain.architecture import (
+    ATTENTIONS,
+    DECODER_SELF,
+    architecture,
+    auto_class_name,
+    converted_architectures,
+    find_architecture,
+    source_model_type,
+    supported_model_types,
+)
+from uptrain.architecture.converted import MODELING_DIR, modeling_files
+
+
+def test_converted_types_read_as_their_source():
+    assert source_model_type("gpt2_gqa") == "gpt2"
+    assert source_model_type("t5_gqa") == "t5"  # mt5 converts to t5_gqa too: t5 is its source
+    assert source_model_type("llama") == "llama"
+    assert source_model_type("nope_gqa") == "nope_gqa"
+    assert architecture("bloom_gqa") is architecture("bloom")
+    assert find_architecture("nope") is None and find_architecture(None) is None
+
+
+def test_an_unknown_model_type_is_one_line():
+    with pytest.raises(UptrainError) as err:
+        architecture("nope")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("unsupported model_type 'nope'; supported: ")
+    assert all(t in message for t in ("llama", "gpt2_gqa", "whisper_gqa", "mt5"))
+    assert message.endswith(", ".join(supported_model_types()))
+
+
+def test_every_record_is_consistent():
+    for model_type in supported_model_types():
+        record = architecture(model_type)
+        assert record.attentions[0] in ATTENTIONS and DECODER_SELF in record.attentions
+        assert record.attentions == tuple(a for a in ATTENTIONS if a in record.attentions)  # model order
+        assert len(record.sites) in (1, 3)
+        if record.modeling is not None:
+            assert record.modeling.model_type == f"{source_model_type(record.modeling.model_type)}_gqa"
+            assert (MODELING_DIR / f"{record.modeling.module}.py").is_file()
+            assert set(modeling_files(model_type)) == {f"{record.modeling.module}.py", "attention.py"}
+        else:
+            assert modeling_files(model_type) == {}
+    assert set(converted_architectures()) == {
+        f"{t}_gqa"
+        for t in ("gpt2", "gpt_neox", "opt", "gptj", "bloom", "gpt_neo", "t5", "bart", "mbart", "marian", "whisper")
+    }
+
+
+def test_one_auto_class_per_config():
+    assert auto_class_name({"model_type": "whisper"}) == "AutoModelForSpeechSeq2Seq"
+    assert auto_class_name({"model_type": "whisper_gqa"}) == "AutoModelForSpeechSeq2Seq"
+    assert auto_class_name({"model_type": "mt5"}) == "AutoModelForSeq2SeqLM"
+    assert auto_class_name({"model_type": "gpt2_gqa"}) == "AutoModelForCausalLM"
+    assert auto_class_name({"model_type": "unknown", "is_encoder_decoder": True}) == "AutoModelForSeq2SeqLM"
+    assert auto_class_name({"model_type": "unknown"}) == "AutoModelForCausalLM"
+
+
+def test_one_record_per_model_type():
+    from uptrain.architecture import REGISTRY
+    from uptrain.architecture.decoders import DECODERS
+    from uptrain.architecture.encoder_decoders import ENCODER_DECODERS
+
+    assert len(REGISTRY) == len(DECODERS) + len(ENCODER_DECODERS)  # none overwrites another
+    assert not set(REGISTRY) & set(converted_architectures())
+
+
+def test_a_decoder_with_config_names_of_its_own():
+    """A decoder-only record may read its geometry under its own names (MPT: n_layers, n_heads,
+    d_model), and a converted config records its KV heads where that site says."""
+    from uptrain.architecture import StackKeys
+    from uptrain.architecture.decoders import decoder_only
+
+    record = decoder_only("mine", "Mine", geometry=StackKeys("n_layers", "n_heads", "num_key_value_heads"))
+    geometry = record.stacks({"model_type": "mine", "n_layers": 2, "n_heads": 8, "d_model": 64})[DECODER_SELF].geometry
+    assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (2, 8, 8, 8)
+
+
+def test_gpt_neo_reads_its_own_config_names():
+    """GPT-Neo's config.json spells the geometry num_layers and num_heads (no num_attention_heads):
+    its record reads them, and its converted config keeps them with G under num_key_value_heads."""
+    from uptrain.architecture import config_geometry
+    from uptrain.architecture.converted import gqa_config
+
+    source = {"model_type": "gpt_neo", "num_layers": 3, "num_heads": 8, "hidden_size": 64, "head_dim": 4}
+    converted = gqa_config(source, 2)
+    assert converted["model_type"] == "gpt_neo_gqa" and converted["num_key_value_heads"] == 2
+    assert {k: converted[k] for k in ("num_layers", "num_heads", "hidden_size")} == dict(
+        num_layers=3, num_heads=8, hidden_size=64
+    )
+    for config, kv in ((source, 8), (converted, 2)):
+        geometry = config_geometry(config)  # head_dim is hidden_size // num_heads: GPT-Neo reads no head_dim
+        assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (3, 8, kv, 8)

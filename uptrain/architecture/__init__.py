@@ -1,0 +1,143 @@
+"""What each architecture is, as data looked up by `model_type`: one record per model_type.
+
+Imports nothing from torch or transformers (`uptrain convert` reads it without them). Every
+reader of an architecture — conversion, uptrain's modeling registration, train, speed, inspect,
+budgets — asks here (`architecture`, `find_architecture`); nothing else names a model_type.
+
+A record (`Architecture`) holds:
+- `sites`: its attentions, each an `AttentionSite` — which attention ("decoder-self",
+  "encoder", "cross"), its tensors (`AttentionLayout`: prefix with `{layer}`, K/V rows, fused
+  Q|K|V, per-head norms) and the config keys of its geometry (`StandardKeys` for a
+  decoder-only model's one attention, `StackKeys` for an encoder–decoder's three). Code
+  iterates the sites: a decoder-only model is the one-site case.
+- `modeling`: uptrain's GQA modeling (`GQAModeling`: the converted `<model_type>_gqa` and its
+  class names in `uptrain/modeling/modeling_<model_type>_gqa.py`), or None where transformers'
+  own modeling reads `num_key_value_heads` (llama, mistral, …);
+- `auto_class`, `default_objective`, `pipeline_tag`: how it loads, trains and is tagged;
+- its init std (`init_std_key`, `init_std_width_key`), output `renames`, `converted_config`;
+- quirks the code acts on (`alibi`, `mask_ignores_positions`, `attention_ignores_positions`)
+  and what it refuses (`whole_layer_merges`), and an encoder–decoder's `source_positions_key` / `source_unit`.
+
+To add an architecture:
+1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`, with
+   `geometry=StackKeys(...)` where the config does not use transformers' standard names, e.g.
+   n_layers / n_heads / d_model) or to `encoder_decoders.py` (`bart_family(...)`, or sites of its
+   own as T5's), naming its tensors relative to the checkpoint's root and the config keys of its
+   heads and layers (each site's KV heads under `STACK_KV_HEADS`, as uptrain's modeling reads them).
+2. If its transformers modeling has no `num_key_value_heads`, it needs uptrain's: write
+   `uptrain/modeling/modeling_<model_type>_gqa.py` (loadable alone beside the weights: it imports
+   only torch, transformers and `.attention`) and name its classes in `modeling=GQAModeling(...)`
+   (`decoders.gqa_modeling` for a causal LM's usual names). `uptrain.modeling` imports that module
+   and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
+3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
+   that pass none to attention, no whole-layer merges), and `default_objective` / `auto_class` / `pipeline_tag` for an
+   encoder–decoder. Tests: a tiny model from its config, converted exactly (tests/convert).
+A converted checkpoint's `<model_type>_gqa` finds its source's record (`source_model_type`), so
+it can be pooled further.
+"""
+
+from __future__ import annotations
+
+from uptrain import UptrainError
+from uptrain.architecture.decoders import DECODERS
+from uptrain.architecture.encoder_decoders import ENCODER_DECODERS
+from uptrain.architecture.schema import (
+    ATTENTIONS,
+    DECODER_SELF,
+    DEFAULT_ATTENTIONS,
+    STACK_KV_HEADS,
+    Architecture,
+    AttentionLayout,
+    AttentionSite,
+    AttentionStack,
+    GQAModeling,
+    StackKeys,
+    StandardKeys,
+)
+from uptrain.model_info import AttentionGeometry, attention_geometry
+
+__all__ = [
+    "ATTENTIONS",
+    "DECODER_SELF",
+    "DEFAULT_ATTENTIONS",
+    "STACK_KV_HEADS",
+    "Architecture",
+    "AttentionLayout",
+    "AttentionSite",
+    "AttentionStack",
+    "GQAModeling",
+    "StackKeys",
+    "StandardKeys",
+    "architecture",
+    "auto_class_name",
+    "config_geometry",
+    "converted_architectures",
+    "find_architecture",
+    "source_model_type",
+    "supported_model_types",
+]
+
+# Source model_type → its record.
+REGISTRY: dict[str, Architecture] = {a.model_type: a for a in (*DECODERS, *ENCODER_DECODERS)}
+
+
+def _converted() -> dict[str, Architecture]:
+    """A converted checkpoint's model_type → the record of the first source that converts to it
+    (t5_gqa: t5's, which mt5 shares)."""
+    found: dict[str, Architecture] = {}
+    for record in REGISTRY.values():
+        if record.modeling is not None:
+            found.setdefault(record.modeling.model_type, record)
+    return found
+
+
+CONVERTED = _converted()
+
+
+def source_model_type(model_type: str | None) -> str | None:
+    """The model_type a converted `*_gqa` checkpoint was converted from (t5_gqa → t5); any other
+    model_type is its own source."""
+    record = CONVERTED.get(model_type)
+    return model_type if record is None else record.model_type
+
+
+def find_architecture(model_type: str | None) -> Architecture | None:
+    """The record of a model_type, source or converted (gpt2_gqa reads as gpt2); None if unknown."""
+    return REGISTRY.get(source_model_type(model_type))
+
+
+def supported_model_types() -> list[str]:
+    """Every model_type uptrain converts: the sources and their converted `*_gqa` types."""
+    return sorted([*REGISTRY, *CONVERTED])
+
+
+def architecture(model_type: str | None) -> Architecture:
+    """The record of a model_type; one line naming the supported ones if there is none."""
+    record = find_architecture(model_type)
+    if record is None:
+        raise UptrainError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}")
+    return record
+
+
+def converted_architectures() -> dict[str, Architecture]:
+    """Each model_type of uptrain's GQA modeling (gpt2_gqa, t5_gqa, …) → its source's record."""
+    return dict(CONVERTED)
+
+
+def auto_class_name(config: dict) -> str:
+    """The transformers Auto class that loads a checkpoint with its task head: its record's, else
+    by what the config says it is (an encoder–decoder: AutoModelForSeq2SeqLM)."""
+    record = find_architecture(config.get("model_type"))
+    if record is not None:
+        return record.auto_class
+    return "AutoModelForSeq2SeqLM" if config.get("is_encoder_decoder") else "AutoModelForCausalLM"
+
+
+def config_geometry(config: dict) -> AttentionGeometry:
+    """The geometry of the attention whose cache grows with each generated token: a decoder-only
+    model's one, an encoder–decoder's decoder self-attention. A model_type without a record is
+    read with transformers' standard names (and its `head_dim`)."""
+    record = find_architecture(config.get("model_type"))
+    if record is None:
+        return attention_geometry(config)
+    return record.stacks(config)[DECODER_SELF].geometry

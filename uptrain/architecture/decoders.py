@@ -1,0 +1,189 @@
+"""Decoder-only architectures: one attention each ("decoder-self"), read under transformers'
+standard config names unless the record names its own (GPT-Neo's num_layers, num_heads). One
+record per model_type; see the package docstring."""
+
+from __future__ import annotations
+
+from uptrain.architecture.schema import (
+    DECODER_SELF,
+    Architecture,
+    AttentionLayout,
+    AttentionSite,
+    GeometryKeys,
+    GQAModeling,
+    StackKeys,
+    StandardKeys,
+)
+
+STANDARD = AttentionLayout()
+
+
+def decoder_only(
+    model_type: str,
+    name: str,
+    layout: AttentionLayout = STANDARD,
+    *,
+    head_dim_key: str | None = "head_dim",
+    geometry: GeometryKeys | None = None,
+    **fields,
+) -> Architecture:
+    """The record of a decoder-only architecture: its one attention's `layout`, read under the
+    standard config names with `head_dim_key` the field that overrides hidden_size // heads (None
+    where the modeling ignores it), or under names of its own (`geometry`: `StackKeys`, e.g.
+    n_layers, n_heads, d_model)."""
+    site = AttentionSite(DECODER_SELF, layout, geometry or StandardKeys(head_dim_key))
+    return Architecture(model_type, name, (site,), **fields)
+
+
+def gqa_modeling(model_type: str, prefix: str) -> GQAModeling:
+    """uptrain's modeling of a causal LM: `<model_type>_gqa` with classes `<prefix>GQAConfig`,
+    `<prefix>GQAModel` and `<prefix>GQAForCausalLM`."""
+    return GQAModeling(f"{model_type}_gqa", f"{prefix}GQAConfig", f"{prefix}GQAModel", f"{prefix}GQAForCausalLM")
+
+
+# A fused `query_key_value` whose rows are [h, 3, d], Q, K and V interleaved per head (GPT-NeoX,
+# BLOOM), with a `dense` output projection.
+PER_HEAD_QKV = dict(
+    q_proj="query_key_value",
+    o_proj="dense",
+    kv_modules=("query_key_value",),
+    kv_rows=(),
+    fused_qkv="query_key_value.weight",
+    fused_qkv_bias="query_key_value.bias",
+    fused_order="per_group",
+)
+
+# Separate K and V projections whose rows are pooled in place: transformers has native GQA.
+NATIVE_GQA = (
+    decoder_only("llama", "Llama"),
+    decoder_only("mistral", "Mistral"),
+    decoder_only("qwen2", "Qwen2", notes="q/k/v biases"),
+    decoder_only("qwen3", "Qwen3", notes="k_norm acts on head_dim only and is shared by all heads"),
+    decoder_only("gemma", "Gemma", notes="explicit head_dim"),
+    decoder_only("gemma2", "Gemma 2", notes="explicit head_dim"),
+    decoder_only(
+        "phi",
+        "Phi",
+        AttentionLayout(o_proj="dense"),
+        notes="biases, partial rotary; k_layernorm (optional) is shared by all heads",
+    ),
+    decoder_only(
+        "phi3",
+        "Phi-3",
+        AttentionLayout(kv_modules=("qkv_proj",), kv_rows=(), fused_qkv="qkv_proj.weight"),
+        notes="fused qkv_proj = [Q | K | V]",
+    ),
+    decoder_only(
+        "stablelm",
+        "StableLM",
+        AttentionLayout(
+            kv_modules=("k_proj", "v_proj", "k_layernorm"),
+            per_head_kv=("k_layernorm.norms.{head}.weight", "k_layernorm.norms.{head}.bias"),
+        ),
+        head_dim_key=None,
+        notes="optional per-head k LayerNorm; head_dim is always hidden_size // heads",
+    ),
+    decoder_only("olmo", "OLMo"),
+    decoder_only(
+        "olmo2",
+        "OLMo 2",
+        AttentionLayout(kv_modules=("k_proj", "v_proj", "k_norm"), kv_rows=(*STANDARD.kv_rows, "k_norm.weight")),
+        notes="k_norm normalises the whole [num_kv_heads * head_dim] key vector",
+    ),
+    decoder_only("starcoder2", "StarCoder2", notes="biases (use_bias)"),
+    decoder_only("granite", "Granite"),
+)
+
+# Architectures whose transformers modeling has no num_key_value_heads: converted to uptrain's
+# own (`modeling`), which reads the same layout with G heads. None supports whole-layer merges yet.
+UPTRAIN_MODELING = (
+    decoder_only(
+        "gpt2",
+        "GPT-2",
+        AttentionLayout(
+            attn_prefix="transformer.h.{layer}.attn",
+            attn_prefix_alternatives=("h.{layer}.attn",),
+            q_proj="c_attn",
+            o_proj="c_proj",
+            kv_modules=("c_attn",),
+            kv_rows=(),
+            fused_qkv="c_attn.weight",
+            fused_qkv_bias="c_attn.bias",
+            fused_axis=1,
+        ),
+        head_dim_key=None,
+        modeling=gqa_modeling("gpt2", "GPT2"),
+        whole_layer_merges=False,
+        notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
+    ),
+    decoder_only(
+        "gpt_neox",
+        "GPT-NeoX",
+        AttentionLayout(
+            attn_prefix="gpt_neox.layers.{layer}.attention",
+            **PER_HEAD_QKV,
+        ),
+        head_dim_key=None,
+        modeling=gqa_modeling("gpt_neox", "GPTNeoX"),
+        renames=(("embed_out.", "lm_head."),),  # transformers renames it for GPTNeoXForCausalLM only
+        whole_layer_merges=False,
+        notes="query_key_value rows [h, 3, d] interleaved per head; partial rotary",
+    ),
+    decoder_only(
+        "opt",
+        "OPT",
+        AttentionLayout(
+            attn_prefix="model.decoder.layers.{layer}.self_attn",
+            attn_prefix_alternatives=("decoder.layers.{layer}.self_attn",),
+            o_proj="out_proj",
+        ),
+        head_dim_key=None,
+        modeling=gqa_modeling("opt", "OPT"),
+        init_std_key="init_std",
+        mask_ignores_positions=True,
+        whole_layer_merges=False,
+        notes="separate projections with biases; no RoPE",
+    ),
+    decoder_only(
+        "gptj",
+        "GPT-J",
+        AttentionLayout(attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj"),
+        head_dim_key=None,
+        modeling=gqa_modeling("gptj", "GPTJ"),
+        whole_layer_merges=False,
+        notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
+    ),
+    decoder_only(
+        "bloom",
+        "BLOOM",
+        AttentionLayout(
+            attn_prefix="transformer.h.{layer}.self_attention",
+            attn_prefix_alternatives=("h.{layer}.self_attention",),
+            **PER_HEAD_QKV,
+        ),
+        head_dim_key=None,
+        modeling=gqa_modeling("bloom", "Bloom"),
+        alibi=True,
+        whole_layer_merges=False,
+        notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
+    ),
+    decoder_only(
+        "gpt_neo",
+        "GPT-Neo",
+        AttentionLayout(attn_prefix="transformer.h.{layer}.attn.attention", o_proj="out_proj"),
+        # GPTNeoConfig spells them num_layers and num_heads (transformers maps the standard names
+        # onto them), and ignores any head_dim: hidden_size // num_heads.
+        geometry=StackKeys(
+            layers_key="num_layers",
+            heads_key="num_heads",
+            kv_heads_key="num_key_value_heads",
+            hidden_key="hidden_size",
+        ),
+        modeling=gqa_modeling("gpt_neo", "GPTNeo"),
+        attention_ignores_positions=True,
+        whole_layer_merges=False,
+        notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
+    ),
+)
+
+DECODERS: tuple[Architecture, ...] = (*NATIVE_GQA, *UPTRAIN_MODELING)

@@ -1,0 +1,120 @@
+"""Encoder–decoders: three attentions each, the encoder's self-attention ("encoder"), the
+decoder's self-attention ("decoder-self") and its cross-attention ("cross"), each with its own
+tensors and config keys. One record per model_type; see the package docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from uptrain.architecture.schema import (
+    DECODER_SELF,
+    STACK_KV_HEADS,
+    Architecture,
+    AttentionLayout,
+    AttentionSite,
+    GQAModeling,
+    StackKeys,
+)
+
+
+def _t5_site(attention: str, prefix: str, layers_key: str, layers_fallback_key: str | None = None) -> AttentionSite:
+    layout = AttentionLayout(
+        attn_prefix=prefix,
+        q_proj="q",
+        o_proj="o",
+        kv_modules=("k", "v"),
+        kv_rows=("k.weight", "v.weight"),
+        kv_weights=("k.weight", "v.weight"),
+    )
+    keys = StackKeys(
+        layers_key,
+        "num_heads",
+        STACK_KV_HEADS[attention],
+        head_dim_key="d_kv",  # independent of d_model / num_heads
+        layers_fallback_key=layers_fallback_key,
+    )
+    return AttentionSite(attention, layout, keys)
+
+
+T5 = Architecture(
+    "t5",  # also T5 v1.1 and Flan-T5 (gated-GELU feed-forward): the same attention
+    "T5",
+    (
+        _t5_site("encoder", "encoder.block.{layer}.layer.0.SelfAttention", "num_layers"),
+        _t5_site(DECODER_SELF, "decoder.block.{layer}.layer.0.SelfAttention", "num_decoder_layers", "num_layers"),
+        _t5_site("cross", "decoder.block.{layer}.layer.1.EncDecAttention", "num_decoder_layers", "num_layers"),
+    ),
+    modeling=GQAModeling("t5_gqa", "T5GQAConfig", "T5GQAModel", "T5GQAForConditionalGeneration"),
+    auto_class="AutoModelForSeq2SeqLM",
+    default_objective="span_corruption",
+    pipeline_tag="text2text-generation",
+    init_std_key="initializer_factor",
+    init_std_width_key="d_model",
+    whole_layer_merges=False,
+    notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
+    "(one column per query head) stays with the query heads",
+)
+
+
+def _bart_site(attention: str, prefix: str, side: str) -> AttentionSite:
+    layout = AttentionLayout(
+        attn_prefix=prefix,
+        # A base model (BartModel, WhisperModel) is saved without the "model." of the task model.
+        attn_prefix_alternatives=(prefix.removeprefix("model."),),
+        o_proj="out_proj",
+    )
+    return AttentionSite(
+        attention, layout, StackKeys(f"{side}_layers", f"{side}_attention_heads", STACK_KV_HEADS[attention])
+    )
+
+
+def bart_family(model_type: str, name: str, modeling: GQAModeling, **fields) -> Architecture:
+    """A BART-like encoder–decoder: `model.encoder.layers.{i}.self_attn`, the decoder's
+    `self_attn` and `encoder_attn` (cross-attention has the decoder's heads; its K and V read the
+    encoder's states), separate projections with biases, head_dim = d_model // heads."""
+    sites = (
+        _bart_site("encoder", "model.encoder.layers.{layer}.self_attn", "encoder"),
+        _bart_site(DECODER_SELF, "model.decoder.layers.{layer}.self_attn", "decoder"),
+        _bart_site("cross", "model.decoder.layers.{layer}.encoder_attn", "decoder"),
+    )
+    fields = {
+        "auto_class": "AutoModelForSeq2SeqLM",
+        "default_objective": "text_infilling",
+        "pipeline_tag": "text2text-generation",
+        "init_std_key": "init_std",
+        "whole_layer_merges": False,
+        "notes": "q/k/v biases; head_dim = d_model // heads",
+        **fields,
+    }
+    return Architecture(model_type, name, sites, modeling=modeling, **fields)
+
+
+def _seq2seq_modeling(model_type: str, prefix: str, head: str = "ForConditionalGeneration") -> GQAModeling:
+    return GQAModeling(f"{model_type}_gqa", f"{prefix}GQAConfig", f"{prefix}GQAModel", f"{prefix}GQA{head}")
+
+
+ENCODER_DECODERS: tuple[Architecture, ...] = (
+    T5,
+    # mT5 converts to t5_gqa (T5's classes), told not to rescale the decoder's output.
+    dataclasses.replace(T5, model_type="mt5", name="mT5", converted_config=(("scale_decoder_outputs", False),)),
+    bart_family("bart", "BART", _seq2seq_modeling("bart", "Bart")),
+    bart_family("mbart", "mBART", _seq2seq_modeling("mbart", "MBart")),
+    bart_family(
+        "marian",
+        "Marian",
+        _seq2seq_modeling("marian", "Marian", "MTModel"),
+        default_objective="pairs",
+        pipeline_tag="translation",
+    ),
+    bart_family(
+        "whisper",
+        "Whisper",
+        _seq2seq_modeling("whisper", "Whisper"),
+        auto_class="AutoModelForSpeechSeq2Seq",
+        default_objective="speech_pairs",
+        pipeline_tag="automatic-speech-recognition",
+        source_positions_key="max_source_positions",
+        source_unit="audio frame",
+        notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
+    ),
+)

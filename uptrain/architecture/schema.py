@@ -1,0 +1,219 @@
+"""The types an architecture's record is made of (see the package docstring for how to add one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from uptrain.model_info import AttentionGeometry, attention_geometry, stack_geometry
+
+# The attentions of a model, in model order, as `uptrain convert --attention` names them → the
+# config.json key of each one's KV heads in an encoder–decoder uptrain converted (the same table
+# as `uptrain.modeling.attention.STACK_KV_HEADS`, which the modeling files beside a converted
+# checkpoint carry; kept here too so that conversion imports no modeling code). Absent, a key
+# means that attention's query heads (MHA).
+STACK_KV_HEADS: dict[str, str] = {
+    "encoder": "encoder_num_key_value_heads",
+    "decoder-self": "decoder_num_key_value_heads",
+    "cross": "cross_attention_num_key_value_heads",
+}
+ATTENTIONS: tuple[str, ...] = tuple(STACK_KV_HEADS)
+DECODER_SELF = "decoder-self"
+# What `-g G` changes unless told otherwise: the paper's choice (§3.1), the decoder's self- and
+# cross-attention, whose caches grow with generation; the encoder's K/V are computed once per
+# input and never cached. A decoder-only model has the first of them only.
+DEFAULT_ATTENTIONS = ("decoder-self", "cross")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Where one attention keeps its tensors. Every name is relative to one layer's attention
+    module, `attn_prefix` with the layer index filled in. A K/V tensor is one of:
+    - `kv_rows`: rows are `[num_kv_heads * head_dim]` (K/V weight or bias, OLMo-2's k_norm).
+    - `fused_qkv` (+ `fused_qkv_bias`): one projection holding Q, K and V, ordered by
+      `fused_order` along `fused_axis`:
+      - "blocks": `[Q (h·d) | K (G·d) | V (G·d)]` (Phi-3 rows; GPT-2's Conv1D columns, axis 1
+        of its `[in, out]` weight);
+      - "per_group": `[G, r + 2, d]` with r = h / G: each KV head's r query heads, then its K,
+        then its V. At G = h this is `[h, 3, d]`, the per-head interleaving of NeoX and BLOOM.
+    - `per_head_kv`: one module per KV head, `{head}` filled in (StableLM's per-head k LayerNorm).
+    """
+
+    attn_prefix: str = "model.layers.{layer}.self_attn"
+    # Query and output projections: rewritten only by whole-layer merges (calibrated, similarity).
+    q_proj: str = "q_proj"
+    o_proj: str = "o_proj"
+    kv_modules: tuple[str, ...] = ("k_proj", "v_proj")
+    # Row-pooled tensors inside each module ("weight", "bias" when present).
+    kv_rows: tuple[str, ...] = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+    # The kv_rows every layer must have (the rest, biases and norms, are optional).
+    kv_weights: tuple[str, ...] = ("k_proj.weight", "v_proj.weight")
+    fused_qkv: str | None = None
+    fused_qkv_bias: str | None = None
+    fused_order: str = "blocks"  # or "per_group"
+    fused_axis: int = 0  # 1 for a Conv1D weight, stored [in, out]
+    per_head_kv: tuple[str, ...] = ()
+    # Other spellings of `attn_prefix` found in published checkpoints (GPT-2 and BLOOM were
+    # saved without the base model's "transformer." prefix; BartModel without the task model's
+    # "model."); the one the checkpoint uses is read.
+    attn_prefix_alternatives: tuple[str, ...] = ()
+
+    def attn_prefix_in(self, names) -> str:
+        """The `attn_prefix` template the checkpoint with these tensor names uses."""
+        for template in (self.attn_prefix, *self.attn_prefix_alternatives):
+            first = template.format(layer=0) + "."
+            if any(n.startswith(first) for n in names):
+                return template
+        return self.attn_prefix
+
+
+class GeometryKeys(Protocol):
+    """The config keys of one attention's geometry, and how they are read."""
+
+    kv_heads_key: str  # where config.json records this attention's KV heads
+
+    def read(self, config: dict) -> AttentionGeometry: ...
+
+
+@dataclass(frozen=True)
+class StandardKeys:
+    """A decoder-only model's one attention, under transformers' standard names
+    (num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size, or their older
+    spellings n_layer, n_head, n_embd: `model_info.attention_geometry`)."""
+
+    # The config field that overrides hidden_size // heads; None where the modeling ignores it.
+    head_dim_key: str | None = "head_dim"
+    kv_heads_key: str = "num_key_value_heads"
+
+    def read(self, config: dict) -> AttentionGeometry:
+        return attention_geometry(config, self.head_dim_key)
+
+
+@dataclass(frozen=True)
+class StackKeys:
+    """One attention of an encoder–decoder, under its architecture's own names (T5 `num_heads`,
+    `d_kv`; BART `encoder_attention_heads`, …: `model_info.stack_geometry`)."""
+
+    layers_key: str
+    heads_key: str
+    kv_heads_key: str
+    hidden_key: str = "d_model"
+    head_dim_key: str | None = None  # None: hidden // heads
+    layers_fallback_key: str | None = None  # T5: num_decoder_layers, when absent, is num_layers
+
+    def read(self, config: dict) -> AttentionGeometry:
+        return stack_geometry(
+            config,
+            layers_key=self.layers_key,
+            heads_key=self.heads_key,
+            kv_heads_key=self.kv_heads_key,
+            head_dim_key=self.head_dim_key,
+            hidden_key=self.hidden_key,
+            layers_fallback_key=self.layers_fallback_key,
+        )
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention of a model (all its layers): which one, its tensors, its geometry's keys.
+    A decoder-only model has one site, "decoder-self"; an encoder–decoder three."""
+
+    attention: str  # one of ATTENTIONS
+    layout: AttentionLayout
+    geometry: GeometryKeys
+
+
+@dataclass(frozen=True)
+class AttentionStack:
+    """One attention of a model with its geometry read from a config."""
+
+    attention: str  # one of ATTENTIONS
+    layout: AttentionLayout
+    geometry: AttentionGeometry
+
+
+@dataclass(frozen=True)
+class GQAModeling:
+    """uptrain's modeling of an architecture whose transformers code has no GQA
+    (`uptrain/modeling/<module>.py`): the converted checkpoint's model_type and its classes."""
+
+    model_type: str  # of the converted checkpoint: "<source>_gqa"
+    config_class: str
+    model_class: str
+    head_class: str  # the model with its task head (a causal LM, or a seq2seq model)
+
+    @property
+    def module(self) -> str:
+        """The modeling file's module name, in `uptrain/modeling/` and beside the weights alike
+        (`auto_map` refers to it)."""
+        return f"modeling_{self.model_type}"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Everything uptrain needs to know of one `model_type`."""
+
+    model_type: str
+    name: str  # how messages name it ("BLOOM", "T5")
+    sites: tuple[AttentionSite, ...]
+    # uptrain's own modeling; None where transformers' has native GQA (num_key_value_heads).
+    modeling: GQAModeling | None = None
+    auto_class: str = "AutoModelForCausalLM"  # loads the model with its task head, source or converted
+    default_objective: str = "causal"  # what `uptrain train` trains it with unless told
+    pipeline_tag: str = "text-generation"  # the Hub task of the model cards
+    # Config field holding the std of the architecture's weight init, which `random` pooling
+    # draws fresh K/V weights with (transformers' default 0.02 when the config lacks it); where
+    # the std is a factor × width^-½ (T5: initializer_factor × d_model^-½), the width's field.
+    init_std_key: str = "initializer_range"
+    init_std_width_key: str | None = None
+    # (old, new) name prefixes renamed in the output, where transformers renames a key on
+    # loading by the source's class name, which uptrain's modeling classes do not share.
+    renames: tuple[tuple[str, str], ...] = ()
+    # Fields the converted config.json sets (mT5 never rescales the decoder's output before
+    # lm_head; T5's classes, which t5_gqa builds on, do unless the config says not to).
+    converted_config: tuple[tuple[str, object], ...] = ()
+    # Quirks the code acts on. ALiBi: position biases built from the 2D padding mask (BLOOM), so
+    # no per-document mask can replace it.
+    alibi: bool = False
+    # The forward builds its attention mask without `position_ids` (OPT): transformers finds no
+    # packed documents there, so flash and flex attention would attend across them.
+    mask_ignores_positions: bool = False
+    # Its layers pass no `position_ids` on to attention (GPT-Neo): flash attention, which finds
+    # packed documents from them there, would attend across them. Flex attention is unaffected:
+    # its block mask is built by the forward, which has the positions.
+    attention_ignores_positions: bool = False
+    # Whether `calibrated` pooling and `similarity` grouping (whole-layer merges) support it.
+    whole_layer_merges: bool = True
+    # The encoder's positions each cross-attention layer caches whole (Whisper: 1500 audio
+    # frames, 30 s); None where the source length is the input's (text).
+    source_positions_key: str | None = None
+    source_unit: str = "source token"
+    notes: str = ""  # what makes the layout different (the encoder–decoder model card quotes it)
+
+    @property
+    def attentions(self) -> tuple[str, ...]:
+        return tuple(site.attention for site in self.sites)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return len(self.sites) > 1
+
+    def site(self, attention: str) -> AttentionSite:
+        return next(s for s in self.sites if s.attention == attention)
+
+    def stacks(self, config: dict) -> dict[str, AttentionStack]:
+        """Every attention of the model, in model order, with its geometry read from `config`."""
+        return {s.attention: AttentionStack(s.attention, s.layout, s.geometry.read(config)) for s in self.sites}
+
+    def output_name(self, name: str) -> str:
+        """A tensor's name in the converted checkpoint (`renames`)."""
+        for old, new in self.renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def init_std(self, config: dict) -> float:
+        """The std `random` pooling draws fresh K/V weights with, as the architecture's own init does."""
+        if self.init_std_width_key is not None:
+            return config.get(self.init_std_key, 1.0) * config[self.init_std_width_key] ** -0.5
+        return config.get(self.init_std_key, 0.02)

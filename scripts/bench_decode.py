@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from uptrain import UptrainError
-    from uptrain.speed import parse_device
+    from uptrain.speed_checks import parse_device
 
     torch.set_num_threads(args.threads)
     try:
@@ -208,7 +208,8 @@ def build_models(args, workdir: Path, max_positions: int, dtype: str, device) ->
 def measure(models: dict, workdir: Path, context: int, batch: int, args, dtype: str, device) -> dict:
     """One setting, measured by uptrain.speed with MHA and GQA samples alternating; refused with
     one line (UptrainError) where the cache would not fit in free memory."""
-    from uptrain.speed import measure_models, model_shape
+    from uptrain.speed import measure_models
+    from uptrain.speed_checks import model_shape
 
     for name in models:
         model_shape(workdir / name, name).check(context, args.new_tokens, batch, dtype, device)

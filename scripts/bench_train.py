@@ -147,7 +147,7 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
 def bare_steps(args, model_dir: Path) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    from uptrain.train.loop import fused_adamw
+    from uptrain.train.optimizer import fused_adamw
 
     device = torch.device(args.device)
     torch.manual_seed(0)

@@ -229,7 +229,8 @@ import bench_decode  # noqa: E402
 
 import torch  # noqa: E402
 
-from uptrain.speed import measure_models, model_shape, parse_device  # noqa: E402
+from uptrain.speed import measure_models  # noqa: E402
+from uptrain.speed_checks import model_shape, parse_device  # noqa: E402
 
 work, args = Path(sys.argv[1]), bench_decode.build_parser().parse_args(sys.argv[2:])
 torch.set_num_threads(args.threads)

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import modules of its own layer or of any layer below it, never one
 # above. `name.*` is a package with all its modules; a plain name is that module alone.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # No uptrain dependencies beyond each other: the error type, strict JSON, what a config says.
-    ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info")),
+    # No uptrain dependencies beyond each other: the error type, strict JSON, what a config says,
+    # and the one tokenizer and model loader (every layer loads tokenizers).
+    ("leaves", ("uptrain", "uptrain.strict_json", "uptrain.options", "uptrain.model_info", "uptrain.loading")),
     # What each architecture is (attention sites, quirks, uptrain's modeling of it), as data.
     ("architecture", ("uptrain.architecture.*",)),
     # Safetensors reading and writing, atomic folders and locks, the resume rule of resumable folders,
@@ -45,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),
     # Inference speed and KV-cache memory of a checkpoint (`uptrain speed`; compare reports it).
-    ("speed", ("uptrain.speed",)),
+    ("speed", ("uptrain.speed", "uptrain.speed_checks")),
     ("compare", ("uptrain.compare.*",)),
     # The commands.
     ("commands", ("uptrain.cli", "uptrain.__main__", "uptrain.demo", "uptrain.inspect_checkpoint")),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from uptrain import UptrainError, __version__
+from uptrain.loading import load_tokenizer
 from uptrain.options import Schema, option
 
 PARTIAL_TAG = ".uptrain-partial"
@@ -62,20 +63,6 @@ class TokenizeOptions(Schema):
     overwrite: bool = option(
         False, help="replace OUT if it exists, and discard what an interrupted run with other settings left"
     )
-
-
-def load_tokenizer(name: str):
-    """The tokenizer of a model folder or Hub id, with the EOS token that separates documents."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except Exception as err:  # transformers raises many types; the user needs the one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise UptrainError(f"--tokenizer {name} has no usable tokenizer: {type(err).__name__}: {first}") from None
-    if tokenizer.eos_token_id is None:
-        raise UptrainError(f"the tokenizer of {name} has no EOS token to join documents with")
-    return tokenizer
 
 
 def _data_files(files: tuple[str, ...]) -> list[dict]:
@@ -155,7 +142,7 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
     given = [options.data] if isinstance(options.data, str) else options.data
     inputs = [Path(p).expanduser() for p in [*given, *source.files]]  # a DATA folder holding OUT, too
     check_apart(out, [("DATA", p) for p in inputs] + [("tokenizer", Path(options.tokenizer))], "OUT")
-    tokenizer = load_tokenizer(options.tokenizer)
+    tokenizer = load_tokenizer(options.tokenizer, "--tokenizer")
     check_output_path(out, options.overwrite)  # OUT that exists, cannot be made, or another run writes
     rows = _rows(source, options.text_field, options.sample_by)
     record = {

@@ -30,14 +30,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from uptrain import UptrainError
-from uptrain.architecture import architecture, auto_class_name, config_geometry, find_architecture
+from uptrain import UptrainError, loading
+from uptrain.architecture import auto_class_name
 from uptrain.checkpoint.source import resolve_source
-from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, read_config
+from uptrain.model_info import read_config
 from uptrain.options import Schema, option
+from uptrain.speed_checks import DEFAULT_CONTEXT, check_counts, model_shape, parse_device
 
 DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_CONTEXT = 1024
 
 
 @dataclass(kw_only=True)
@@ -120,28 +120,16 @@ def measure_speed(
     sample's peak over the memory held before it: process RSS on CPU, allocated CUDA memory on
     GPU); compiled (None, or the same timings, kv_cache_bytes and compile_s with --compile).
     """
-    torch_device = parse_device(device, compile)
-    dtype = dtype or ("float32" if torch_device.type == "cpu" else "bfloat16")
-    if dtype not in DTYPES:
-        raise UptrainError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    asked = {} if context is None else {"context": context}  # None: each model's default
-    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, **asked)
-    if not models:
-        raise UptrainError("give at least one checkpoint to measure")
-    sources = [resolve_source(m) for m in models]
-    labels = [s.label for s in sources]
-    if len(set(labels)) < len(labels):
-        twice = next(label for label in labels if labels.count(label) > 1)
-        raise UptrainError(f"{twice} is given twice: measure each checkpoint once (--repeats samples it again)")
-    shapes = [model_shape(s.folder, s.label) for s in sources]
-    contexts = {shape.label: shape.source_length(context) for shape in shapes}
-    for shape in shapes:  # cheap refusals first: nothing is loaded yet
-        shape.check(contexts[shape.label], new_tokens, batch, dtype, torch_device)
-    if compile and any(shape.cross is not None for shape in shapes):
-        raise UptrainError(
-            "--compile times decoder-only models' static-cache path; drop it for encoder–decoders "
-            "(their dynamic-cache decoding is timed without it)"
-        )
+    torch_device, dtype, sources, shapes, contexts = _checked_models(
+        models,
+        context=context,
+        new_tokens=new_tokens,
+        batch=batch,
+        dtype=dtype,
+        device=device,
+        repeats=repeats,
+        compile=compile,
+    )
     loaded = {s.label: load_model(s.folder, dtype, torch_device) for s in sources}
     for shape in shapes:  # again, now that the weights hold their share of the memory
         shape.check_cache_fits(batch, contexts[shape.label], new_tokens, dtype, torch_device)
@@ -171,157 +159,43 @@ def measure_speed(
     ]
 
 
-def parse_device(device: str, compile: bool = False):
-    import torch
-
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UptrainError(f"--device {device!r}: use cpu, cuda or cuda:N")
-    if compile and device == "cpu":
+def _checked_models(models, *, context, new_tokens, batch, dtype, device, repeats, compile):
+    """The cheap refusals of `measure_speed`, before anything is loaded: its options, each
+    model's shape and the context it takes. Returns (device, dtype, sources, shapes, contexts)."""
+    torch_device = parse_device(device, compile)
+    dtype = dtype or ("float32" if torch_device.type == "cpu" else "bfloat16")
+    if dtype not in DTYPES:
+        raise UptrainError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    asked = {} if context is None else {"context": context}  # None: each model's default
+    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, **asked)
+    if not models:
+        raise UptrainError("give at least one checkpoint to measure")
+    sources = [resolve_source(m) for m in models]
+    labels = [s.label for s in sources]
+    if len(set(labels)) < len(labels):
+        twice = next(label for label in labels if labels.count(label) > 1)
+        raise UptrainError(f"{twice} is given twice: measure each checkpoint once (--repeats samples it again)")
+    shapes = [model_shape(s.folder, s.label) for s in sources]
+    contexts = {shape.label: shape.source_length(context) for shape in shapes}
+    for shape in shapes:  # cheap refusals first: nothing is loaded yet
+        shape.check(contexts[shape.label], new_tokens, batch, dtype, torch_device)
+    if compile and any(shape.cross is not None for shape in shapes):
         raise UptrainError(
-            "--compile needs a CUDA device (static cache + torch.compile is the GPU serving path); "
-            "drop --compile or pass --device cuda"
+            "--compile times decoder-only models' static-cache path; drop it for encoder–decoders "
+            "(their dynamic-cache decoding is timed without it)"
         )
-    torch_device = torch.device(device)
-    if torch_device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UptrainError(f"--device {device}: torch sees no CUDA GPU here")
-        if (torch_device.index or 0) >= torch.cuda.device_count():
-            raise UptrainError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return torch_device
-
-
-def check_counts(**counts: int) -> None:
-    least = {"new_tokens": 2}  # the prompt's pass gives the first token; a decode step needs a second
-    for name, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < least.get(name, 1):
-            raise UptrainError(
-                f"--{name.replace('_', '-')} must be a whole number ≥ {least.get(name, 1)} (got {value!r})"
-            )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the refusals need from config.json, read before any weight is loaded.
-
-    An encoder–decoder's `geometry` is its decoder self-attention's and `cross` its
-    cross-attention's (the decoder's layers and query heads, the cross-attention's KV heads);
-    `max_positions` is then the decoder's, `source_positions` the encoder's, and
-    `fixed_source` says the encoder takes only that many (Whisper's 30 s of frames)."""
-
-    label: str
-    geometry: AttentionGeometry
-    max_positions: int | None  # None: no position table (ALiBi, BLOOM; T5's relative positions)
-    cross: AttentionGeometry | None = None  # None: a decoder-only model
-    source_positions: int | None = None
-    fixed_source: bool = False
-
-    def source_length(self, context: int | None) -> int:
-        """The prompt (source) length to measure at, given the --context asked for (None: the default)."""
-        if self.fixed_source:
-            if context is not None and context != self.source_positions:
-                raise UptrainError(
-                    f"{self.label}: its encoder takes exactly {self.source_positions} positions (30 s of "
-                    f"audio frames), not --context {context}; drop --context"
-                )
-            return self.source_positions
-        return DEFAULT_CONTEXT if context is None else context
-
-    def check(self, context: int, new_tokens: int, batch: int, dtype: str, device) -> None:
-        if self.cross is None and self.max_positions is not None and context + new_tokens > self.max_positions:
-            raise UptrainError(
-                f"{self.label}: context {context} + new tokens {new_tokens} = {context + new_tokens} "
-                f"is beyond the model's {self.max_positions} positions"
-            )
-        if self.cross is not None:
-            if self.source_positions is not None and context > self.source_positions:
-                raise UptrainError(
-                    f"{self.label}: a source of {context} tokens is beyond the encoder's "
-                    f"{self.source_positions} positions"
-                )
-            if self.max_positions is not None and new_tokens > self.max_positions:
-                raise UptrainError(
-                    f"{self.label}: {new_tokens} new tokens are beyond the decoder's {self.max_positions} positions"
-                )
-        self.check_cache_fits(batch, context, new_tokens, dtype, device)
-
-    def cache_bytes(self, batch: int, context: int, new_tokens: int, dtype: str) -> int:
-        """The KV cache a sample fills: decoder-only, N + M positions; an encoder–decoder, M
-        self-attention positions and N cross-attention ones (an upper bound by one position)."""
-        size = DTYPE_BYTES[dtype]
-        if self.cross is None:
-            return self.geometry.kv_cache_bytes_per_token(size) * batch * (context + new_tokens)
-        decoder = self.geometry.kv_cache_bytes_per_token(size) * new_tokens
-        return batch * (decoder + self.cross.kv_cache_bytes_per_token(size) * context)
-
-    def check_cache_fits(self, batch: int, context: int, new_tokens: int, dtype: str, device) -> None:
-        """Refuse a cache that cannot fit: its size follows from the geometry, so it is known
-        before a byte is allocated (and an out-of-memory kill mid-run tells the user nothing)."""
-        need = self.cache_bytes(batch, context, new_tokens, dtype)
-        free = free_memory_bytes(device)
-        if free is not None and need > free:
-            raise UptrainError(
-                f"{self.label}: the KV cache of batch {batch} × {context + new_tokens} positions needs "
-                f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; "
-                f"lower --batch or --context"
-            )
-
-
-def model_shape(folder: Path, label: str) -> ModelShape:
-    """The attention geometry of a checkpoint (as the conversion reads it: the architecture
-    registry's keys) and its position limits. An encoder–decoder's `geometry` is its decoder
-    self-attention's (KV heads: a converted checkpoint's `decoder_num_key_value_heads`, else its
-    query heads) and `cross` its cross-attention's."""
-    config = read_config(folder)
-    arch = find_architecture(config.get("model_type"))
-    if arch is None and config.get("is_encoder_decoder"):
-        arch = architecture(config.get("model_type"))  # one line: the encoder–decoders uptrain reads
-    geometry = config_geometry(config)
-    if arch is None or "cross" not in arch.attentions:
-        return ModelShape(label, geometry, _positions(config, ("max_position_embeddings", "n_positions"), label))
-    return ModelShape(
-        label,
-        geometry,
-        _positions(config, ("max_target_positions", "max_position_embeddings"), label),
-        cross=arch.site("cross").geometry.read(config),
-        source_positions=_positions(config, ("max_source_positions", "max_position_embeddings"), label),
-        # Whisper: input features of a fixed length, the positions each cross-attention caches whole.
-        fixed_source=arch.source_positions_key is not None,
-    )
-
-
-def _positions(config: dict, keys: tuple[str, ...], label: str) -> int | None:
-    """The first of `keys` the config sets, checked to be a whole number; None if none is set."""
-    limit = next((config[k] for k in keys if config.get(k) is not None), None)
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise UptrainError(f"{label}: config.json's number of positions is {limit!r}, not a whole number")
-    return limit
-
-
-def free_memory_bytes(device) -> int | None:
-    """Memory a new allocation can take now: CUDA's free memory, or MemAvailable on Linux
-    (None elsewhere: the check is skipped rather than guessed)."""
-    if device.type == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE)
-    return int(found.group(1)) * 1024 if found else None
+    return torch_device, dtype, sources, shapes, contexts
 
 
 def load_model(folder: str | Path, dtype: str, device):
     """A checkpoint as transformers loads it, with its Auto class (causal LM, seq2seq LM or
     speech seq2seq), on `device`, in eval mode."""
     import torch
-    import transformers
 
     import uptrain.modeling  # noqa: F401  registers the *_gqa architectures with the Auto classes
 
-    auto = getattr(transformers, auto_class_name(read_config(folder)))
-    model = auto.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=str(device))
+    auto = auto_class_name(read_config(folder))
+    model = loading.load_model(folder, "checkpoint", auto, dtype=getattr(torch, dtype), device_map=str(device))
     return model.eval()
 
 

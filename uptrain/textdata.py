@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain import UptrainError
+from uptrain import UptrainError, exception_line
 from uptrain.token_shards import is_token_folder, open_token_folder
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -126,8 +126,7 @@ def load_documents(source: DataSource, split: str, dataset_config: str | None, s
             if not source.is_local and os.environ.get("HF_DATASETS_OFFLINE") == "1"
             else ""
         )
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise UptrainError(f"cannot load {source.label}{offline}: {type(err).__name__}: {first}") from None
+        raise UptrainError(f"cannot load {source.label}{offline}: {exception_line(err)}") from None
 
 
 def _column_names(ds, source: DataSource) -> list[str]:

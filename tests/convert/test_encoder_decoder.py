@@ -1,5 +1,5 @@
-"""Encoder–decoders (T5, T5 v1.1 / Flan gated-GELU, mT5, BART, mBART, Marian, Whisper): conversion of
-tiny real checkpoints built with transformers' own classes and saved with save_pretrained.
+"""Encoder–decoders (T5, T5 v1.1 / Flan gated-GELU, mT5, BART, mBART, Marian, Whisper, M2M100,
+Pegasus): conversion of tiny real checkpoints built with transformers' own classes and saved with save_pretrained.
 
 What the converter must do is checked here against an independent computation written from
 transformers' tensor names (not from uptrain's layout tables): each chosen attention's K/V rows
@@ -19,12 +19,16 @@ from safetensors.torch import load_file
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
+    M2M100Config,
+    M2M100ForConditionalGeneration,
     MarianConfig,
     MarianMTModel,
     MBartConfig,
     MBartForConditionalGeneration,
     MT5Config,
     MT5ForConditionalGeneration,
+    PegasusConfig,
+    PegasusForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
     WhisperConfig,
@@ -75,10 +79,12 @@ MODELS = {
     "mbart": (MBartForConditionalGeneration, lambda: MBartConfig(**BART_GEOMETRY)),
     "marian": (MarianMTModel, lambda: MarianConfig(**BART_GEOMETRY)),
     "whisper": (WhisperForConditionalGeneration, lambda: WhisperConfig(**WHISPER_GEOMETRY)),
+    "m2m_100": (M2M100ForConditionalGeneration, lambda: M2M100Config(**BART_GEOMETRY)),
+    "pegasus": (PegasusForConditionalGeneration, lambda: PegasusConfig(**BART_GEOMETRY)),
 }
 T5_LIKE = ("t5", "t5-gated", "mt5")
 GQA_TYPE = {"t5": "t5_gqa", "t5-gated": "t5_gqa", "mt5": "t5_gqa"} | {
-    name: f"{name}_gqa" for name in ("bart", "mbart", "marian", "whisper")
+    name: f"{name}_gqa" for name in ("bart", "mbart", "marian", "whisper", "m2m_100", "pegasus")
 }
 HEAD_CLASS = {
     "t5_gqa": ("T5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
@@ -86,6 +92,8 @@ HEAD_CLASS = {
     "mbart_gqa": ("MBartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "marian_gqa": ("MarianGQAMTModel", "AutoModelForSeq2SeqLM"),
     "whisper_gqa": ("WhisperGQAForConditionalGeneration", "AutoModelForSpeechSeq2Seq"),
+    "m2m_100_gqa": ("M2M100GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
+    "pegasus_gqa": ("PegasusGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
 }
 
 # Where each attention's K and V live, written from transformers' module names.
@@ -234,7 +242,13 @@ def test_default_pools_the_decoder_attentions(name, sources, tmp_path):
     card = (out / "README.md").read_text()
     assert "decoder self-attention" in card and "cross-attention: " not in card
     assert "encoder self-attention: unchanged" in card
-    task = {"whisper": "automatic-speech-recognition", "marian": "translation"}.get(name, "text2text-generation")
+    tasks = {
+        "whisper": "automatic-speech-recognition",
+        "marian": "translation",
+        "m2m_100": "translation",
+        "pegasus": "summarization",
+    }
+    task = tasks.get(name, "text2text-generation")
     assert f"pipeline_tag: {task}\n" in card
     modeling = f"modeling_{GQA_TYPE[name]}.py"
     assert (out / modeling).is_file()

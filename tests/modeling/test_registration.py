@@ -59,6 +59,9 @@ def test_the_table_names_the_classes_the_package_registers():
             entry.head_class,
         )
         assert {c.__module__ for c in (config, model, head)} == {f"uptrain.modeling.{entry.module}"}
+        # Bound in the file under their names (the BART family's are built by a helper): what
+        # `auto_map` names is what `trust_remote_code` finds there.
+        assert all(getattr(sys.modules[c.__module__], c.__name__) is c for c in (config, model, head))
         assert config.model_type == model_type
         assert CONFIG_MAPPING[model_type] is config
         assert MODEL_MAPPING[config] is model and HEAD_MAPPINGS[arch.auto_class][config] is head

@@ -15,7 +15,8 @@ from tests.train.test_seq2seq import s2s  # noqa: F401, F811  (the encoder–dec
 from tests.train.train_helpers import records, reset_accelerate
 from uptrain import UptrainError
 from uptrain.train.config import TrainConfig
-from uptrain.train.loop import fused_adamw, run_training
+from uptrain.train.loop import run_training
+from uptrain.train.optimizer import fused_adamw
 
 # Compiled kernels reorder float32 sums (fused reductions, recomputed softmax); over 4 AdamW steps
 # at lr 3e-3 on a 2-layer model that stays far below 1e-4 of the loss. A change in what is

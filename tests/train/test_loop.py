@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from tests.train.train_helpers import KILLER, METRICS, curve, python_env, records, wandb_records
 from uptrain import UptrainError
 from uptrain.train.config import TrainConfig
-from uptrain.train.loop import lr_at, run_training
+from uptrain.train.loop import run_training
+from uptrain.train.optimizer import lr_at
 
 
 def test_uptrain_a_converted_checkpoint(base_config, capsys):

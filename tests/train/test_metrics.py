@@ -12,7 +12,7 @@ from uptrain import UptrainError
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints
 from uptrain.train.config import TrainConfig
-from uptrain.train.loop import lr_at
+from uptrain.train.optimizer import lr_at
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
 

@@ -1,5 +1,6 @@
-"""Uptraining encoder–decoders (issue #19): T5 on span corruption, BART on text infilling, Marian on
-text pairs, Whisper on speech pairs — tiny real transformers models built from configs.
+"""Uptraining encoder–decoders (issue #19): T5 on span corruption, BART on text infilling, Marian,
+M2M100 and Pegasus on text pairs, Whisper on speech pairs — tiny real transformers models built
+from configs.
 
 The loop's losses are checked against the models' own `forward(labels=…)` loss on batches built
 here from the data, resume continues bit for bit, distillation runs, and bad input is one line
@@ -104,6 +105,31 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
             **ids,
         )
         model = tf.MarianMTModel(config)
+    elif kind == "m2m_100":
+        # Its decoder starts from EOS, as M2M100's and NLLB's do; no layer drop (its default skips
+        # layers at random in training, which the loss checks below would see).
+        config = tf.M2M100Config(
+            vocab_size=vocab,
+            max_position_embeddings=64,
+            bos_token_id=tokenizer.bos_token_id,
+            decoder_start_token_id=tokenizer.eos_token_id,
+            encoder_layerdrop=0.0,
+            decoder_layerdrop=0.0,
+            **layers,
+            **ffn,
+            **ids,
+        )
+        model = tf.M2M100ForConditionalGeneration(config)
+    elif kind == "pegasus":
+        config = tf.PegasusConfig(  # its decoder starts from padding, as Pegasus's does
+            vocab_size=vocab,
+            max_position_embeddings=64,
+            decoder_start_token_id=tokenizer.pad_token_id,
+            **layers,
+            **ffn,
+            **ids,
+        )
+        model = tf.PegasusForConditionalGeneration(config)
     else:
         config = tf.WhisperConfig(
             vocab_size=vocab,
@@ -181,6 +207,8 @@ def s2s(tmp_path_factory) -> dict[str, Path]:
         "marian": build_model("marian", root / "marian", bart_tok),
         "marian-teacher": build_model("marian", root / "marian-teacher", bart_tok, seed=1),
         "whisper": build_model("whisper", root / "whisper", bart_tok),
+        "m2m_100": build_model("m2m_100", root / "m2m_100", bart_tok),
+        "pegasus": build_model("pegasus", root / "pegasus", bart_tok),
     }
 
 
@@ -191,6 +219,8 @@ def run_config(s2s, kind: str, tmp_path, **overrides) -> dict:
         "bart": ("train", "eval"),
         "marian": ("pairs-train.jsonl", "pairs-eval.jsonl"),
         "whisper": ("speech-train.jsonl", "speech-eval.jsonl"),
+        "m2m_100": ("pairs-train.jsonl", "pairs-eval.jsonl"),
+        "pegasus": ("pairs-train.jsonl", "pairs-eval.jsonl"),
     }[kind]
     train, evaluation = (s2s[d] if d in s2s else s2s["root"] / d for d in data)
     return {
@@ -264,7 +294,14 @@ def models_own_loss(model_path: str, batches: list) -> float:
     return total / count
 
 
-CASES = [("t5", "span_corruption"), ("bart", "text_infilling"), ("marian", "pairs"), ("whisper", "speech_pairs")]
+CASES = [
+    ("t5", "span_corruption"),
+    ("bart", "text_infilling"),
+    ("marian", "pairs"),
+    ("whisper", "speech_pairs"),
+    ("m2m_100", "pairs"),
+    ("pegasus", "pairs"),
+]
 
 
 @pytest.mark.parametrize(("kind", "objective"), CASES)
@@ -507,16 +544,18 @@ def test_span_corruption_on_streamed_data_matches_tokenized(s2s, tmp_path):
     assert all(math.isfinite(r["train/loss"]) for r in b[1:])
 
 
-def test_convert_a_t5_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys):
-    """`source` + `num_kv_heads`: the T5 is converted to t5_gqa (decoder self- and cross-attention
-    at 2 KV heads), loaded through uptrain's registration, and trained on span corruption."""
-    values = run_config(s2s, "t5", tmp_path, max_steps=2, save_every=10)
+@pytest.mark.parametrize(("kind", "objective"), [("t5", "span_corruption"), ("m2m_100", "pairs"), ("pegasus", "pairs")])
+def test_convert_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys, kind, objective):
+    """`source` + `num_kv_heads`: the model is converted to its `*_gqa` type (decoder self- and
+    cross-attention at 2 KV heads), loaded through uptrain's registration, and trained on its
+    family's objective."""
+    values = run_config(s2s, kind, tmp_path, max_steps=2, save_every=10)
     del values["model"]
-    config = TrainConfig(**values, source=str(s2s["t5"]), num_kv_heads=2)
+    config = TrainConfig(**values, source=str(s2s[kind]), num_kv_heads=2)
     final = run_training(config)
-    assert "objective        span_corruption" in capsys.readouterr().out
+    assert f"objective        {objective}" in capsys.readouterr().out
     recs = records(config.output_dir)
     assert recs[0]["model/num_kv_heads"] == 2
     assert recs[0]["model/kv_cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # K,V × decoder layers × 2 × d × fp32
     assert all(math.isfinite(r["train/loss"]) for r in recs[1:])
-    assert json.loads((final / "config.json").read_text())["model_type"] == "t5_gqa"
+    assert json.loads((final / "config.json").read_text())["model_type"] == f"{kind}_gqa"

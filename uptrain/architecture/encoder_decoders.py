@@ -117,4 +117,24 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         source_unit="audio frame",
         notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
     ),
+    # M2M100 (also NLLB-200's dense models, which are M2M100 checkpoints): translation.
+    bart_family(
+        "m2m_100",
+        "M2M100",
+        _seq2seq_modeling("m2m_100", "M2M100"),
+        default_objective="pairs",
+        pipeline_tag="translation",
+    ),
+    # Pegasus was pretrained on gap sentences (whole sentences masked, the target only those
+    # sentences), which uptrain does not implement. text_infilling would be the nearest, but it
+    # frames each block with a BOS token that Pegasus's tokenizer does not have, and it teaches
+    # reconstructing the whole text. Pegasus checkpoints are used as summarizers, fine-tuned on
+    # document → summary pairs: the data their users have, and what `pairs` trains on.
+    bart_family(
+        "pegasus",
+        "Pegasus",
+        _seq2seq_modeling("pegasus", "Pegasus"),
+        default_objective="pairs",
+        pipeline_tag="summarization",
+    ),
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain.checkpoint.atomic import atomic_file, write_file
@@ -159,6 +160,19 @@ def against_mean_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class _Drawn:
+    """What the figures of a compare draw: every run, the MHA one apart, the strategies in the
+    order they ran, the G values (largest first) and one colour per strategy."""
+
+    results: list[RunResult]
+    mha: RunResult
+    runs: list[RunResult]
+    strategies: list[str]
+    groups: list[int]
+    colors: dict[str, str]
+
+
 def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     import matplotlib
 
@@ -170,9 +184,19 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
     groups = sorted({r.num_kv_heads for r in runs}, reverse=True)
     colors = {p: f"C{i}" for i, p in enumerate(strategies)}
-    paths = []
+    drawn = _Drawn(results, mha, runs, strategies, groups, colors)
+    paths = [draw(plt, drawn, folder) for draw in (_loss_curves, _quality_vs_kv_heads, _strategies)]
+    if all(r.speed for r in results):
+        paths += _speed_plots(mha, runs, strategies, colors, folder)
+    else:  # a rerun without speed: no plot left from an earlier one contradicts the table
+        for name in SPEED_PLOTS:
+            (folder / name).unlink(missing_ok=True)
+    return paths
 
-    # Fig. 5 shape: eval loss along uptraining, one panel per G.
+
+def _loss_curves(plt, drawn: _Drawn, folder: Path) -> Path:
+    """Fig. 5 shape: eval loss along uptraining, one panel per G."""
+    mha, runs, groups, colors = drawn.mha, drawn.runs, drawn.groups, drawn.colors
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), sharey=True, squeeze=False)
     for ax, g in zip(axes[0], groups):
         for r in (r for r in runs if r.num_kv_heads == g):
@@ -187,9 +211,12 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     axes[0][0].set_ylabel("eval loss")
     axes[0][-1].legend()
     fig.tight_layout()
-    paths.append(_save(fig, folder / "loss_vs_uptraining.png"))
+    return _save(fig, folder / "loss_vs_uptraining.png")
 
-    # Fig. 6 shape: final quality and KV-cache size against the number of KV heads.
+
+def _quality_vs_kv_heads(plt, drawn: _Drawn, folder: Path) -> Path:
+    """Fig. 6 shape: final quality and KV-cache size against the number of KV heads."""
+    results, mha, runs, strategies, colors = drawn.results, drawn.mha, drawn.runs, drawn.strategies, drawn.colors
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for p in strategies:
         points = sorted((r.num_kv_heads, r.eval_loss_after) for r in runs if r.pooling == p)
@@ -218,9 +245,19 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     twin.set_ylabel("KV cache KiB / token (bars)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(_save(fig, folder / "quality_vs_kv_heads.png"))
+    return _save(fig, folder / "quality_vs_kv_heads.png")
 
-    # Fig. 4 shape: strategies side by side, before and after uptraining.
+
+def _strategies(plt, drawn: _Drawn, folder: Path) -> Path:
+    """Fig. 4 shape: strategies side by side, before and after uptraining."""
+    results, mha, runs, strategies, groups, colors = (
+        drawn.results,
+        drawn.mha,
+        drawn.runs,
+        drawn.strategies,
+        drawn.groups,
+        drawn.colors,
+    )
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
     width = 0.8 / max(1, len(strategies))
     for ax, when in zip(axes, ("before", "after")):
@@ -244,13 +281,7 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     axes[0].set_ylabel("eval loss (dashed: MHA)")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    paths.append(_save(fig, folder / "strategies.png"))
-    if all(r.speed for r in results):
-        paths += _speed_plots(mha, runs, strategies, colors, folder)
-    else:  # a rerun without speed: no plot left from an earlier one contradicts the table
-        for name in SPEED_PLOTS:
-            (folder / name).unlink(missing_ok=True)
-    return paths
+    return _save(fig, folder / "strategies.png")
 
 
 def _speed_plots(

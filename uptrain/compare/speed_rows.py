@@ -22,7 +22,8 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.compare.spec import SPEED_CONTEXT, SPEED_NEW_TOKENS, CompareSpec
-from uptrain.speed import measure_speed, model_shape, parse_device
+from uptrain.speed import measure_speed
+from uptrain.speed_checks import model_shape, parse_device
 
 # The keys of a measurement that must match the options for a stored one to be reused.
 SETTING = ("context", "new_tokens", "batch", "repeats", "device")

@@ -43,7 +43,7 @@ from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import keys_of
-from uptrain.speed import ModelShape, model_shape
+from uptrain.speed_checks import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
 from uptrain.train.config import OPERATIONAL_KEYS as TRAIN_OPERATIONAL_KEYS
 from uptrain.train.metrics import read_metrics

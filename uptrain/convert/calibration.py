@@ -41,6 +41,7 @@ from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, architecture
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
+from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import read_config
 from uptrain.textdata import TokenBlocks, load_blocks
 
@@ -61,15 +62,7 @@ def calibration_device(device: str = "auto", dtype: str = "float32") -> tuple[to
 
 def load_calibration_tokenizer(model_dir: Path):
     """The source's tokenizer, which must have an EOS token to join documents with."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as err:
-        raise UptrainError(f"calibration needs the source's tokenizer: {model_dir}: {type(err).__name__}") from None
-    if tokenizer.eos_token_id is None:
-        raise UptrainError(f"the tokenizer in {model_dir} has no EOS token to join documents with")
-    return tokenizer
+    return load_tokenizer(model_dir, "calibration's source")
 
 
 def fold_attention_input(moment: torch.Tensor, x: torch.Tensor) -> None:
@@ -172,14 +165,9 @@ def _materialise(
 
 def _empty_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The source's transformers model with every parameter on the meta device (buffers are real)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: every model uptrain writes loads here
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return load_model(model_dir, "calibration's source", dtype=dtype, weights=False).eval()
 
 
 def _record_layer_inputs(

@@ -166,8 +166,8 @@ def encoder_decoder_kv(cache, layer_idx: int, project, states: torch.Tensor, cro
 
 
 class EncoderDecoderAttention:
-    """Mixin for the GQA attentions of BART, mBART, Marian and Whisper, whose transformers
-    attentions are one design (`BartAttention` and its copies): put first, before the
+    """Mixin for the GQA attentions of BART, mBART, Marian, Whisper, M2M100 and Pegasus, whose
+    transformers attentions are one design (`BartAttention` and its copies): put first, before the
     architecture's own attention class, which keeps its name for transformers' output recorders
     (`output_attentions`) and builds q_proj and out_proj. k_proj and v_proj get G·d rows, G the
     KV heads of this `attention` ("encoder", "decoder-self" or "cross", STACK_KV_HEADS), with the
@@ -180,7 +180,7 @@ class EncoderDecoderAttention:
     queries_scaled_first = False
 
     def __init__(self, config, attention: str, layer_idx: int):
-        # The four name their query heads alike: the encoder's, and the decoder's (self and cross).
+        # All of them name their query heads alike: the encoder's, and the decoder's (self and cross).
         heads = config.encoder_attention_heads if attention == "encoder" else config.decoder_attention_heads
         super().__init__(
             embed_dim=config.d_model,
@@ -264,6 +264,89 @@ def build_as_eager(init, model, config) -> None:
     model.config._attn_implementation_internal = model._check_and_adjust_attn_implementation(
         requested, is_init_check=True
     )
+
+
+class EncoderDecoderGQAModel(AttentionBackends):
+    """Mixin for the GQA model classes `encoder_decoder_gqa` builds: transformers' model, built,
+    then each of its attentions replaced by `gqa_attention` (that architecture's
+    EncoderDecoderAttention) of its KV heads. The encoder and the decoder are the base model's
+    (`base_model`: the model itself, or the task model's `model`)."""
+
+    gqa_attention = None  # set on each class
+
+    def __init__(self, config):
+        build_as_eager(super().__init__, self, config)
+        use_encoder_decoder_attention(self.base_model, self.gqa_attention, config)
+        self.post_init()
+
+
+def encoder_decoder_gqa(
+    module: str,
+    config_class: type,
+    attention_class: type,
+    model_class: type,
+    head_class: type,
+    *,
+    queries_scaled_first: bool = False,
+    config_attributes: dict | None = None,
+    head_mixins: tuple[type, ...] = (),
+) -> tuple[type, type, type, type]:
+    """The GQA classes (config, attention, base model, model with its task head) of an
+    encoder–decoder whose transformers attention is `BartAttention`'s design (BART, mBART,
+    Marian, Whisper, M2M100, Pegasus), built from transformers' own: the config with one KV-head
+    count per attention (GroupedStacksConfig, `model_type` its source's + "_gqa"), and the models
+    with each attention an EncoderDecoderAttention of its KV heads. Everything else is
+    transformers' model unchanged.
+
+    Each class is named as transformers' with "GQA" after the architecture's prefix
+    (BartConfig → BartGQAConfig, MarianMTModel → MarianGQAMTModel) and belongs to `module`, the
+    calling modeling file's `__name__`, which binds each under its name: `save_pretrained` copies
+    that file and writes `module.Name` into `auto_map`, and `trust_remote_code` loads the names
+    from it. What differs by architecture comes in as arguments: `queries_scaled_first`
+    (EncoderDecoderAttention), class attributes of the config (`config_attributes`), and mixins
+    put before the task model's transformers class (`head_mixins`)."""
+    prefix = config_class.__name__.removesuffix("Config")
+
+    def gqa_name(cls: type) -> str:
+        if not cls.__name__.startswith(prefix):
+            raise ValueError(f"{cls.__name__} does not begin with its architecture's name {prefix}")
+        return f"{prefix}GQA{cls.__name__.removeprefix(prefix)}"
+
+    fields = ("num_key_value_heads", *STACK_KV_HEADS.values())
+    config = type(
+        gqa_name(config_class),
+        (GroupedStacksConfig, config_class),
+        {
+            "__module__": module,
+            "__doc__": f"{config_class.__name__} with one number of KV heads per attention (GroupedStacksConfig).",
+            "model_type": f"{config_class.model_type}_gqa",
+            # Declared here, so that transformers 5 makes them dataclass fields (GroupedStacksConfig).
+            "__annotations__": dict.fromkeys(fields, "int | None"),
+            **dict.fromkeys(fields),
+            **(config_attributes or {}),
+        },
+    )
+    attention = type(
+        gqa_name(attention_class),
+        (EncoderDecoderAttention, attention_class),
+        {
+            "__module__": module,
+            "__doc__": f"{attention_class.__name__} over the KV heads of its place (encoder, decoder self, cross).",
+            "queries_scaled_first": queries_scaled_first,
+        },
+    )
+
+    def gqa_model(base: type, mixins: tuple[type, ...] = ()) -> type:
+        body = {
+            "__module__": module,
+            "__doc__": f"{base.__name__} with grouped-query attention.",
+            "config_class": config,
+            "gqa_attention": attention,
+        }
+        # transformers' class last: `uptrain.modeling.gqa_counterpart` finds it as the last base.
+        return type(gqa_name(base), (*mixins, EncoderDecoderGQAModel, base), body)
+
+    return config, attention, gqa_model(model_class), gqa_model(head_class, head_mixins)
 
 
 def _bottom_right_causal(t: int, s: int, device: torch.device) -> torch.Tensor:

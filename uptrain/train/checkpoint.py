@@ -18,7 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
-from uptrain import UptrainError
+from uptrain import UptrainError, exception_line
 from uptrain.strict_json import read_json
 
 CHECKPOINTS = "checkpoints"
@@ -112,9 +112,8 @@ def load_checkpoint(accelerator, folder: Path) -> dict:
     try:
         accelerator.load_state(str(folder))
     except Exception as err:  # a damaged weight or optimizer file: torch and safetensors raise many types
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UptrainError(
-            f"cannot resume from {folder}: {type(err).__name__}: {first}; delete that folder to "
+            f"cannot resume from {folder}: {exception_line(err)}; delete that folder to "
             "resume from the checkpoint before it"
         ) from None
     return state

@@ -79,9 +79,8 @@ class TrainData(Schema):
     objective: Objective | None = option(
         None,
         help="what the model learns: causal (next token), span_corruption (T5), text_infilling (BART), "
-        "pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); default: causal for models "
-        "without an encoder, else the family's (t5 span_corruption, bart/mbart text_infilling, marian pairs, "
-        "whisper speech_pairs)",
+        "pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); default: the architecture's "
+        "own (`default_objective` of its record in uptrain/architecture; causal for models without an encoder)",
     )
     target_len: int | None = option(
         None,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from uptrain import UptrainError
+from uptrain import UptrainError, exception_line
 from uptrain.textdata import MAP_BATCH, TextStream, TokenBlocks
 
 # Tokens of text a data worker shuffles at a time: the shuffle's reach, the memory of a few
@@ -113,8 +113,7 @@ class ShareWindows(torch.utils.data.IterableDataset):
         except UptrainError as err:
             yield {"error": str(err)}
         except Exception as err:  # datasets and the file readers raise many types: one line for the user
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            yield {"error": f"cannot read {self.stream.label}: {type(err).__name__}: {first}"}
+            yield {"error": f"cannot read {self.stream.label}: {exception_line(err)}"}
 
     def _parts(self, epoch: int) -> list:
         n = self.stream.texts.num_shards

@@ -148,7 +148,7 @@ class EncoderDecoderCost:
 def encoder_decoder_cost(model: torch.nn.Module, model_config: dict) -> EncoderDecoderCost:
     """The parameter counts of `model` (counted before accelerate wraps or shards it) and the
     attention widths of its config.json, `model_config` (any encoder–decoder of the architecture
-    registry: t5, mt5, bart, mbart, marian, whisper and their `_gqa`)."""
+    registry, source or converted `_gqa`)."""
     model_type = model_config.get("model_type")
     arch = find_architecture(model_type)
     if arch is None or not arch.encoder_decoder:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from uptrain import UptrainError
+from uptrain import UptrainError, exception_line
 from uptrain.objectives import IGNORE_INDEX
 from uptrain.strict_json import parse_json
 from uptrain.textdata import resolve_data
@@ -229,8 +229,8 @@ def _load_feature_extractor(model_path: str):
         extractor = AutoFeatureExtractor.from_pretrained(model_path)
     except Exception as err:
         raise UptrainError(
-            f"objective speech_pairs needs the feature extractor of {model_path} (preprocessor_config.json): "
-            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            "objective speech_pairs needs the feature extractor of "
+            f"{model_path} (preprocessor_config.json): {exception_line(err)}"
         ) from None
     if not getattr(extractor, "sampling_rate", None):
         raise UptrainError(f"the feature extractor of {model_path} names no sampling_rate")

@@ -169,7 +169,7 @@ def child_solved(src: Path, data: str, opts: dict):
     held = sum(
         t.numel() * t.element_size()
         for solution in calibration.solved.values()
-        for t in _solution_tensors(solution.calibrated)
+        for t in _solution_tensors(solution.merge)
     )
     return calibration, calibration.info["tokens"], held
 

@@ -53,7 +53,7 @@ def test_every_record_is_consistent():
         f"{t}_gqa"
         for t in (
             *("gpt2", "gpt_neox", "opt", "gptj", "bloom", "gpt_neo"),
-            *("t5", "bart", "mbart", "marian", "whisper", "m2m_100", "pegasus"),
+            *("t5", "umt5", "bart", "mbart", "marian", "whisper", "m2m_100", "pegasus"),
         )
     }
 

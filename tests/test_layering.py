@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("uptrain.checkpoint.*",)),
     # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,
     # token shards (`uptrain tokenize`'s folder and its reader) and the command that writes them,
-    # the encoder–decoder objectives (span corruption, text infilling) on token blocks.
+    # the registry of objectives and their corruptions (span corruption, text infilling) of token blocks.
     (
         "data",
         (
@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "uptrain.corpus",
             "uptrain.token_shards",
             "uptrain.pretokenize",
-            "uptrain.objectives",
+            "uptrain.objectives.*",
         ),
     ),
     # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM and the encoder–decoders (T5, BART, mBART,

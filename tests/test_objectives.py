@@ -171,3 +171,162 @@ def test_sentinel_ids_in_extra_id_order():
     tok.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(5)]})
     ids = sentinel_ids_for(tok)
     assert [tok.convert_ids_to_tokens(i) for i in ids] == [f"<extra_id_{i}>" for i in range(5)]
+
+
+# The registry: each objective one record, and what the run's code asks of it.
+
+
+def tokenizer_with(*specials: str, sentinels: int = 0):
+    """A real word-level tokenizer with exactly the named special tokens set (eos, pad, bos, mask)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = {"pad": "<pad>", "eos": "</s>", "bos": "<s>", "mask": "<mask>"}
+    vocab = {t: i for i, t in enumerate(["<unk>", *tokens.values(), "a", "b"])}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        unk_token="<unk>",
+        **{f"{name}_token": tokens[name] for name in specials},
+    )
+    if sentinels:
+        tok.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(sentinels)]})
+    return tok
+
+
+def test_the_objective_key_offers_the_registry():
+    from uptrain.objectives import OBJECTIVES, objective_choices
+    from uptrain.options import InvalidOptions, choices_of, keys_of
+    from uptrain.train.config import TrainConfig, validated_config
+
+    [key] = [k for k in keys_of(TrainConfig) if k.name == "objective"]
+    assert list(choices_of(key.option)) == list(OBJECTIVES) == list(objective_choices())
+    values = {"model": "m", "train_data": "t", "eval_data": "e", "output_dir": "o", "seq_len": 8}
+    values |= {"batch_size": 1, "lr": 1e-3, "max_steps": 1}
+    with pytest.raises(InvalidOptions, match="`objective`: unknown objective 'mlm'; choose from causal, pairs") as err:
+        validated_config({**values, "objective": "mlm"})
+    assert "\n" not in str(err.value).strip()
+    for o in OBJECTIVES.values():  # `target_len` is taken by exactly the objectives that read examples
+        with_target_len = {**values, "objective": o.name, "target_len": 4}
+        if o.reads_examples:
+            assert validated_config(with_target_len).objective == o.name
+        else:
+            with pytest.raises(InvalidOptions, match=f"applies to objective pairs and speech_pairs, not {o.name}"):
+                validated_config(with_target_len)
+
+
+def test_every_record_is_whole():
+    from uptrain.objectives import OBJECTIVES
+
+    assert list(OBJECTIVES)[0] == "causal"  # the decoder-only default
+    for o in OBJECTIVES.values():
+        assert o.reference and o.reads in ("blocks", "text_pairs", "speech_pairs"), o.name
+        assert (o.fields is not None) == o.reads_examples, o.name  # examples name their two jsonl fields
+        assert (o.target_length is not None) == o.encoder_decoder, o.name  # the decoder's positions
+        assert o.corruption is None or o.reads == "blocks", o.name  # only packed blocks are corrupted
+        assert o.encoder_decoder or (o.corruption is None and o.reads == "blocks"), o.name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(4, 300), st.integers(0, 2**31 - 1))
+def test_declared_lengths_are_what_the_corruptions_make(seq_len, seed):
+    """A block of `block_length(seq_len)` raw tokens becomes `seq_len` encoder inputs and
+    `target_length` labels: what the data code packs and the FLOPs count rely on."""
+    from uptrain.objectives import OBJECTIVES, SpecialTokens
+
+    tokens = SpecialTokens(eos=EOS, pad=PAD, bos=BOS, mask=MASK, sentinels=tuple(SENTINELS))
+    for o in OBJECTIVES.values():
+        if o.corruption is None:
+            continue
+        block = torch.randint(10, 1000, (o.block_length(seq_len),), generator=gen(seed))
+        out = o.corrupt(block, tokens, gen(seed))
+        assert out["input_ids"].shape == (1, seq_len), o.name
+        assert out["labels"].shape == (1, o.target_length(seq_len, 1)), o.name
+
+
+def test_too_short_a_seq_len_is_one_line():
+    from uptrain.objectives import OBJECTIVES
+
+    for o in OBJECTIVES.values():
+        if o.min_seq_len > 2:
+            with pytest.raises(UptrainError, match=f"objective {o.name} needs seq_len of at least 4 tokens, got 3"):
+                o.block_length(3)
+
+
+def test_declared_special_tokens_are_required_and_only_those():
+    from uptrain.objectives import OBJECTIVES, special_tokens_for
+
+    words = {"eos": "an EOS", "pad": "a padding", "bos": "a BOS", "mask": "a mask"}
+    for o in OBJECTIVES.values():
+        declared = [t for t in o.special_tokens if t != "sentinels"]
+        sentinels = 3 if "sentinels" in o.special_tokens else 0
+        got = special_tokens_for(o, tokenizer_with(*declared, sentinels=sentinels), "m")  # what it needs suffices
+        assert len(got.sentinels) == sentinels and (got.mask is None) == ("mask" not in declared), o.name
+        for missing in declared:
+            tok = tokenizer_with(*[t for t in declared if t != missing], sentinels=sentinels)
+            with pytest.raises(UptrainError, match=f"objective {o.name} needs {words[missing]} token and the"):
+                special_tokens_for(o, tok, "m")
+        if sentinels:
+            with pytest.raises(UptrainError, match="needs sentinel tokens <extra_id_0>"):
+                special_tokens_for(o, tokenizer_with(*declared), "m")
+
+
+def test_corruption_is_a_function_of_seed_step_and_row():
+    from uptrain.objectives import OBJECTIVES, SpecialTokens
+    from uptrain.train.seq2seq import ObjectiveBatches
+
+    tokens = SpecialTokens(eos=EOS, pad=PAD, bos=BOS, mask=MASK, sentinels=tuple(SENTINELS))
+    rows = torch.randint(10, 1000, (6, 40), generator=gen(3))
+    for name in ("span_corruption", "text_infilling"):
+        batches = ObjectiveBatches(OBJECTIVES[name], 7, tokens)
+        whole = batches.train_batch(rows, 5, 12)
+        halves = [batches.train_batch(rows[:2], 5, 12), batches.train_batch(rows[2:], 5, 14)]
+        assert all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in whole), name
+        assert not torch.equal(whole["input_ids"], batches.train_batch(rows, 6, 12)["input_ids"]), name
+        reordered = batches.eval_batch(rows.flip(0))
+        assert all(torch.equal(batches.eval_batch(rows)[k], reordered[k].flip(0)) for k in whole), name
+
+
+# sha256 (first 16 hex digits) of the batches of `test_batches_are_those_of_runs_started_before`,
+# printed by the objectives' code before the registry (main at 64c0e80): a run started then and
+# resumed now must see the same batches.
+GOLDEN = {
+    ("span_corruption", "train"): {"input_ids": "bba5ae5b24407fb7", "labels": "dde77885111016f3"},
+    ("span_corruption", "eval"): {"input_ids": "212d77ae4831bff1", "labels": "5ab5dc4d8465860a"},
+    ("text_infilling", "train"): {
+        "attention_mask": "989a8a25f4fe94f7",
+        "input_ids": "3593cee092df21f7",
+        "labels": "ef73176cb2d28654",
+    },
+    ("text_infilling", "eval"): {
+        "attention_mask": "743bcd2975c39404",
+        "input_ids": "92d0fda82692855a",
+        "labels": "ef73176cb2d28654",
+    },
+}
+
+
+def test_batches_are_those_of_runs_started_before():
+    import hashlib
+
+    from uptrain.objectives import OBJECTIVES, SpecialTokens
+    from uptrain.train.seq2seq import ObjectiveBatches
+
+    tokens = SpecialTokens(eos=EOS, pad=PAD, bos=BOS, mask=MASK, sentinels=tuple(1999 - i for i in range(100)))
+    for (name, kind), digests in GOLDEN.items():
+        o = OBJECTIVES[name]
+        rows = torch.randint(10, 1000, (6, o.block_length(40)), generator=gen(3))
+        batches = ObjectiveBatches(o, 7, tokens)
+        batch = batches.train_batch(rows, 5, 12) if kind == "train" else batches.eval_batch(rows)
+        got = {k: hashlib.sha256(v.numpy().tobytes()).hexdigest()[:16] for k, v in sorted(batch.items())}
+        assert got == digests, (name, kind)
+
+
+def test_every_architecture_defaults_to_an_objective_it_learns():
+    """The architecture registry names each family's objective; the objectives' registry must hold
+    it, for that kind of model (a port's new family is checked here too)."""
+    from uptrain.architecture import REGISTRY
+    from uptrain.objectives import OBJECTIVES
+
+    for model_type, arch in REGISTRY.items():
+        assert arch.default_objective in OBJECTIVES, model_type
+        assert OBJECTIVES[arch.default_objective].encoder_decoder == arch.encoder_decoder, model_type

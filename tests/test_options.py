@@ -169,7 +169,7 @@ def test_compare_embeds_train_keys_with_their_bounds():
         ({"adam_beta2": 1}, "`adam_beta2`: must be less than 1 (got 1"),
         ({"seq_len": 1}, "`seq_len`: must be at least 2 (got 1)"),
         ({"num_kv_heads": [2, 0]}, "`num_kv_heads`: must be at least 1 (got 0)"),
-        ({"objective": "causall"}, "`objective`: must be one of"),
+        ({"objective": "causall"}, "`objective`: unknown objective 'causall'; choose from causal, pairs"),
         ({"report_to": ["none", "jsonl"]}, "`report_to: none` cannot be combined"),
     ):
         with pytest.raises(InvalidOptions, match=re.escape(message)):

@@ -292,6 +292,9 @@ SEQ2SEQ_CONFIGS = {
         decoder_start_token_id=3,
     ),
 }
+# UMT5: T5's geometry, with a position bias in every self-attention layer (two encoder layers, so
+# that the encoder's second one has its own too).
+SEQ2SEQ_CONFIGS["umt5"] = {**SEQ2SEQ_CONFIGS["t5"], "num_layers": LAYERS}
 
 
 def build_seq2seq(model_type: str, **overrides):

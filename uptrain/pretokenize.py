@@ -127,9 +127,8 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
         write_file,
     )
     from uptrain.checkpoint.resumable import ResumeRule, settings_changed
-    from uptrain.checkpoint.source import portable
     from uptrain.textdata import MAP_BATCH, pack_function, resolve_data
-    from uptrain.token_shards import FORMAT, FORMAT_VERSION, INDEX, is_token_folder, token_dtype, tokenizer_digest
+    from uptrain.token_shards import INDEX, is_token_folder
 
     out = Path(options.out).expanduser().absolute()
     if is_token_folder(options.data):
@@ -145,23 +144,7 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
     tokenizer = load_tokenizer(options.tokenizer, "--tokenizer")
     check_output_path(out, options.overwrite)  # OUT that exists, cannot be made, or another run writes
     rows = _rows(source, options.text_field, options.sample_by)
-    record = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "seq_len": options.seq_len,
-        "dtype": token_dtype(len(tokenizer)),
-        "blocks_per_shard": max(1, options.shard_tokens // options.seq_len),
-        "tokenizer": {
-            "name": portable(options.tokenizer),
-            "digest": tokenizer_digest(tokenizer),
-            "vocab_size": len(tokenizer),
-            "eos_token_id": tokenizer.eos_token_id,
-        },
-        "data": {"files": _data_files(source.files), "text_field": options.text_field, "sample_by": options.sample_by},
-        # How `uptrain.textdata` packs, recorded so that a change there is seen as a change here.
-        "packing": {"documents_per_batch": MAP_BATCH, "separator": "eos", "batch_remainder": "dropped"},
-        "uptrain_version": __version__,
-    }
+    record = _record(options, tokenizer, source)
     partial = out.parent / f".{out.name}{PARTIAL_TAG}"
     with output_lock(out):
         if out.exists() and not options.overwrite:  # made by something else since the check
@@ -201,6 +184,31 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
             shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing of it is kept
             raise
     return out
+
+
+def _record(options: TokenizeOptions, tokenizer, source) -> dict:
+    """What OUT's tokens.json says of how its tokens were made: the identity a resumed run must match."""
+    from uptrain.checkpoint.source import portable
+    from uptrain.textdata import MAP_BATCH
+    from uptrain.token_shards import FORMAT, FORMAT_VERSION, token_dtype, tokenizer_digest
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "seq_len": options.seq_len,
+        "dtype": token_dtype(len(tokenizer)),
+        "blocks_per_shard": max(1, options.shard_tokens // options.seq_len),
+        "tokenizer": {
+            "name": portable(options.tokenizer),
+            "digest": tokenizer_digest(tokenizer),
+            "vocab_size": len(tokenizer),
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        "data": {"files": _data_files(source.files), "text_field": options.text_field, "sample_by": options.sample_by},
+        # How `uptrain.textdata` packs, recorded so that a change there is seen as a change here.
+        "packing": {"documents_per_batch": MAP_BATCH, "separator": "eos", "batch_remainder": "dropped"},
+        "uptrain_version": __version__,
+    }
 
 
 def _read_state(path: Path) -> dict | None:

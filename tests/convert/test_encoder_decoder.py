@@ -1,5 +1,6 @@
-"""Encoder–decoders (T5, T5 v1.1 / Flan gated-GELU, mT5, BART, mBART, Marian, Whisper, M2M100,
-Pegasus): conversion of tiny real checkpoints built with transformers' own classes and saved with save_pretrained.
+"""Encoder–decoders (T5, T5 v1.1 / Flan gated-GELU, mT5, UMT5, BART, mBART, Marian, Whisper,
+M2M100, Pegasus): conversion of tiny real checkpoints built with transformers' own classes and
+saved with save_pretrained.
 
 What the converter must do is checked here against an independent computation written from
 transformers' tensor names (not from uptrain's layout tables): each chosen attention's K/V rows
@@ -31,6 +32,8 @@ from transformers import (
     PegasusForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
     WhisperConfig,
     WhisperForConditionalGeneration,
 )
@@ -75,6 +78,8 @@ MODELS = {
         lambda: T5Config(**T5_GEOMETRY, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
     ),
     "mt5": (MT5ForConditionalGeneration, lambda: MT5Config(**T5_GEOMETRY)),
+    # UMT5: T5's tensor names, a relative_attention_bias in every self-attention layer.
+    "umt5": (UMT5ForConditionalGeneration, lambda: UMT5Config(**T5_GEOMETRY, tie_word_embeddings=False)),
     "bart": (BartForConditionalGeneration, lambda: BartConfig(**BART_GEOMETRY)),
     "mbart": (MBartForConditionalGeneration, lambda: MBartConfig(**BART_GEOMETRY)),
     "marian": (MarianMTModel, lambda: MarianConfig(**BART_GEOMETRY)),
@@ -82,12 +87,13 @@ MODELS = {
     "m2m_100": (M2M100ForConditionalGeneration, lambda: M2M100Config(**BART_GEOMETRY)),
     "pegasus": (PegasusForConditionalGeneration, lambda: PegasusConfig(**BART_GEOMETRY)),
 }
-T5_LIKE = ("t5", "t5-gated", "mt5")
-GQA_TYPE = {"t5": "t5_gqa", "t5-gated": "t5_gqa", "mt5": "t5_gqa"} | {
+T5_LIKE = ("t5", "t5-gated", "mt5", "umt5")
+GQA_TYPE = {"t5": "t5_gqa", "t5-gated": "t5_gqa", "mt5": "t5_gqa", "umt5": "umt5_gqa"} | {
     name: f"{name}_gqa" for name in ("bart", "mbart", "marian", "whisper", "m2m_100", "pegasus")
 }
 HEAD_CLASS = {
     "t5_gqa": ("T5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
+    "umt5_gqa": ("UMT5GQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "bart_gqa": ("BartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "mbart_gqa": ("MBartGQAForConditionalGeneration", "AutoModelForSeq2SeqLM"),
     "marian_gqa": ("MarianGQAMTModel", "AutoModelForSeq2SeqLM"),
@@ -122,8 +128,8 @@ def heads_and_dim(name: str, attention: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """One saved checkpoint per architecture, built once; biases and norms randomised so that
-    pooling them is tested (fresh ones are zeros and ones)."""
+    """One saved checkpoint per architecture, built once; biases (T5's position biases too) and
+    norms randomised so that pooling them is tested (fresh ones are zeros and ones)."""
     built = {}
 
     def get(name: str):
@@ -133,7 +139,7 @@ def sources(tmp_path_factory):
             model = model_class(config()).eval()
             with torch.no_grad():
                 for param_name, p in model.named_parameters():
-                    if param_name.endswith("bias") or "norm" in param_name:
+                    if param_name.endswith("bias") or "norm" in param_name or "relative_attention" in param_name:
                         p.add_(torch.randn_like(p) * 0.1)
             folder = tmp_path_factory.mktemp(name) / "src"
             model.save_pretrained(folder)
@@ -270,6 +276,7 @@ def test_g_equals_h_keeps_every_bit(name, sources, tmp_path):
         ("t5", "encoder", 4, {"encoder"}),
         ("t5", "cross,encoder,decoder-self", 1, {"encoder", "decoder-self", "cross"}),
         ("mt5", "decoder-self", 2, {"decoder-self"}),
+        ("umt5", "encoder,decoder-self", 4, {"encoder", "decoder-self"}),
         ("bart", "encoder,cross", 2, {"encoder", "cross"}),
         ("whisper", "encoder", 1, {"encoder"}),
     ],

@@ -1,9 +1,9 @@
 """Converted encoder–decoder checkpoints load with plain Auto classes and compute what the
 source computes: at G = h bit for bit, with identical heads in each group losslessly (through
 `uptrain convert`, the real pipeline), and `generate()` with the cache (G heads in both the
-self- and the cross-attention cache) equals generation without it. T5 and the BART-style
-M2M100 (NLLB) and Pegasus, their biases and norms moved off their initial values so that
-pooling them is tested."""
+self- and the cross-attention cache) equals generation without it. T5, UMT5 and the BART-style
+M2M100 (NLLB) and Pegasus, their biases, norms and position biases moved off their initial values
+so that pooling them is tested."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from transformers import (
     PegasusForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
 )
 
 import uptrain.modeling  # noqa: F401  registers t5_gqa, …: plain Auto classes load the outputs
@@ -48,22 +50,26 @@ ARCHITECTURES = {
         T5Config(**T5_SHAPE, **T5_IDS, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
     ),
     "mt5": lambda: MT5ForConditionalGeneration(MT5Config(**T5_SHAPE, **T5_IDS)),
+    "umt5": lambda: UMT5ForConditionalGeneration(UMT5Config(**T5_SHAPE, **T5_IDS, tie_word_embeddings=False)),
     "m2m_100": lambda: M2M100ForConditionalGeneration(M2M100Config(**BART_SHAPE, **M2M100_IDS)),
     "pegasus": lambda: PegasusForConditionalGeneration(PegasusConfig(**BART_SHAPE, **T5_IDS)),
 }
+# The GQA class each converts to where it is not T5's (UMT5: its own, a position bias in every layer).
 GQA_CLASS = {
+    "umt5": "UMT5GQAForConditionalGeneration",
     "m2m_100": "M2M100GQAForConditionalGeneration",
     "pegasus": "PegasusGQAForConditionalGeneration",
 }
 
 
 def build(name: str):
-    """The architecture's model (seed 0), its biases and norms randomised (fresh: zeros and ones)."""
+    """The architecture's model (seed 0), its biases and norms randomised (fresh: zeros and ones),
+    T5's position biases moved off their init too."""
     torch.manual_seed(0)
     model = ARCHITECTURES[name]().eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
-            if key.endswith("bias") or "norm" in key:
+            if key.endswith("bias") or "norm" in key or "relative_attention_bias" in key:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
 

@@ -188,7 +188,7 @@ def test_an_error_while_pooling_ahead_stops_the_conversion(tmp_path, monkeypatch
             raise RuntimeError("pooling failed")
         return heads.mean(dim=1)
 
-    monkeypatch.setitem(pooling.STRATEGIES, "failing", pooling.Strategy("failing", "test", failing_mean))
+    monkeypatch.setitem(pooling.STRATEGIES, "failing", pooling.RowPooling("failing", "test", failing_mean))
     src = write_synthetic_llama(
         tmp_path / "src", hidden=128, layers=4, intermediate=64, vocab=64, max_shard_bytes=100_000
     )

@@ -1,6 +1,7 @@
 """T5 with grouped-query attention (`t5_gqa`, uptrain/modeling/modeling_t5_gqa.py): T5 v1.0
-(ReLU), T5 v1.1 (gated GELU) and mT5, each with its three attentions grouped on their own
-(encoder, decoder self-attention, cross-attention).
+(ReLU), T5 v1.1 (gated GELU) and mT5; and UMT5 (`umt5_gqa`, modeling_umt5_gqa.py: a position
+bias in every layer); each with its three attentions grouped on their own (encoder, decoder
+self-attention, cross-attention).
 
 - at G = h it is transformers' own T5 / mT5, bit for bit, on eager and SDPA;
 - K/V heads made identical within each group pool losslessly into G heads;
@@ -30,13 +31,18 @@ from transformers import (
     MT5ForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
 )
 
 import uptrain.modeling  # noqa: F401  registers t5_gqa, as a user's `import uptrain` does
 from tests.modeling.second_environment import transformers4_python
 from uptrain.architecture.converted import modeling_files
+from uptrain.convert import convert_checkpoint
+from uptrain.modeling import CLASSES
 from uptrain.modeling.attention import STACK_KV_HEADS
-from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration, T5GQAModel
+from uptrain.modeling.modeling_t5_gqa import T5GQAConfig, T5GQAForConditionalGeneration
+from uptrain.modeling.modeling_umt5_gqa import UMT5GQAForConditionalGeneration
 
 HEADS, VOCAB = 4, 64
 SHARED = dict(
@@ -61,6 +67,11 @@ KINDS = {
         dict(d_kv=16, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
     ),
     "mt5": (MT5Config, MT5ForConditionalGeneration, dict(d_kv=8, feed_forward_proj="gated-gelu")),
+    "umt5": (
+        UMT5Config,
+        UMT5ForConditionalGeneration,
+        dict(d_kv=8, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    ),
 }
 BACKENDS = ["eager", "sdpa"]
 MHA = {attention: HEADS for attention in STACK_KV_HEADS}
@@ -68,16 +79,22 @@ DECODER_GROUPED = {"encoder": HEADS, "decoder-self": 2, "cross": 2}  # the paper
 ALL_GROUPED = {"encoder": 2, "decoder-self": 1, "cross": 2}
 
 
+def gqa_type(kind: str) -> str:
+    """The model_type of the GQA form of a family: UMT5 has modeling of its own."""
+    return "umt5_gqa" if kind == "umt5" else "t5_gqa"
+
+
 def build(kind: str, seed: int = 0, backend: str = "eager"):
-    """transformers' own tiny T5 / mT5, with random norms (fresh ones are ones) and a scale
-    (`initializer_factor`) at which greedy generation depends on the input."""
+    """transformers' own tiny T5 / mT5 / UMT5, with random norms (fresh ones are ones), position
+    biases moved off their init, and a scale (`initializer_factor`) at which greedy generation
+    depends on the input."""
     config_class, model_class, own = KINDS[kind]
     config = config_class(**SHARED, **own, initializer_factor=2.0, attn_implementation=backend)
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "layer_norm" in name:
+            if "layer_norm" in name or (kind == "umt5" and "relative_attention_bias" in name):
                 p.add_(torch.randn_like(p) * 0.1)
     return model
 
@@ -109,15 +126,17 @@ def make_heads_identical(model, groups: dict[str, int]) -> None:
 
 
 def gqa_twin(model, groups: dict[str, int], backend: str = "eager") -> T5GQAForConditionalGeneration:
-    """A t5_gqa model with the attentions' KV heads `groups`, holding `model`'s weights with each
-    group's K/V the group's first head (the mean, where the heads are identical)."""
+    """A t5_gqa (umt5_gqa) model with the attentions' KV heads `groups`, holding `model`'s weights
+    with each group's K/V the group's first head (the mean, where the heads are identical)."""
+    umt5 = isinstance(model, UMT5ForConditionalGeneration)
+    config_class, _, head_class = CLASSES["umt5_gqa" if umt5 else "t5_gqa"]
     config = model.config.to_dict()
     config.update({STACK_KV_HEADS[a]: g for a, g in groups.items()})
     if isinstance(model, MT5ForConditionalGeneration):
         # transformers' mT5 never rescales the decoder output (T5 does when tied): a converted
         # mT5's config says so.
         config["scale_decoder_outputs"] = False
-    twin = T5GQAForConditionalGeneration(T5GQAConfig.from_dict(config, attn_implementation=backend)).eval()
+    twin = head_class(config_class.from_dict(config, attn_implementation=backend)).eval()
     d_kv = model.config.d_kv
     state = {}
     for name, tensor in model.state_dict().items():
@@ -237,9 +256,11 @@ def test_the_config_checks_each_attention_s_heads():
         T5GQAConfig(**SHARED, d_kv=8, cross_attention_num_key_value_heads=3)
 
 
-def test_the_base_model_groups_its_attentions_too():
-    config = T5GQAConfig(**SHARED, d_kv=8, encoder_num_key_value_heads=1, decoder_num_key_value_heads=2)
-    model = T5GQAModel(config)
+@pytest.mark.parametrize("model_type", ["t5_gqa", "umt5_gqa"])
+def test_the_base_model_groups_its_attentions_too(model_type):
+    config_class, base_class, _ = CLASSES[model_type]
+    config = config_class(**SHARED, d_kv=8, encoder_num_key_value_heads=1, decoder_num_key_value_heads=2)
+    model = base_class(config)
     assert model.encoder.block[0].layer[0].SelfAttention.k.weight.shape == (8, 32)
     assert model.decoder.block[0].layer[0].SelfAttention.v.weight.shape == (16, 32)
     assert model.decoder.block[0].layer[1].EncDecAttention.v.weight.shape == (32, 32)
@@ -247,8 +268,17 @@ def test_the_base_model_groups_its_attentions_too():
     assert out.shape == (2, 6, 32) and torch.isfinite(out).all()
 
 
-def test_a_few_training_steps_lower_the_loss():
-    model = gqa_twin(build("t5-v1.1"), ALL_GROUPED).train()
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+@pytest.mark.parametrize("model_type", ["t5_gqa", "umt5_gqa"])
+def test_backends_without_a_place_for_the_position_bias_are_refused(model_type, implementation):
+    config_class, _, head_class = CLASSES[model_type]
+    with pytest.raises(ValueError, match="does not support"):
+        head_class(config_class(**SHARED, d_kv=8, attn_implementation=implementation))
+
+
+@pytest.mark.parametrize("kind", ["t5-v1.1", "umt5"])
+def test_a_few_training_steps_lower_the_loss(kind):
+    model = gqa_twin(build(kind), ALL_GROUPED).train()
     batch = inputs()
     labels = batch.pop("decoder_input_ids")[:, 1:].contiguous()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -261,6 +291,9 @@ def test_a_few_training_steps_lower_the_loss():
         losses.append(loss.item())
     grad = model.decoder.block[0].layer[1].EncDecAttention.k.weight.grad
     assert grad.shape == (2 * model.config.d_kv, model.config.d_model) and grad.abs().sum() > 0
+    # UMT5 learns a position bias in every self-attention layer, T5 in block 0 of each stack.
+    biases = [p for n, p in model.named_parameters() if "relative_attention_bias" in n]
+    assert len(biases) == (4 if kind == "umt5" else 2) and all(p.grad.abs().sum() > 0 for p in biases)
     assert losses[-1] < losses[0], losses
 
 
@@ -299,25 +332,42 @@ print(json.dumps({"transformers": transformers.__version__, "results": results})
 def resaved(tmp_path_factory):
     """Per family: a t5_gqa model (all three attentions grouped) saved, loaded back through
     uptrain's registered classes and saved again (the usual load-fine-tune-save); what that
-    loaded model computes in this process on each backend; the spec for the fresh processes."""
+    loaded model computes in this process on each backend; the spec for the fresh processes.
+    Also a UMT5 converted by `convert_checkpoint` (its config.json the source's, edited)."""
     root = tmp_path_factory.mktemp("t5_gqa")
     batch = inputs()
     folders, expected = {}, {}
+
+    def computed(loaded) -> dict:
+        return {
+            "logits": [float(x).hex() for x in logits(loaded, batch).double().flatten().tolist()],
+            "generated": greedy(loaded, batch, new_tokens=6).tolist(),
+        }
+
+    source = build("umt5")
+    source.lm_head.weight = torch.nn.Parameter(torch.randn_like(source.lm_head.weight))  # as UMT5 on the Hub
+    source.save_pretrained(root / "umt5-source")
+    folders["umt5-converted"] = str(
+        convert_checkpoint(
+            root / "umt5-source", root / "umt5-converted", 2, attention="encoder,decoder-self,cross", progress=False
+        )
+    )
+    for backend in BACKENDS:
+        converted = AutoModelForSeq2SeqLM.from_pretrained(folders["umt5-converted"], attn_implementation=backend)
+        assert type(converted) is UMT5GQAForConditionalGeneration
+        expected[f"umt5-converted/{backend}"] = computed(converted.eval())
     for kind in sorted(KINDS):
         made = gqa_twin(build(kind), ALL_GROUPED)
         if kind != "t5":
-            # T5 v1.1 and mT5 checkpoints have an `lm_head` of their own (not the embeddings).
+            # T5 v1.1, mT5 and UMT5 checkpoints have an `lm_head` of their own (not the embeddings).
             made.lm_head.weight = torch.nn.Parameter(torch.randn_like(made.lm_head.weight))
         made.save_pretrained(root / f"{kind}-made")
         for backend in BACKENDS:
             loaded = AutoModelForSeq2SeqLM.from_pretrained(root / f"{kind}-made", attn_implementation=backend).eval()
-            assert type(loaded) is T5GQAForConditionalGeneration  # uptrain's class, not the file's
+            assert type(loaded) is CLASSES[gqa_type(kind)][2]  # uptrain's class, not the file's
             if backend == BACKENDS[0]:
                 loaded.save_pretrained(root / f"{kind}-resaved")
-            expected[f"{kind}/{backend}"] = {
-                "logits": [float(x).hex() for x in logits(loaded, batch).double().flatten().tolist()],
-                "generated": greedy(loaded, batch, new_tokens=6).tolist(),
-            }
+            expected[f"{kind}/{backend}"] = computed(loaded)
         folders[kind] = str(root / f"{kind}-resaved")
     spec = {
         "folders": folders,
@@ -351,15 +401,17 @@ def test_a_resaved_model_carries_its_code_and_loads_without_uptrain(resaved):
     root, expected = resaved
     for kind in KINDS:
         folder = root / f"{kind}-resaved"
-        for name, path in modeling_files("t5_gqa").items():
+        model_type = gqa_type(kind)
+        for name, path in modeling_files(model_type).items():
             assert (folder / name).read_bytes() == path.read_bytes(), name
         config = json.loads((folder / "config.json").read_text())
-        assert config["model_type"] == "t5_gqa"
+        assert config["model_type"] == model_type
         # Made from a config of its own (no converter's `auto_map` to inherit): the head class's
         # marking writes its entries.
+        config_class, _, head_class = CLASSES[model_type]
         assert config["auto_map"] == {
-            "AutoConfig": "modeling_t5_gqa.T5GQAConfig",
-            "AutoModelForSeq2SeqLM": "modeling_t5_gqa.T5GQAForConditionalGeneration",
+            "AutoConfig": f"modeling_{model_type}.{config_class.__name__}",
+            "AutoModelForSeq2SeqLM": f"modeling_{model_type}.{head_class.__name__}",
         }
         assert {config[key] for key in STACK_KV_HEADS.values()} == {1, 2}
     got = without_uptrain(sys.executable, root)

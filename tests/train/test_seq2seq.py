@@ -1,4 +1,4 @@
-"""Uptraining encoder–decoders (issue #19): T5 on span corruption, BART on text infilling, Marian,
+"""Uptraining encoder–decoders (issue #19): T5 (and UMT5) on span corruption, BART on text infilling, Marian,
 M2M100 and Pegasus on text pairs, Whisper on speech pairs — tiny real transformers models built
 from configs.
 
@@ -23,12 +23,13 @@ from safetensors.torch import load_file
 
 from tests.train.train_helpers import KILLER, curve, make_text, python_env, records
 from uptrain import UptrainError
+from uptrain.objectives import OBJECTIVES
 from uptrain.textdata import load_blocks
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import TrainBlocks, eval_batches
 from uptrain.train.loop import run_training
 from uptrain.train.pairs import load_pairs, pair_eval_batches
-from uptrain.train.seq2seq import block_length, objective_for
+from uptrain.train.seq2seq import objective_for
 
 SENTINELS = 20
 SAMPLING_RATE = 16000
@@ -70,8 +71,8 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
     layers = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
     ffn = dict(encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32, dropout=dropout, attention_dropout=dropout)
     vocab = len(tokenizer)
-    if kind == "t5":
-        config = tf.T5Config(
+    if kind in ("t5", "umt5"):
+        config = (tf.UMT5Config if kind == "umt5" else tf.T5Config)(
             vocab_size=vocab,
             d_model=32,
             d_kv=8,
@@ -82,7 +83,7 @@ def build_model(kind: str, folder: Path, tokenizer, seed: int = 0, dropout: floa
             dropout_rate=dropout,
             **ids,
         )
-        model = tf.T5ForConditionalGeneration(config)
+        model = (tf.UMT5ForConditionalGeneration if kind == "umt5" else tf.T5ForConditionalGeneration)(config)
     elif kind == "bart":
         config = tf.BartConfig(
             vocab_size=vocab,
@@ -200,6 +201,7 @@ def s2s(tmp_path_factory) -> dict[str, Path]:
         "train": root / "train.txt",
         "eval": root / "eval.txt",
         "t5": build_model("t5", root / "t5", t5_tok),
+        "umt5": build_model("umt5", root / "umt5", t5_tok),
         "t5-teacher": build_model("t5", root / "t5-teacher", t5_tok, seed=1),
         # T5's own default: resume must restore the dropout RNG and the training mode too.
         "t5-dropout": build_model("t5", root / "t5-dropout", t5_tok, dropout=0.1),
@@ -216,6 +218,7 @@ def run_config(s2s, kind: str, tmp_path, **overrides) -> dict:
     data = {
         "t5": ("train", "eval"),
         "t5-dropout": ("train", "eval"),
+        "umt5": ("train", "eval"),
         "bart": ("train", "eval"),
         "marian": ("pairs-train.jsonl", "pairs-eval.jsonl"),
         "whisper": ("speech-train.jsonl", "speech-eval.jsonl"),
@@ -250,12 +253,12 @@ def eval_set_here(config: TrainConfig, objective_name: str) -> list:
 
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     model_config = read_config(config.model)
-    objective = objective_for(objective_name, config.seed, tokenizer, model_config, config.model)
+    objective = objective_for(OBJECTIVES[objective_name], config.seed, tokenizer, model_config, config.model)
     if objective_name in ("pairs", "speech_pairs"):
         examples = load_pairs(
             config.eval_data,
             "eval_data",
-            objective_name,
+            OBJECTIVES[objective_name],
             tokenizer,
             config.model,
             model_config,
@@ -267,7 +270,7 @@ def eval_set_here(config: TrainConfig, objective_name: str) -> list:
         config.eval_data,
         "eval_data",
         tokenizer,
-        block_length(objective_name, config.seq_len),
+        OBJECTIVES[objective_name].block_length(config.seq_len),
         "text",
         "train",
         None,
@@ -296,6 +299,7 @@ def models_own_loss(model_path: str, batches: list) -> float:
 
 CASES = [
     ("t5", "span_corruption"),
+    ("umt5", "span_corruption"),
     ("bart", "text_infilling"),
     ("marian", "pairs"),
     ("whisper", "speech_pairs"),
@@ -332,11 +336,11 @@ def test_first_step_loss_is_the_models_own(s2s, tmp_path):
     config = TrainConfig(**run_config(s2s, "t5", tmp_path, max_steps=1))
     run_training(config)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
+    block = OBJECTIVES["span_corruption"].block_length(32)
     blocks, _ = load_blocks(
-        config.train_data, "train_data", tokenizer, block_length("span_corruption", 32), "text", "train", None,
-        "paragraph", False, None,
+        config.train_data, "train_data", tokenizer, block, "text", "train", None, "paragraph", False, None
     )  # fmt: skip
-    objective = objective_for("span_corruption", 0, tokenizer, read_config(config.model), config.model)
+    objective = objective_for(OBJECTIVES["span_corruption"], 0, tokenizer, read_config(config.model), config.model)
     batch = objective.train_batch(TrainBlocks(blocks, 0, 4, 1, 1).micro_batches(0, 0)[0], 0, 0)
     assert batch["input_ids"].shape == (4, 32)  # span corruption gives exactly seq_len encoder tokens
     model = AutoModelForSeq2SeqLM.from_pretrained(config.model)
@@ -422,7 +426,7 @@ def test_distillation_scores_labels_not_padding(s2s, tmp_path):
     step1 = records(config.output_dir)[1]
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     examples = load_pairs(
-        config.train_data, "train_data", "pairs", tokenizer, config.model, read_config(config.model), 32, 32
+        config.train_data, "train_data", OBJECTIVES["pairs"], tokenizer, config.model, read_config(config.model), 32, 32
     )
     batch = TrainBlocks(examples, 0, 4, 1, 1).micro_batches(0, 0)[0]
     scored = batch["labels"] != -100
@@ -504,8 +508,9 @@ def test_refuses_bad_audio(s2s, tmp_path):
     refuses({**whisper, "eval_data": str(data)}, "no `text` field")
 
 
-def test_flops_per_token_match_a_count_of_the_model(s2s):
-    """perf/mfu's FLOPs for T5 (whose parameters are all matmul weights but its norms) against
+@pytest.mark.parametrize("kind", ["t5", "umt5"])
+def test_flops_per_token_match_a_count_of_the_model(s2s, kind):
+    """perf/mfu's FLOPs for T5 and UMT5 (whose parameters are all matmul weights but its norms) against
     torch's count of one forward + backward. The count's eager attention computes the decoder's
     causal scores in full, which the formula (as causal kernels) halves: added back here."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -516,8 +521,8 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     from uptrain.objectives import span_corruption_lengths
     from uptrain.train.seq2seq import train_flops_per_token
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(s2s["t5"], attn_implementation="eager")
-    config = read_config(s2s["t5"])
+    model = AutoModelForSeq2SeqLM.from_pretrained(s2s[kind], attn_implementation="eager")
+    config = read_config(s2s[kind])
     seq_len = 32
     target_len = span_corruption_lengths(seq_len)[1]
     inputs, labels = torch.randint(5, 50, (2, seq_len)), torch.randint(5, 50, (2, target_len))
@@ -526,7 +531,7 @@ def test_flops_per_token_match_a_count_of_the_model(s2s):
     counted = counter.get_total_flops() / (2 * seq_len)
     dec = config_geometry(config)  # the decoder self-attention's
     full_causal = 6 * dec.num_layers * dec.num_heads * dec.head_dim * target_len**2 / seq_len
-    formula = train_flops_per_token(model, config, "span_corruption", seq_len, seq_len)
+    formula = train_flops_per_token(model, config, OBJECTIVES["span_corruption"], seq_len, seq_len)
     assert formula + full_causal == pytest.approx(counted, rel=0.02)
 
 
@@ -544,7 +549,10 @@ def test_span_corruption_on_streamed_data_matches_tokenized(s2s, tmp_path):
     assert all(math.isfinite(r["train/loss"]) for r in b[1:])
 
 
-@pytest.mark.parametrize(("kind", "objective"), [("t5", "span_corruption"), ("m2m_100", "pairs"), ("pegasus", "pairs")])
+@pytest.mark.parametrize(
+    ("kind", "objective"),
+    [("t5", "span_corruption"), ("umt5", "span_corruption"), ("m2m_100", "pairs"), ("pegasus", "pairs")],
+)
 def test_convert_on_the_fly_and_uptrain_it(s2s, tmp_path, capsys, kind, objective):
     """`source` + `num_kv_heads`: the model is converted to its `*_gqa` type (decoder self- and
     cross-attention at 2 KV heads), loaded through uptrain's registration, and trained on its

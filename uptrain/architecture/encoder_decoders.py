@@ -97,6 +97,16 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
     T5,
     # mT5 converts to t5_gqa (T5's classes), told not to rescale the decoder's output.
     dataclasses.replace(T5, model_type="mt5", name="mT5", converted_config=(("scale_decoder_outputs", False),)),
+    # UMT5 stores its attentions under T5's names; only the position bias differs (each
+    # self-attention layer's own), so it runs on classes of its own (umt5_gqa).
+    dataclasses.replace(
+        T5,
+        model_type="umt5",
+        name="UMT5",
+        modeling=_seq2seq_modeling("umt5", "UMT5"),
+        notes="as T5; every self-attention layer has its own relative_attention_bias (one column per "
+        "query head), which stays with the query heads",
+    ),
     bart_family("bart", "BART", _seq2seq_modeling("bart", "Bart")),
     bart_family("mbart", "mBART", _seq2seq_modeling("mbart", "MBart")),
     bart_family(

@@ -1,8 +1,9 @@
 """`convert_model`: the conversion of a model already in memory (a notebook's `PreTrainedModel`).
 
-The same plan and the same pooling code as `uptrain convert`, reading tensors from the model's
-state dict instead of safetensors shards; the result is a new model of the same class whose
-config has `num_key_value_heads = G`.
+The same orchestration as `uptrain convert` (`uptrain.convert.conversion`: the same checks, plan
+and tensor computations), reading tensors from the model's state dict instead of safetensors
+shards and putting them in a new model of the same class, whose config has
+`num_key_value_heads = G`, instead of a shard writer.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS, architecture
-from uptrain.convert.layer_merge import LayerMerger, check_no_clamp
-from uptrain.convert.pipeline import Calibration
-from uptrain.convert.plan import ConversionPlan, choose_attentions, plan_conversion
+from uptrain.architecture import DEFAULT_ATTENTIONS
+from uptrain.convert.conversion import Calibration, conversion_for
+from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import ConversionOptions
-from uptrain.convert.stream import compute_tensor
-from uptrain.model_info import rotary_dim
 from uptrain.modeling import gqa_counterpart
 from uptrain.options import validated
 
@@ -66,38 +64,23 @@ def converted_tensors(
     the model's own, not copies), and the plan it follows. `convert_model` builds the model."""
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
     strategy = get_strategy(options.pooling)
-    config = model.config.to_dict()
-    arch = architecture(config.get("model_type"))
-    stacks, chosen = choose_attentions(config, arch, options.attention, num_kv_heads)
-    geometry = stacks[DECODER_SELF].geometry
-    if strategy.whole_layer and calibration is None:
+    if strategy.needs_calibration and calibration is None:
         raise UptrainError(f"pooling {pooling!r} needs calibration statistics (calibration=Calibration(...))")
-    check_no_clamp(strategy, config)
+    conversion = conversion_for(
+        model.config.to_dict(), num_kv_heads, strategy, options.grouping, options.attention, seed
+    )
     state = model.state_dict()
     source = StateDictSource(state)
-    plan = plan_conversion(source, arch, stacks, chosen, num_kv_heads, None, strategy, options.grouping)
-    init_std = arch.init_std(config)
-    merger = LayerMerger(
-        source,
-        plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only
-        geometry,
-        num_kv_heads,
-        strategy,
-        options.grouping,
-        rotary_dim(config, geometry.head_dim),
-        calibration.moments if calibration else None,
-        seed,
-        init_std,
-        progress=False,
-    )
+    conversion = conversion.planned(source)
+    merger = conversion.merger(source, calibration, progress=False)
     converted = {}
-    for t in plan.tensors:
+    for t in conversion.plan.tensors:
         name = t.out.name
         if t.kind == "copy":
             converted[name] = state[name]
         else:
-            converted[name] = compute_tensor(t, source, plan, strategy, seed, init_std, merger).to(state[name].device)
-    return converted, plan
+            converted[name] = conversion.compute(t, source, merger).to(state[name].device)
+    return converted, conversion.plan
 
 
 def convert_model(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -22,16 +23,8 @@ from tqdm.auto import tqdm
 from uptrain import UptrainError
 from uptrain.architecture import AttentionLayout
 from uptrain.checkpoint.reader import SourceCheckpoint
-from uptrain.convert.calibrated import (
-    CalibratedSolution,
-    LayerAttention,
-    apply_calibrated,
-    head_similarity,
-    permute_kv_heads,
-    similarity_order,
-    solve_calibrated,
-)
-from uptrain.convert.pooling import PoolingContext, Strategy, pool_rows
+from uptrain.convert.calibrated import LayerAttention, head_similarity, permute_kv_heads, similarity_order
+from uptrain.convert.pooling import PoolingContext, Strategy
 from uptrain.model_info import AttentionGeometry
 
 # Tensors of one attention module that a whole-layer merge reads and rewrites.
@@ -47,8 +40,14 @@ def layer_tensor_names(layout: AttentionLayout) -> dict[str, str]:
 
 
 def merges_whole_layers(strategy: Strategy, grouping: str) -> bool:
-    """Whether a conversion reads each layer's Q, K, V and O together (and can use calibration)."""
-    return strategy.whole_layer or grouping != "contiguous"
+    """Whether a conversion reads each layer's Q, K, V and O together (and can use calibration):
+    the strategy merges whole layers, or the grouping compares whole heads."""
+    return strategy.merges_layers or grouping != "contiguous"
+
+
+def whole_layer_option(strategy: Strategy, grouping: str) -> str:
+    """The option that makes a conversion merge whole layers, as messages name it."""
+    return f"--pooling {strategy.name}" if strategy.merges_layers else f"--grouping {grouping}"
 
 
 def _per_head_module(rel: str) -> bool:
@@ -72,7 +71,7 @@ def check_whole_layer_support(
     Q, K, V, O and their biases, names relative to `prefix` → shapes), not from `model_type`:
     StableLM without qk-layernorm is a plain layout, with it one norm per head.
     """
-    what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
+    what = whole_layer_option(strategy, grouping)
     if layout.fused_qkv:
         raise UptrainError(f"{what} does not support {model_type} yet (fused {layout.fused_qkv})")
     for name, shape in extra_tensors.items():
@@ -82,24 +81,13 @@ def check_whole_layer_support(
                 f"{what} cannot carry {prefix}{name} through the merge "
                 f"({model_type} per-head q/k norms); use mean, first or random with contiguous grouping"
             )
-        # A norm shared by all heads over head_dim survives renumbering heads, not re-mixing them.
-        if strategy.whole_layer or shape != (head_dim,):
+        # A norm shared by all heads over head_dim survives renumbering heads, not per-head maps
+        # folded into the queries.
+        if strategy.folds_into_queries or shape != (head_dim,):
             raise UptrainError(
                 f"{what} cannot carry {prefix}{name} through the merge ({model_type} q/k norms); "
                 "use mean, first or random with contiguous grouping"
             )
-
-
-def check_no_clamp(strategy: Strategy, config: dict) -> None:
-    """OLMo clamps q, k and v element-wise after the projections (`clip_qkv`): the per-head maps
-    a calibrated merge folds into q_proj and o_proj do not commute with a clamp (renumbering
-    whole heads, as similarity grouping does, does)."""
-    if strategy.whole_layer and config.get("clip_qkv") is not None:
-        raise UptrainError(
-            f"--pooling {strategy.name} cannot merge a model with clip_qkv ({config['clip_qkv']}): "
-            "the clamp does not commute with the merge; use mean, first or random (with "
-            "--grouping similarity if you like)"
-        )
 
 
 def whole_layer_shapes(
@@ -146,10 +134,10 @@ class LayerSolution:
     """What one layer's whole-layer merge takes from its moment C."""
 
     order: list[int] | None  # similarity grouping: the source KV heads in their new order
-    calibrated: CalibratedSolution | None  # calibrated pooling: the merge's maps and scales
+    merge: Any  # the strategy's own solution (`Strategy.solve`; the calibrated merge's maps and scales)
 
     def to(self, device) -> LayerSolution:
-        return LayerSolution(self.order, None if self.calibrated is None else self.calibrated.to(device))
+        return LayerSolution(self.order, None if self.merge is None else self.merge.to(device))
 
 
 class LayerMerger:
@@ -233,8 +221,7 @@ class LayerMerger:
         if self.grouping == "similarity":
             order = similarity_order(head_similarity(attention, c).cpu(), self.num_kv_heads)
             attention = permute_kv_heads(attention, order)
-        solved = solve_calibrated(attention, self.num_kv_heads, c) if self.strategy.whole_layer else None
-        return LayerSolution(order, solved)
+        return LayerSolution(order, self.strategy.solve(attention, self.num_kv_heads, c))
 
     def solve(self, layer: int, c: torch.Tensor) -> None:
         """Decide what `layer`'s merge takes from its moment `c` ([(D+1)², float64), on c's device
@@ -251,18 +238,13 @@ class LayerMerger:
         if solution.order is not None:
             attention = permute_kv_heads(attention, solution.order)
             self.kv_orders[layer] = solution.order
-        if self.strategy.whole_layer:
-            attention = apply_calibrated(attention, self.num_kv_heads, solution.calibrated)
-        else:
-            for rel, field in self.names.items():
-                t = getattr(attention, field)
-                if field[0] in "kv" and t is not None:
-                    ctx = PoolingContext(
-                        "bias" if field.endswith("_b") else "weight", prefix + rel, self.seed, self.init_std
-                    )
-                    setattr(
-                        attention, field, pool_rows(t, self.num_kv_heads, self.geometry.head_dim, self.strategy, ctx)
-                    )
+        fields = {field: rel for rel, field in self.names.items()}
+
+        def context(field: str) -> PoolingContext:
+            role = "bias" if field.endswith("_b") else "weight"
+            return PoolingContext(role, prefix + fields[field], self.seed, self.init_std)
+
+        attention = self.strategy.pool_layer(attention, self.num_kv_heads, solution.merge, context)
         return {
             prefix + rel: getattr(attention, field).to(dtypes[field])
             for rel, field in self.names.items()

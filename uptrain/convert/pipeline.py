@@ -10,42 +10,26 @@ model); `execute` streams the planned tensors into the output folder.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, Architecture, architecture
+from uptrain.architecture import Architecture
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
-from uptrain.convert.layer_merge import LayerMerger, LayerSolution, check_no_clamp, merges_whole_layers
+from uptrain.convert.conversion import Calibration, Conversion, conversion_for
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
-from uptrain.convert.plan import DTYPES, ConversionPlan, choose_attentions, plan_conversion
+from uptrain.convert.plan import DTYPES, ConversionPlan
 from uptrain.convert.pooling import Strategy, get_strategy
 from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
 from uptrain.convert.stream import write_weights
-from uptrain.model_info import AttentionGeometry, read_config, rotary_dim
+from uptrain.model_info import AttentionGeometry, read_config
 
-
-@dataclass
-class Calibration:
-    """Per-layer second moments of the attention input, augmented with a constant 1
-    ((hidden + 1)², see `uptrain.convert.calibration`), and a description for provenance.
-
-    `solved`: what `calibrate` decided from each layer's moment as soon as it was complete (the
-    moments themselves are then empty); it holds for the conversion it was made for (`solved_for`),
-    whereas moments serve any conversion of the source."""
-
-    moments: Mapping[int, torch.Tensor]
-    info: dict = field(default_factory=dict)
-    solved: Mapping[int, LayerSolution] = field(default_factory=dict)
-    solved_for: tuple | None = None
+__all__ = ["Calibration", "PreparedConversion", "prepare", "calibrate", "execute", "convert_checkpoint"]
 
 
 @dataclass
@@ -54,21 +38,36 @@ class PreparedConversion:
 
     spec: ConversionSpec
     source: ResolvedSource
-    config: dict
-    arch: Architecture
-    geometry: AttentionGeometry  # the decoder self-attention's (a decoder-only model's one)
-    strategy: Strategy
-    plan: ConversionPlan
+    conversion: Conversion  # planned: the same orchestration `convert_model` runs
     checkpoint: SourceCheckpoint
     max_shard_bytes: int
 
     @property
+    def config(self) -> dict:
+        return self.conversion.config
+
+    @property
+    def arch(self) -> Architecture:
+        return self.conversion.arch
+
+    @property
+    def geometry(self) -> AttentionGeometry:
+        """The decoder self-attention's (a decoder-only model's one)."""
+        return self.conversion.geometry
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.conversion.strategy
+
+    @property
+    def plan(self) -> ConversionPlan:
+        return self.conversion.plan
+
+    @property
     def needs_calibration(self) -> bool:
-        """Calibrated pooling always; similarity grouping when calibration text is given
-        (without it, heads are compared in weight space)."""
-        return self.strategy.whole_layer or (
-            merges_whole_layers(self.strategy, self.spec.grouping) and self.spec.calibration_data is not None
-        )
+        """What the strategy needs (calibrated pooling: always), and similarity grouping when
+        calibration text is given (without it, heads are compared in weight space)."""
+        return self.conversion.uses_calibration(self.spec.calibration_data is not None)
 
     def close(self) -> None:
         self.checkpoint.close()
@@ -95,7 +94,7 @@ def prepare(
     """
     max_shard_bytes = parse_size(spec.max_shard_size)
     strategy = get_strategy(spec.pooling)
-    if strategy.whole_layer and spec.calibration_data is None and not calibration_given:
+    if strategy.needs_calibration and spec.calibration_data is None and not calibration_given:
         raise UptrainError(f"--pooling {spec.pooling} needs calibration data (--calibration-data FILE)")
     if out is not None:
         check_output_path(Path(out).absolute(), overwrite)
@@ -103,15 +102,12 @@ def prepare(
     if out is not None:
         check_not_overlapping(Path(out).absolute(), source.folder)
     config = read_config(source.folder)
-    arch = architecture(config.get("model_type"))
-    stacks, attention = choose_attentions(config, arch, spec.attention, spec.num_kv_heads)
-    geometry = stacks[DECODER_SELF].geometry
-    check_no_clamp(strategy, config)
+    conversion = conversion_for(config, spec.num_kv_heads, strategy, spec.grouping, spec.attention, spec.seed)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
-        plan = plan_conversion(checkpoint, arch, stacks, attention, spec.num_kv_heads, cast, strategy, spec.grouping)
-        prepared = PreparedConversion(spec, source, config, arch, geometry, strategy, plan, checkpoint, max_shard_bytes)
+        conversion = conversion.planned(checkpoint, cast)
+        prepared = PreparedConversion(spec, source, conversion, checkpoint, max_shard_bytes)
         if prepared.needs_calibration and not calibration_given:
             _check_calibration_inputs(prepared)
     except BaseException:
@@ -128,24 +124,6 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
-
-
-def _merger(prepared: PreparedConversion, calibration: Calibration | None, progress: bool | None) -> LayerMerger:
-    spec = prepared.spec
-    return LayerMerger(
-        prepared.checkpoint,
-        prepared.plan.stacks[DECODER_SELF].layout,  # whole-layer merges: decoder-only models only
-        prepared.geometry,
-        spec.num_kv_heads,
-        prepared.strategy,
-        spec.grouping,
-        rotary_dim(prepared.config, prepared.geometry.head_dim),
-        calibration.moments if calibration else None,
-        spec.seed,
-        prepared.arch.init_std(prepared.config),
-        progress,
-        solutions=calibration.solved if calibration else None,
-    )
 
 
 def _solved_for(prepared: PreparedConversion) -> tuple:
@@ -166,7 +144,7 @@ def calibrate(
     from uptrain.convert.calibration import collect_attention_moments
 
     spec = prepared.spec
-    solver = None if keep_moments else _merger(prepared, None, progress=False)
+    solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
     moments, info = collect_attention_moments(
         prepared.source.folder,
         spec.calibration_data,
@@ -199,7 +177,7 @@ def execute(
     written — one layer's Q, K, V and O for `calibrated` pooling or `similarity` grouping.
     """
     spec, checkpoint = prepared.spec, prepared.checkpoint
-    if prepared.strategy.whole_layer and calibration is None:
+    if prepared.strategy.needs_calibration and calibration is None:
         raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
     if calibration is not None and calibration.solved and calibration.solved_for != _solved_for(prepared):
         raise UptrainError(
@@ -207,20 +185,9 @@ def execute(
             "calibrate(..., keep_moments=True) gives moments that serve any conversion of the source"
         )
     out = Path(out).absolute()
-    init_std = prepared.arch.init_std(prepared.config)
-    merger = _merger(prepared, calibration, progress)
+    merger = prepared.conversion.merger(checkpoint, calibration, progress)
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
-        write_weights(
-            prepared.plan,
-            checkpoint,
-            tmp,
-            prepared.strategy,
-            spec.seed,
-            init_std,
-            prepared.max_shard_bytes,
-            progress,
-            merger,
-        )
+        write_weights(prepared.conversion, checkpoint, tmp, prepared.max_shard_bytes, progress, merger)
         source_files = hasher.result()
         write_config(prepared.source.folder, tmp, prepared.config, prepared.plan.config_kv_heads, spec.dtype)
         copy_side_files(prepared.source.folder, tmp, prepared.config)

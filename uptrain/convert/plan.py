@@ -13,7 +13,7 @@ from uptrain.architecture import DECODER_SELF, Architecture, AttentionLayout, At
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry
 from uptrain.convert.grouping import check_num_kv_heads, kv_groups
-from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_shapes
+from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_option, whole_layer_shapes
 from uptrain.convert.pooling import Role, Strategy
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import AttentionGeometry
@@ -134,16 +134,16 @@ def plan_conversion(
         dtype = tensors[name].dtype
         return cast if cast is not None and dtype.is_floating_point else dtype
 
-    whole_layer = merges_whole_layers(strategy, grouping)
-    if whole_layer and not arch.whole_layer_merges:
-        what = f"--pooling {strategy.name}" if strategy.whole_layer else f"--grouping {grouping}"
+    by_layer = merges_whole_layers(strategy, grouping)
+    if by_layer and not arch.whole_layer_merges:
+        what = whole_layer_option(strategy, grouping)
         kind = "encoder–decoders" if len(stacks) > 1 else geometry.model_type
         raise UptrainError(f"{what} does not support {kind} yet; use mean, first or random with contiguous grouping")
     kv_prefixes = []
     for name in attention:
         stack = stacks[name]
         kv_prefixes += _plan_stack(
-            tensors, stack.layout, stack.geometry, num_kv_heads, out_dtype, pooled, whole_layer, strategy, grouping
+            tensors, stack.layout, stack.geometry, num_kv_heads, out_dtype, pooled, by_layer, strategy, grouping
         )
 
     consumed = {s for p in pooled.values() for s in p.sources}
@@ -171,7 +171,7 @@ def _plan_stack(
     g: int,
     out_dtype,
     pooled: dict[str, PlannedTensor],
-    whole_layer: bool,
+    by_layer: bool,
     strategy: Strategy,
     grouping: str,
 ) -> list[str]:
@@ -183,7 +183,7 @@ def _plan_stack(
     for layer in range(geometry.num_layers):
         prefix = attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]
-        if whole_layer:
+        if by_layer:  # the layer's Q, K, V and O as one unit for `LayerMerger`
             for name, shape in whole_layer_shapes(tensors, layout, geometry, layer, g, strategy, grouping).items():
                 pooled[name] = PlannedTensor(OutputEntry(name, out_dtype(name), shape), [name], "layer", layer=layer)
             continue

@@ -1,20 +1,31 @@
-"""Pooling strategies: how the heads of one group become one KV head.
+"""The strategy registry: how the heads of one group become one KV head. Two kinds.
 
-A strategy is a pure function registered with `@strategy`. It receives one tensor holding
-every group, shaped `[G, r, head_dim, *rest]` (r = source heads per group; rest is
-`[d_model]` for weights and empty for biases and norm scales) in float32 or float64, and
-returns `[G, head_dim, *rest]`. `calibrated` is registered here too but needs a whole layer
-and calibration statistics; its math lives in calibrated.py.
+Row pooling (`mean`, `first`, `random`): a pure function registered with `@pooling`. It
+receives one tensor holding every group, shaped `[G, r, head_dim, *rest]` (r = source heads per
+group; rest is `[d_model]` for weights and empty for biases and norm scales) in float32 or
+float64, and returns `[G, head_dim, *rest]`. It sees one K/V tensor at a time.
+
+Whole-layer strategies (`calibrated`): a `WholeLayerStrategy` registered with `register`. It
+sees one layer's Q, K, V and O at once and folds per-head corrections into `q_proj` rows and
+`o_proj` columns. It declares what it needs (calibration statistics, a source without
+`clip_qkv`) and produces, per layer, a solution from the layer's calibration moment (`solve`)
+and the merged layer from the solution (`apply`); its math lives in calibrated.py.
+
+Both kinds answer the same questions — `needs_calibration`, `merges_layers`,
+`folds_into_queries`, `check_source` — and `pool_layer` merges one layer's attention, so callers
+ask the strategy rather than branch on its kind.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
+
+from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
 
 Role = Literal["weight", "bias", "norm"]
 
@@ -27,37 +38,111 @@ class PoolingContext:
     init_std: float
 
 
+# A layer's context for each K/V field of `LayerAttention` ('k_w', 'v_b', …): the tensor's name.
+FieldContext = Callable[[str], PoolingContext]
+
+
 @dataclass(frozen=True)
-class Strategy:
+class RowPooling:
+    """A per-row strategy: `fn(heads [G, r, d, *rest], ctx) -> [G, d, *rest]`."""
+
     name: str
     reference: str
-    fn: Callable[[torch.Tensor, PoolingContext], torch.Tensor] | None
-    # Sees a whole layer's Q, K, V, O and calibration statistics (convert/calibrated.py).
-    whole_layer: bool = False
+    fn: Callable[[torch.Tensor, PoolingContext], torch.Tensor]
+
+    needs_calibration = False  # uses no statistics of the source's activations
+    merges_layers = False  # pools each K/V tensor on its own
+    folds_into_queries = False  # leaves Q and O as they are
+
+    def check_source(self, config: dict) -> None:
+        """Row pooling converts any source the layout describes."""
+
+    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor) -> None:
+        """Row pooling takes nothing from calibration moments."""
+        return None
+
+    def pool_layer(
+        self, attention: LayerAttention, groups: int, solution: None, context: FieldContext
+    ) -> LayerAttention:
+        """A layer's K and V rows pooled tensor by tensor (whole-layer merges with a grouping
+        other than contiguous read the layer together and pool it here)."""
+        pooled = {}
+        for field in ("k_w", "k_b", "v_w", "v_b"):
+            t = getattr(attention, field)
+            if t is not None:
+                pooled[field] = pool_rows(t, groups, attention.head_dim, self, context(field))
+        return replace(attention, **pooled)
 
 
+class WholeLayerStrategy:
+    """A strategy that merges one layer's Q, K, V and O together.
+
+    Subclasses set `name` and `reference` and implement `solve` (what the merge takes from a
+    layer's moment C) and `apply` (the merged layer from its weights and that solution)."""
+
+    name: str
+    reference: str
+    needs_calibration = True  # the merge is solved from each layer's calibration moment
+    merges_layers = True
+    folds_into_queries = True  # per-head maps land in q_proj rows and o_proj columns
+
+    def check_source(self, config: dict) -> None:
+        """OLMo clamps q, k and v element-wise after the projections (`clip_qkv`): per-head maps
+        folded into q_proj and o_proj do not commute with a clamp (renumbering whole heads, as
+        similarity grouping does, does)."""
+        from uptrain import UptrainError
+
+        if config.get("clip_qkv") is not None:
+            raise UptrainError(
+                f"--pooling {self.name} cannot merge a model with clip_qkv ({config['clip_qkv']}): "
+                "the clamp does not commute with the merge; use mean, first or random (with "
+                "--grouping similarity if you like)"
+            )
+
+    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def apply(self, attention: LayerAttention, groups: int, solution: Any) -> LayerAttention:
+        raise NotImplementedError
+
+    def pool_layer(
+        self, attention: LayerAttention, groups: int, solution: Any, context: FieldContext
+    ) -> LayerAttention:
+        """The merged layer (`context` names tensors for row pooling; a merge has no use for it)."""
+        return self.apply(attention, groups, solution)
+
+
+Strategy = RowPooling | WholeLayerStrategy
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def strategy(name: str, reference: str):
-    def register(fn):
-        STRATEGIES[name] = Strategy(name, reference, fn)
+def pooling(name: str, reference: str):
+    """Register a row-pooling function under `name` (`reference`: where it comes from)."""
+
+    def register_fn(fn):
+        STRATEGIES[name] = RowPooling(name, reference, fn)
         return fn
 
-    return register
+    return register_fn
 
 
-@strategy("mean", "Ainslie et al. 2023 (GQA), §2.1: mean-pool the group's head projections")
+def register(strategy: WholeLayerStrategy) -> WholeLayerStrategy:
+    """Register a whole-layer strategy under its name."""
+    STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+@pooling("mean", "Ainslie et al. 2023 (GQA), §2.1: mean-pool the group's head projections")
 def pool_mean(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     return heads.mean(dim=1)
 
 
-@strategy("first", "Ainslie et al. 2023, Fig. 4 ablation: keep the first head of each group")
+@pooling("first", "Ainslie et al. 2023, Fig. 4 ablation: keep the first head of each group")
 def pool_first(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     return heads[:, 0].clone()
 
 
-@strategy("random", "Ainslie et al. 2023, Fig. 4 ablation: fresh initialisation")
+@pooling("random", "Ainslie et al. 2023, Fig. 4 ablation: fresh initialisation")
 def pool_random(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     # As transformers initialises a fresh layer: normal(0, initializer_range) weights,
     # zero biases, unit norm scales.
@@ -70,13 +155,23 @@ def pool_random(heads: torch.Tensor, ctx: PoolingContext) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=heads.dtype) * ctx.init_std
 
 
-STRATEGIES["calibrated"] = Strategy(
-    "calibrated",
-    "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
-    "rows (RoPE-safe complex scales) and o_proj columns",
-    None,
-    whole_layer=True,
-)
+class CalibratedMerge(WholeLayerStrategy):
+    """Closed-form K/V merge from each layer's calibration moment (convert/calibrated.py)."""
+
+    name = "calibrated"
+    reference = (
+        "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
+        "rows (RoPE-safe complex scales) and o_proj columns"
+    )
+
+    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor):
+        return solve_calibrated(attention, groups, moment)
+
+    def apply(self, attention: LayerAttention, groups: int, solution) -> LayerAttention:
+        return apply_calibrated(attention, groups, solution)
+
+
+register(CalibratedMerge())
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -94,7 +189,7 @@ def get_strategy(name: str) -> Strategy:
 
 
 def pool_rows(
-    tensor: torch.Tensor, groups: int, head_dim: int, strategy_: Strategy, ctx: PoolingContext
+    tensor: torch.Tensor, groups: int, head_dim: int, strategy_: RowPooling, ctx: PoolingContext
 ) -> torch.Tensor:
     """Pool a tensor whose dim 0 is `[kv_heads * head_dim]` down to `[groups * head_dim]`.
 

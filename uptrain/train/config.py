@@ -42,7 +42,14 @@ __all__ = [
 ]
 
 Reporter = Literal["wandb", "jsonl", "none"]
-Objective = Literal["causal", "span_corruption", "text_infilling", "pairs", "speech_pairs"]
+
+
+def objectives() -> dict[str, str]:
+    """The registered objectives and what each learns (imports torch: asked only when a value is
+    checked or `--help` is built)."""
+    from uptrain.objectives import objective_choices
+
+    return objective_choices()
 
 
 def _names_data(value: str) -> str | None:
@@ -76,11 +83,11 @@ class TrainData(Schema):
         help="stream the data instead of tokenizing it all up front (default: true for Hub names, false for local "
         "files)",
     )
-    objective: Objective | None = option(
+    objective: str | None = option(
         None,
-        help="what the model learns: causal (next token), span_corruption (T5), text_infilling (BART), "
-        "pairs (jsonl `source`/`target`), speech_pairs (jsonl `audio`/`text`); default: the architecture's "
-        "own (`default_objective` of its record in uptrain/architecture; causal for models without an encoder)",
+        choices=objectives,
+        help="what the model learns; default: the architecture's own (`default_objective` of its record in "
+        "uptrain/architecture; causal for models without an encoder)",
     )
     target_len: int | None = option(
         None,
@@ -104,8 +111,10 @@ class TrainData(Schema):
             for name in ("train_data", "eval_data")
             if getattr(self, name) == []
         ]
-        if self.target_len is not None and self.objective not in (None, "pairs", "speech_pairs"):
-            found.append(f"`target_len` applies to objective pairs and speech_pairs, not {self.objective}")
+        if self.objective is not None:  # a given one (the model's own is checked when the model is read)
+            from uptrain.objectives import get_objective, key_problem
+
+            found += [problem] if (problem := key_problem(get_objective(self.objective), self.target_len)) else []
         return found
 
 

@@ -25,11 +25,10 @@ import numpy as np
 import torch
 
 from uptrain import UptrainError, exception_line
-from uptrain.objectives import IGNORE_INDEX
+from uptrain.objectives import IGNORE_INDEX, Objective
 from uptrain.strict_json import parse_json
 from uptrain.textdata import resolve_data
 
-FIELDS = {"pairs": ("source", "target"), "speech_pairs": ("audio", "text")}
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 PCM_TYPES = {1: np.uint8, 2: np.int16, 4: np.int32}  # sample width in bytes → numpy type
 
@@ -45,14 +44,14 @@ class Where:
         return f"{self.file} line {self.line}"
 
 
-def _records(spec, key: str, objective: str) -> list[tuple[Where, dict]]:
+def _records(spec, key: str, objective: Objective) -> list[tuple[Where, dict]]:
     """Every JSON object of the jsonl files of `spec`, with its place."""
     source = resolve_data(spec, key)
     if source.builder != "json":
         what = "a Hub dataset" if not source.is_local else f"{source.builder} files"
-        fields = " and ".join(f"`{f}`" for f in FIELDS[objective])
+        fields = " and ".join(f"`{f}`" for f in objective.fields)
         raise UptrainError(
-            f"`{key}` ({source.label}) is {what}; objective {objective} reads .jsonl files with {fields} per line"
+            f"`{key}` ({source.label}) is {what}; objective {objective.name} reads .jsonl files with {fields} per line"
         )
     out = []
     for file in source.files:
@@ -181,14 +180,15 @@ def _target_ids(tokenizer, texts: list[str], target_len: int, decoder_start: int
 def load_pairs(
     spec,
     key: str,
-    objective: str,
+    objective: Objective,
     tokenizer,
     model_path: str,
     model_config: dict,
     seq_len: int,
     target_len: int,
 ) -> PairExamples:
-    """The examples of one data key, every one checked (see the module's docstring)."""
+    """The examples of one data key for `objective` (one that reads examples), every one checked
+    (see the module's docstring)."""
     records = _records(spec, key, objective)
     if not records:
         raise UptrainError(f"`{key}` holds no examples")
@@ -197,12 +197,12 @@ def load_pairs(
         raise UptrainError(
             f"target_len {target_len} is beyond the decoder's {positions} positions ({model_path}); set `target_len`"
         )
-    source_name, target_name = FIELDS[objective]
+    source_name, target_name = objective.fields
     targets = [_text(r, target_name, where, key) for where, r in records]
     label_ids = _target_ids(tokenizer, targets, target_len, model_config.get("decoder_start_token_id"))
-    if objective == "pairs":
-        if tokenizer.pad_token_id is None:
-            raise UptrainError(f"objective pairs pads sources and the tokenizer of {model_path} has no padding token")
+    if objective.encoder_reads == "text":
+        # Sources are padded with the tokenizer's padding token, which the objective's special
+        # tokens require (`special_tokens_for` refused a tokenizer without one).
         texts = [_text(r, source_name, where, key) for where, r in records]
         sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
         return PairExamples(sources, label_ids, tokenizer.pad_token_id)

@@ -10,7 +10,7 @@ from uptrain.textdata import TokenBlocks, load_blocks
 from uptrain.train.config import TrainConfig
 from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.train.pairs import load_pairs, pair_eval_batches
-from uptrain.train.seq2seq import PAIR_OBJECTIVES, Objective, block_length
+from uptrain.train.seq2seq import ObjectiveBatches
 
 
 def load_run_data(
@@ -18,12 +18,12 @@ def load_run_data(
     accelerator,
     tokenizer,
     global_batch: int,
-    objective: Objective,
+    objective: ObjectiveBatches,
     model_path: str,
     model_config: dict,
 ):
     """Tokenized, packed training blocks (or examples) and this process's eval batches; refuses data too short."""
-    if objective.name in PAIR_OBJECTIVES:
+    if objective.objective.reads_examples:
         return _load_pair_data(config, accelerator, tokenizer, global_batch, objective, model_path, model_config)
     world, rank = accelerator.num_processes, accelerator.process_index
     # Rank 0 tokenizes first so that the others read datasets' cache instead of redoing the work.
@@ -31,7 +31,7 @@ def load_run_data(
         common = dict(
             tokenizer=tokenizer,
             # The raw block that gives the model seq_len input tokens (span corruption drops tokens).
-            seq_len=block_length(objective.name, config.seq_len),
+            seq_len=objective.objective.block_length(config.seq_len),
             text_field=config.text_field,
             sample_by=config.sample_by,
             streaming=config.streaming,
@@ -85,7 +85,7 @@ def _load_pair_data(config: TrainConfig, accelerator, tokenizer, global_batch, o
     """`pairs` / `speech_pairs`: every example of train_data and eval_data read and checked."""
     world, rank = accelerator.num_processes, accelerator.process_index
     common = dict(
-        objective=objective.name,
+        objective=objective.objective,
         tokenizer=tokenizer,
         model_path=model_path,
         model_config=model_config,

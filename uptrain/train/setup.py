@@ -23,6 +23,7 @@ from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
+from uptrain.objectives import key_problem
 from uptrain.train import metrics as M
 from uptrain.train.compile import check_compile_backend, compile_blocks
 from uptrain.train.config import TrainConfig
@@ -32,7 +33,7 @@ from uptrain.train.optimizer import adamw
 from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.run_data import load_run_data
 from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
-from uptrain.train.seq2seq import PAIR_OBJECTIVES, Objective, objective_for, resolve_objective
+from uptrain.train.seq2seq import ObjectiveBatches, objective_for, resolve_objective
 from uptrain.train.seq2seq import train_flops_per_token as seq2seq_flops
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
@@ -78,7 +79,7 @@ class Run:
     teacher: torch.nn.Module | None
     train_blocks: TrainBlocks | StreamedTrainBlocks
     eval_set: list  # (batch, counted rows) pairs
-    objective: Objective
+    objective: ObjectiveBatches
     log: M.MetricsLog | None  # main process only
     progress: Progress = field(default_factory=Progress)
     packing: DocumentPacking | None = None  # document_mask: the forward's inputs that keep documents apart
@@ -254,7 +255,7 @@ def _build_models(
     model_config: dict,
     teacher_path: str | None,
     teacher_config: dict | None,
-    objective: Objective,
+    objective: ObjectiveBatches,
 ):
     """The student, its optimizer and the teacher, prepared by accelerate; and the training FLOPs
     per token of the pair. Returns (model, optimizer, teacher or None, flops per token)."""
@@ -286,10 +287,13 @@ def _build_models(
     return model, optimizer, teacher, flops
 
 
-def _flops_per_token(config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: Objective) -> float:
+def _flops_per_token(
+    config: TrainConfig, model: torch.nn.Module, model_config: dict, objective: ObjectiveBatches
+) -> float:
     """Forward + backward FLOPs per counted token; counted before accelerate wraps or shards the parameters."""
-    if objective.name != "causal":
-        return seq2seq_flops(model, model_config, objective.name, config.seq_len, config.target_len or config.seq_len)
+    if objective.objective.encoder_decoder:
+        target_len = config.target_len or config.seq_len
+        return seq2seq_flops(model, model_config, objective.objective, config.seq_len, target_len)
     geometry = config_geometry(model_config)
     width = geometry.num_heads * geometry.head_dim
     return M.train_flops_per_token(M.non_embedding_params(model), geometry.num_layers, width, config.seq_len)
@@ -349,13 +353,11 @@ def _check_same_tokenizer(student, teacher, teacher_path: str) -> None:
 
 def _objective(
     config: TrainConfig, model_path: str, tokenizer, model_config: dict, teacher_config: dict | None
-) -> Objective:
+) -> ObjectiveBatches:
     """The run's objective (`objective`, or the model family's) with the special tokens it needs."""
-    name = resolve_objective(config.objective, model_config, model_path)
+    objective = resolve_objective(config.objective, model_config, model_path)
     if teacher_config is not None:  # the teacher must read the same inputs and score the same labels
-        resolve_objective(name, teacher_config, f"teacher {config.teacher}")
-    if config.target_len is not None and name not in PAIR_OBJECTIVES:
-        raise UptrainError(f"`target_len` applies to objective pairs and speech_pairs, not {name}")
-    if config.document_mask and name != "causal":
-        raise UptrainError(f"document_mask applies to objective causal (packed documents), not {name}")
-    return objective_for(name, config.seed, tokenizer, model_config, model_path, config.seq_len)
+        resolve_objective(objective.name, teacher_config, f"teacher {config.teacher}")
+    if problem := key_problem(objective, config.target_len, config.document_mask):
+        raise UptrainError(problem)
+    return objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)

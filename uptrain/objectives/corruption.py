@@ -1,19 +1,39 @@
-"""Encoder–decoder pretraining objectives as pure functions of token blocks and a generator:
-T5's span corruption and BART's text infilling.
+"""The corruptions of the encoder–decoder objectives, as pure functions of token blocks and a
+generator: T5's span corruption and BART's text infilling.
 
 Every random choice is drawn from the `torch.Generator` passed in, so the same generator state
-gives the same batch, bit for bit (what resume relies on). No tokenizer, model or file is read
-here; the training loop picks the special token ids (`sentinel_ids_for`) and the block sizes
-(`span_corruption_lengths`).
+gives the same batch, bit for bit (what resume relies on); `training_generator` and
+`evaluation_generator` give a block its own generator from the run's seed and the block's place.
+No tokenizer, model or file is read here but the vocabulary that `sentinel_ids_for` searches;
+the registry (`uptrain.objectives`) says which objective uses which.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
 from uptrain import UptrainError
 
-IGNORE_INDEX = -100  # what transformers' seq2seq losses skip
+
+def training_generator(seed: int, step: int, row: int) -> torch.Generator:
+    """The generator that corrupts the training block at `row` of optimizer step `step`'s global
+    batch: the same for a resumed run and for any split of the step between processes and
+    micro-batches."""
+    return _generator("train", seed, step, row)
+
+
+def evaluation_generator(seed: int, block: torch.Tensor) -> torch.Generator:
+    """The generator that corrupts an evaluation block: a function of the seed and the block's
+    tokens alone, so every evaluation scores the same batches."""
+    return _generator("eval", seed, block.numpy().tobytes())
+
+
+def _generator(*keys) -> torch.Generator:
+    """A generator seeded by a digest of `keys` (ints and bytes): unrelated streams for nearby keys."""
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def sentinel_ids_for(tokenizer) -> list[int]:

@@ -1,0 +1,178 @@
+"""One conversion, derived once, run by both entry points: the checkpoint path and `convert_model`.
+
+`conversion_for` decides from a source's config everything a conversion does to it — the
+architecture, the attentions pooled and G checked against each, the strategy's own checks;
+`Conversion.planned` adds the plan of every output tensor from the source's tensor headers
+(plan.py); `Conversion.compute` computes each planned tensor from any `TensorSource`.
+The checkpoint path (`pipeline`: safetensors shards in, a shard writer out, stream.py) and
+`convert_model` (`in_memory`: a state dict in, a new model out) differ only in where tensors
+come from and where they go, so their weights are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+
+from uptrain.architecture import DECODER_SELF, Architecture, AttentionStack, architecture
+from uptrain.convert.layer_merge import LayerMerger, LayerSolution, merges_whole_layers
+from uptrain.convert.plan import ConversionPlan, PlannedTensor, choose_attentions, plan_conversion
+from uptrain.convert.pooling import PoolingContext, RowPooling, Strategy, pool_rows
+from uptrain.model_info import AttentionGeometry, rotary_dim
+
+
+class TensorHeader(Protocol):
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class TensorSource(Protocol):
+    """Where a conversion reads tensors: a checkpoint's shards (`SourceCheckpoint`) or a model's
+    state dict (`in_memory.StateDictSource`)."""
+
+    tensors: Mapping[str, TensorHeader]
+
+    def order(self) -> list[TensorHeader]: ...
+
+    def read_tensor(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class Calibration:
+    """Per-layer second moments of the attention input, augmented with a constant 1
+    ((hidden + 1)², see `uptrain.convert.calibration`), and a description for provenance.
+
+    `solved`: what `calibrate` decided from each layer's moment as soon as it was complete (the
+    moments themselves are then empty); it holds for the conversion it was made for (`solved_for`),
+    whereas moments serve any conversion of the source."""
+
+    moments: Mapping[int, torch.Tensor]
+    info: dict = field(default_factory=dict)
+    solved: Mapping[int, LayerSolution] = field(default_factory=dict)
+    solved_for: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What a conversion does to one source. `plan` is None until `planned`."""
+
+    config: dict
+    arch: Architecture
+    strategy: Strategy
+    grouping: str
+    num_kv_heads: int
+    seed: int
+    stacks: Mapping[str, AttentionStack]
+    attention: tuple[str, ...]  # the attentions whose K/V are pooled
+    plan: ConversionPlan | None = None
+
+    @property
+    def geometry(self) -> AttentionGeometry:
+        """The decoder self-attention's (a decoder-only model's one attention)."""
+        return self.stacks[DECODER_SELF].geometry
+
+    @property
+    def init_std(self) -> float:
+        return self.arch.init_std(self.config)
+
+    def uses_calibration(self, data_given: bool) -> bool:
+        """Whether the conversion reads calibration statistics: when its strategy needs them, and
+        for a whole-layer grouping when calibration data is given (without it, heads are
+        compared in weight space)."""
+        return self.strategy.needs_calibration or (merges_whole_layers(self.strategy, self.grouping) and data_given)
+
+    def planned(self, source: TensorSource, cast: torch.dtype | None = None) -> Conversion:
+        """This conversion with the plan of every output tensor of `source` (`cast`: the
+        floating-point dtype of the output, None: the source's)."""
+        plan = plan_conversion(
+            source, self.arch, self.stacks, self.attention, self.num_kv_heads, cast, self.strategy, self.grouping
+        )
+        return replace(self, plan=plan)
+
+    def merger(
+        self, source: TensorSource, calibration: Calibration | None, progress: bool | None = None
+    ) -> LayerMerger:
+        """The merger of whole layers (used only by a plan with whole-layer tensors)."""
+        layout = self.stacks[DECODER_SELF].layout  # whole-layer merges: decoder-only models only
+        return LayerMerger(
+            source,
+            layout,
+            self.geometry,
+            self.num_kv_heads,
+            self.strategy,
+            self.grouping,
+            rotary_dim(self.config, self.geometry.head_dim),
+            calibration.moments if calibration else None,
+            self.seed,
+            self.init_std,
+            progress,
+            solutions=calibration.solved if calibration else None,
+        )
+
+    def compute(self, t: PlannedTensor, source: TensorSource, merger: LayerMerger) -> torch.Tensor:
+        """The output tensor `t` of every kind but "copy" (whose bytes a writer may stream straight through)."""
+        geo, g = t.geometry or self.plan.geometry, self.plan.num_kv_heads
+        ctx = PoolingContext(t.role, t.out.name, self.seed, self.init_std)
+        if t.kind == "layer":
+            return merger.tensor(t.layer, t.out.name).to(t.out.dtype)
+        if t.kind == "cast":
+            return source.read_tensor(t.sources[0]).to(t.out.dtype)
+        # The remaining kinds are planned only for row pooling (whole-layer plans use "layer").
+        if t.kind == "rows":
+            return pool_rows(source.read_tensor(t.sources[0]), g, geo.head_dim, self.strategy, ctx).to(t.out.dtype)
+        if t.kind == "fused":
+            return pool_fused(source.read_tensor(t.sources[0]), geo, g, t.order, t.axis, self.strategy, ctx).to(
+                t.out.dtype
+            )
+        if t.kind == "per_head":
+            heads = torch.stack([source.read_tensor(n) for n in t.sources])  # [r, *shape]
+            stacked = heads.unsqueeze(0).unsqueeze(2)  # one group, head_dim axis of size 1
+            compute = torch.float64 if heads.dtype == torch.float64 else torch.float32
+            return self.strategy.fn(stacked.to(compute), ctx).reshape(t.out.shape).to(t.out.dtype)
+        raise AssertionError(t.kind)
+
+
+def conversion_for(
+    config: dict, num_kv_heads: int, strategy: Strategy, grouping: str, attention: str, seed: int
+) -> Conversion:
+    """Every check a source's config decides (its architecture, the attentions `attention`
+    chooses and G against each, the strategy's own), before any tensor is read."""
+    arch = architecture(config.get("model_type"))
+    stacks, chosen = choose_attentions(config, arch, attention, num_kv_heads)
+    strategy.check_source(config)
+    return Conversion(config, arch, strategy, grouping, num_kv_heads, seed, stacks, chosen)
+
+
+def pool_fused(
+    qkv: torch.Tensor,
+    geo: AttentionGeometry,
+    g: int,
+    order: str,
+    axis: int,
+    strategy: RowPooling,
+    ctx: PoolingContext,
+) -> torch.Tensor:
+    """Pool the K and V heads of a fused Q/K/V tensor to `g` heads; Q keeps its bits.
+
+    `order` "blocks": `[Q | K | V]` along `axis`; "per_group": `[kv, r + 2, d]` along `axis`
+    (each KV head's r query heads, its K, its V), written back as `[g, h/g + 2, d]`.
+    """
+    h, kv, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
+    x = qkv.movedim(axis, 0)
+    rest = x.shape[1:]
+    if order == "blocks":
+        q, k, v = x.split([h * d, kv * d, kv * d])
+    else:
+        heads = x.reshape(kv, h // kv + 2, d, *rest)
+        q, k, v = (part.reshape(-1, *rest) for part in (heads[:, :-2], heads[:, -2], heads[:, -1]))
+    k = pool_rows(k, g, d, strategy, PoolingContext(ctx.role, ctx.tensor_name + ":k", ctx.seed, ctx.init_std))
+    v = pool_rows(v, g, d, strategy, PoolingContext(ctx.role, ctx.tensor_name + ":v", ctx.seed, ctx.init_std))
+    if order == "blocks":
+        out = torch.cat([q, k, v])
+    else:
+        out = torch.cat([q.reshape(g, h // g, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    return out.reshape((h + 2 * g) * d, *rest).movedim(0, axis)

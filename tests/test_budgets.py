@@ -23,6 +23,9 @@ from uptrain.demo import REFERENCE
         ("opt", "facebook/opt-125m", 180e9),
         ("gptj", "EleutherAI/gpt-j-6b", 402e9),
         ("bloom", "bigscience/bloom", 366e9),
+        ("gpt_neo", "EleutherAI/gpt-neo-125m", 300e9),
+        ("gpt_neo_gqa", "/data/gpt-neo-1.3B", 380e9),
+        ("gpt_neo", "EleutherAI/gpt-neo-2.7B", 420e9),
         ("llama", "meta-llama/Llama-2-7b-hf", 2e12),
         ("llama", "huggyllama/llama-65b", 1.4e12),
         ("llama", "huggyllama/llama-7b", 1.0e12),
@@ -40,6 +43,8 @@ def test_known_families(model_type, name, tokens):
         ("gpt_neox", "EleutherAI/gpt-neox-20b"),
         ("bloom", "bigscience/bloom-560m"),  # smaller BLOOMs: budget not in the table
         ("opt", "facebook/opt-iml-1.3b"),
+        ("gpt_neox", "EleutherAI/gpt-neo-125m"),  # GPT-Neo's name, NeoX's architecture
+        ("gpt_neo", "EleutherAI/gpt-neo-350M"),  # a size the table does not list
         ("llama", "my-model"),
     ],
 )

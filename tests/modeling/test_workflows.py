@@ -1,5 +1,6 @@
-"""`uptrain train`, `inspect` and `compare` on an architecture uptrain brings its own GQA
-modeling for (GPT-NeoX): the commands are unchanged, the checkpoints carry the modeling."""
+"""`uptrain train`, `inspect` and `compare` on architectures uptrain brings its own GQA
+modeling for (GPT-NeoX; GPT-Neo, with its local layers, for train): the commands are unchanged,
+the checkpoints carry the modeling."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
@@ -32,12 +34,13 @@ def eval_loss(model_dir: Path, tokenizer, eval_text: str, seq_len: int, blocks: 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
 
 
-def test_train_from_an_mha_source_and_inspect(tmp_path, capsys):
+@pytest.mark.parametrize("model_type", ["gpt_neox", "gpt_neo"])
+def test_train_from_an_mha_source_and_inspect(model_type, tmp_path, capsys):
     corpus = text(1, 3000)
     (tmp_path / "train.txt").write_text(corpus)
     (tmp_path / "eval.txt").write_text(text(2, 600))
     tokenizer = word_tokenizer(corpus)
-    model = build("gpt_neox")
+    model = build(model_type)
     model.resize_token_embeddings(len(tokenizer))
     model.config.update(
         dict(
@@ -94,8 +97,8 @@ def test_train_from_an_mha_source_and_inspect(tmp_path, capsys):
     # final/ holds the weights the run evaluated last: loaded afresh, they give its last eval loss.
     assert math.isclose(eval_loss(final, tokenizer, text(2, 600), 16, 4), evals[-1][1], rel_tol=1e-4)
     config = json.loads((final / "config.json").read_text())
-    assert config["model_type"] == "gpt_neox_gqa" and config["num_key_value_heads"] == 2
-    assert (final / "modeling_gpt_neox_gqa.py").is_file() and (final / "attention.py").is_file()
+    assert config["model_type"] == f"{model_type}_gqa" and config["num_key_value_heads"] == 2
+    assert (final / f"modeling_{model_type}_gqa.py").is_file() and (final / "attention.py").is_file()
     trained = AutoModelForCausalLM.from_pretrained(final)
     with torch.no_grad():
         cache = output_cache(trained(torch.tensor([[5, 6, 7]]), use_cache=True))
@@ -105,7 +108,7 @@ def test_train_from_an_mha_source_and_inspect(tmp_path, capsys):
     assert main(["inspect", str(final), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     geometry = (report["model_type"], report["num_attention_heads"], report["num_key_value_heads"])
-    assert geometry == ("gpt_neox_gqa", 8, 2)
+    assert geometry == (f"{model_type}_gqa", 8, 2)
     assert report["kv_cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # K and V × layers × G × head_dim × fp32
 
 

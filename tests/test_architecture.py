@@ -54,7 +54,7 @@ def test_every_record_is_consistent():
     assert set(converted_architectures()) == {
         f"{t}_gqa"
         for t in (
-            *("gpt2", "gpt_neox", "opt", "gptj", "bloom", "mpt", "falcon"),
+            *("gpt2", "gpt_neox", "opt", "gptj", "bloom", "gpt_neo", "mpt", "falcon"),
             *("t5", "umt5", "bart", "mbart", "marian", "whisper", "m2m_100", "pegasus"),
         )
     }
@@ -87,6 +87,23 @@ def test_a_decoder_with_config_names_of_its_own():
     record = decoder_only("mine", "Mine", geometry=StackKeys("n_layers", "n_heads", "num_key_value_heads"))
     geometry = record.stacks({"model_type": "mine", "n_layers": 2, "n_heads": 8, "d_model": 64})[DECODER_SELF].geometry
     assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (2, 8, 8, 8)
+
+
+def test_gpt_neo_reads_its_own_config_names():
+    """GPT-Neo's config.json spells the geometry num_layers and num_heads (no num_attention_heads):
+    its record reads them, and its converted config keeps them with G under num_key_value_heads."""
+    from uptrain.architecture import config_geometry
+    from uptrain.architecture.converted import gqa_config
+
+    source = {"model_type": "gpt_neo", "num_layers": 3, "num_heads": 8, "hidden_size": 64, "head_dim": 4}
+    converted = gqa_config(source, 2)
+    assert converted["model_type"] == "gpt_neo_gqa" and converted["num_key_value_heads"] == 2
+    assert {k: converted[k] for k in ("num_layers", "num_heads", "hidden_size")} == dict(
+        num_layers=3, num_heads=8, hidden_size=64
+    )
+    for config, kv in ((source, 8), (converted, 2)):
+        geometry = config_geometry(config)  # head_dim is hidden_size // num_heads: GPT-Neo reads no head_dim
+        assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (3, 8, kv, 8)
 
 
 def test_mpt_reads_its_own_config_names():

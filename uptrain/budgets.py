@@ -42,6 +42,10 @@ BUDGETS: tuple[Budget, ...] = (
     Budget("OPT", ("opt",), r"(^|[/_-])opt-\d", 180e9, "Zhang et al. 2022: 180B tokens"),
     Budget("GPT-J-6B", ("gptj",), r"gpt-j-6b", 402e9, "EleutherAI model card: 402B tokens of the Pile"),
     Budget("BLOOM-176B", ("bloom",), r"(^|/)bloom$", 366e9, "BigScience model card: 366B tokens"),
+    # EleutherAI's model cards: each GPT-Neo size its own number of tokens of the Pile.
+    Budget("GPT-Neo 125M", ("gpt_neo",), r"gpt-neo-125m", 300e9, "EleutherAI model card: 300B tokens of the Pile"),
+    Budget("GPT-Neo 1.3B", ("gpt_neo",), r"gpt-neo-1\.3b", 380e9, "EleutherAI model card: 380B tokens of the Pile"),
+    Budget("GPT-Neo 2.7B", ("gpt_neo",), r"gpt-neo-2\.7b", 420e9, "EleutherAI model card: 420B tokens of the Pile"),
     # MPT-7B-8k continued MPT-7B for 500B tokens more: not this row.
     Budget("MPT-7B", ("mpt",), r"(^|[/_-])mpt-7b(?!-8k)", 1e12, "MosaicML model card: 1T tokens of text and code"),
     Budget("Llama-2", ("llama",), r"llama-?2-\d+b", 2e12, "Touvron et al. 2023b: 2T tokens"),

@@ -34,6 +34,16 @@ CONFIGS = {
     # rotary on the first 4 of 8 dims of each head, in adjacent pairs
     "gptj": dict(n_embd=HIDDEN, n_head=HEADS, n_layer=2, n_positions=64, rotary_dim=4),
     "bloom": dict(hidden_size=HIDDEN, n_head=HEADS, n_layer=2),
+    # a global layer, then a local one whose window (4) is shorter than the test sequences
+    "gpt_neo": dict(
+        hidden_size=HIDDEN,
+        num_heads=HEADS,
+        num_layers=2,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+    ),
     # ALiBi; fused Wqkv [Q | K | V]; no biases (transformers' MPT has none); clip_qkv: test_mpt_falcon_variants.py
     "mpt": dict(d_model=HIDDEN, n_heads=HEADS, n_layers=2, max_seq_len=64),
     # Falcon-RW: multi-head, ALiBi, sequential attention and MLP, biases; rotary Falcon: as above

@@ -1,5 +1,6 @@
 """Decoder-only architectures: one attention each ("decoder-self"), read under transformers'
-standard config names. One record per model_type; see the package docstring."""
+standard config names unless the record names its own (GPT-Neo's num_layers, num_heads). One
+record per model_type; see the package docstring."""
 
 from __future__ import annotations
 
@@ -166,6 +167,23 @@ UPTRAIN_MODELING = (
         alibi=True,
         whole_layer_merges=False,
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
+    ),
+    decoder_only(
+        "gpt_neo",
+        "GPT-Neo",
+        AttentionLayout(attn_prefix="transformer.h.{layer}.attn.attention", o_proj="out_proj"),
+        # GPTNeoConfig spells them num_layers and num_heads (transformers maps the standard names
+        # onto them), and ignores any head_dim: hidden_size // num_heads.
+        geometry=StackKeys(
+            layers_key="num_layers",
+            heads_key="num_heads",
+            kv_heads_key="num_key_value_heads",
+            hidden_key="hidden_size",
+        ),
+        modeling=gqa_modeling("gpt_neo", "GPTNeo"),
+        attention_ignores_positions=True,
+        whole_layer_merges=False,
+        notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
     ),
     decoder_only(
         "mpt",

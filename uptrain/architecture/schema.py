@@ -208,6 +208,10 @@ class Architecture:
     # The forward builds its attention mask without `position_ids` (OPT): transformers finds no
     # packed documents there, so flash and flex attention would attend across them.
     mask_ignores_positions: bool = False
+    # Its layers pass no `position_ids` on to attention (GPT-Neo): flash attention, which finds
+    # packed documents from them there, would attend across them. Flex attention is unaffected:
+    # its block mask is built by the forward, which has the positions.
+    attention_ignores_positions: bool = False
     # Whether `calibrated` pooling and `similarity` grouping (whole-layer merges) support it.
     whole_layer_merges: bool = True
     # The encoder's positions each cross-attention layer caches whole (Whisper: 1500 audio

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from uptrain import UptrainError
-from uptrain.architecture import find_architecture
+from uptrain.architecture import Architecture, find_architecture
 
 # Backends to which transformers gives packed sequences from `position_ids` alone (and which
 # take no dense 4D mask).
@@ -56,6 +56,21 @@ def document_attention_mask(input_ids: torch.Tensor, eos_id: int) -> torch.Tenso
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
+def positions_lost(arch: Architecture | None, implementation: str) -> tuple[str, str] | None:
+    """Why `implementation`, which finds packed documents from `position_ids` alone, never gets
+    them on this architecture, and the backends that do see the documents; None where it gets
+    them. From the registry: a forward that builds its mask without them
+    (`mask_ignores_positions`, OPT: flash and flex) or layers that pass none to attention
+    (`attention_ignores_positions`, GPT-Neo: flash; flex's block mask is built by the forward)."""
+    if arch is None:
+        return None
+    if arch.mask_ignores_positions and any(kind in implementation for kind in FROM_POSITIONS):
+        return f"{arch.name} builds its attention mask without position ids", "sdpa or eager"
+    if arch.attention_ignores_positions and "flash" in implementation:
+        return f"{arch.name}'s layers do not pass position ids to attention", "sdpa, eager or flex"
+    return None
+
+
 @dataclass(frozen=True)
 class DocumentPacking:
     """The forward's inputs that keep each packed document to itself, for one model's backend."""
@@ -68,13 +83,11 @@ class DocumentPacking:
     def for_model(cls, model: torch.nn.Module, eos_id: int) -> DocumentPacking:
         """For an (unwrapped) transformers model: its attention backend and dtype."""
         implementation = str(model.config._attn_implementation)
-        # A forward that builds its mask without `position_ids` (the registry's
-        # `mask_ignores_positions`): transformers finds no packed documents there.
-        arch = find_architecture(model.config.model_type)
-        if arch is not None and arch.mask_ignores_positions and any(kind in implementation for kind in FROM_POSITIONS):
+        lost = positions_lost(find_architecture(model.config.model_type), implementation)
+        if lost is not None:
+            why, instead = lost
             raise UptrainError(
-                f"document_mask: {arch.name} builds its attention mask without position ids, so {implementation} "
-                "would attend across documents; use sdpa or eager attention"
+                f"document_mask: {why}, so {implementation} would attend across documents; use {instead} attention"
             )
         return cls(eos_id, implementation, next(model.parameters()).dtype)
 

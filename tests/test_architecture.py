@@ -3,6 +3,8 @@ function, one-line refusal of an unknown model_type, and records that agree with
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from uptrain import UptrainError
@@ -52,7 +54,7 @@ def test_every_record_is_consistent():
     assert set(converted_architectures()) == {
         f"{t}_gqa"
         for t in (
-            *("gpt2", "gpt_neox", "opt", "gptj", "bloom", "gpt_neo"),
+            *("gpt2", "gpt_neox", "opt", "gptj", "bloom", "gpt_neo", "mpt", "falcon"),
             *("t5", "umt5", "bart", "mbart", "marian", "whisper", "m2m_100", "pegasus"),
         )
     }
@@ -102,3 +104,44 @@ def test_gpt_neo_reads_its_own_config_names():
     for config, kv in ((source, 8), (converted, 2)):
         geometry = config_geometry(config)  # head_dim is hidden_size // num_heads: GPT-Neo reads no head_dim
         assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (3, 8, kv, 8)
+
+
+def test_mpt_reads_its_own_config_names():
+    """MPT's geometry is n_layers, n_heads, d_model (no standard names added to its config), and
+    its converted config's KV heads under num_key_value_heads."""
+    config = {"model_type": "mpt_gqa", "n_layers": 2, "n_heads": 8, "d_model": 64, "num_key_value_heads": 2}
+    geometry = architecture("mpt_gqa").stacks(config)[DECODER_SELF].geometry
+    assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (2, 8, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"attn_config": {"qk_ln": True}}, "mpt with attn_config.qk_ln: True cannot be converted (transformers' MPT"),
+        ({"attn_config": {"attn_type": "grouped_query_attention"}}, "attn_config.attn_type: 'grouped_query_attention'"),
+        ({"attn_config": None, "no_bias": False}, "no_bias: False cannot be converted"),  # nested absent: defaults
+    ],
+)
+def test_a_refused_setting_is_one_line_where_the_geometry_is_read(config, message):
+    base = {"model_type": "mpt", "n_layers": 2, "n_heads": 8, "d_model": 64}
+    with pytest.raises(UptrainError, match=re.escape(message)) as err:
+        architecture("mpt").stacks({**base, **config})
+    assert "\n" not in str(err.value)
+    architecture("mpt").stacks({**base, "attn_config": {"alibi": True, "qk_ln": False}, "no_bias": True})
+
+
+def test_a_refused_setting_absent_reads_as_its_default():
+    """FalconConfig's multi_query defaults to true: a config without it has one KV head."""
+    base = {"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64}
+    with pytest.raises(UptrainError, match="falcon with multi_query: True cannot be converted"):
+        architecture("falcon").stacks(base)
+    architecture("falcon").stacks({**base, "multi_query": False})
+
+
+def test_alibi_may_depend_on_a_config_key():
+    """BLOOM always has ALiBi from its padding mask; Falcon where `alibi` is true (absent: not);
+    MPT's ALiBi takes the document mask, and llama has none."""
+    assert architecture("bloom").has_alibi({}) and architecture("bloom_gqa").has_alibi({"alibi": False})
+    assert architecture("falcon").has_alibi({"alibi": True}) and architecture("falcon_gqa").has_alibi({"alibi": True})
+    assert not architecture("falcon").has_alibi({"alibi": False}) and not architecture("falcon").has_alibi({})
+    assert not architecture("mpt").has_alibi({}) and not architecture("llama").has_alibi({"alibi": True})

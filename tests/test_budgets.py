@@ -26,6 +26,8 @@ from uptrain.demo import REFERENCE
         ("gpt_neo", "EleutherAI/gpt-neo-125m", 300e9),
         ("gpt_neo_gqa", "/data/gpt-neo-1.3B", 380e9),
         ("gpt_neo", "EleutherAI/gpt-neo-2.7B", 420e9),
+        ("mpt", "mosaicml/mpt-7b", 1e12),
+        ("mpt_gqa", "/data/mpt-7b-instruct", 1e12),  # a fine-tune of the base, converted
         ("llama", "meta-llama/Llama-2-7b-hf", 2e12),
         ("llama", "huggyllama/llama-65b", 1.4e12),
         ("llama", "huggyllama/llama-7b", 1.0e12),
@@ -45,6 +47,8 @@ def test_known_families(model_type, name, tokens):
         ("opt", "facebook/opt-iml-1.3b"),
         ("gpt_neox", "EleutherAI/gpt-neo-125m"),  # GPT-Neo's name, NeoX's architecture
         ("gpt_neo", "EleutherAI/gpt-neo-350M"),  # a size the table does not list
+        ("mpt", "mosaicml/mpt-7b-8k"),  # 1.5T: continued pretraining
+        ("mpt", "mosaicml/mpt-30b"),
         ("llama", "my-model"),
     ],
 )

@@ -46,6 +46,8 @@ BUDGETS: tuple[Budget, ...] = (
     Budget("GPT-Neo 125M", ("gpt_neo",), r"gpt-neo-125m", 300e9, "EleutherAI model card: 300B tokens of the Pile"),
     Budget("GPT-Neo 1.3B", ("gpt_neo",), r"gpt-neo-1\.3b", 380e9, "EleutherAI model card: 380B tokens of the Pile"),
     Budget("GPT-Neo 2.7B", ("gpt_neo",), r"gpt-neo-2\.7b", 420e9, "EleutherAI model card: 420B tokens of the Pile"),
+    # MPT-7B-8k continued MPT-7B for 500B tokens more: not this row.
+    Budget("MPT-7B", ("mpt",), r"(^|[/_-])mpt-7b(?!-8k)", 1e12, "MosaicML model card: 1T tokens of text and code"),
     Budget("Llama-2", ("llama",), r"llama-?2-\d+b", 2e12, "Touvron et al. 2023b: 2T tokens"),
     Budget("Llama-1 7B/13B", ("llama",), r"(^|[/_-])llama-(7|13)b", 1.0e12, "Touvron et al. 2023a: 1.0T tokens"),
     Budget("Llama-1 33B/65B", ("llama",), r"(^|[/_-])llama-(30|33|65)b", 1.4e12, "Touvron et al. 2023a: 1.4T tokens"),

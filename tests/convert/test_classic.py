@@ -29,6 +29,15 @@ from uptrain.speed import output_cache
 
 # GPT-2-style configs (n_head, n_layer, n_embd) need uptrain.model_info to read those names.
 NEEDS_ALIASES = {"gpt2", "gptj", "bloom"}
+# Backends on which transformers' own model is no reference to match bit for bit.
+NO_REFERENCE = {
+    ("bloom", "sdpa"): "transformers' BLOOM has no SDPA",
+    ("mpt", "sdpa"): "transformers' MPT has no SDPA",
+    ("gpt_neo", "sdpa"): "transformers' GPT-Neo has no SDPA",
+    # Its eager attention adds ALiBi twice (once unscaled into the scores, once / √d in the mask
+    # it builds); its SDPA, its default, once, as the GQA modeling does on every backend.
+    ("falcon", "eager"): "transformers' eager Falcon with ALiBi adds ALiBi twice",
+}
 
 
 def arch_params(cases=ARCHITECTURES):
@@ -77,10 +86,10 @@ def sources(tmp_path_factory):
 def test_g_equals_h_reproduces_transformers_exactly(model_type, attn, sources, tmp_path):
     """G = h: every tensor keeps its bits (fused Q/K/V layouts included) and the GQA modeling's
     logits equal the unmodified transformers model's, bit for bit."""
-    if model_type in ("bloom", "gpt_neo") and attn == "sdpa":
+    if (model_type, attn) in NO_REFERENCE:
         pytest.skip(
-            f"transformers' {model_type} has no SDPA to match bit for bit (tests/modeling/test_backends.py "
-            f"compares {model_type}_gqa's SDPA with its eager within float32 noise)"
+            f"{NO_REFERENCE[model_type, attn]} to match bit for bit (tests/modeling/test_backends.py compares "
+            "every backend of the GQA modeling with transformers' default within float32 noise)"
         )
     model, src = sources(model_type)
     out = convert_checkpoint(src, tmp_path / "out", HEADS, progress=False)
@@ -208,15 +217,16 @@ def test_whole_layer_merges_are_refused(model_type, options, sources, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type", arch_params(["gpt_neox", "bloom"]))
+@pytest.mark.parametrize("model_type", arch_params(["gpt_neox", "bloom", "falcon"]))
 def test_per_head_fused_stored_form_is_per_group(model_type, sources, tmp_path):
-    """NeoX and BLOOM: query_key_value rows of the output are [G, r + 2, d]: the group's query
-    heads in order, then the mean of its K heads, then the mean of its V heads."""
+    """NeoX, BLOOM and Falcon: query_key_value rows of the output are [G, r + 2, d]: the group's
+    query heads in order, then the mean of its K heads, then the mean of its V heads."""
     _, src = sources(model_type)
     out = convert_checkpoint(src, tmp_path / "out", 2, progress=False)
     name = {
         "gpt_neox": "gpt_neox.layers.1.attention.query_key_value.weight",
         "bloom": "transformer.h.1.self_attention.query_key_value.weight",
+        "falcon": "transformer.h.1.self_attention.query_key_value.weight",
     }[model_type]
     before = state(src)[name].view(HEADS, 3, HEAD_DIM, -1)
     after = state(out)[name].view(2, HEADS // 2 + 2, HEAD_DIM, -1)
@@ -241,6 +251,21 @@ def test_gpt2_stored_form(model_type, sources, tmp_path):
             heads = before[..., 64 * block : 64 * (block + 1)].reshape(*before.shape[:-1], 2, 4, HEAD_DIM)
             pooled = after[..., 64 + 16 * (block - 1) : 64 + 16 * block]
             torch.testing.assert_close(pooled, heads.mean(-2).reshape(pooled.shape), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("model_type", arch_params(["mpt"]))
+def test_mpt_stored_form(model_type, sources, tmp_path):
+    """Wqkv rows of the output are [Q | K (G·d) | V (G·d)], K and V the means of their groups."""
+    _, src = sources(model_type)
+    out = convert_checkpoint(src, tmp_path / "out", 2, progress=False)
+    name = "transformer.blocks.1.attn.Wqkv.weight"
+    before, after = state(src)[name], state(out)[name]
+    assert after.shape == (64 + 2 * 2 * HEAD_DIM, 64)
+    assert torch.equal(after[:64], before[:64])
+    for block in (1, 2):  # K, V
+        heads = before[64 * block : 64 * (block + 1)].view(2, 4, HEAD_DIM, 64)
+        pooled = after[64 + 16 * (block - 1) : 64 + 16 * block].view(2, HEAD_DIM, 64)
+        torch.testing.assert_close(pooled, heads.mean(1), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,19 @@ CONFIGS = {
         intermediate_size=96,
         max_position_embeddings=64,
     ),
+    # ALiBi; fused Wqkv [Q | K | V]; no biases (transformers' MPT has none); clip_qkv: test_mpt_falcon_variants.py
+    "mpt": dict(d_model=HIDDEN, n_heads=HEADS, n_layers=2, max_seq_len=64),
+    # Falcon-RW: multi-head, ALiBi, sequential attention and MLP, biases; rotary Falcon: as above
+    "falcon": dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_hidden_layers=2,
+        multi_query=False,
+        new_decoder_architecture=False,
+        alibi=True,
+        parallel_attn=False,
+        bias=True,
+    ),
 }
 ARCHITECTURES = sorted(CONFIGS)
 
@@ -58,11 +71,12 @@ def reads_config_aliases() -> bool:
         return False
 
 
-def build(model_type: str, seed: int = 0, init_std: float | None = None):
+def build(model_type: str, seed: int = 0, init_std: float | None = None, **settings):
     """A tiny random model. `init_std` (transformers' `initializer_range`, 0.02 by default) set
-    to ~0.5 makes greedy generation depend on the context, rather than repeat one token."""
+    to ~0.5 makes greedy generation depend on the context, rather than repeat one token.
+    `settings` override CONFIGS' (a variant of the architecture)."""
     std = {} if init_std is None else {"initializer_range": init_std}
-    config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **SHARED, **std)
+    config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **settings}, **SHARED, **std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     # Fresh biases are zeros and norms ones: randomise them so pooling them is tested.
@@ -84,7 +98,10 @@ def kv_head_views(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
         elif name.endswith("attn.c_attn.bias"):
             b = p.data.view(3, HEADS, HEAD_DIM)
             views.append((b[1], b[2]))
-        elif "query_key_value" in name:  # NeoX / BLOOM rows [h, 3, d]
+        elif name.endswith("attn.Wqkv.weight"):  # MPT rows [Q | K | V]
+            rows = p.data.view(3, HEADS, HEAD_DIM, HIDDEN)
+            views.append((rows[1], rows[2]))
+        elif "query_key_value" in name:  # NeoX / BLOOM / Falcon rows [h, 3, d]
             rows = p.data.view(HEADS, 3, HEAD_DIM, *p.shape[1:])
             views.append((rows[:, 1], rows[:, 2]))
         elif name.endswith(("k_proj.weight", "k_proj.bias")):

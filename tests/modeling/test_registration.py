@@ -203,7 +203,7 @@ def test_modeling_files_import_only_torch_and_transformers():
             for line in path.read_text().splitlines():
                 if line.startswith(("import ", "from ")):
                     module = line.split()[1]
-                    assert module.split(".")[0] in {"__future__", "inspect", "torch", "transformers"} or (
+                    assert module.split(".")[0] in {"__future__", "inspect", "math", "torch", "transformers"} or (
                         module.startswith(".") and f"{module[1:]}.py" in files
                     ), (name, line)
 
@@ -230,7 +230,7 @@ def test_older_transformers_are_refused_in_one_line():
     )
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "opt", "gpt_neo"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "opt", "gpt_neo", "falcon"])
 def test_gqa_counterpart_of_a_model_in_memory(model_type):
     """The class and config an in-memory conversion builds: at G = h, the original's state dict
     loads into it and gives the same logits, bit for bit."""

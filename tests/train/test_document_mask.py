@@ -85,10 +85,12 @@ FLEX = pytest.param("flex_attention", marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa", FLEX])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt_neox", "gpt2", "gptj", "opt", "gpt_neo"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt_neox", "gpt2", "gptj", "opt", "gpt_neo", "mpt"])
 def test_a_packed_block_gives_each_document_its_own_losses(kind, implementation, gqa_model):
     if kind == "opt" and implementation == "flex_attention":
         pytest.skip("refused: test_opt_with_flash_or_flex_attention_is_refused")
+    if kind == "mpt" and implementation == "flex_attention":
+        pytest.skip("mpt_gqa has no flex attention (ALiBi): tests/modeling/test_backends.py")
     model = model_for(kind, gqa_model, implementation)
     blocks = packed_blocks()
     packing = DocumentPacking.for_model(model, EOS)
@@ -119,6 +121,9 @@ def test_flash_layout_is_one_row_of_documents():
 def test_models_the_mask_cannot_express_are_refused():
     with pytest.raises(UptrainError, match="ALiBi"):
         check_document_mask({"model_type": "bloom_gqa"}, 64, "m")
+    with pytest.raises(UptrainError, match="m is Falcon, whose ALiBi"):
+        check_document_mask({"model_type": "falcon_gqa", "alibi": True}, 64, "m")
+    check_document_mask({"model_type": "falcon_gqa", "alibi": False}, 64, "m")  # rotary
     with pytest.raises(UptrainError, match="sliding window of 16 tokens, shorter than seq_len 64"):
         check_document_mask({"model_type": "mistral", "sliding_window": 16}, 64, "m")
     check_document_mask({"model_type": "mistral", "sliding_window": 4096}, 64, "m")

@@ -15,9 +15,11 @@ A record (`Architecture`) holds:
   own modeling reads `num_key_value_heads` (llama, mistral, …);
 - `auto_class`, `default_objective`, `pipeline_tag`: how it loads, trains and is tagged;
 - its init std (`init_std_key`, `init_std_width_key`), output `renames`, `converted_config`;
-- quirks the code acts on (`alibi`, `mask_ignores_positions`, `attention_ignores_positions`)
-  and what it refuses (`whole_layer_merges`), and an encoder–decoder's `source_positions_key` /
-  `source_unit`.
+- quirks the code acts on (`alibi`, always or where a config key turns it on;
+  `mask_ignores_positions`, `attention_ignores_positions`) and what it refuses
+  (`whole_layer_merges`; `refused_settings`: config settings outside what the record describes,
+  each with its reason, refused wherever the geometry is read), and an encoder–decoder's
+  `source_positions_key` / `source_unit`.
 
 To add an architecture:
 1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`, with
@@ -31,8 +33,9 @@ To add an architecture:
    (`decoders.gqa_modeling` for a causal LM's usual names). `uptrain.modeling` imports that module
    and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
 3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
-   that pass none to attention, no whole-layer merges), and `default_objective` / `auto_class` /
-   `pipeline_tag` for an encoder–decoder. Tests: a tiny model from its config, converted exactly (tests/convert).
+   that pass none to attention, settings the modeling does not compute, no whole-layer merges),
+   and `default_objective` / `auto_class` / `pipeline_tag` for an encoder–decoder. Tests: a tiny
+   model from its config, converted exactly (tests/convert).
 A converted checkpoint's `<model_type>_gqa` finds its source's record (`source_model_type`), so
 it can be pooled further.
 """
@@ -52,6 +55,7 @@ from uptrain.architecture.schema import (
     AttentionSite,
     AttentionStack,
     GQAModeling,
+    RefusedSetting,
     StackKeys,
     StandardKeys,
 )
@@ -67,6 +71,7 @@ __all__ = [
     "AttentionSite",
     "AttentionStack",
     "GQAModeling",
+    "RefusedSetting",
     "StackKeys",
     "StandardKeys",
     "architecture",

@@ -11,6 +11,7 @@ from uptrain.architecture.schema import (
     AttentionSite,
     GeometryKeys,
     GQAModeling,
+    RefusedSetting,
     StackKeys,
     StandardKeys,
 )
@@ -183,6 +184,47 @@ UPTRAIN_MODELING = (
         attention_ignores_positions=True,
         whole_layer_merges=False,
         notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
+    ),
+    decoder_only(
+        "mpt",
+        "MPT",
+        AttentionLayout(
+            attn_prefix="transformer.blocks.{layer}.attn",
+            q_proj="Wqkv",
+            o_proj="out_proj",
+            kv_modules=("Wqkv",),
+            kv_rows=(),
+            fused_qkv="Wqkv.weight",
+        ),
+        geometry=StackKeys("n_layers", "n_heads", "num_key_value_heads", hidden_key="d_model"),
+        modeling=gqa_modeling("mpt", "Mpt"),
+        # transformers' MPT reads none of these settings: a checkpoint with another value is
+        # another model than the one it (and mpt_gqa) computes.
+        refused_settings=(
+            RefusedSetting("attn_config.attn_type", "multihead_attention", "multihead_attention", "MHA only"),
+            RefusedSetting("attn_config.qk_ln", False, False, "transformers' MPT has no q/k LayerNorm"),
+            RefusedSetting("attn_config.alibi", True, True, "transformers' MPT has no learned positions"),
+            RefusedSetting("no_bias", True, True, "transformers' MPT has no biases"),
+        ),
+        whole_layer_merges=False,
+        # Its ALiBi depends on the distance to each key alone (not on the padding mask): packed
+        # documents take the document mask, so not the `alibi` quirk.
+        notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",
+    ),
+    decoder_only(
+        "falcon",
+        "Falcon",
+        AttentionLayout(attn_prefix="transformer.h.{layer}.self_attention", **PER_HEAD_QKV),
+        head_dim_key=None,
+        modeling=gqa_modeling("falcon", "Falcon"),
+        refused_settings=(
+            RefusedSetting("multi_query", False, True, "it has one KV head already"),
+            RefusedSetting("new_decoder_architecture", False, False, "its KV heads are grouped already"),
+        ),
+        alibi="alibi",  # Falcon-RW; rotary otherwise
+        whole_layer_merges=False,
+        notes="multi-head Falcon (Falcon-RW): query_key_value rows [h, 3, d] interleaved per head; "
+        "ALiBi (alibi: true) or rotary",
     ),
 )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from uptrain.model_info import AttentionGeometry, attention_geometry, stack_geometry
+from uptrain import UptrainError
+from uptrain.model_info import AttentionGeometry, attention_geometry, show, stack_geometry
 
 # The attentions of a model, in model order, as `uptrain convert --attention` names them → the
 # config.json key of each one's KV heads in an encoder–decoder uptrain converted (the same table
@@ -133,6 +134,29 @@ class AttentionStack:
 
 
 @dataclass(frozen=True)
+class RefusedSetting:
+    """A config setting outside what an architecture's record describes: any value of `key`
+    (dotted into nested settings: MPT's `attn_config.qk_ln`) but `accepted`, read as `default`
+    where the config lacks it (transformers' default). `why` says what the other values are."""
+
+    key: str
+    accepted: object
+    default: object
+    why: str
+
+    def check(self, config: dict) -> None:
+        """One line if `config` sets `key` to anything but `accepted`."""
+        found: object = config
+        for part in self.key.split("."):
+            found = found.get(part, self.default) if isinstance(found, dict) else self.default
+        if found != self.accepted:
+            raise UptrainError(
+                f"{config.get('model_type')} with {self.key}: {show(found)} cannot be converted ({self.why}); "
+                f"uptrain converts {self.key}: {self.accepted!r}"
+            )
+
+
+@dataclass(frozen=True)
 class GQAModeling:
     """uptrain's modeling of an architecture whose transformers code has no GQA
     (`uptrain/modeling/<module>.py`): the converted checkpoint's model_type and its classes."""
@@ -172,9 +196,15 @@ class Architecture:
     # Fields the converted config.json sets (mT5 never rescales the decoder's output before
     # lm_head; T5's classes, which t5_gqa builds on, do unless the config says not to).
     converted_config: tuple[tuple[str, object], ...] = ()
+    # Config settings whose model the record's layout, geometry or modeling does not describe
+    # (Falcon's multi_query: one KV head, not `num_attention_heads`), each with its reason:
+    # refused wherever the geometry is read (`stacks`), before anything is converted.
+    refused_settings: tuple[RefusedSetting, ...] = ()
     # Quirks the code acts on. ALiBi: position biases built from the 2D padding mask (BLOOM), so
-    # no per-document mask can replace it.
-    alibi: bool = False
+    # no per-document mask can replace it. True: always; a config key: where the config sets it
+    # true (Falcon's `alibi`; absent, false). ALiBi that depends on the distance to each key
+    # alone (MPT's) takes the document mask and is not this quirk.
+    alibi: bool | str = False
     # The forward builds its attention mask without `position_ids` (OPT): transformers finds no
     # packed documents there, so flash and flex attention would attend across them.
     mask_ignores_positions: bool = False
@@ -201,8 +231,15 @@ class Architecture:
     def site(self, attention: str) -> AttentionSite:
         return next(s for s in self.sites if s.attention == attention)
 
+    def has_alibi(self, config: dict) -> bool:
+        """Whether the model of `config` builds ALiBi biases from its 2D padding mask (`alibi`)."""
+        return bool(config.get(self.alibi, False)) if isinstance(self.alibi, str) else self.alibi
+
     def stacks(self, config: dict) -> dict[str, AttentionStack]:
-        """Every attention of the model, in model order, with its geometry read from `config`."""
+        """Every attention of the model, in model order, with its geometry read from `config`
+        (one line if `config` has one of the `refused_settings`)."""
+        for setting in self.refused_settings:
+            setting.check(config)
         return {s.attention: AttentionStack(s.attention, s.layout, s.geometry.read(config)) for s in self.sites}
 
     def output_name(self, name: str) -> str:

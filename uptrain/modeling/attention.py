@@ -9,6 +9,8 @@ are dataclasses): the helpers here absorb both, so each modeling file has one co
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -88,6 +90,26 @@ class GroupedHeadsConfig:
                 self.num_key_value_heads = self.num_attention_heads
             super().__post_init__(**kwargs)
             self._grouped_heads()
+
+
+def rope_for_4x(kwargs: dict, theta: str, partial: str | None = None) -> dict:
+    """config.json's fields with the rotary settings also under 4.x's names: transformers 5
+    writes them only inside `rope_parameters`, which 4.x ignores (it would rotate at base 10000,
+    and NeoX a quarter of each head, whatever the model has). `theta` (and `partial`, for a
+    partial rotary factor) are the names the architecture's 4.x config reads them by."""
+    rope = kwargs.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return kwargs
+    kwargs = dict(kwargs)
+    if partial is not None and "partial_rotary_factor" in rope:
+        kwargs.setdefault(partial, rope["partial_rotary_factor"])
+    if "rope_theta" in rope:
+        kwargs.setdefault(theta, rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default":
+        kwargs.setdefault(
+            "rope_scaling", {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        )
+    return kwargs
 
 
 # An encoder–decoder's attentions, as `uptrain convert --attention` names them, and the config.json
@@ -266,6 +288,19 @@ def build_as_eager(init, model, config) -> None:
     )
 
 
+# Flex attention takes a per-head bias (`position_bias`) in transformers 5; 4.x's would drop it silently.
+FLEX_TAKES_BIAS = "position_bias" in inspect.signature(ALL_ATTENTION_FUNCTIONS["flex_attention"]).parameters
+
+
+def refuse_backend(implementation: str | None, backends: tuple[str, ...], model_type: str, needs: str) -> None:
+    """Refuse, in one line, an attention implementation outside `backends`, those with a place for
+    what the model `needs` (ALiBi, a position bias): any other would run without it, and be wrong."""
+    if implementation is not None and implementation not in backends:
+        allowed = ", ".join(backends)
+        chosen = f"attn_implementation={implementation!r}"
+        raise ValueError(f"{model_type} cannot use {chosen}: {needs} needs one of {allowed}")
+
+
 class EncoderDecoderGQAModel(AttentionBackends):
     """Mixin for the GQA model classes `encoder_decoder_gqa` builds: transformers' model, built,
     then each of its attentions replaced by `gqa_attention` (that architecture's
@@ -371,6 +406,7 @@ def grouped_query_attention(
     alibi: torch.Tensor | None = None,
     dropout: float = 0.0,
     eager: bool = False,
+    divisor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of h query heads over G shared K/V heads; returns (`[B, h, T, d]`, weights or None).
 
@@ -381,7 +417,8 @@ def grouped_query_attention(
     last T of S positions are the queries, as after a cache). `alibi` `[B or 1, h, 1 or T, S]`
     is added to the scores before the mask. The default path is `scaled_dot_product_attention`
     with `enable_gqa` (K/V are not repeated); `eager=True` computes the softmax explicitly per
-    group and also returns the weights `[B, h, T, S]`.
+    group and also returns the weights `[B, h, T, S]`; with `divisor` it divides the scores by
+    it instead of multiplying them by `scale` (Falcon's arithmetic: the two differ by an ulp).
     """
     b, h, t, d = q.shape
     g, s = k.shape[1], k.shape[2]
@@ -411,12 +448,14 @@ def grouped_query_attention(
         bias = alibi.expand(b, h, alibi.shape[2], s).reshape(b * h, alibi.shape[2], s)
         scores = bias.baddbmm(q.reshape(b * h, t, d), k.reshape(b * h, s, d).transpose(1, 2), alpha=scale)
         scores = scores.view(b, h, t, s)
-    elif r == 1:
-        # The same operations as transformers' eager attention, so G = h is bit-identical to it.
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     else:
-        # [B, G, r, T, d] @ [B, G, 1, d, S]: each group's r query heads read its one K head.
-        scores = torch.matmul(q.view(b, g, r, t, d), k.unsqueeze(2).transpose(-1, -2)).view(b, h, t, s) * scale
+        if r == 1:
+            # The same operations as transformers' eager attention, so G = h is bit-identical to it.
+            scores = torch.matmul(q, k.transpose(-1, -2))
+        else:
+            # [B, G, r, T, d] @ [B, G, 1, d, S]: each group's r query heads read its one K head.
+            scores = torch.matmul(q.view(b, g, r, t, d), k.unsqueeze(2).transpose(-1, -2)).view(b, h, t, s)
+        scores = scores * scale if divisor is None else scores / divisor
         if alibi is not None:
             scores = scores + alibi
     if attention_mask is not None:
@@ -451,11 +490,13 @@ def eager_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     alibi: torch.Tensor | None = None,
+    score_divisor: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The "eager" entry of transformers' attention interface for these models: the explicit,
     per-group softmax of `grouped_query_attention` (bit-identical to transformers' own eager
-    attention at G = h). Returns `[B, T, h, d]` and the weights, as every interface function."""
+    attention at G = h; `score_divisor` for those that divide the scores by √d rather than
+    multiply). Returns `[B, T, h, d]` and the weights, as every interface function."""
     if isinstance(attention_mask, torch.Tensor):
         # 4.x builds GPT-J's and BLOOM's masks for the whole cache length: the keys so far only.
         attention_mask = attention_mask[..., : key.shape[-2]]
@@ -471,6 +512,7 @@ def eager_attention_forward(
         alibi=alibi,
         dropout=dropout,
         eager=True,
+        divisor=score_divisor,
     )
     return out.transpose(1, 2).contiguous(), weights
 

@@ -10,36 +10,31 @@ attention file next to it.
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 from transformers import BloomConfig
 from transformers.models.bloom.modeling_bloom import BloomAttention, BloomForCausalLM, BloomModel, dropout_add
 
 from .attention import (
-    ALL_ATTENTION_FUNCTIONS,
+    FLEX_TAKES_BIAS,
     AttentionBackends,
     GroupedHeadsConfig,
     alibi_as_mask,
     attend,
     build_as_eager,
     pop_cache,
+    refuse_backend,
     update_cache,
 )
 
-# Flex attention takes a per-head bias (`position_bias`) in transformers 5; 4.x's would drop ALiBi silently.
-FLEX_TAKES_BIAS = "position_bias" in inspect.signature(ALL_ATTENTION_FUNCTIONS["flex_attention"]).parameters
-# The attention implementations that apply ALiBi (see BloomGQAAttention.forward).
+# The attention implementations that apply ALiBi (see BloomGQAAttention.forward); 4.x's flex
+# attention takes no per-head bias.
 BACKENDS = ("eager", "sdpa", "flex_attention") if FLEX_TAKES_BIAS else ("eager", "sdpa")
 
 
 def check_backend(implementation: str | None) -> None:
     """Refuse, in one line, an attention implementation that has no place for ALiBi (flash
     attention, a registered kernel, 4.x's flex): it would run, without ALiBi, and be wrong."""
-    if implementation is not None and implementation not in BACKENDS:
-        raise ValueError(
-            f"bloom_gqa cannot use attn_implementation={implementation!r}: ALiBi needs one of {', '.join(BACKENDS)}"
-        )
+    refuse_backend(implementation, BACKENDS, "bloom_gqa", "ALiBi")
 
 
 class BloomGQAConfig(GroupedHeadsConfig, BloomConfig):

@@ -28,6 +28,7 @@ from .attention import (
     attend,
     build_as_eager,
     pop_cache,
+    rope_for_4x,
     update_cache,
 )
 
@@ -39,22 +40,7 @@ class GPTNeoXGQAConfig(GroupedHeadsConfig, GPTNeoXConfig):
 
     @staticmethod
     def _kwargs_for_4x(kwargs: dict) -> dict:
-        """transformers 5 writes NeoX's rotary settings only inside `rope_parameters`, which 4.x
-        ignores (it would rotate a quarter of each head, at base 10000, whatever the model has):
-        give 4.x its own names for them."""
-        rope = kwargs.get("rope_parameters")
-        if not isinstance(rope, dict):
-            return kwargs
-        kwargs = dict(kwargs)
-        if "partial_rotary_factor" in rope:
-            kwargs.setdefault("rotary_pct", rope["partial_rotary_factor"])
-        if "rope_theta" in rope:
-            kwargs.setdefault("rotary_emb_base", rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default":
-            kwargs.setdefault(
-                "rope_scaling", {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-            )
-        return kwargs
+        return rope_for_4x(kwargs, theta="rotary_emb_base", partial="rotary_pct")
 
 
 class GPTNeoXGQAAttention(GPTNeoXAttention):

@@ -26,6 +26,7 @@ from .attention import (
     build_as_eager,
     encoder_decoder_kv,
     pop_cache,
+    refuse_backend,
 )
 
 # The attention implementations that add T5's position bias (see T5GQAAttention.forward), and
@@ -39,11 +40,7 @@ def check_backend(implementation: str | None) -> None:
     """Refuse, in one line, an attention implementation with no place for T5's position bias
     (flash attention, a registered kernel) or one untested with it (flex): it would run without
     it and be wrong."""
-    if implementation is not None and implementation not in BACKENDS:
-        raise ValueError(
-            f"t5_gqa cannot use attn_implementation={implementation!r}: T5's position bias needs one of "
-            f"{', '.join(BACKENDS)}"
-        )
+    refuse_backend(implementation, BACKENDS, "t5_gqa", "T5's position bias")
 
 
 class T5GQAConfig(GroupedStacksConfig, T5Config):

@@ -109,7 +109,7 @@ class DocumentPacking:
 def check_document_mask(model_config: dict, seq_len: int, model: str) -> None:
     """Refuse, in one line, a model whose attention the document mask cannot express."""
     arch = find_architecture(model_config.get("model_type"))
-    if arch is not None and arch.alibi:  # ALiBi biases are built from the 2D padding mask
+    if arch is not None and arch.has_alibi(model_config):  # ALiBi biases are built from the 2D padding mask
         raise UptrainError(
             f"document_mask: {model} is {arch.name}, whose ALiBi biases are built from a 2D padding "
             "mask that a per-document mask cannot replace; set document_mask: false"

@@ -1,0 +1,144 @@
+"""Multi-head Falcon (Falcon-RW: `multi_query` and `new_decoder_architecture` false) with
+grouped-query attention (`model_type` "falcon_gqa"), built on transformers' Falcon.
+
+Stored form: `query_key_value` stays one FalconLinear whose output rows are grouped per KV
+head, `[G, r + 2, d]` with r = h / G: the group's r query heads, then its K head, then its V
+head. At G = h that is Falcon's own per-head `[h, 3, d]` interleaving. Rotary or ALiBi
+(`alibi: true`), whose slopes belong to the query heads and are unchanged. Everything else is
+transformers' Falcon unchanged. Copied beside converted weights under this name: imports only
+torch, transformers and the attention file next to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import FalconConfig
+from transformers.models.falcon.modeling_falcon import (
+    FalconAttention,
+    FalconForCausalLM,
+    FalconLinear,
+    FalconModel,
+    apply_rotary_pos_emb,
+)
+
+from .attention import (
+    AttentionBackends,
+    GroupedHeadsConfig,
+    attend,
+    build_as_eager,
+    pop_cache,
+    refuse_backend,
+    rope_for_4x,
+    update_cache,
+)
+
+# The attention implementations that apply ALiBi: transformers' Falcon folds it into the 4D mask
+# it builds, which flash attention and registered kernels do not take, and which it cannot build
+# for flex attention (a BlockMask). Rotary Falcon runs on every backend.
+ALIBI_BACKENDS = ("eager", "sdpa")
+
+
+def check_config(config) -> None:
+    """Refuse, in one line, what this modeling does not compute: multi-query Falcon (Falcon-7B)
+    and the new decoder architecture (Falcon-40B), whose KV heads are shared already."""
+    if config.multi_query or config.new_decoder_architecture:
+        raise ValueError(
+            "falcon_gqa is the multi-head Falcon (multi_query and new_decoder_architecture false); this config "
+            f"has multi_query={config.multi_query}, new_decoder_architecture={config.new_decoder_architecture}"
+        )
+
+
+def check_backend(config) -> None:
+    if config.alibi:
+        refuse_backend(config._attn_implementation, ALIBI_BACKENDS, "falcon_gqa with ALiBi", "ALiBi")
+
+
+class FalconGQAConfig(GroupedHeadsConfig, FalconConfig):
+    model_type = "falcon_gqa"
+
+    num_key_value_heads: int | None = None
+
+    @staticmethod
+    def _kwargs_for_4x(kwargs: dict) -> dict:
+        return rope_for_4x(kwargs, theta="rope_theta")
+
+
+class FalconGQAAttention(FalconAttention):
+    """Falcon attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+
+    def __init__(self, config, layer_idx=None):
+        super().__init__(config, layer_idx=layer_idx)
+        self.num_key_value_heads = config.num_key_value_heads
+        self.queries_per_group = self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        rows = (self.num_heads + 2 * self.num_key_value_heads) * self.head_dim
+        self.query_key_value = FalconLinear(self.hidden_size, rows, bias=config.bias)
+
+    def forward(self, hidden_states, alibi=None, attention_mask=None, position_embeddings=None, **kwargs):
+        cache = pop_cache(kwargs)
+        # 4.57 passes a per-head mask (None unless the caller gives one; 5.x has none).
+        if kwargs.pop("head_mask", None) is not None:
+            raise ValueError("falcon_gqa does not support head masks")
+        for unused in ("use_cache", "output_attentions"):
+            kwargs.pop(unused, None)
+        b, t, _ = hidden_states.shape
+        r, d = self.queries_per_group, self.head_dim
+        qkv = self.query_key_value(hidden_states).view(b, t, self.num_key_value_heads, r + 2, d)
+        q = qkv[..., :r, :].reshape(b, t, -1, d).transpose(1, 2)
+        k, v = qkv[..., r, :].transpose(1, 2), qkv[..., r + 1, :].transpose(1, 2)
+        if alibi is None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
+        check_backend(self.config)  # also after a `set_attn_implementation`
+        # With ALiBi, transformers' Falcon has added ALiBi / √d into the 4D mask: every backend
+        # here adds the mask to the scaled scores, once. (Its own eager attention adds ALiBi a
+        # second time, unscaled, before scaling; its SDPA, its default, once, as here.)
+        if self.config._attn_implementation in (None, "eager"):
+            kwargs["score_divisor"] = math.sqrt(d)  # Falcon's eager divides by √d: bit for bit at G = h
+        out, weights = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.inv_norm_factor,
+            # transformers' Falcon drops attention weights out only with ALiBi.
+            dropout=self.attention_dropout.p if self.training and alibi is not None else 0.0,
+            **kwargs,
+        )
+        return self.dense(out.reshape(b, t, -1)), weights
+
+
+def _use_gqa_attention(model: FalconModel, config: FalconGQAConfig) -> None:
+    check_config(config)
+    check_backend(config)
+    for i, layer in enumerate(model.h):
+        layer.self_attention = FalconGQAAttention(config, layer_idx=i)
+
+
+class FalconBackends(AttentionBackends):
+    """Every backend serves rotary Falcon; ALiBi Falcon is refused the backends without a place
+    for it when the model is built (`check_backend`). Engines that plug in their own kernels
+    (`is_backend_compatible()`, asked of the class, before any config) are told no: with ALiBi
+    they would run without it."""
+
+    _supports_attention_backend = False
+
+
+class FalconGQAModel(FalconBackends, FalconModel):
+    config_class = FalconGQAConfig
+
+    def __init__(self, config: FalconGQAConfig):
+        build_as_eager(super().__init__, self, config)
+        _use_gqa_attention(self, config)
+        self.post_init()
+
+
+class FalconGQAForCausalLM(FalconBackends, FalconForCausalLM):
+    config_class = FalconGQAConfig
+
+    def __init__(self, config: FalconGQAConfig):
+        build_as_eager(super().__init__, self, config)
+        _use_gqa_attention(self.transformer, config)
+        self.post_init()

@@ -23,11 +23,11 @@ from uptrain.demo import REFERENCE
         ("opt", "facebook/opt-125m", 180e9),
         ("gptj", "EleutherAI/gpt-j-6b", 402e9),
         ("bloom", "bigscience/bloom", 366e9),
-        ("mpt", "mosaicml/mpt-7b", 1e12),
-        ("mpt_gqa", "/data/mpt-7b-instruct", 1e12),  # a fine-tune of the base, converted
         ("gpt_neo", "EleutherAI/gpt-neo-125m", 300e9),
         ("gpt_neo_gqa", "/data/gpt-neo-1.3B", 380e9),
         ("gpt_neo", "EleutherAI/gpt-neo-2.7B", 420e9),
+        ("mpt", "mosaicml/mpt-7b", 1e12),
+        ("mpt_gqa", "/data/mpt-7b-instruct", 1e12),  # a fine-tune of the base, converted
         ("llama", "meta-llama/Llama-2-7b-hf", 2e12),
         ("llama", "huggyllama/llama-65b", 1.4e12),
         ("llama", "huggyllama/llama-7b", 1.0e12),
@@ -45,10 +45,10 @@ def test_known_families(model_type, name, tokens):
         ("gpt_neox", "EleutherAI/gpt-neox-20b"),
         ("bloom", "bigscience/bloom-560m"),  # smaller BLOOMs: budget not in the table
         ("opt", "facebook/opt-iml-1.3b"),
-        ("mpt", "mosaicml/mpt-7b-8k"),  # 1.5T: continued pretraining
-        ("mpt", "mosaicml/mpt-30b"),
         ("gpt_neox", "EleutherAI/gpt-neo-125m"),  # GPT-Neo's name, NeoX's architecture
         ("gpt_neo", "EleutherAI/gpt-neo-350M"),  # a size the table does not list
+        ("mpt", "mosaicml/mpt-7b-8k"),  # 1.5T: continued pretraining
+        ("mpt", "mosaicml/mpt-30b"),
         ("llama", "my-model"),
     ],
 )

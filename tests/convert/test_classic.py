@@ -32,8 +32,8 @@ NEEDS_ALIASES = {"gpt2", "gptj", "bloom"}
 # Backends on which transformers' own model is no reference to match bit for bit.
 NO_REFERENCE = {
     ("bloom", "sdpa"): "transformers' BLOOM has no SDPA",
-    ("gpt_neo", "sdpa"): "transformers' GPT-Neo has no SDPA",
     ("mpt", "sdpa"): "transformers' MPT has no SDPA",
+    ("gpt_neo", "sdpa"): "transformers' GPT-Neo has no SDPA",
     # Its eager attention adds ALiBi twice (once unscaled into the scores, once / √d in the mask
     # it builds); its SDPA, its default, once, as the GQA modeling does on every backend.
     ("falcon", "eager"): "transformers' eager Falcon with ALiBi adds ALiBi twice",

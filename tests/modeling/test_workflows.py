@@ -1,6 +1,6 @@
 """`uptrain train`, `inspect` and `compare` on architectures uptrain brings its own GQA
-modeling for (GPT-NeoX; GPT-Neo, with its local layers, MPT and Falcon, with ALiBi, for train):
-the commands are unchanged, the checkpoints carry the modeling."""
+modeling for (GPT-NeoX; GPT-Neo with its local layers, MPT and Falcon for train): the commands are
+unchanged, the checkpoints carry the modeling."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def eval_loss(model_dir: Path, tokenizer, eval_text: str, seq_len: int, blocks: 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
 
 
-# GPT-NeoX; GPT-Neo for its local layers; MPT and Falcon-RW for ALiBi.
+# GPT-NeoX; GPT-Neo (local layers); MPT and Falcon-RW for ALiBi.
 @pytest.mark.parametrize("model_type", ["gpt_neox", "gpt_neo", "mpt", "falcon"])
 def test_train_from_an_mha_source_and_inspect(model_type, tmp_path, capsys):
     corpus = text(1, 3000)

@@ -240,22 +240,9 @@ def collect_attention_moments(
     layout = architecture(config.get("model_type")).site(DECODER_SELF).layout  # whole-layer merges: decoder-only
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     run_device, run_dtype = calibration_device(device, dtype)
-    tokenizer = load_calibration_tokenizer(model_dir)
-    blocks, source = load_blocks(
-        data,
-        "calibration_data",
-        tokenizer,
-        seq_len,
-        text_field=text_field,
-        split=split,
-        dataset_config=dataset_config,
-        sample_by=sample_by,
-        streaming=None,
-        workers=None,
+    all_ids, source = _calibration_blocks(
+        model_dir, data, num_tokens, seq_len, text_field, sample_by, dataset_config=dataset_config, split=split
     )
-    all_ids = _first_blocks(blocks, math.ceil(num_tokens / seq_len))
-    if len(all_ids) == 0:
-        raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
     count = len(all_ids)
     tokens = count * seq_len
     # "model.layers.{layer}.self_attn" → layers at "model.layers", their parent "model".
@@ -288,23 +275,7 @@ def collect_attention_moments(
         with bar, torch.no_grad():
             for i, layer in enumerate(layers):
                 _materialise(layer, f"{layer_template.format(layer=i)}.", checkpoint, run_device, run_dtype)
-                moment = torch.zeros(
-                    hidden[0].shape[-1] + 1, hidden[0].shape[-1] + 1, dtype=torch.float64, device=run_device
-                )
-                hook = layer.get_submodule(attn_name).register_forward_pre_hook(
-                    lambda module, args, kwargs, moment=moment: fold_attention_input(
-                        moment, attention_input(args, kwargs)
-                    ),
-                    with_kwargs=True,
-                )
-                try:
-                    for b, (args, kwargs) in enumerate(c[i] for c in calls):
-                        out = layer(hidden[b], *args, **kwargs)
-                        # In place: the hidden states, allocated once before any layer, stay below
-                        # the layers' short-lived buffers in the heap, which can then be returned.
-                        hidden[b].copy_(out[0] if isinstance(out, tuple) else out)
-                finally:
-                    hook.remove()
+                moment = _layer_moment(layer, attn_name, hidden, [c[i] for c in calls], run_device)
                 layer.to("meta")  # frees this layer's weights before the next layer is read
                 if per_layer is None:
                     moments.add(i, moment / tokens)
@@ -317,3 +288,47 @@ def collect_attention_moments(
         checkpoint.close()
     info = {"data": source.label, "tokens": tokens, "seq_len": seq_len, "blocks": count, "dtype": dtype}
     return moments, info
+
+
+def _calibration_blocks(model_dir, data, num_tokens, seq_len, text_field, sample_by, *, dataset_config, split):
+    """The first ⌈num_tokens / seq_len⌉ blocks of `data` tokenized as training tokenizes it
+    (documents joined with EOS, packed), and the data's description; refuses data too short for one."""
+    tokenizer = load_calibration_tokenizer(model_dir)
+    blocks, source = load_blocks(
+        data,
+        "calibration_data",
+        tokenizer,
+        seq_len,
+        text_field=text_field,
+        split=split,
+        dataset_config=dataset_config,
+        sample_by=sample_by,
+        streaming=None,
+        workers=None,
+    )
+    all_ids = _first_blocks(blocks, math.ceil(num_tokens / seq_len))
+    if len(all_ids) == 0:
+        raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
+    return all_ids, source
+
+
+def _layer_moment(layer: torch.nn.Module, attn_name: str, hidden: list, calls: list, device) -> torch.Tensor:
+    """The sum over the calibration blocks of the outer products of `layer`'s attention input
+    (with a constant 1 appended), in float64 on `device`. Each block's hidden states become the
+    layer's output, in place, ready for the next layer; `calls` holds each block's other
+    arguments to the layer."""
+    width = hidden[0].shape[-1] + 1
+    moment = torch.zeros(width, width, dtype=torch.float64, device=device)
+    hook = layer.get_submodule(attn_name).register_forward_pre_hook(
+        lambda module, args, kwargs: fold_attention_input(moment, attention_input(args, kwargs)),
+        with_kwargs=True,
+    )
+    try:
+        for b, (args, kwargs) in enumerate(calls):
+            out = layer(hidden[b], *args, **kwargs)
+            # In place: the hidden states, allocated once before any layer, stay below the
+            # layers' short-lived buffers in the heap, which can then be returned.
+            hidden[b].copy_(out[0] if isinstance(out, tuple) else out)
+    finally:
+        hook.remove()
+    return moment

@@ -384,6 +384,68 @@ def encoder_decoder_gqa(
     return config, attention, gqa_model(model_class), gqa_model(head_class, head_mixins)
 
 
+class CausalGQAModel(AttentionBackends):
+    """Mixin for the GQA model classes `causal_lm_gqa` builds: transformers' decoder-only model,
+    built, its backend checked (`gqa_check_backend`), then each attention replaced by
+    `gqa_use_attention` in `base_model` (the model itself, or the task model's `transformer`,
+    `model`, …), or, with `gqa_base_model` set, the task model given a new base model of it."""
+
+    gqa_use_attention = None  # staticmethods, set on each class
+    gqa_check_backend = None
+    gqa_base_model = None
+
+    def __init__(self, config):
+        build_as_eager(super().__init__, self, config)
+        if self.gqa_check_backend is not None:
+            self.gqa_check_backend(self.config._attn_implementation)
+        if self.gqa_base_model is not None:
+            setattr(self, self.base_model_prefix, self.gqa_base_model(config))
+        else:
+            self.gqa_use_attention(self.base_model, config)
+        self.post_init()
+
+
+def causal_lm_gqa(
+    module: str,
+    config_class: type,
+    model_class: type,
+    head_class: type,
+    use_gqa_attention,
+    *,
+    mixins: tuple[type, ...] = (),
+    check_backend=None,
+    model_mixins: tuple[type, ...] = (),
+    head_mixins: tuple[type, ...] = (),
+    new_base_model: bool = False,
+) -> tuple[type, type]:
+    """The GQA base model and causal-LM model (`<prefix>GQAModel`, `<prefix>GQAForCausalLM`, the
+    prefix `config_class`'s name less "GQAConfig") of a decoder-only architecture, built from
+    transformers' `model_class` and `head_class`: `use_gqa_attention(base_model, config)` replaces
+    each attention by the GQA one. Both belong to `module`, the calling modeling file's
+    `__name__`, which binds each under its name (`save_pretrained` copies that file and writes
+    `module.Name` into `auto_map`). What differs by architecture comes in as arguments: mixins
+    before both (`mixins`: an AttentionBackends with the architecture's backend flags) or one
+    (`model_mixins`, `head_mixins`), `check_backend(implementation)` once built, and
+    `new_base_model` (the task model's base a new GQA base model, for a `model_mixins` method)."""
+    prefix = config_class.__name__.removesuffix("GQAConfig")
+
+    def gqa_model(name: str, base: type, own_mixins: tuple[type, ...], body: dict) -> type:
+        body = {
+            "__module__": module,
+            "__doc__": f"{base.__name__} with grouped-query attention.",
+            "config_class": config_class,
+            "gqa_use_attention": staticmethod(use_gqa_attention),
+            "gqa_check_backend": None if check_backend is None else staticmethod(check_backend),
+            **body,
+        }
+        # transformers' class last: `uptrain.modeling.gqa_counterpart` finds it as the last base.
+        return type(f"{prefix}GQA{name}", (*own_mixins, *mixins, CausalGQAModel, base), body)
+
+    model = gqa_model("Model", model_class, model_mixins, {})
+    head = gqa_model("ForCausalLM", head_class, head_mixins, {"gqa_base_model": model if new_base_model else None})
+    return model, head
+
+
 def _bottom_right_causal(t: int, s: int, device: torch.device) -> torch.Tensor:
     """Query i (of the last t positions) sees keys 0 … s − t + i: aligned to the end, as with a cache."""
     return torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=s - t)

@@ -20,7 +20,7 @@ from .attention import (
     GroupedHeadsConfig,
     alibi_as_mask,
     attend,
-    build_as_eager,
+    causal_lm_gqa,
     pop_cache,
     refuse_backend,
     update_cache,
@@ -109,21 +109,12 @@ class BloomBackends(AttentionBackends):
     _supports_attention_backend = False
 
 
-class BloomGQAModel(BloomBackends, BloomModel):
-    config_class = BloomGQAConfig
-
-    def __init__(self, config: BloomGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-
-class BloomGQAForCausalLM(BloomBackends, BloomForCausalLM):
-    config_class = BloomGQAConfig
-
-    def __init__(self, config: BloomGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self.transformer, config)
-        self.post_init()
+BloomGQAModel, BloomGQAForCausalLM = causal_lm_gqa(
+    __name__,
+    BloomGQAConfig,
+    BloomModel,
+    BloomForCausalLM,
+    _use_gqa_attention,
+    mixins=(BloomBackends,),
+    check_backend=check_backend,
+)

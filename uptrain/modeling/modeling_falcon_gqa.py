@@ -26,7 +26,7 @@ from .attention import (
     AttentionBackends,
     GroupedHeadsConfig,
     attend,
-    build_as_eager,
+    causal_lm_gqa,
     pop_cache,
     refuse_backend,
     rope_for_4x,
@@ -126,19 +126,6 @@ class FalconBackends(AttentionBackends):
     _supports_attention_backend = False
 
 
-class FalconGQAModel(FalconBackends, FalconModel):
-    config_class = FalconGQAConfig
-
-    def __init__(self, config: FalconGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-
-class FalconGQAForCausalLM(FalconBackends, FalconForCausalLM):
-    config_class = FalconGQAConfig
-
-    def __init__(self, config: FalconGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self.transformer, config)
-        self.post_init()
+FalconGQAModel, FalconGQAForCausalLM = causal_lm_gqa(
+    __name__, FalconGQAConfig, FalconModel, FalconForCausalLM, _use_gqa_attention, mixins=(FalconBackends,)
+)

@@ -12,7 +12,7 @@ from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2LMHeadModel, GPT2Model
 from transformers.pytorch_utils import Conv1D
 
-from .attention import AttentionBackends, GroupedHeadsConfig, attend, build_as_eager, pop_cache, update_cache
+from .attention import GroupedHeadsConfig, attend, causal_lm_gqa, pop_cache, update_cache
 
 
 class GPT2GQAConfig(GroupedHeadsConfig, GPT2Config):
@@ -64,19 +64,6 @@ def _use_gqa_attention(model: GPT2Model, config: GPT2GQAConfig) -> None:
         block.attn = GPT2GQAAttention(config, layer_idx=i)
 
 
-class GPT2GQAModel(AttentionBackends, GPT2Model):
-    config_class = GPT2GQAConfig
-
-    def __init__(self, config: GPT2GQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-
-class GPT2GQAForCausalLM(AttentionBackends, GPT2LMHeadModel):
-    config_class = GPT2GQAConfig
-
-    def __init__(self, config: GPT2GQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self.transformer, config)
-        self.post_init()
+GPT2GQAModel, GPT2GQAForCausalLM = causal_lm_gqa(
+    __name__, GPT2GQAConfig, GPT2Model, GPT2LMHeadModel, _use_gqa_attention
+)

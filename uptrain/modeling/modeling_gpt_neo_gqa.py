@@ -23,7 +23,7 @@ from .attention import (
     AttentionBackends,
     GroupedHeadsConfig,
     attend,
-    build_as_eager,
+    causal_lm_gqa,
     pop_cache,
     update_cache,
 )
@@ -161,21 +161,12 @@ class GPTNeoBackends(AttentionBackends):
     _supports_flex_attn = FLEX
 
 
-class GPTNeoGQAModel(GPTNeoBackends, GPTNeoModel):
-    config_class = GPTNeoGQAConfig
-
-    def __init__(self, config: GPTNeoGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-
-class GPTNeoGQAForCausalLM(GPTNeoBackends, GPTNeoForCausalLM):
-    config_class = GPTNeoGQAConfig
-
-    def __init__(self, config: GPTNeoGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self.transformer, config)
-        self.post_init()
+GPTNeoGQAModel, GPTNeoGQAForCausalLM = causal_lm_gqa(
+    __name__,
+    GPTNeoGQAConfig,
+    GPTNeoModel,
+    GPTNeoForCausalLM,
+    _use_gqa_attention,
+    mixins=(GPTNeoBackends,),
+    check_backend=check_backend,
+)

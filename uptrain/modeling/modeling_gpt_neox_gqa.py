@@ -5,7 +5,7 @@ Stored form: `query_key_value` stays one Linear whose output rows are grouped pe
 `[G, r + 2, d]` with r = h / G: the group's r query heads, then its K head, then its V head.
 At G = h that is NeoX's own per-head `[h, 3, d]` interleaving. The output head is stored as
 `lm_head` (transformers 5's name; 4.x calls the module `embed_out` and is given the same
-tensor, see `GPTNeoXGQAForCausalLM`). Everything else (partial rotary, parallel residual) is
+tensor, see `Transformers4HeadName`). Everything else (partial rotary, parallel residual) is
 transformers' GPT-NeoX unchanged. Copied beside converted weights under this name: imports
 only torch, transformers and the attention file next to it.
 """
@@ -23,10 +23,9 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (
 
 from .attention import (
     TRANSFORMERS_4,
-    AttentionBackends,
     GroupedHeadsConfig,
     attend,
-    build_as_eager,
+    causal_lm_gqa,
     pop_cache,
     rope_for_4x,
     update_cache,
@@ -82,34 +81,28 @@ def _use_gqa_attention(model: GPTNeoXModel, config: GPTNeoXGQAConfig) -> None:
         layer.attention = GPTNeoXGQAAttention(config, layer_idx=i)
 
 
-class GPTNeoXGQAModel(AttentionBackends, GPTNeoXModel):
-    config_class = GPTNeoXGQAConfig
+class Transformers4HeadName:
+    """transformers 4.x names the head `embed_out` and loads a stored `lm_head` into nothing (a
+    fresh head, wrong logits): the name mapped both ways with 4.x's own hooks for it."""
 
-    def __init__(self, config: GPTNeoXGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self, config)
-        self.post_init()
+    @staticmethod
+    def _fix_state_dict_key_on_load(key):
+        if key.startswith("lm_head."):
+            return "embed_out." + key[len("lm_head.") :], True
+        return GPTNeoXForCausalLM._fix_state_dict_key_on_load(key)
+
+    @staticmethod
+    def _fix_state_dict_key_on_save(key):
+        if key.startswith("embed_out."):
+            return "lm_head." + key[len("embed_out.") :], True
+        return GPTNeoXForCausalLM._fix_state_dict_key_on_save(key)
 
 
-class GPTNeoXGQAForCausalLM(AttentionBackends, GPTNeoXForCausalLM):
-    config_class = GPTNeoXGQAConfig
-
-    def __init__(self, config: GPTNeoXGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self.gpt_neox, config)
-        self.post_init()
-
-    if TRANSFORMERS_4:
-        # transformers 4.x names the head `embed_out` and loads a stored `lm_head` into nothing
-        # (a fresh head, wrong logits): map the name both ways with 4.x's own hooks for it.
-        @staticmethod
-        def _fix_state_dict_key_on_load(key):
-            if key.startswith("lm_head."):
-                return "embed_out." + key[len("lm_head.") :], True
-            return GPTNeoXForCausalLM._fix_state_dict_key_on_load(key)
-
-        @staticmethod
-        def _fix_state_dict_key_on_save(key):
-            if key.startswith("embed_out."):
-                return "lm_head." + key[len("embed_out.") :], True
-            return GPTNeoXForCausalLM._fix_state_dict_key_on_save(key)
+GPTNeoXGQAModel, GPTNeoXGQAForCausalLM = causal_lm_gqa(
+    __name__,
+    GPTNeoXGQAConfig,
+    GPTNeoXModel,
+    GPTNeoXForCausalLM,
+    _use_gqa_attention,
+    head_mixins=(Transformers4HeadName,) if TRANSFORMERS_4 else (),
+)

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GPTJConfig
 from transformers.models.gptj.modeling_gptj import GPTJAttention, GPTJForCausalLM, GPTJModel, apply_rotary_pos_emb
 
-from .attention import AttentionBackends, GroupedHeadsConfig, attend, build_as_eager, pop_cache, update_cache
+from .attention import GroupedHeadsConfig, attend, causal_lm_gqa, pop_cache, update_cache
 
 
 class GPTJGQAConfig(GroupedHeadsConfig, GPTJConfig):
@@ -79,19 +79,6 @@ def _use_gqa_attention(model: GPTJModel, config: GPTJGQAConfig) -> None:
         block.attn = GPTJGQAAttention(config, i)
 
 
-class GPTJGQAModel(AttentionBackends, GPTJModel):
-    config_class = GPTJGQAConfig
-
-    def __init__(self, config: GPTJGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-
-class GPTJGQAForCausalLM(AttentionBackends, GPTJForCausalLM):
-    config_class = GPTJGQAConfig
-
-    def __init__(self, config: GPTJGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self.transformer, config)
-        self.post_init()
+GPTJGQAModel, GPTJGQAForCausalLM = causal_lm_gqa(
+    __name__, GPTJGQAConfig, GPTJModel, GPTJForCausalLM, _use_gqa_attention
+)

@@ -22,7 +22,7 @@ from .attention import (
     GroupedHeadsConfig,
     alibi_as_mask,
     attend,
-    build_as_eager,
+    causal_lm_gqa,
     pop_cache,
     refuse_backend,
     update_cache,
@@ -129,16 +129,11 @@ class MptBackends(AttentionBackends):
     _supports_attention_backend = False
 
 
-class MptGQAModel(MptBackends, MptModel):
-    config_class = MptGQAConfig
+class MptMasks:
+    """transformers 5's MPT base model given its mask from `blocked_positions`; 4.x's MPT builds
+    a 4D mask with True = blocked for every backend, and is left as it is."""
 
-    def __init__(self, config: MptGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-    if not TRANSFORMERS_4:  # 4.x's MPT builds a 4D mask with True = blocked for every backend
+    if not TRANSFORMERS_4:
 
         def forward(self, input_ids=None, cache=None, attention_mask=None, inputs_embeds=None, **kwargs):
             cache = cache if cache is not None else kwargs.pop("past_key_values", None)
@@ -151,11 +146,16 @@ class MptGQAModel(MptBackends, MptModel):
             )
 
 
-class MptGQAForCausalLM(MptBackends, MptForCausalLM):
-    config_class = MptGQAConfig
-
-    def __init__(self, config: MptGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        check_backend(self.config._attn_implementation)
-        self.transformer = MptGQAModel(config)
-        self.post_init()
+# The task model's base is a new MptGQAModel (not MptModel with its attention replaced): its
+# `forward` (MptMasks) is the one that builds the mask.
+MptGQAModel, MptGQAForCausalLM = causal_lm_gqa(
+    __name__,
+    MptGQAConfig,
+    MptModel,
+    MptForCausalLM,
+    _use_gqa_attention,
+    mixins=(MptBackends,),
+    check_backend=check_backend,
+    model_mixins=(MptMasks,),
+    new_base_model=True,
+)

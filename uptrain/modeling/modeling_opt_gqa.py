@@ -12,7 +12,7 @@ from torch import nn
 from transformers import OPTConfig
 from transformers.models.opt.modeling_opt import OPTAttention, OPTForCausalLM, OPTModel
 
-from .attention import AttentionBackends, GroupedHeadsConfig, attend, build_as_eager, pop_cache, update_cache
+from .attention import GroupedHeadsConfig, attend, causal_lm_gqa, pop_cache, update_cache
 
 
 class OPTGQAConfig(GroupedHeadsConfig, OPTConfig):
@@ -52,19 +52,4 @@ def _use_gqa_attention(model: OPTModel, config: OPTGQAConfig) -> None:
         layer.self_attn = OPTGQAAttention(config, layer_idx=i)
 
 
-class OPTGQAModel(AttentionBackends, OPTModel):
-    config_class = OPTGQAConfig
-
-    def __init__(self, config: OPTGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self, config)
-        self.post_init()
-
-
-class OPTGQAForCausalLM(AttentionBackends, OPTForCausalLM):
-    config_class = OPTGQAConfig
-
-    def __init__(self, config: OPTGQAConfig):
-        build_as_eager(super().__init__, self, config)
-        _use_gqa_attention(self.model, config)
-        self.post_init()
+OPTGQAModel, OPTGQAForCausalLM = causal_lm_gqa(__name__, OPTGQAConfig, OPTModel, OPTForCausalLM, _use_gqa_attention)

@@ -341,7 +341,30 @@ def no_cache_seq2seq_greedy(model, prompt: torch.Tensor, new_tokens: int, start:
     return ids[:, 1:]
 
 
-@pytest.mark.parametrize("model_type", list(SEQ2SEQ_CONFIGS))
+def _umt5_sees_later_tokens() -> bool:
+    """transformers' own UMT5 before its self-attention layer built its attention with
+    `is_causal` (5.17 does not; 5.24 does) gives SDPA no causal mask for the decoder's
+    self-attention when no mask is passed: its uncached decoding sees later tokens, so it
+    disagrees with its cached decoding."""
+    import inspect
+
+    from transformers.models.umt5.modeling_umt5 import UMT5LayerSelfAttention
+
+    return "is_causal" not in inspect.getsource(UMT5LayerSelfAttention.__init__)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        pytest.param(
+            t,
+            marks=[pytest.mark.xfail(_umt5_sees_later_tokens(), reason="transformers' UMT5 is not causal", strict=True)]
+            if t == "umt5"
+            else [],
+        )
+        for t in SEQ2SEQ_CONFIGS
+    ],
+)
 def test_timed_encoder_decoder_decoding_is_greedy_decoding(model_type, tmp_path):
     """Encoding once and decoding with both caches gives the tokens of the no-cache loop: the
     timings measure real decoding."""

@@ -33,6 +33,8 @@ if not TRANSFORMERS_4:
 
     # transformers 5.24 names the mask builder's cache argument `cache`, earlier 5.x `past_key_values`.
     CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    # MptModel.forward's own cache argument, which the base model's forward is given it by (5.17: past_key_values).
+    MODEL_CACHE = "cache" if "cache" in inspect.signature(MptModel.forward).parameters else "past_key_values"
 
 # The attention implementations that apply ALiBi (see MptGQAAttention.forward). Not flex: the mask
 # transformers 5's MPT builds for it is a BlockMask, which MPT casts to booleans.
@@ -142,7 +144,7 @@ class MptMasks:
             if inputs_embeds is not None:
                 attention_mask = blocked_positions(self, inputs_embeds, attention_mask, cache)
             return super().forward(
-                input_ids, cache=cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+                input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **{MODEL_CACHE: cache}, **kwargs
             )
 
 

@@ -505,7 +505,7 @@ def grouped_query_attention(
     if is_causal:
         attention_mask = _bottom_right_causal(t, s, q.device)
     r = h // g
-    if r == 1 and alibi is not None:
+    if r == 1 and alibi is not None and divisor is None:
         # BLOOM's own fused alibi + scale · q kᵀ, so G = h is bit-identical to it.
         bias = alibi.expand(b, h, alibi.shape[2], s).reshape(b * h, alibi.shape[2], s)
         scores = bias.baddbmm(q.reshape(b * h, t, d), k.reshape(b * h, s, d).transpose(1, 2), alpha=scale)

@@ -81,8 +81,8 @@ class MptGQAAttention(MptAttention):
         # with True = blocked, as one additive mask: the form eager attention and SDPA add to
         # the scores (at G = h eager adds the bias, then the mask, as MPT does, bit for bit).
         alibi = position_bias[:, :, max(0, position_bias.shape[2] - s) :].unsqueeze(0)
-        blocked = None if attention_mask is None else ~attention_mask[..., :s]
-        attention_mask = alibi_as_mask(alibi, blocked, t, s, q.dtype)
+        allowed = None if attention_mask is None else ~attention_mask[..., :s]
+        attention_mask = alibi_as_mask(alibi, allowed, t, s, q.dtype)
         check_backend(self.config._attn_implementation)  # also after a `set_attn_implementation`
         out, weights = attend(
             self,

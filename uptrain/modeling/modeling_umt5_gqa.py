@@ -29,6 +29,7 @@ from .attention import (
     build_as_eager,
     encoder_decoder_kv,
     pop_cache,
+    refuse_backend,
 )
 
 # The attention implementations that add the position bias (see UMT5GQAAttention.forward), and
@@ -41,11 +42,7 @@ BACKENDS = ("eager", "sdpa")
 def check_backend(implementation: str | None) -> None:
     """Refuse, in one line, an attention implementation that would run without UMT5's position
     bias, or is untested with it."""
-    if implementation is not None and implementation not in BACKENDS:
-        raise ValueError(
-            f"umt5_gqa cannot use attn_implementation={implementation!r}: UMT5's position bias needs one of "
-            f"{', '.join(BACKENDS)}"
-        )
+    refuse_backend(implementation, BACKENDS, "umt5_gqa", "UMT5's position bias")
 
 
 class UMT5GQAConfig(GroupedStacksConfig, UMT5Config):

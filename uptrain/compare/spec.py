@@ -121,10 +121,6 @@ class CompareSpec(
             **shared,
         )
 
-    def budget(self) -> dict:
-        """The budget keys, as `TrainConfig` takes them."""
-        return {name: getattr(self, name) for name in names_of(UptrainingBudget)}
-
     def train_config(self, model: str | Path, output_dir: str | Path, run: str, group: str | None = None):
         """The `uptrain train` config (`TrainConfig`) of the run named `run`: the keys of
         `TRAINED_ALIKE` as they are, checkpoints where it evaluates, resumed when its folder

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from uptrain import UptrainError
-from uptrain.architecture import Architecture
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
@@ -45,10 +44,6 @@ class PreparedConversion:
     @property
     def config(self) -> dict:
         return self.conversion.config
-
-    @property
-    def arch(self) -> Architecture:
-        return self.conversion.arch
 
     @property
     def geometry(self) -> AttentionGeometry:

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 
-from uptrain import UptrainError
+from uptrain import UptrainError, exception_line
 
 _TRUE = ("1", "true", "yes")
 
@@ -161,7 +161,7 @@ class MainProcessWait:
             raise UptrainError(
                 f"waited {self.timeout_s:g} s for {self.what} (conversion_timeout_s) and gave up, or it failed: "
                 f"see its own error; raise conversion_timeout_s if it was still running "
-                f"({(str(err).splitlines() or [type(err).__name__])[0][:160]})"
+                f"({exception_line(err)[:160]})"
             ) from None
         finally:
             torch.distributed.destroy_process_group(self.group)

@@ -337,8 +337,8 @@ def _model_positions(config: dict) -> int | None:
 
 
 def _check_same_tokenizer(student, teacher, teacher_path: str) -> None:
-    if student.get_vocab() != teacher.get_vocab():
-        s, t = student.get_vocab(), teacher.get_vocab()
+    s, t = student.get_vocab(), teacher.get_vocab()
+    if s != t:
         only = sorted(set(t) ^ set(s))[:3]
         detail = f"tokens in one only, e.g. {only}" if only else "the same tokens map to different ids"
         raise UptrainError(

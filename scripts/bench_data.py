@@ -4,7 +4,7 @@ for data, and the cost of a resume at step 10 vs step 10^4, side by side.
     python scripts/bench_data.py                       # CPU: the shipped corpus as 8 files, seq 128
     python scripts/bench_data.py --processes 8 --workers 2 --resume-steps 10 10000
 
-Data: the shipped corpus (uptrain/data/corpus/train.jsonl.gz), its works cut into paragraphs
+Data: the shipped corpus (uptrain/assets/corpus/train.jsonl.gz), its works cut into paragraphs
 (the documents) and dealt round-robin into `--files` jsonl files, tokenized with the shipped
 tokenizer. Measured:
 

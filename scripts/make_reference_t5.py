@@ -18,7 +18,7 @@ Token accounting, as `uptrain train` counts a span-corruption run: `--seq-len` i
 length (128 tokens); the corpus is packed into the raw blocks that corrupt to exactly that many
 (`span_corruption_lengths`: 141 raw tokens, 21 of them dropped in 7 spans, + 7 sentinels + EOS), each
 block one example, and `pretrain_tokens` = steps × batch × seq_len. An uptraining run over the same
-blocks counts the same way, so α = 5 % of it is exact. The script writes `uptrain/data/reference_t5/`
+blocks counts the same way, so α = 5 % of it is exact. The script writes `uptrain/assets/reference_t5/`
 with the tokenizer and a card (`reference.json`): pretraining tokens, final validation loss on the
 targets of span-corrupted validation blocks (the corruption drawn from a fixed seed), and this command.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "uptrain" / "data" / "reference_t5"
+DEFAULT_OUT = ROOT / "uptrain" / "assets" / "reference_t5"
 NUM_SENTINELS = 100  # T5's count; a 128-token input holds 7 of them
 ARCHITECTURE = dict(
     d_model=128,

@@ -1,6 +1,6 @@
 """Train the shipped byte-level BPE tokenizer on the corpus's train split.
 
-    python scripts/train_tokenizer.py          # writes uptrain/data/tokenizer/
+    python scripts/train_tokenizer.py          # writes uptrain/assets/tokenizer/
 
 Byte-level (GPT-2 style): every byte has a token, so there is no unknown token and any text
 round-trips exactly. Only the train split is read, so validation/test stay unseen. Training is

@@ -139,7 +139,7 @@ class Stop(Exception):
 
 
 def test_train_finds_the_reference_budget_as_compare_does(tmp_path, capsys):
-    """`uptrain train --model uptrain/data/reference --uptrain_fraction 0.05` trains (it used to be
+    """`uptrain train --model uptrain/assets/reference --uptrain_fraction 0.05` trains (it used to be
     refused for want of `pretrain_tokens`), for the budget `uptrain compare` uses."""
     from uptrain.cli import build_parser
     from uptrain.compare.study import validate

@@ -1,13 +1,13 @@
 """The shipped public-domain corpus and tokenizer for the project's reference model.
 
-The data ship inside the package (``uptrain/data/``), so they are found the same way in an
+The data ship inside the package (``uptrain/assets/``), so they are found the same way in an
 editable and a regular install: relative to this file, never to a checkout or the working
-directory. How they were made: ``uptrain/data/corpus/README.md``.
+directory. How they were made: ``uptrain/assets/corpus/README.md``.
 
-* ``uptrain/data/corpus/{train,validation,test}.jsonl.gz``: one JSON object per work,
+* ``uptrain/assets/corpus/{train,validation,test}.jsonl.gz``: one JSON object per work,
   ``{"id", "source", "title", "text"}``; split by whole works
   (``scripts/extract_corpus.py``).
-* ``uptrain/data/tokenizer/``: byte-level BPE trained on the train split, HF format
+* ``uptrain/assets/tokenizer/``: byte-level BPE trained on the train split, HF format
   (``scripts/train_tokenizer.py``). It adds no special tokens by itself: when packing,
   append ``eos_token_id`` after each document.
 """
@@ -26,9 +26,9 @@ if TYPE_CHECKING:  # heavy imports stay lazy: `uptrain convert` should not pay f
     from datasets import Dataset, DatasetDict
     from transformers import PreTrainedTokenizerFast
 
-DATA_DIR = Path(__file__).resolve().with_name("data")
-CORPUS_DIR = DATA_DIR / "corpus"
-TOKENIZER_DIR = DATA_DIR / "tokenizer"
+ASSETS_DIR = Path(__file__).resolve().with_name("assets")
+CORPUS_DIR = ASSETS_DIR / "corpus"
+TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 SPLITS = ("train", "validation", "test")
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -14,7 +14,7 @@ model trained alike at 4.652 / 4.690 / 4.744 (4.634 before): re-warming the rate
 already-converged MHA model a little and helps the converted ones recover.
 
 `--reference t5` runs the same study in the paper's own setting: the shipped MHA T5 v1.1
-(`uptrain/data/reference_t5/`, pretrained by uptrain with span corruption for a recorded number of
+(`uptrain/assets/reference_t5/`, pretrained by uptrain with span corruption for a recorded number of
 tokens) converted in its decoder's self- and cross-attention, uptrained with span corruption
 for α = 5%, timed by encoding a source once and decoding with both caches.
 """
@@ -30,8 +30,8 @@ from uptrain.compare.spec import CompareSpec
 from uptrain.corpus import split_path
 from uptrain.options import Schema, option
 
-REFERENCE = Path(__file__).parent / "data" / "reference"
-REFERENCE_T5 = Path(__file__).parent / "data" / "reference_t5"
+REFERENCE = Path(__file__).parent / "assets" / "reference"
+REFERENCE_T5 = Path(__file__).parent / "assets" / "reference_t5"
 REFERENCES = {"llama": REFERENCE, "t5": REFERENCE_T5}
 SCRIPTS = {"llama": "scripts/make_reference_model.py", "t5": "scripts/make_reference_t5.py"}
 

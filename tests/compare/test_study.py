@@ -251,7 +251,7 @@ def test_a_compare_of_the_shipped_corpus_resumes_after_the_checkout_moved():
     spec = small_spec("cmp", train_data=str(split_path("train")), eval_data=str(split_path("validation")))
     moved = {**spec.to_dict()}
     for key, split in (("train_data", "train"), ("eval_data", "validation")):
-        moved[key] = f"/elsewhere/checkout/uptrain/data/corpus/{split}.jsonl.gz"
+        moved[key] = f"/elsewhere/checkout/uptrain/assets/corpus/{split}.jsonl.gz"
     assert resume_rule().changes(moved, spec.to_dict()) == []
     mine = {**moved, "train_data": "/elsewhere/mine/train.jsonl.gz"}
     assert [c.key for c in resume_rule().changes(mine, spec.to_dict())] == ["train_data"]

@@ -14,7 +14,7 @@ from tests.robustness.test_kill_anywhere import snapshot
 from uptrain.cli import main
 
 HUGE = "9" * 5000
-REFERENCE = Path(__file__).resolve().parents[2] / "uptrain" / "data" / "reference"
+REFERENCE = Path(__file__).resolve().parents[2] / "uptrain" / "assets" / "reference"
 
 
 @pytest.fixture(scope="module")

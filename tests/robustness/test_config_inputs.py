@@ -16,7 +16,7 @@ from uptrain.cli import main
 from uptrain.train.config import MAX_CONFIG_BYTES, TrainConfig, load_config
 
 HUGE = "9" * 5000
-REFERENCE = Path(__file__).resolve().parents[2] / "uptrain" / "data" / "reference"
+REFERENCE = Path(__file__).resolve().parents[2] / "uptrain" / "assets" / "reference"
 
 
 def error_line(capsys, command: str = "train") -> str:

@@ -519,7 +519,7 @@ def test_flops_per_token_match_a_count_of_the_model(s2s, kind):
     from uptrain.architecture import config_geometry
     from uptrain.model_info import read_config
     from uptrain.objectives import span_corruption_lengths
-    from uptrain.train.seq2seq import train_flops_per_token
+    from uptrain.train.metrics import encoder_decoder_flops_per_token
 
     model = AutoModelForSeq2SeqLM.from_pretrained(s2s[kind], attn_implementation="eager")
     config = read_config(s2s[kind])
@@ -531,7 +531,7 @@ def test_flops_per_token_match_a_count_of_the_model(s2s, kind):
     counted = counter.get_total_flops() / (2 * seq_len)
     dec = config_geometry(config)  # the decoder self-attention's
     full_causal = 6 * dec.num_layers * dec.num_heads * dec.head_dim * target_len**2 / seq_len
-    formula = train_flops_per_token(model, config, OBJECTIVES["span_corruption"], seq_len, seq_len)
+    formula = encoder_decoder_flops_per_token(model, config, OBJECTIVES["span_corruption"], seq_len, seq_len)
     assert formula + full_causal == pytest.approx(counted, rel=0.02)
 
 

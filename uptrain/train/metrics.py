@@ -20,6 +20,7 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, config_geometry, find_architecture
+from uptrain.objectives import Objective
 
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
 # first, so "H100 PCIe" is not read as "H100" and "L40S" not as "L4".
@@ -185,6 +186,17 @@ def encoder_decoder_cost(model: torch.nn.Module, model_config: dict) -> EncoderD
         decoder_width=width(DECODER_SELF),
         cross_width=width("cross"),
     )
+
+
+def encoder_decoder_flops_per_token(
+    model, model_config: dict, objective: Objective, seq_len: int, target_len: int
+) -> float:
+    """Forward + backward FLOPs of an encoder–decoder per counted token (seq_len per example):
+    `EncoderDecoderCost` for the objective's S source positions (seq_len; an audio
+    encoder: its positions) and T target positions (`Objective.target_length`)."""
+    s = model_config.get("max_source_positions") if objective.encoder_reads == "audio" else seq_len
+    t = objective.target_length(seq_len, target_len)
+    return encoder_decoder_cost(model, model_config).train_flops(s, t) / seq_len
 
 
 def kv_cache_metrics(model_config: dict, dtype_bytes: int) -> dict[str, int]:

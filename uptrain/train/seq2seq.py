@@ -30,7 +30,6 @@ from uptrain.objectives import (
     words,
 )
 from uptrain.objectives.corruption import evaluation_generator, training_generator
-from uptrain.train.metrics import encoder_decoder_cost
 
 
 def resolve_objective(objective: str | None, model_config: dict, model_label: str) -> Objective:
@@ -70,15 +69,6 @@ def resolve_objective(objective: str | None, model_config: dict, model_label: st
             f"use {words(learnt_by(True, reads), 'or')}"
         )
     return chosen
-
-
-def train_flops_per_token(model, model_config: dict, objective: Objective, seq_len: int, target_len: int) -> float:
-    """Forward + backward FLOPs of an encoder–decoder per counted token (seq_len per example):
-    `metrics.EncoderDecoderCost` for the objective's S source positions (seq_len; an audio
-    encoder: its positions) and T target positions (`Objective.target_length`)."""
-    s = model_config.get("max_source_positions") if objective.encoder_reads == "audio" else seq_len
-    t = objective.target_length(seq_len, target_len)
-    return encoder_decoder_cost(model, model_config).train_flops(s, t) / seq_len
 
 
 def target_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -34,7 +34,6 @@ from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.run_data import load_run_data
 from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
 from uptrain.train.seq2seq import ObjectiveBatches, objective_for, resolve_objective
-from uptrain.train.seq2seq import train_flops_per_token as seq2seq_flops
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
 
@@ -293,7 +292,7 @@ def _flops_per_token(
     """Forward + backward FLOPs per counted token; counted before accelerate wraps or shards the parameters."""
     if objective.objective.encoder_decoder:
         target_len = config.target_len or config.seq_len
-        return seq2seq_flops(model, model_config, objective.objective, config.seq_len, target_len)
+        return M.encoder_decoder_flops_per_token(model, model_config, objective.objective, config.seq_len, target_len)
     geometry = config_geometry(model_config)
     width = geometry.num_heads * geometry.head_dim
     return M.train_flops_per_token(M.non_embedding_params(model), geometry.num_layers, width, config.seq_len)

@@ -127,7 +127,7 @@ def _imports():
     import transformers  # noqa: F401
 
     import uptrain.convert.calibration  # noqa: F401
-    import uptrain.textdata  # noqa: F401
+    import uptrain.data.text  # noqa: F401
 
     return torch
 
@@ -230,7 +230,7 @@ def child_whole(src: Path, data: str, opts: dict):
         fold_attention_input,
         load_calibration_tokenizer,
     )
-    from uptrain.textdata import load_blocks
+    from uptrain.data.text import load_blocks
 
     device, dtype = calibration_device(opts["device"], opts["dtype"])
     blocks, _ = load_blocks(
@@ -281,7 +281,7 @@ def run_as_child(argv: list[str]) -> int:
     src, data, opts, saved = Path(argv[1]), argv[2], json.loads(argv[3]), Path(argv[4])
     if kind == "tokenize":  # fills the datasets cache, so that no measured path pays for tokenizing
         from uptrain.convert.calibration import load_calibration_tokenizer
-        from uptrain.textdata import load_blocks
+        from uptrain.data.text import load_blocks
 
         load_blocks(
             data,
@@ -345,7 +345,7 @@ def write_checkpoint(folder: Path, shape: dict) -> Path:
     import torch
     from synthetic_checkpoint import write_synthetic_llama
 
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
 
     write_synthetic_llama(folder, **shape, dtype=torch.bfloat16)
     load_tokenizer().save_pretrained(folder)  # calibration reads text through the source's tokenizer
@@ -354,7 +354,7 @@ def write_checkpoint(folder: Path, shape: dict) -> Path:
 
 def write_text(path: Path, tokens: int) -> Path:
     """Enough of the repo's corpus (public-domain English) for `tokens` tokens, as JSON lines."""
-    from uptrain.corpus import read_documents
+    from uptrain.data.corpus import read_documents
 
     chars, lines = 0, []
     for document in read_documents("train"):
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     shape = dict(SHAPE_7B) if args.shape == "7b" else model_shape(args.size_gb * 1e9)
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
 
     shape["vocab"] = max(shape["vocab"], len(load_tokenizer()))  # every token id must have an embedding
     opts = {

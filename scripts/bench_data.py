@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write_corpus(folder: Path, files: int) -> list[str]:
-    from uptrain.corpus import read_documents
+    from uptrain.data.corpus import read_documents
 
     outs = [open(folder / f"part{i:02d}.jsonl", "w") for i in range(files)]
     n = 0
@@ -66,8 +66,8 @@ def write_corpus(folder: Path, files: int) -> list[str]:
 
 
 def load_stream(paths: list[str], seq_len: int):
-    from uptrain.corpus import load_tokenizer
-    from uptrain.textdata import load_blocks
+    from uptrain.data.corpus import load_tokenizer
+    from uptrain.data.text import load_blocks
 
     tokenizer = load_tokenizer()
     stream, _ = load_blocks(paths, "train_data", tokenizer, seq_len, "text", "train", None, "paragraph", True, None)
@@ -75,7 +75,7 @@ def load_stream(paths: list[str], seq_len: int):
 
 
 def make_blocks(args, stream):
-    from uptrain.train.data import WINDOW_TOKENS, StreamedTrainBlocks
+    from uptrain.data.batches import WINDOW_TOKENS, StreamedTrainBlocks
 
     window = args.window_tokens or WINDOW_TOKENS
     return StreamedTrainBlocks(stream, 0, args.batch_size, 1, args.processes, 0, args.workers, window)
@@ -127,7 +127,7 @@ def training_wait(args, paths: list[str], folder: Path) -> tuple[float, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
     from uptrain.train.metrics import read_metrics
@@ -172,7 +172,7 @@ def training_wait(args, paths: list[str], folder: Path) -> tuple[float, float]:
 
 
 def main() -> int:
-    from uptrain.train.data import WINDOW_TOKENS
+    from uptrain.data.batches import WINDOW_TOKENS
 
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:

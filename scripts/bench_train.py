@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args, folder: Path) -> tuple[Path, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
 
     tokenizer = load_tokenizer()
     config = LlamaConfig(
@@ -101,7 +101,7 @@ def uptrain_steps(
 ) -> tuple[list[float], list[float], float | None, float]:
     """Step times and data waits of uptrain's loop (from its own metrics), its MFU where known and
     its first step's time."""
-    from uptrain.corpus import split_path
+    from uptrain.data.corpus import split_path
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
     from uptrain.train.metrics import read_metrics

@@ -277,7 +277,7 @@ import torch
 from safetensors import safe_open
 
 from scripts.synthetic_checkpoint import write_synthetic_llama
-from uptrain.corpus import load_tokenizer, split_path
+from uptrain.data.corpus import load_tokenizer, split_path
 from uptrain.train.metrics import read_metrics
 
 work, (hidden, layers, heads, intermediate), flags = Path(sys.argv[1]), map(int, sys.argv[2].split()), sys.argv[3:]

@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
 def initial_checkpoint(folder: Path, seed: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
 
     tokenizer = load_tokenizer()
     config = LlamaConfig(
@@ -79,7 +79,7 @@ def initial_checkpoint(folder: Path, seed: int) -> Path:
 def main() -> int:
     args = parse_args()
     from uptrain.checkpoint.reader import SourceCheckpoint
-    from uptrain.corpus import load_tokenizer, split_path, unigram_perplexity
+    from uptrain.data.corpus import load_tokenizer, split_path, unigram_perplexity
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
     from uptrain.train.metrics import read_metrics

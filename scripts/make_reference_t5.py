@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
 def reference_tokenizer():
     """The shipped tokenizer with `<extra_id_0>` … `<extra_id_99>` added as special tokens (ids
     8192 … 8291: appended, so every other token keeps its id)."""
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
 
     tokenizer = load_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(NUM_SENTINELS)]})
@@ -106,8 +106,8 @@ def build_model(tokenizer, seed: int):
 def blocks(split: str, tokenizer, length: int) -> torch.Tensor:
     """The split packed as the training loop packs it (documents joined with EOS, cut into
     blocks of `length` raw tokens), as one [n, length] tensor."""
-    from uptrain.corpus import split_path
-    from uptrain.textdata import load_blocks
+    from uptrain.data.corpus import split_path
+    from uptrain.data.text import load_blocks
 
     packed, _ = load_blocks(
         str(split_path(split)), split, tokenizer, length, "text", "train", None, "paragraph", False, None

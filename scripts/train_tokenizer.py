@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from uptrain.corpus import EOS_TOKEN, PAD_TOKEN, TOKENIZER_DIR, read_documents
+from uptrain.data.corpus import EOS_TOKEN, PAD_TOKEN, TOKENIZER_DIR, read_documents
 
 VOCAB_SIZE = 8192
 

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from uptrain.budgets import known_pretrain_tokens
-from uptrain.corpus import read_documents
+from uptrain.data.corpus import read_documents
 from uptrain.demo import REFERENCE
 
 

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from uptrain import corpus
+from uptrain.data import corpus
 
 SHINGLE_CHARS = 200
 SAMPLE_EVERY = 4  # keep windows whose crc32 is 0 mod this, on both sides (content-defined)
@@ -110,7 +110,7 @@ def test_loads_offline_through_datasets(tmp_path, docs):
         HF_HOME=str(tmp_path / "hf"),
     )
     code = (
-        "import json; from uptrain.corpus import load_corpus\n"
+        "import json; from uptrain.data.corpus import load_corpus\n"
         f"ds = load_corpus(cache_dir={str(tmp_path / 'cache')!r})\n"
         "print(json.dumps({s: [ds[s].num_rows, ds[s][0]['id'], len(ds[s][0]['text'])]"
         " for s in ds}))\n"

@@ -26,20 +26,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Safetensors reading and writing, atomic folders and locks, the resume rule of resumable folders,
     # sources, digests, provenance, cards.
     ("checkpoint", ("uptrain.checkpoint.*",)),
-    # Pretraining budgets (read from cards and provenance), text → token blocks, the shipped corpus,
-    # token shards (`uptrain tokenize`'s folder and its reader) and the command that writes them,
-    # the registry of objectives and their corruptions (span corruption, text infilling) of token blocks.
-    (
-        "data",
-        (
-            "uptrain.budgets",
-            "uptrain.textdata",
-            "uptrain.corpus",
-            "uptrain.token_shards",
-            "uptrain.pretokenize",
-            "uptrain.objectives.*",
-        ),
-    ),
+    # The registry of objectives (what each reads, its special tokens, lengths) and their corruptions
+    # (span corruption, text infilling) of token blocks, as pure functions.
+    ("objectives", ("uptrain.objectives.*",)),
+    # Pretraining budgets (read from cards and provenance) and the data package: text → token blocks,
+    # token shards (`uptrain tokenize`'s folder, its reader and the engine that writes it), the
+    # shipped corpus, the training and evaluation batches, the objectives' batches, pairs, document masks.
+    ("data", ("uptrain.budgets", "uptrain.data.*")),
     # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM and the encoder–decoders (T5, BART, mBART,
     # Marian, Whisper); importing it registers them with transformers.
     ("modeling", ("uptrain.modeling.*",)),

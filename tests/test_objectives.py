@@ -271,8 +271,8 @@ def test_declared_special_tokens_are_required_and_only_those():
 
 
 def test_corruption_is_a_function_of_seed_step_and_row():
+    from uptrain.data.objective_batches import ObjectiveBatches
     from uptrain.objectives import OBJECTIVES, SpecialTokens
-    from uptrain.train.seq2seq import ObjectiveBatches
 
     tokens = SpecialTokens(eos=EOS, pad=PAD, bos=BOS, mask=MASK, sentinels=tuple(SENTINELS))
     rows = torch.randint(10, 1000, (6, 40), generator=gen(3))
@@ -308,8 +308,8 @@ GOLDEN = {
 def test_batches_are_those_of_runs_started_before():
     import hashlib
 
+    from uptrain.data.objective_batches import ObjectiveBatches
     from uptrain.objectives import OBJECTIVES, SpecialTokens
-    from uptrain.train.seq2seq import ObjectiveBatches
 
     tokens = SpecialTokens(eos=EOS, pad=PAD, bos=BOS, mask=MASK, sentinels=tuple(1999 - i for i in range(100)))
     for (name, kind), digests in GOLDEN.items():

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from uptrain.compare.study import validate
-from uptrain.corpus import split_path
+from uptrain.data.batches import eval_batches
+from uptrain.data.corpus import split_path
+from uptrain.data.text import load_blocks
 from uptrain.demo import REFERENCE, demo_spec
-from uptrain.textdata import load_blocks
-from uptrain.train.data import eval_batches
 
 
 def test_reference_model_matches_its_card(tmp_path):

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from uptrain.corpus import load_tokenizer, split_path
+from uptrain.data.corpus import load_tokenizer, split_path
+from uptrain.data.text import load_blocks
 from uptrain.demo import REFERENCE_T5
 from uptrain.objectives import sentinel_ids_for, span_corruption, span_corruption_lengths
-from uptrain.textdata import load_blocks
 
 CARD = json.loads((REFERENCE_T5 / "reference.json").read_text())
 

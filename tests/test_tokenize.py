@@ -17,9 +17,9 @@ import torch
 from tests.train.train_helpers import build_llama, build_tokenizer, make_text, python_env, records, reset_accelerate
 from uptrain import UptrainError
 from uptrain.cli import main
-from uptrain.pretokenize import TokenizeOptions, tokenize
-from uptrain.textdata import MAP_BATCH, TokenBlocks, load_blocks
-from uptrain.token_shards import INDEX
+from uptrain.data.shards import INDEX
+from uptrain.data.text import MAP_BATCH, TokenBlocks, load_blocks
+from uptrain.data.tokenize import TokenizeOptions, tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 # 3 shards of the .jsonl corpus (3 packing batches of 1809, 1808 and 902 blocks): the second
@@ -144,7 +144,7 @@ def test_training_refuses_a_folder_of_another_tokenizer_or_seq_len(corpus, tmp_p
 KILLER = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    from uptrain.pretokenize import TokenizeOptions, tokenize
+    from uptrain.data.tokenize import TokenizeOptions, tokenize
 
     data, out, model, at, action = sys.argv[1:6]
 

@@ -19,9 +19,9 @@ from uptrain.options import add_schema_arguments, from_args
 if TYPE_CHECKING:  # each command imports its own schema, when it runs
     from uptrain.compare.spec import CompareSpec
     from uptrain.convert.spec import ConvertCommand
+    from uptrain.data.tokenize import TokenizeOptions
     from uptrain.demo import DemoOptions
     from uptrain.inspect_checkpoint import InspectOptions
-    from uptrain.pretokenize import TokenizeOptions
     from uptrain.speed import SpeedOptions
     from uptrain.train.config import TrainConfig
 
@@ -91,7 +91,7 @@ def speed(options: SpeedOptions) -> int:
 
 
 def tokenize(options: TokenizeOptions) -> int:
-    from uptrain.pretokenize import tokenize as write_tokens
+    from uptrain.data.tokenize import tokenize as write_tokens
 
     print(f"wrote {write_tokens(options)}")
     return 0
@@ -154,7 +154,7 @@ def _demo_schema():
 
 
 def _tokenize_schema():
-    from uptrain.pretokenize import TokenizeOptions
+    from uptrain.data.tokenize import TokenizeOptions
 
     return TokenizeOptions
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.compare.spec import CompareSpec
-from uptrain.corpus import split_path
+from uptrain.data.corpus import split_path
 from uptrain.options import Schema, option
 
 REFERENCE = Path(__file__).parent / "assets" / "reference"

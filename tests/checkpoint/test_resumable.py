@@ -4,7 +4,7 @@ how a key an older uptrain did not record counts, and the one wording of a refus
 from __future__ import annotations
 
 from uptrain.checkpoint.resumable import PACKAGE, Change, ResumeRule, settings_changed, settled, unreadable_record
-from uptrain.corpus import split_path
+from uptrain.data.corpus import split_path
 
 
 def test_every_key_but_the_operational_ones_identifies_the_work():

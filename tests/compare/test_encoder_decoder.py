@@ -12,7 +12,7 @@ import yaml
 from transformers import T5Config, T5ForConditionalGeneration
 
 from uptrain.cli import main
-from uptrain.corpus import load_tokenizer, read_documents
+from uptrain.data.corpus import load_tokenizer, read_documents
 
 HEADS, D_KV, DECODER_LAYERS = 4, 8, 2
 

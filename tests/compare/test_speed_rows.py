@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from uptrain.cli import main
-from uptrain.corpus import load_tokenizer, read_documents
+from uptrain.data.corpus import load_tokenizer, read_documents
 
 HEADS, POSITIONS = 4, 64
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from uptrain.cli import main
-from uptrain.corpus import load_tokenizer, read_documents
+from uptrain.data.corpus import load_tokenizer, read_documents
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_a_compare_of_the_shipped_corpus_resumes_after_the_checkout_moved():
     """The default data are files of the package: recorded where the package was, they are the same
     files once it moved (a compare made before the move resumes); other paths still count as paths."""
     from uptrain.compare.study import resume_rule
-    from uptrain.corpus import split_path
+    from uptrain.data.corpus import split_path
 
     spec = small_spec("cmp", train_data=str(split_path("train")), eval_data=str(split_path("validation")))
     moved = {**spec.to_dict()}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from uptrain.corpus import load_tokenizer, read_documents
+from uptrain.data.corpus import load_tokenizer, read_documents
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch
     pre-hooks on every attention module, blocks read exactly as calibration reads them."""
     from transformers import AutoModelForCausalLM
 
-    from uptrain.textdata import load_blocks
+    from uptrain.data.text import load_blocks
 
     blocks, _ = load_blocks(
         str(text),
@@ -217,7 +217,7 @@ def test_streamed_calibration_data_reads_the_same_first_blocks(tokenizer, calibr
     """A Hub dataset is streamed (never downloaded whole); its first blocks are those of the same
     text tokenized up front. Streaming a local file stands in for the Hub here."""
     from uptrain.convert.calibration import _first_blocks
-    from uptrain.textdata import load_blocks
+    from uptrain.data.text import load_blocks
 
     common = dict(text_field="text", split="train", dataset_config=None, sample_by="paragraph", workers=None)
     local, _ = load_blocks(str(calibration_text), "calibration_data", tokenizer, 32, streaming=False, **common)

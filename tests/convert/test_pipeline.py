@@ -13,7 +13,7 @@ from uptrain.cli import main
 from uptrain.convert import calibration as calibration_module
 from uptrain.convert.pipeline import prepare
 from uptrain.convert.spec import conversion_spec
-from uptrain.corpus import load_tokenizer, read_documents
+from uptrain.data.corpus import load_tokenizer, read_documents
 
 
 @pytest.fixture(scope="module")

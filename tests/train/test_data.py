@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from uptrain import UptrainError
-from uptrain.textdata import TokenBlocks, load_blocks, resolve_data
-from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
+from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks, eval_batches
+from uptrain.data.text import TokenBlocks, load_blocks, resolve_data
 
 
 @pytest.fixture(scope="module")

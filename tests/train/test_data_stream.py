@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from uptrain import UptrainError
-from uptrain.textdata import MAP_BATCH, Pack, TextStream, load_blocks
-from uptrain.train.data import ShareWindows, StreamedTrainBlocks
+from uptrain.data.batches import ShareWindows, StreamedTrainBlocks
+from uptrain.data.text import MAP_BATCH, Pack, TextStream, load_blocks
 
 SEQ = 16
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from uptrain.corpus import load_tokenizer
+    from uptrain.data.corpus import load_tokenizer
 
     return load_tokenizer()  # byte-level: any text, so each block can be traced back to its file
 

@@ -16,7 +16,7 @@ from tests.convert.tiny_models import build_model
 from tests.modeling.classic_models import build
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
-from uptrain.train.packing import DocumentPacking, check_document_mask, document_positions
+from uptrain.data.document_mask import DocumentPacking, check_document_mask, document_positions
 
 EOS = 2  # the tiny models' eos_token_id
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # float32 noise on logits of ~1; a document leaking in moves them by 1e-2
@@ -133,7 +133,7 @@ def test_models_the_mask_cannot_express_are_refused():
 def test_training_with_the_document_mask_scores_each_document_alone(assets, base_config):
     """The run's eval loss at step 0 is the mean loss of its eval blocks' documents run one by one."""
     from tests.train.train_helpers import records
-    from uptrain.textdata import load_blocks
+    from uptrain.data.text import load_blocks
     from uptrain.train.config import TrainConfig
     from uptrain.train.loop import run_training
 

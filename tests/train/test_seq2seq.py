@@ -23,13 +23,13 @@ from safetensors.torch import load_file
 
 from tests.train.train_helpers import KILLER, curve, make_text, python_env, records
 from uptrain import UptrainError
+from uptrain.data.batches import TrainBlocks, eval_batches
+from uptrain.data.objective_batches import objective_for
+from uptrain.data.pairs import load_pairs, pair_eval_batches
+from uptrain.data.text import load_blocks
 from uptrain.objectives import OBJECTIVES
-from uptrain.textdata import load_blocks
 from uptrain.train.config import TrainConfig
-from uptrain.train.data import TrainBlocks, eval_batches
 from uptrain.train.loop import run_training
-from uptrain.train.pairs import load_pairs, pair_eval_batches
-from uptrain.train.seq2seq import objective_for
 
 SENTINELS = 20
 SAMPLING_RATE = 16000

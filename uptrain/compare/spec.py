@@ -14,7 +14,7 @@ from pathlib import Path
 
 from uptrain.budgets import UptrainingBudget
 from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, kv_heads_option, seed_option
-from uptrain.corpus import split_path
+from uptrain.data.corpus import split_path
 from uptrain.options import REQUIRED, InvalidOptions, names_of, option, option_like, validated_values
 from uptrain.train.config import (
     Execution,

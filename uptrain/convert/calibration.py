@@ -41,9 +41,9 @@ from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, architecture
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
+from uptrain.data.text import TokenBlocks, load_blocks
 from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import read_config
-from uptrain.textdata import TokenBlocks, load_blocks
 
 
 def calibration_device(device: str = "auto", dtype: str = "float32") -> tuple[torch.device, torch.dtype]:

@@ -114,7 +114,7 @@ def prepare(
 def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     """What calibration will read, checked before any of it runs."""
     from uptrain.convert.calibration import calibration_device, load_calibration_tokenizer
-    from uptrain.textdata import resolve_data
+    from uptrain.data.text import resolve_data
 
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)

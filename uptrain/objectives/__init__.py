@@ -12,7 +12,7 @@ An `Objective` declares
   positions of an example (`target_length`).
 
 Adding an objective is one record in `OBJECTIVES`; the `objective` key's choices, the refusals of
-what a model cannot learn and the batches (`uptrain.train.seq2seq`) all read the records.
+what a model cannot learn and the batches (`uptrain.data.objective_batches`) all read the records.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
+from uptrain.data.batches import TrainBlocks
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name
-from uptrain.train.data import TrainBlocks
 from uptrain.train.setup import Plan, Run
 
 ETA_AFTER_STEPS = 3  # the first steps include warm-up costs; estimate from a few more

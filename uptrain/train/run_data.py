@@ -6,11 +6,11 @@ from __future__ import annotations
 import itertools
 
 from uptrain import UptrainError
-from uptrain.textdata import TokenBlocks, load_blocks
+from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks, eval_batches
+from uptrain.data.objective_batches import ObjectiveBatches
+from uptrain.data.pairs import load_pairs, pair_eval_batches
+from uptrain.data.text import TokenBlocks, load_blocks
 from uptrain.train.config import TrainConfig
-from uptrain.train.data import StreamedTrainBlocks, TrainBlocks, eval_batches
-from uptrain.train.pairs import load_pairs, pair_eval_batches
-from uptrain.train.seq2seq import ObjectiveBatches
 
 
 def load_run_data(

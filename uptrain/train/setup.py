@@ -21,19 +21,19 @@ from uptrain.architecture import auto_class_name, config_geometry
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
+from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks
+from uptrain.data.document_mask import DocumentPacking, check_document_mask
+from uptrain.data.objective_batches import ObjectiveBatches, objective_for, resolve_objective
 from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.objectives import key_problem
 from uptrain.train import metrics as M
 from uptrain.train.compile import check_compile_backend, compile_blocks
 from uptrain.train.config import TrainConfig
-from uptrain.train.data import StreamedTrainBlocks, TrainBlocks
 from uptrain.train.distributed import MainProcessWait, make_accelerator, place_teacher, teacher_dtype
 from uptrain.train.optimizer import adamw
-from uptrain.train.packing import DocumentPacking, check_document_mask
 from uptrain.train.run_data import load_run_data
 from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
-from uptrain.train.seq2seq import ObjectiveBatches, objective_for, resolve_objective
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
 

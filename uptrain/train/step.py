@@ -9,11 +9,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from uptrain.data.document_mask import DocumentPacking
+from uptrain.data.objective_batches import target_counts
 from uptrain.objectives import IGNORE_INDEX
 from uptrain.train import metrics as M
 from uptrain.train.optimizer import lr_at
-from uptrain.train.packing import DocumentPacking
-from uptrain.train.seq2seq import target_counts
 from uptrain.train.setup import Run
 
 

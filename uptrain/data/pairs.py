@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from uptrain import UptrainError, exception_line
+from uptrain.data.text import resolve_data
 from uptrain.objectives import IGNORE_INDEX, Objective
 from uptrain.strict_json import parse_json
-from uptrain.textdata import resolve_data
 
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 PCM_TYPES = {1: np.uint8, 2: np.int16, 4: np.int32}  # sample width in bytes → numpy type
@@ -241,7 +241,7 @@ def pair_eval_batches(
     examples: PairExamples, eval_blocks: int, batch_size: int, rank: int, num_processes: int
 ) -> list[tuple[dict, torch.Tensor]]:
     """The first `eval_blocks` examples, dealt round-robin to processes and batched, as
-    `uptrain.train.data.eval_batches` deals blocks: every process gets the same number of batches,
+    `uptrain.data.batches.eval_batches` deals blocks: every process gets the same number of batches,
     and the rows that only fill up a short process are not counted."""
     n = min(eval_blocks, len(examples))
     per_process = math.ceil(n / num_processes)

@@ -1,5 +1,5 @@
 """`uptrain tokenize DATA OUT --tokenizer MODEL --seq-len N`: tokenize and pack text once, into
-the memory-mapped shards of `uptrain.token_shards`, so that training reads token ids only.
+the memory-mapped shards of `uptrain.data.shards`, so that training reads token ids only.
 
 The blocks are the ones `uptrain train` would build from the same files (`textdata.load_blocks`):
 documents read by the same `datasets` builders in the same order, tokenized and packed by the
@@ -102,7 +102,7 @@ def _identity(record: dict) -> dict:
 def _rows(source, text_field: str, sample_by: str) -> Iterator[dict]:
     """The documents of local data files in the order `load_blocks` reads them (streamed: no
     copy of the text is cached). Refuses a missing text column in one line."""
-    from uptrain.textdata import load_documents
+    from uptrain.data.text import load_documents
 
     ds = load_documents(source, "train", None, sample_by, streaming=True)
     rows = iter(ds)
@@ -127,8 +127,8 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
         write_file,
     )
     from uptrain.checkpoint.resumable import ResumeRule, settings_changed
-    from uptrain.textdata import MAP_BATCH, pack_function, resolve_data
-    from uptrain.token_shards import INDEX, is_token_folder
+    from uptrain.data.shards import INDEX, is_token_folder
+    from uptrain.data.text import MAP_BATCH, pack_function, resolve_data
 
     out = Path(options.out).expanduser().absolute()
     if is_token_folder(options.data):
@@ -189,8 +189,8 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
 def _record(options: TokenizeOptions, tokenizer, source) -> dict:
     """What OUT's tokens.json says of how its tokens were made: the identity a resumed run must match."""
     from uptrain.checkpoint.source import portable
-    from uptrain.textdata import MAP_BATCH
-    from uptrain.token_shards import FORMAT, FORMAT_VERSION, token_dtype, tokenizer_digest
+    from uptrain.data.shards import FORMAT, FORMAT_VERSION, token_dtype, tokenizer_digest
+    from uptrain.data.text import MAP_BATCH
 
     return {
         "format": FORMAT,
@@ -205,7 +205,7 @@ def _record(options: TokenizeOptions, tokenizer, source) -> dict:
             "eos_token_id": tokenizer.eos_token_id,
         },
         "data": {"files": _data_files(source.files), "text_field": options.text_field, "sample_by": options.sample_by},
-        # How `uptrain.textdata` packs, recorded so that a change there is seen as a change here.
+        # How `uptrain.data.text` packs, recorded so that a change there is seen as a change here.
         "packing": {"documents_per_batch": MAP_BATCH, "separator": "eos", "batch_remainder": "dropped"},
         "uptrain_version": __version__,
     }
@@ -230,7 +230,7 @@ def _write_shards(partial: Path, state: dict, rows, pack, map_batch: int, progre
     from tqdm.auto import tqdm
 
     from uptrain.checkpoint.atomic import atomic_file, write_file
-    from uptrain.token_shards import DTYPES, shard_name
+    from uptrain.data.shards import DTYPES, shard_name
 
     hook = on_step or (lambda event, shard: None)
     seq_len, per_shard, dtype = state["seq_len"], state["blocks_per_shard"], DTYPES[state["dtype"]]

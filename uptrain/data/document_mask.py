@@ -1,6 +1,6 @@
 """Packed blocks without attention across documents (`document_mask: true`).
 
-`uptrain.textdata` packs documents into `seq_len` blocks, each document followed by EOS. By
+`uptrain.data.text` packs documents into `seq_len` blocks, each document followed by EOS. By
 default a token attends to everything before it in the block, the previous documents included.
 With the document mask, each document of a block is seen as if it were alone: positions restart
 at 0 after every EOS, and attention stays inside the document (a block-diagonal causal mask).

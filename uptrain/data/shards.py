@@ -1,6 +1,6 @@
 """The folder `uptrain tokenize` writes, and how training reads it without tokenizing.
 
-A tokenized folder holds packed `seq_len` blocks exactly as `uptrain.textdata` packs text for
+A tokenized folder holds packed `seq_len` blocks exactly as `uptrain.data.text` packs text for
 training, in raw little-endian shards memory-mapped at read time:
 
     OUT/tokens.json        format, seq_len, dtype, the shards (blocks, bytes, blake3 each), the

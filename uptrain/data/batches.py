@@ -1,4 +1,4 @@
-"""Training and evaluation batches over packed token blocks (`uptrain.textdata`).
+"""Training and evaluation batches over packed token blocks (`uptrain.data.text`).
 
 Data tokenized up front (`TrainBlocks`): the order of training blocks is a pure function of
 (seed, step), so a resumed run reads exactly the blocks an uninterrupted run would have read,
@@ -19,7 +19,7 @@ import torch
 import torch.utils.data
 
 from uptrain import UptrainError, exception_line
-from uptrain.textdata import MAP_BATCH, TextStream, TokenBlocks
+from uptrain.data.text import MAP_BATCH, TextStream, TokenBlocks
 
 # Tokens of text a data worker shuffles at a time: the shuffle's reach, the memory of a few
 # windows per worker, and the most a resume re-reads per worker (about 6 CPU-s at 160k tokens/s).

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError, exception_line
-from uptrain.token_shards import is_token_folder, open_token_folder
+from uptrain.data.shards import is_token_folder, open_token_folder
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # datasets decompresses these on the fly: `train.jsonl.gz` reads as jsonl.

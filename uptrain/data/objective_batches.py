@@ -4,7 +4,7 @@ The objectives are records of the registry `uptrain.objectives` (what each reads
 tokens, corruption and lengths); this module picks a run's, checks that its model and tokenizer
 fit it, and makes its batches. `causal` (decoder-only models) trains on packed text blocks as
 they are. Encoder–decoders train on the same blocks corrupted (`span_corruption`, T5;
-`text_infilling`, BART) or on aligned examples (`pairs`, `speech_pairs`; see `uptrain.train.pairs`).
+`text_infilling`, BART) or on aligned examples (`pairs`, `speech_pairs`; see `uptrain.data.pairs`).
 
 The corruption of a training block is a pure function of (seed, step, its row in the step's
 global batch), so a resumed run, or one split differently between processes and micro-batches,

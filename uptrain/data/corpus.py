@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # heavy imports stay lazy: `uptrain convert` should not pay f
     from datasets import Dataset, DatasetDict
     from transformers import PreTrainedTokenizerFast
 
-ASSETS_DIR = Path(__file__).resolve().with_name("assets")
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 CORPUS_DIR = ASSETS_DIR / "corpus"
 TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 SPLITS = ("train", "validation", "test")

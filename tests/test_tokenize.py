@@ -17,7 +17,8 @@ import torch
 from tests.train.train_helpers import build_llama, build_tokenizer, make_text, python_env, records, reset_accelerate
 from uptrain import UptrainError
 from uptrain.cli import main
-from uptrain.data.shards import INDEX
+from uptrain.data.blocks import Blocks
+from uptrain.data.shards import INDEX, TokenShards
 from uptrain.data.text import MAP_BATCH, TokenBlocks, load_blocks
 from uptrain.data.tokenize import TokenizeOptions, tokenize
 
@@ -51,7 +52,7 @@ def options(data, out, model, **more) -> TokenizeOptions:
     return TokenizeOptions(data=str(data), out=str(out), tokenizer=str(model), **{"seq_len": 16, **more})
 
 
-def all_blocks(blocks: TokenBlocks) -> torch.Tensor:
+def all_blocks(blocks: Blocks) -> torch.Tensor:
     return blocks.take(list(range(len(blocks))))
 
 
@@ -65,7 +66,7 @@ def test_blocks_are_the_ones_training_builds(corpus, tmp_path, kind):
     common = dict(split="train", dataset_config=None, text_field="text", sample_by="paragraph", workers=None)
     expected, _ = load_blocks(str(corpus[kind]), "train_data", corpus["tokenizer"], 16, streaming=False, **common)
     read, source = load_blocks(str(out), "train_data", corpus["tokenizer"], 16, streaming=None, **common)
-    assert isinstance(read, TokenBlocks) and len(read) == len(expected) > 200
+    assert isinstance(read, TokenShards) and isinstance(expected, TokenBlocks) and len(read) == len(expected) > 200
     assert torch.equal(all_blocks(read), all_blocks(expected))
     assert all_blocks(read).dtype == torch.int64
     index = json.loads((out / INDEX).read_text())

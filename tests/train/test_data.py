@@ -9,7 +9,11 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks, eval_batches
-from uptrain.data.text import TokenBlocks, load_blocks, resolve_data
+from uptrain.data.blocks import Blocks, TensorBlocks
+from uptrain.data.pairs import PairExamples
+from uptrain.data.shards import TokenShards
+from uptrain.data.text import TextStream, TokenBlocks, head_blocks, load_blocks, resolve_data
+from uptrain.data.tokenize import TokenizeOptions, tokenize
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +86,9 @@ def test_hub_name_offline_fails_with_one_line(tokenizer):
         load("no-such-user/no-such-dataset", tokenizer)
 
 
-class FakeBlocks(TokenBlocks):
-    """Block i is the row [i, i, …]: lets the tests see which block went where."""
+class FakeBlocks:
+    """Block i is the row [i, i, …]: lets the tests see which block went where. A `Blocks` by its
+    two methods alone, as the training order and evaluation read one."""
 
     def __init__(self, n: int, seq_len: int = 3):
         self.n, self.seq_len = n, seq_len
@@ -155,3 +160,49 @@ def test_streamed_blocks_resume_where_a_fresh_stream_would_be(assets, tokenizer)
 
 def ids_(batches) -> list[list[int]]:
     return [row for b in batches for row in b.tolist()]
+
+
+def test_every_source_of_blocks_gives_the_same_batch_for_the_same_indices(assets, tokenizer, tmp_path):
+    """Text tokenized up front, the folder `uptrain tokenize` writes of it, and the head of its
+    stream: each a `Blocks`, equal row for row, and refusing bad indices in the same words."""
+    text = str(assets["train"])
+    folder = tokenize(
+        TokenizeOptions(data=text, out=str(tmp_path / "tokens"), tokenizer=str(assets["gqa"]), seq_len=16,
+                        shard_tokens=16 * 7),
+        progress=False,
+    )  # fmt: skip
+    up_front, shards, stream = (
+        load(text, tokenizer, streaming=False),
+        load(str(folder), tokenizer),
+        load(text, tokenizer, streaming=True),
+    )
+    assert isinstance(up_front, TokenBlocks) and isinstance(shards, TokenShards) and isinstance(stream, TextStream)
+    head = head_blocks(stream, 40)
+    assert isinstance(head, TensorBlocks) and len(head) == 40 and head_blocks(up_front, 40) is up_front
+    order = [39, 0, 7, 7, 21, 8]  # across shards of 7 blocks, one repeated
+    for source in (up_front, shards, head):
+        assert isinstance(source, Blocks)
+        assert source.take(order).dtype == torch.int64
+        assert torch.equal(source.take(order), source.take(order))
+        assert torch.equal(source.take(order), up_front.take(order))
+        assert torch.equal(eval_batches(source, 9, 4, 1, 2)[1][0], eval_batches(up_front, 9, 4, 1, 2)[1][0])
+        with pytest.raises(ValueError, match="no indices"):
+            source.take([])
+        with pytest.raises(IndexError, match=f"block {len(source)} of {len(source)}"):
+            source.take([0, len(source)])
+    assert len(shards) == len(up_front) > 40
+
+
+def test_examples_are_blocks_padded_per_batch():
+    examples = PairExamples([[5, 6, 7], [8], [9, 10]], [[1, 2], [3], [4, 4, 4]], pad_id=0)
+    assert isinstance(examples, Blocks) and len(examples) == 3
+    batch = examples.take([1, 0])
+    assert batch["input_ids"].tolist() == [[8, 0, 0], [5, 6, 7]]
+    assert batch["attention_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert batch["labels"].tolist() == [[3, -100], [1, 2]]
+    assert all(torch.equal(batch[k], examples.take([1, 0])[k]) for k in batch)
+    (first, counted), (second, _) = eval_batches(examples, 3, 2, 0, 1)
+    assert torch.equal(first["labels"], examples.take([0, 1])["labels"]) and counted.tolist() == [True, True]
+    assert second["input_ids"].tolist() == [[9, 10]]
+    with pytest.raises(IndexError, match="block 3 of 3"):
+        examples.take([3])

@@ -25,7 +25,7 @@ from tests.train.train_helpers import KILLER, curve, make_text, python_env, reco
 from uptrain import UptrainError
 from uptrain.data.batches import TrainBlocks, eval_batches
 from uptrain.data.objective_batches import objective_for
-from uptrain.data.pairs import load_pairs, pair_eval_batches
+from uptrain.data.pairs import load_pairs
 from uptrain.data.text import load_blocks
 from uptrain.objectives import OBJECTIVES
 from uptrain.train.config import TrainConfig
@@ -265,7 +265,7 @@ def eval_set_here(config: TrainConfig, objective_name: str) -> list:
             config.seq_len,
             config.target_len or config.seq_len,
         )
-        return pair_eval_batches(examples, config.eval_blocks, config.batch_size, 0, 1)
+        return eval_batches(examples, config.eval_blocks, config.batch_size, 0, 1)
     blocks, _ = load_blocks(
         config.eval_data,
         "eval_data",

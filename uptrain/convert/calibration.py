@@ -26,7 +26,6 @@ model (tests/convert/test_calibration_layerwise.py).
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import sys
@@ -41,7 +40,8 @@ from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, architecture
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
-from uptrain.data.text import TokenBlocks, load_blocks
+from uptrain.data.blocks import Blocks
+from uptrain.data.text import TextStream, head_blocks, load_blocks
 from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import read_config
 
@@ -200,14 +200,12 @@ def _record_layer_inputs(
     return first[0], calls
 
 
-def _first_blocks(blocks, wanted: int) -> torch.Tensor:
+def _first_blocks(data: Blocks | TextStream, wanted: int) -> torch.Tensor:
     """The first `wanted` blocks in data order, [count, seq_len]: of a local dataset tokenized
     up front, or the head of a streamed one (a Hub dataset is never read in full)."""
-    if isinstance(blocks, TokenBlocks):
-        count = min(wanted, len(blocks))
-        return blocks.take(list(range(count))) if count else torch.empty(0, dtype=torch.long)
-    rows = [torch.as_tensor(row["input_ids"]) for row in itertools.islice(iter(blocks), wanted)]
-    return torch.stack(rows) if rows else torch.empty(0, dtype=torch.long)
+    blocks = head_blocks(data, wanted)
+    count = min(wanted, len(blocks))
+    return blocks.take(list(range(count))) if count else torch.empty(0, dtype=torch.long)
 
 
 def collect_attention_moments(

@@ -1,6 +1,7 @@
-"""Training and evaluation batches over packed token blocks (`uptrain.data.text`).
+"""Training and evaluation batches over any source of blocks (`uptrain.data.blocks.Blocks`), or
+over a stream of packed text (`uptrain.data.text.TextStream`).
 
-Data tokenized up front (`TrainBlocks`): the order of training blocks is a pure function of
+Data tokenized up front, or examples (`TrainBlocks`): the order of training blocks is a pure function of
 (seed, step), so a resumed run reads exactly the blocks an uninterrupted run would have read,
 whatever the number of processes, as long as the global batch is the same.
 
@@ -11,19 +12,37 @@ data_workers, and a resume restores each share's saved position instead of repla
 
 from __future__ import annotations
 
-import itertools
 import time
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.utils.data
 
 from uptrain import UptrainError, exception_line
-from uptrain.data.text import MAP_BATCH, TextStream, TokenBlocks
+from uptrain.data.blocks import Batch, Blocks
+from uptrain.data.text import MAP_BATCH, TextStream
 
 # Tokens of text a data worker shuffles at a time: the shuffle's reach, the memory of a few
 # windows per worker, and the most a resume re-reads per worker (about 6 CPU-s at 160k tokens/s).
 WINDOW_TOKENS = 1 << 20
+
+
+class MicroBatches(Protocol):
+    """What the training step reads: each process's micro-batches of an optimizer step, and the
+    position to save with a checkpoint (`TrainBlocks`, `StreamedTrainBlocks`)."""
+
+    last_wait_s: float  # how long the last `micro_batches` took to gather its rows
+
+    def micro_batches(self, step: int, rank: int) -> list[Batch]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict | None) -> None: ...
+
+    def describe(self, total_steps: int) -> str:
+        """What the run's plan says of its training data."""
+        ...
 
 
 class TrainBlocks:
@@ -34,13 +53,16 @@ class TrainBlocks:
     contiguous slice of it. An epoch is as many whole global batches as the data holds.
     """
 
-    def __init__(self, blocks: TokenBlocks, seed: int, batch_size: int, grad_accum: int, num_processes: int):
+    def __init__(self, blocks: Blocks, seed: int, batch_size: int, grad_accum: int, num_processes: int):
         self.blocks, self.seed = blocks, seed
         self.batch_size, self.grad_accum, self.num_processes = batch_size, grad_accum, num_processes
         self.global_batch = batch_size * grad_accum * num_processes
         self.steps_per_epoch = len(blocks) // self.global_batch
         self._epoch, self._order = -1, None
         self.last_wait_s = 0.0  # how long the last `micro_batches` took to gather its blocks
+
+    def describe(self, total_steps: int) -> str:
+        return f"{len(self.blocks)} blocks, {total_steps / self.steps_per_epoch:.3g} epochs over them"
 
     def state_dict(self) -> dict:
         """Nothing to save: the order is a function of the seed and the step."""
@@ -55,7 +77,7 @@ class TrainBlocks:
             self._epoch, self._order = epoch, torch.randperm(len(self.blocks), generator=g).tolist()
         return self._order
 
-    def micro_batches(self, step: int, rank: int) -> list[torch.Tensor]:
+    def micro_batches(self, step: int, rank: int) -> list[Batch]:
         """The `grad_accum` micro-batches process `rank` trains on at optimizer step `step` (from 0)."""
         start_time = time.perf_counter()
         epoch, within = divmod(step, self.steps_per_epoch)
@@ -252,6 +274,9 @@ class StreamedTrainBlocks:
         self.last_wait_s = time.perf_counter() - start
         return out
 
+    def describe(self, total_steps: int) -> str:
+        return "streamed"
+
     def state_dict(self) -> dict:
         """This process's position in the stream: JSON, a few hundred bytes per share."""
         return {
@@ -288,28 +313,20 @@ class StreamedTrainBlocks:
 
 
 def eval_batches(
-    blocks, eval_blocks: int, batch_size: int, rank: int, num_processes: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `eval_blocks` blocks, in file order, dealt round-robin to processes and batched.
+    blocks: Blocks, eval_blocks: int, batch_size: int, rank: int, num_processes: int
+) -> list[tuple[Batch, torch.Tensor]]:
+    """The first `eval_blocks` rows, in data order, dealt round-robin to processes and batched.
 
-    Returns (input_ids [b, seq_len], counted [b] bool) pairs. Every process gets the same number
-    of batches, because sharded models (FSDP, ZeRO-3) need every process in every forward; the
-    rows that only fill up a short process are not counted.
+    Returns (batch, counted [b] bool) pairs. Every process gets the same number of batches,
+    because sharded models (FSDP, ZeRO-3) need every process in every forward; the rows that
+    only fill up a short process are not counted.
     """
-    if isinstance(blocks, TokenBlocks):
-        n = min(eval_blocks, len(blocks))
-        if n == 0:
-            return []
-        rows = blocks.take(list(range(n)))
-    else:
-        rows = torch.tensor([row["input_ids"] for row in itertools.islice(iter(blocks), eval_blocks)])
-        if len(rows) == 0:
-            return []
-    per_process = -(-len(rows) // num_processes)
-    mine = list(range(rank, len(rows), num_processes))
+    n = min(eval_blocks, len(blocks))
+    per_process = -(-n // num_processes)
+    mine = list(range(rank, n, num_processes))
     counted = [True] * len(mine) + [False] * (per_process - len(mine))
     mine += [0] * (per_process - len(mine))
     return [
-        (rows[mine[i : i + batch_size]], torch.tensor(counted[i : i + batch_size]))
+        (blocks.take(mine[i : i + batch_size]), torch.tensor(counted[i : i + batch_size]))
         for i in range(0, per_process, batch_size)
     ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
-import math
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from uptrain import UptrainError, exception_line
+from uptrain.data.blocks import check_indices
 from uptrain.data.text import resolve_data
 from uptrain.objectives import IGNORE_INDEX, Objective
 from uptrain.strict_json import parse_json
@@ -126,7 +126,7 @@ def _samples(value, where: Where, key: str) -> np.ndarray:
 
 
 class PairExamples:
-    """Tokenized examples, batched on demand (`take`, as `TokenBlocks.take` but a dict of padded
+    """Tokenized examples, batched on demand (`blocks.Blocks`: `take` gives a dict of padded
     tensors). Audio is decoded when loaded, to check it, and again for each batch it is in, so that
     only a batch's audio is held in memory."""
 
@@ -144,8 +144,7 @@ class PairExamples:
         return read_wav(path, self.feature_extractor.sampling_rate, what)
 
     def take(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        if not indices:
-            raise ValueError("no indices")
+        check_indices(indices, len(self))
         targets = [self.targets[i] for i in indices]
         width = max(map(len, targets))
         labels = torch.tensor([t + [IGNORE_INDEX] * (width - len(t)) for t in targets])
@@ -235,20 +234,3 @@ def _load_feature_extractor(model_path: str):
     if not getattr(extractor, "sampling_rate", None):
         raise UptrainError(f"the feature extractor of {model_path} names no sampling_rate")
     return extractor
-
-
-def pair_eval_batches(
-    examples: PairExamples, eval_blocks: int, batch_size: int, rank: int, num_processes: int
-) -> list[tuple[dict, torch.Tensor]]:
-    """The first `eval_blocks` examples, dealt round-robin to processes and batched, as
-    `uptrain.data.batches.eval_batches` deals blocks: every process gets the same number of batches,
-    and the rows that only fill up a short process are not counted."""
-    n = min(eval_blocks, len(examples))
-    per_process = math.ceil(n / num_processes)
-    mine = list(range(rank, n, num_processes))
-    counted = [True] * len(mine) + [False] * (per_process - len(mine))
-    mine += [0] * (per_process - len(mine))
-    return [
-        (examples.take(mine[i : i + batch_size]), torch.tensor(counted[i : i + batch_size]))
-        for i in range(0, per_process, batch_size)
-    ]

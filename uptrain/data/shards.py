@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from uptrain import UptrainError
+from uptrain.data.blocks import check_indices
 
 INDEX = "tokens.json"
 FORMAT = "uptrain-tokens"
@@ -95,12 +96,9 @@ class _Shard:
 
 
 class TokenShards:
-    """The blocks of a tokenized folder, memory-mapped shard by shard.
-
-    Reads as the `datasets.Dataset` that `textdata.TokenBlocks` wraps does, in the two calls
-    TokenBlocks makes of it: `with_format("torch")` and `[indices]["input_ids"]` (an int64
-    tensor [len(indices), seq_len]). Pickles by its paths (a DataLoader worker maps the shards
-    itself instead of receiving a copy of them).
+    """The blocks of a tokenized folder, memory-mapped shard by shard (`blocks.Blocks`): `take`
+    gives int64 [len(indices), seq_len], as `text.TokenBlocks` does for the same text. Pickles by
+    its paths (a DataLoader worker maps the shards itself instead of receiving a copy of them).
     """
 
     def __init__(self, folder: Path, index: dict):
@@ -137,24 +135,15 @@ class TokenShards:
     def __len__(self) -> int:
         return self.length
 
-    def with_format(self, kind: str) -> TokenShards:
-        if kind != "torch":
-            raise ValueError(f"token shards read as torch tensors, not {kind}")
-        return self
-
     def take(self, indices: list[int]) -> torch.Tensor:
         """Blocks at `indices` as int64 [len(indices), seq_len]."""
+        check_indices(indices, self.length)
         maps = self._mapped()
         rows = np.empty((len(indices), self.seq_len), dtype=np.int64)
         for row, i in enumerate(indices):
-            if not 0 <= i < self.length:
-                raise IndexError(f"block {i} of {self.length}")
             shard, within = divmod(i, self.blocks_per_shard)
             rows[row] = maps[shard][within]
         return torch.from_numpy(rows)
-
-    def __getitem__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.take(list(indices))}
 
 
 def open_token_folder(folder, key: str, tokenizer, seq_len: int) -> TokenShards:

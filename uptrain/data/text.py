@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError, exception_line
+from uptrain.data.blocks import Blocks, TensorBlocks, check_indices
 from uptrain.data.shards import is_token_folder, open_token_folder
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -187,6 +188,13 @@ class TextStream:
         packed = self.texts.map(self.pack, batched=True, batch_size=MAP_BATCH, remove_columns=self.columns)
         return iter(packed)
 
+    def head(self, count: int) -> TensorBlocks:
+        """The first `count` blocks (fewer if the stream holds fewer), in memory: what evaluation and
+        calibration read of a streamed dataset, which is never read in full."""
+        rows = [row["input_ids"] for row in itertools.islice(iter(self), count)]
+        empty = torch.empty((0, self.seq_len), dtype=torch.long)
+        return TensorBlocks(torch.tensor(rows, dtype=torch.long) if rows else empty)
+
     def share(self, slot: int, slots: int, order: list[int] | None = None) -> list:
         """Share `slot` of `slots` as a list of streamed datasets of raw rows, read in turn.
 
@@ -215,9 +223,14 @@ class TokenBlocks:
 
     def take(self, indices: list[int]) -> torch.Tensor:
         """Blocks at `indices`, shape [len(indices), seq_len]."""
-        if not indices:
-            raise ValueError("no indices")
+        check_indices(indices, len(self))
         return self.dataset[indices]["input_ids"]
+
+
+def head_blocks(data: Blocks | TextStream, count: int) -> Blocks:
+    """Data that evaluation or calibration can index: blocks tokenized up front as they are (the
+    reader takes its first `count`), or a stream's first `count` blocks, in memory."""
+    return data.head(count) if isinstance(data, TextStream) else data
 
 
 def load_blocks(
@@ -231,11 +244,11 @@ def load_blocks(
     sample_by: str,
     streaming: bool | None,
     workers: int | None,
-):
-    """Load and pack one data key. Returns (TokenBlocks or a TextStream, source)."""
+) -> tuple[Blocks | TextStream, DataSource]:
+    """Load and pack one data key. Returns (its blocks, or a TextStream when streamed, and the source)."""
     if is_token_folder(spec):  # `uptrain tokenize` wrote it: memory-mapped blocks, nothing to tokenize
         shards = open_token_folder(spec, key, tokenizer, seq_len)
-        return TokenBlocks(shards), DataSource(str(spec), "tokens", tuple(str(s.path) for s in shards.shards))
+        return shards, DataSource(str(spec), "tokens", tuple(str(s.path) for s in shards.shards))
     source = resolve_data(spec, key)
     stream = (not source.is_local) if streaming is None else streaming
     ds = load_documents(source, split, dataset_config, sample_by, stream)

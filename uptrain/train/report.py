@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.data.batches import TrainBlocks
 from uptrain.train import metrics as M
 from uptrain.train.checkpoint import CHECKPOINTS, checkpoint_name
 from uptrain.train.setup import Plan, Run
@@ -52,10 +51,7 @@ def print_plan(run: Run) -> None:
             f"uptrain_fraction {c.uptrain_fraction} × pretrain_tokens {_human(c.pretrain_tokens)} = "
             f"{_human(c.uptrain_fraction * c.pretrain_tokens)} tokens"
         )
-    data = "streamed"
-    if isinstance(run.train_blocks, TrainBlocks):
-        epochs = plan.total_steps / run.train_blocks.steps_per_epoch
-        data = f"{len(run.train_blocks.blocks)} blocks, {epochs:.3g} epochs over them"
+    data = run.train_blocks.describe(plan.total_steps)
     distill = "no"
     if c.teacher:
         distill = f"from {c.teacher} (weight {c.distill_weight}, temperature {c.distill_temperature})"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 
 from uptrain import UptrainError
-from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks, eval_batches
+from uptrain.data.batches import MicroBatches, StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.data.objective_batches import ObjectiveBatches
-from uptrain.data.pairs import load_pairs, pair_eval_batches
-from uptrain.data.text import TokenBlocks, load_blocks
+from uptrain.data.pairs import load_pairs
+from uptrain.data.text import TextStream, head_blocks, load_blocks
 from uptrain.train.config import TrainConfig
 
 
@@ -51,27 +51,25 @@ def load_run_data(
         f"give more text or a smaller seq_len / batch (global batch: batch_size {config.batch_size} × "
         f"grad_accum {config.grad_accum} × processes {world})"
     )
-    if isinstance(train_data, TokenBlocks):
-        if len(train_data) < global_batch:
-            raise UptrainError(
-                f"train_data {train_source.label} gives {len(train_data)} blocks of {config.seq_len} "
-                f"tokens; one optimizer step needs {global_batch}: {too_short}"
-            )
-        train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
-    else:
+    train_blocks: MicroBatches
+    if isinstance(train_data, TextStream):
         train_blocks = StreamedTrainBlocks(
             train_data, config.seed, config.batch_size, config.grad_accum, world, rank, config.data_workers or 1
         )
         # The head of the whole stream (as every process sees it): the same decision everywhere.
         available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
-        if available < global_batch:
-            raise UptrainError(
-                f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
-                f"tokens; one optimizer step needs {global_batch}: {too_short}"
-            )
+    else:
+        train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
+        available = len(train_data)
+    if available < global_batch:
+        raise UptrainError(
+            f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
+            f"tokens; one optimizer step needs {global_batch}: {too_short}"
+        )
+    evaluated = head_blocks(eval_data, config.eval_blocks)
     eval_set = [
         (objective.eval_batch(rows), counted)
-        for rows, counted in eval_batches(eval_data, config.eval_blocks, config.batch_size, rank, world)
+        for rows, counted in eval_batches(evaluated, config.eval_blocks, config.batch_size, rank, world)
     ]
     if not eval_set:
         raise UptrainError(
@@ -100,4 +98,4 @@ def _load_pair_data(config: TrainConfig, accelerator, tokenizer, global_batch, o
             f"{config.batch_size} × grad_accum {config.grad_accum} × processes {world}): give more examples"
         )
     train_blocks = TrainBlocks(train, config.seed, config.batch_size, config.grad_accum, world)
-    return train_blocks, pair_eval_batches(evaluation, config.eval_blocks, config.batch_size, rank, world)
+    return train_blocks, eval_batches(evaluation, config.eval_blocks, config.batch_size, rank, world)

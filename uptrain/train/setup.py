@@ -21,7 +21,7 @@ from uptrain.architecture import auto_class_name, config_geometry
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
-from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks
+from uptrain.data.batches import MicroBatches
 from uptrain.data.document_mask import DocumentPacking, check_document_mask
 from uptrain.data.objective_batches import ObjectiveBatches, objective_for, resolve_objective
 from uptrain.loading import load_model, load_tokenizer
@@ -76,7 +76,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     teacher: torch.nn.Module | None
-    train_blocks: TrainBlocks | StreamedTrainBlocks
+    train_blocks: MicroBatches
     eval_set: list  # (batch, counted rows) pairs
     objective: ObjectiveBatches
     log: M.MetricsLog | None  # main process only

@@ -19,8 +19,9 @@ from uptrain import UptrainError
 from uptrain.cli import main
 from uptrain.data.blocks import Blocks
 from uptrain.data.shards import INDEX, TokenShards
+from uptrain.data.spec import TokenizeOptions
 from uptrain.data.text import MAP_BATCH, TokenBlocks, load_blocks
-from uptrain.data.tokenize import TokenizeOptions, tokenize
+from uptrain.data.tokenize import tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 # 3 shards of the .jsonl corpus (3 packing batches of 1809, 1808 and 902 blocks): the second
@@ -145,7 +146,8 @@ def test_training_refuses_a_folder_of_another_tokenizer_or_seq_len(corpus, tmp_p
 KILLER = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    from uptrain.data.tokenize import TokenizeOptions, tokenize
+    from uptrain.data.spec import TokenizeOptions
+    from uptrain.data.tokenize import tokenize
 
     data, out, model, at, action = sys.argv[1:6]
 

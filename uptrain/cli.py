@@ -19,7 +19,7 @@ from uptrain.options import add_schema_arguments, from_args
 if TYPE_CHECKING:  # each command imports its own schema, when it runs
     from uptrain.compare.spec import CompareSpec
     from uptrain.convert.spec import ConvertCommand
-    from uptrain.data.tokenize import TokenizeOptions
+    from uptrain.data.spec import TokenizeOptions
     from uptrain.demo import DemoOptions
     from uptrain.inspect_checkpoint import InspectOptions
     from uptrain.speed import SpeedOptions
@@ -154,7 +154,7 @@ def _demo_schema():
 
 
 def _tokenize_schema():
-    from uptrain.data.tokenize import TokenizeOptions
+    from uptrain.data.spec import TokenizeOptions
 
     return TokenizeOptions
 

@@ -12,8 +12,9 @@ from uptrain.data.batches import StreamedTrainBlocks, TrainBlocks, eval_batches
 from uptrain.data.blocks import Blocks, TensorBlocks
 from uptrain.data.pairs import PairExamples
 from uptrain.data.shards import TokenShards
+from uptrain.data.spec import TokenizeOptions
 from uptrain.data.text import TextStream, TokenBlocks, head_blocks, load_blocks, resolve_data
-from uptrain.data.tokenize import TokenizeOptions, tokenize
+from uptrain.data.tokenize import tokenize
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""`uptrain tokenize DATA OUT --tokenizer MODEL --seq-len N`: tokenize and pack text once, into
-the memory-mapped shards of `uptrain.data.shards`, so that training reads token ids only.
+"""The engine of `uptrain tokenize DATA OUT --tokenizer MODEL --seq-len N` (its options:
+`uptrain.data.spec`): tokenize and pack text once, into the memory-mapped shards of
+`uptrain.data.shards`, so that training reads token ids only.
 
-The blocks are the ones `uptrain train` would build from the same files (`textdata.load_blocks`):
+The blocks are the ones `uptrain train` would build from the same files (`text.load_blocks`):
 documents read by the same `datasets` builders in the same order, tokenized and packed by the
 same `pack_function`, `MAP_BATCH` documents at a time (each batch's last partial block dropped,
 as `Dataset.map` does there).
@@ -19,50 +20,19 @@ import itertools
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from uptrain import UptrainError, __version__
+from uptrain.data.spec import TokenizeOptions
 from uptrain.loading import load_tokenizer
-from uptrain.options import Schema, option
 
 PARTIAL_TAG = ".uptrain-partial"
 PROGRESS = "progress.json"
-DEFAULT_SHARD_TOKENS = 2**27  # 256 MiB of uint16 ids per shard
 
 # Called at each step a kill could interrupt: ("shard-written", i) with shard i complete in its
 # temporary, ("shard-renamed", i) once it has its name but before progress.json records it,
 # ("index-written", -1) before the folder is renamed to OUT. Tests kill the process there.
 StepHook = Callable[[str, int], None]
-
-
-@dataclass(kw_only=True)
-class TokenizeOptions(Schema):
-    """`uptrain tokenize`: what to tokenize, with which tokenizer, into which blocks, where."""
-
-    data: str | list[str] = option(
-        positional=True,
-        metavar="DATA",
-        help="text: .txt/.jsonl/.json/.parquet file(s) (also compressed), globs or a folder of them",
-    )
-    out: str = option(
-        positional=True,
-        metavar="OUT",
-        help="output folder of token shards; built in a hidden sibling and renamed when complete",
-    )
-    tokenizer: str = option(metavar="MODEL", help="model folder or Hub id whose tokenizer to use: the model to train")
-    seq_len: int = option(at_least=2, help="tokens per block: the seq_len of the runs that will read OUT")
-    text_field: str = option("text", help="column holding the text in jsonl/json/parquet files")
-    sample_by: Literal["line", "paragraph", "document"] = option(
-        "paragraph", help="what one document is in a .txt file; documents are joined with EOS"
-    )
-    shard_tokens: int = option(
-        DEFAULT_SHARD_TOKENS, at_least=1, help="tokens per shard file, rounded down to whole blocks (at least one)"
-    )
-    overwrite: bool = option(
-        False, help="replace OUT if it exists, and discard what an interrupted run with other settings left"
-    )
 
 
 def _data_files(files: tuple[str, ...]) -> list[dict]:

@@ -26,7 +26,6 @@ import yaml
 from uptrain import UptrainError
 from uptrain.checkpoint.atomic import OutputLock, remove_stale_locks
 from uptrain.checkpoint.resumable import Change, ResumeRule, settings_changed, unreadable_record
-from uptrain.options import keys_of
 from uptrain.strict_json import read_json
 from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
@@ -57,8 +56,7 @@ GLOBAL_BATCH = "batch_size × grad_accum × processes"
 def resume_rule() -> ResumeRule:
     """What identifies a run: every key but the bookkeeping ones (`OPERATIONAL_KEYS`) and
     output_dir, which names the folder being resumed however it is spelled (run, run/, /abs/run)."""
-    defaults = {k.name: k.default for k in keys_of(TrainConfig) if not k.required}
-    return ResumeRule(OPERATIONAL_KEYS | {"output_dir"}, defaults)
+    return ResumeRule.for_schema(TrainConfig, OPERATIONAL_KEYS | {"output_dir"})
 
 
 @contextmanager

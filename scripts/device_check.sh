@@ -20,7 +20,7 @@
 #   uptrain   `uptrain train --source` on a synthetic ~1B MHA Llama: convert to 4 KV heads, train
 #             20 steps in bf16 on the shipped corpus, write final/
 #
-# On the lent GPU machine (docs/DOMAIN.md §10), which has no datasets, pydantic or blake3 and
+# On the lent GPU machine (docs/DOMAIN.md §10), which has no datasets or blake3 and
 # reaches no registry: first `bash scripts/device_wheels.sh` here (it fills the git-ignored
 # .whl/), then carry .whl; this script installs those wheels into its work folder
 # (pip --no-index --no-deps --target) and puts them on PYTHONPATH before anything runs.
@@ -164,8 +164,8 @@ if ! "$PYTHON" - "$SIZE" "$WORK/versions.json" "$WORK/site" >>"$LOGS/setup.log" 
 import importlib.metadata, json, platform, sys
 
 size, versions_file, site = sys.argv[1:4]
-names = ("torch", "transformers", "accelerate", "datasets", "pydantic", "pydantic_core", "blake3", "safetensors",
-         "tokenizers", "huggingface_hub", "numpy", "pyarrow", "pandas", "fsspec", "typing_extensions")
+names = ("torch", "transformers", "accelerate", "datasets", "blake3", "safetensors", "tokenizers", "huggingface_hub",
+         "numpy", "pyarrow", "pandas", "fsspec", "typing_extensions")
 versions = {"python": platform.python_version()}
 for name in names:
     try:
@@ -179,7 +179,7 @@ open(versions_file, "w").write(json.dumps(versions))
 for name, version in versions["wheels"].items():
     if importlib.metadata.version(name) != version:
         raise SystemExit(f"{name} {version} from the wheels is hidden by {importlib.metadata.version(name)}")
-import torch, accelerate, datasets, transformers, pydantic, blake3, uptrain  # noqa: F401,E401  (what the steps need)
+import torch, accelerate, datasets, transformers, blake3, uptrain  # noqa: F401,E401  (what the steps need)
 if size == "gpu" and not torch.cuda.is_available():
     raise SystemExit(f"torch {torch.__version__} sees no CUDA GPU")
 PY

@@ -4,16 +4,13 @@
 #
 # The lent GPU machine (docs/DOMAIN.md §10; the device tool's KINDS.md) has Python 3.12, torch,
 # transformers, accelerate, safetensors, tokenizers, numpy, pyarrow, pandas, pyyaml, tqdm, requests,
-# fsspec, xxhash, huggingface_hub … but no datasets, pydantic or blake3, and it cannot reach a
+# fsspec, xxhash, huggingface_hub … but no datasets or blake3, and it cannot reach a
 # package registry. This script, run where pip reaches one, downloads exactly the wheels it lacks,
 # one pinned version each, into the git-ignored .whl/; scripts/device_check.sh installs them there
 # with `pip install --no-index --no-deps --target` (both ends without dependency resolution, so
 # every dependency is named here, after its Requires-Dist):
 #   datasets      needs dill and multiprocess, missing there (filelock, numpy, pyarrow, pandas, tqdm,
 #                 xxhash, fsspec, huggingface-hub, packaging, pyyaml are in the image)
-#   pydantic      needs pydantic-core (the exact version it pins), annotated-types, typing-inspection;
-#                 typing-extensions travels too, because pydantic 2.14 needs ≥ 4.16 and the image's
-#                 version is not on record (a newer typing-extensions serves everything older does)
 #   blake3        nothing on Python ≥ 3.12
 # wandb is left out: its wheel alone is 20 MB (0.31.0; it also needs cwevals, platformdirs and
 # three OpenTelemetry packages with their own dependencies, none in the image) and the working
@@ -27,8 +24,6 @@ DIR=${WHEEL_DIR:-.whl}
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}
 WHEELS=(
     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-    typing-extensions==4.16.0
     blake3==1.0.11
 )
 # pip matches each manylinux tag exactly: these cover every glibc x86-64 wheel up to 2.28.

@@ -233,3 +233,13 @@ def test_a_bad_flag_value_is_the_schemas_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("uptrain convert: error: invalid option: "), err
     assert "`num_kv_heads`: must be a whole number, not 'two'" in err and "`grouping`: must be one of" in err
+
+
+def test_a_parser_error_without_a_message_is_named_by_its_type():
+    """read_yaml quotes the first line of a parser's message: an empty one (a bare ValueError)
+    gives its type, not an IndexError."""
+    from uptrain.options import _first_line
+
+    assert _first_line(ValueError()) == "ValueError"
+    assert _first_line(ValueError("\n")) == ""
+    assert _first_line(ValueError("while parsing\n  in line 1")) == "while parsing"

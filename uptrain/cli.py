@@ -76,16 +76,8 @@ def inspect(options: InspectOptions) -> int:
 def speed(options: SpeedOptions) -> int:
     from uptrain.speed import format_speed_table, measure_speed
 
-    results = measure_speed(
-        options.models,
-        context=options.context,
-        new_tokens=options.new_tokens,
-        batch=options.batch,
-        dtype=options.dtype,
-        device=options.device,
-        repeats=options.repeats,
-        compile=options.compile,
-    )
+    # The options are measure_speed's keywords, and `json`: how to print what it measured.
+    results = measure_speed(**{name: value for name, value in options.to_dict().items() if name != "json"})
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
     return 0
 

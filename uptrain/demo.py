@@ -61,21 +61,14 @@ def demo_spec(output_dir: str | Path | None = None, reference: str = "llama") ->
         raise UptrainError(f"the reference model is missing from {folder}; make it with `python {SCRIPTS[reference]}`")
     if reference == "t5":
         return t5_demo_spec(output_dir or "demo-t5-output")
-    output_dir = output_dir or "demo-output"
-    return CompareSpec(
-        model=str(REFERENCE),
-        num_kv_heads=[2, 1],
-        pooling=["mean", "first", "random"],
-        train_data=str(split_path("train")),
-        eval_data=str(split_path("validation")),
-        output_dir=str(output_dir),
-        uptrain_fraction=0.05,
+    return _pooling_study(
+        REFERENCE,
+        output_dir or "demo-output",
         seq_len=256,
         batch_size=16,
         lr=6e-4,
         warmup_steps=4,
         eval_every=6,
-        eval_blocks=64,
     )
 
 
@@ -84,21 +77,32 @@ def t5_demo_spec(output_dir: str | Path) -> CompareSpec:
     heads, in the decoder's self- and cross-attention
     (the paper's choice, conversion's default), uptrained with span corruption on blocks of the
     pretraining's shape (128 input tokens) for α = 5%."""
-    return CompareSpec(
-        model=str(REFERENCE_T5),
-        num_kv_heads=[2, 1],
-        pooling=["mean", "first", "random"],
-        train_data=str(split_path("train")),
-        eval_data=str(split_path("validation")),
-        output_dir=str(output_dir),
+    return _pooling_study(
+        REFERENCE_T5,
+        output_dir,
         objective="span_corruption",
-        uptrain_fraction=0.05,
         seq_len=128,
         batch_size=8,
         lr=1e-3,
         warmup_steps=2,
         eval_every=5,
+    )
+
+
+def _pooling_study(model: Path, output_dir: str | Path, **training) -> CompareSpec:
+    """The demo's study of `model`: G = 2 and G = 1 with mean, first and random pooling on the
+    shipped corpus, each uptrained for α = 5% and evaluated on 64 blocks (`training`: the rest,
+    fitted to the model)."""
+    return CompareSpec(
+        model=str(model),
+        num_kv_heads=[2, 1],
+        pooling=["mean", "first", "random"],
+        train_data=str(split_path("train")),
+        eval_data=str(split_path("validation")),
+        output_dir=str(output_dir),
+        uptrain_fraction=0.05,
         eval_blocks=64,
+        **training,
     )
 
 

@@ -307,13 +307,20 @@ def read_yaml(path: Path) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise UptrainError(f"{path} is not valid YAML: {_first_line(err)}") from None
     except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
         if too_many_digits(err):
             raise UptrainError(f"{path}: {too_many_digits(err)}") from None
-        raise UptrainError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise UptrainError(f"{path} is not valid YAML: {_first_line(err)}") from None
     except RecursionError:
         raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None
+
+
+def _first_line(err: Exception) -> str:
+    # The first line of a parser's message (the rest points into the text); its type where the
+    # message is empty, as a bare `ValueError()` is.
+    lines = str(err).splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def load(schema: type[Schema], path: str | Path | None, overrides: Mapping[str, Any], command: str) -> Any:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.architecture import architecture, config_geometry, find_architecture
-from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, read_config
+from uptrain.architecture import DECODER_SELF, architecture, find_architecture
+from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, attention_geometry, read_config
 
 DEFAULT_CONTEXT = 1024  # `uptrain speed --context`'s default: a decoder-only prompt's, a text source's length
 
@@ -120,14 +120,16 @@ def model_shape(folder: Path, label: str) -> ModelShape:
     arch = find_architecture(config.get("model_type"))
     if arch is None and config.get("is_encoder_decoder"):
         arch = architecture(config.get("model_type"))  # one line: the encoder–decoders uptrain reads
-    geometry = config_geometry(config)
-    if arch is None or "cross" not in arch.attentions:
+    stacks = {} if arch is None else arch.stacks(config)  # every attention's geometry, read once
+    if "cross" not in stacks:
+        # No record: transformers' standard names, as `config_geometry` reads them.
+        geometry = attention_geometry(config) if arch is None else stacks[DECODER_SELF].geometry
         return ModelShape(label, geometry, _positions(config, ("max_position_embeddings", "n_positions"), label))
     return ModelShape(
         label,
-        geometry,
+        stacks[DECODER_SELF].geometry,
         _positions(config, ("max_target_positions", "max_position_embeddings"), label),
-        cross=arch.site("cross").geometry.read(config),
+        cross=stacks["cross"].geometry,
         source_positions=_positions(config, ("max_source_positions", "max_position_embeddings"), label),
         # Whisper: input features of a fixed length, the positions each cross-attention caches whole.
         fixed_source=arch.source_positions_key is not None,

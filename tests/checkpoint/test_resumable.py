@@ -3,8 +3,11 @@ how a key an older uptrain did not record counts, and the one wording of a refus
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from uptrain.checkpoint.resumable import PACKAGE, Change, ResumeRule, settings_changed, settled, unreadable_record
 from uptrain.data.corpus import split_path
+from uptrain.options import Schema, option
 
 
 def test_every_key_but_the_operational_ones_identifies_the_work():
@@ -23,6 +26,20 @@ def test_a_key_an_earlier_uptrain_did_not_record_held_its_default():
     assert rule.changes({"lr": 0.1}, {"lr": 0.1, "seed": 0, "conversion": {"grouping": "contiguous"}}) == []
     assert rule.changes({"lr": 0.1}, {"lr": 0.1, "seed": 1}) == [Change("seed", 0, 1)]
     assert rule.changes({"lr": 0.1}, {"lr": 0.1, "new_key": 3}) == [Change("new_key", None, 3)]  # no default: None
+
+
+@dataclass(kw_only=True)
+class _Record(Schema):
+    source: str = option(help="required: every record holds it")
+    seed: int = option(0, help="added by a later uptrain")
+    report_to: str = option("jsonl", help="bookkeeping")
+
+
+def test_a_schema_s_rule_takes_its_defaults_for_keys_a_record_lacks():
+    rule = ResumeRule.for_schema(_Record, ["report_to"])
+    assert rule == ResumeRule(frozenset({"report_to"}), {"seed": 0, "report_to": "jsonl"})
+    current = _Record(source="a", seed=1, report_to="none").to_dict()
+    assert rule.changes({"source": "a"}, current) == [Change("seed", 0, 1)]
 
 
 def test_lists_and_tuples_count_alike():

@@ -64,6 +64,8 @@ def test_damage_not_made_by_a_kill_is_refused(base_config, interrupted):
     [
         ("run_config.yaml", "model: [unclosed", "run_config.yaml is damaged"),
         ("run_config.yaml", "- a list\n- of things\n", "run_config.yaml is damaged"),
+        # Past PyYAML's parser, in its constructor (a ValueError, once a traceback).
+        ("run_config.yaml", "model: 2024-13-45\n", "run_config.yaml is damaged .*month must be in 1..12"),
         ("run.json", '{"global_batch": ', "run.json is not valid JSON"),
         ("run.json", "[4]", "run.json is damaged"),
         ("checkpoints/step_00000002/" + STATE_FILE, '{"step": ', "trainer_state.json is not valid JSON"),
@@ -75,6 +77,19 @@ def test_a_damaged_run_file_is_one_line_and_nothing_changes(base_config, interru
     (interrupted / name).write_text(damage)
     before = snapshot(interrupted)
     refused(values(base_config, resume=True), message)
+    assert snapshot(interrupted) == before
+
+
+def test_a_damaged_run_config_is_one_line_and_exit_2_from_the_command(base_config, interrupted, tmp_path, capsys):
+    (interrupted / "run_config.yaml").write_text("model: 2024-13-45\n")
+    before = snapshot(interrupted)
+    path = tmp_path / "resume.yaml"
+    path.write_text(yaml.safe_dump(values(base_config, resume=True)))
+    capsys.readouterr()
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("uptrain train: error: cannot resume: run_config.yaml"), err
+    assert "is damaged" in err and "is not valid YAML: month must be in 1..12" in err, err
     assert snapshot(interrupted) == before
 
 

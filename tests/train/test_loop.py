@@ -274,6 +274,10 @@ def test_refuses_empty_and_short_data(base_config, tmp_path):
         {**base_config, "train_data": str(tmp_path / "short.txt")},
         r"gives 3 blocks of 32 tokens; one optimizer step needs 4",
     )
+    refuses(  # streamed: the head of the stream counted, the same refusal
+        {**base_config, "train_data": str(tmp_path / "short.txt"), "streaming": True},
+        r"gives 3 blocks of 32 tokens; one optimizer step needs 4: give more text",
+    )
     (tmp_path / "blank.txt").write_text("\n\n\n")
     refuses(
         {**base_config, "train_data": str(tmp_path / "blank.txt")}, "`train_data`: .*blank.txt holds only whitespace"

@@ -30,7 +30,8 @@ To add an architecture:
 2. If its transformers modeling has no `num_key_value_heads`, it needs uptrain's: write
    `uptrain/modeling/modeling_<model_type>_gqa.py` (loadable alone beside the weights: it imports
    only torch, transformers and `.attention`) and name its classes in `modeling=GQAModeling(...)`
-   (`decoders.gqa_modeling` for a causal LM's usual names). `uptrain.modeling` imports that module
+   (a decoder-only record: `decoders.uptrain_modeled(model_type, name, class_prefix, layout, ...)`,
+   its classes under a causal LM's usual names). `uptrain.modeling` imports that module
    and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
 3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
    that pass none to attention, settings the modeling does not compute, no whole-layer merges),

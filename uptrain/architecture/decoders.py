@@ -42,6 +42,15 @@ def gqa_modeling(model_type: str, prefix: str) -> GQAModeling:
     return GQAModeling(f"{model_type}_gqa", f"{prefix}GQAConfig", f"{prefix}GQAModel", f"{prefix}GQAForCausalLM")
 
 
+def uptrain_modeled(model_type: str, name: str, class_prefix: str, layout: AttentionLayout, **fields) -> Architecture:
+    """The record of a decoder-only architecture whose transformers modeling has no
+    num_key_value_heads, converted to uptrain's own (`gqa_modeling(model_type, class_prefix)`):
+    its head_dim is hidden_size // heads (uptrain's modeling reads no head_dim), and it supports
+    no whole-layer merges yet."""
+    fields = {"head_dim_key": None, "whole_layer_merges": False, **fields}
+    return decoder_only(model_type, name, layout, modeling=gqa_modeling(model_type, class_prefix), **fields)
+
+
 # A fused `query_key_value` whose rows are [h, 3, d], Q, K and V interleaved per head (GPT-NeoX,
 # BLOOM), with a `dense` output projection.
 PER_HEAD_QKV = dict(
@@ -96,11 +105,12 @@ NATIVE_GQA = (
 )
 
 # Architectures whose transformers modeling has no num_key_value_heads: converted to uptrain's
-# own (`modeling`), which reads the same layout with G heads. None supports whole-layer merges yet.
+# own (`uptrain_modeled`), which reads the same layout with G heads.
 UPTRAIN_MODELING = (
-    decoder_only(
+    uptrain_modeled(
         "gpt2",
         "GPT-2",
+        "GPT2",
         AttentionLayout(
             attn_prefix="transformer.h.{layer}.attn",
             attn_prefix_alternatives=("h.{layer}.attn",),
@@ -112,65 +122,52 @@ UPTRAIN_MODELING = (
             fused_qkv_bias="c_attn.bias",
             fused_axis=1,
         ),
-        head_dim_key=None,
-        modeling=gqa_modeling("gpt2", "GPT2"),
-        whole_layer_merges=False,
         notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
     ),
-    decoder_only(
+    uptrain_modeled(
         "gpt_neox",
         "GPT-NeoX",
-        AttentionLayout(
-            attn_prefix="gpt_neox.layers.{layer}.attention",
-            **PER_HEAD_QKV,
-        ),
-        head_dim_key=None,
-        modeling=gqa_modeling("gpt_neox", "GPTNeoX"),
+        "GPTNeoX",
+        AttentionLayout(attn_prefix="gpt_neox.layers.{layer}.attention", **PER_HEAD_QKV),
         renames=(("embed_out.", "lm_head."),),  # transformers renames it for GPTNeoXForCausalLM only
-        whole_layer_merges=False,
         notes="query_key_value rows [h, 3, d] interleaved per head; partial rotary",
     ),
-    decoder_only(
+    uptrain_modeled(
         "opt",
+        "OPT",
         "OPT",
         AttentionLayout(
             attn_prefix="model.decoder.layers.{layer}.self_attn",
             attn_prefix_alternatives=("decoder.layers.{layer}.self_attn",),
             o_proj="out_proj",
         ),
-        head_dim_key=None,
-        modeling=gqa_modeling("opt", "OPT"),
         init_std_key="init_std",
         mask_ignores_positions=True,
-        whole_layer_merges=False,
         notes="separate projections with biases; no RoPE",
     ),
-    decoder_only(
+    uptrain_modeled(
         "gptj",
         "GPT-J",
+        "GPTJ",
         AttentionLayout(attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj"),
-        head_dim_key=None,
-        modeling=gqa_modeling("gptj", "GPTJ"),
-        whole_layer_merges=False,
         notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
     ),
-    decoder_only(
+    uptrain_modeled(
         "bloom",
         "BLOOM",
+        "Bloom",
         AttentionLayout(
             attn_prefix="transformer.h.{layer}.self_attention",
             attn_prefix_alternatives=("h.{layer}.self_attention",),
             **PER_HEAD_QKV,
         ),
-        head_dim_key=None,
-        modeling=gqa_modeling("bloom", "Bloom"),
         alibi=True,
-        whole_layer_merges=False,
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
     ),
-    decoder_only(
+    uptrain_modeled(
         "gpt_neo",
         "GPT-Neo",
+        "GPTNeo",
         AttentionLayout(attn_prefix="transformer.h.{layer}.attn.attention", o_proj="out_proj"),
         # GPTNeoConfig spells them num_layers and num_heads (transformers maps the standard names
         # onto them), and ignores any head_dim: hidden_size // num_heads.
@@ -180,14 +177,13 @@ UPTRAIN_MODELING = (
             kv_heads_key="num_key_value_heads",
             hidden_key="hidden_size",
         ),
-        modeling=gqa_modeling("gpt_neo", "GPTNeo"),
         attention_ignores_positions=True,
-        whole_layer_merges=False,
         notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
     ),
-    decoder_only(
+    uptrain_modeled(
         "mpt",
         "MPT",
+        "Mpt",
         AttentionLayout(
             attn_prefix="transformer.blocks.{layer}.attn",
             q_proj="Wqkv",
@@ -197,7 +193,6 @@ UPTRAIN_MODELING = (
             fused_qkv="Wqkv.weight",
         ),
         geometry=StackKeys("n_layers", "n_heads", "num_key_value_heads", hidden_key="d_model"),
-        modeling=gqa_modeling("mpt", "Mpt"),
         # transformers' MPT reads none of these settings: a checkpoint with another value is
         # another model than the one it (and mpt_gqa) computes.
         refused_settings=(
@@ -206,23 +201,20 @@ UPTRAIN_MODELING = (
             RefusedSetting("attn_config.alibi", True, True, "transformers' MPT has no learned positions"),
             RefusedSetting("no_bias", True, True, "transformers' MPT has no biases"),
         ),
-        whole_layer_merges=False,
         # Its ALiBi depends on the distance to each key alone (not on the padding mask): packed
         # documents take the document mask, so not the `alibi` quirk.
         notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",
     ),
-    decoder_only(
+    uptrain_modeled(
         "falcon",
         "Falcon",
+        "Falcon",
         AttentionLayout(attn_prefix="transformer.h.{layer}.self_attention", **PER_HEAD_QKV),
-        head_dim_key=None,
-        modeling=gqa_modeling("falcon", "Falcon"),
         refused_settings=(
             RefusedSetting("multi_query", False, True, "it has one KV head already"),
             RefusedSetting("new_decoder_architecture", False, False, "its KV heads are grouped already"),
         ),
         alibi="alibi",  # Falcon-RW; rotary otherwise
-        whole_layer_merges=False,
         notes="multi-head Falcon (Falcon-RW): query_key_value rows [h, 3, d] interleaved per head; "
         "ALiBi (alibi: true) or rotary",
     ),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from uptrain import UptrainError
@@ -103,15 +103,7 @@ class StackKeys:
     layers_fallback_key: str | None = None  # T5: num_decoder_layers, when absent, is num_layers
 
     def read(self, config: dict) -> AttentionGeometry:
-        return stack_geometry(
-            config,
-            layers_key=self.layers_key,
-            heads_key=self.heads_key,
-            kv_heads_key=self.kv_heads_key,
-            head_dim_key=self.head_dim_key,
-            hidden_key=self.hidden_key,
-            layers_fallback_key=self.layers_fallback_key,
-        )
+        return stack_geometry(config, **asdict(self))  # the fields are its keywords
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import uptrain
 from uptrain import UptrainError
+from uptrain.options import keys_of
 
 PACKAGE = Path(uptrain.__file__).resolve().parent
 SHIPPED = "<uptrain>/"  # how an identity names a path into the package
@@ -53,6 +54,13 @@ class ResumeRule:
 
     operational: frozenset[str] = frozenset()
     defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_schema(cls, schema: type, operational: Iterable[str]) -> ResumeRule:
+        """The rule of a folder whose record holds the keys of `schema` (an `uptrain.options`
+        schema): every key but `operational` identifies the work, and a key the record lacks held
+        its default (required keys have none: every record holds them)."""
+        return cls(frozenset(operational), {k.name: k.default for k in keys_of(schema) if not k.required})
 
     def identity(self, settings: Mapping) -> dict:
         """The identifying settings of `settings`, flat, each as it is compared."""

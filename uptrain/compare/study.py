@@ -42,7 +42,7 @@ from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
-from uptrain.options import keys_of
+from uptrain.options import keys_of, names_of
 from uptrain.speed_checks import ModelShape, model_shape
 from uptrain.strict_json import parse_json, read_json
 from uptrain.train.config import OPERATIONAL_KEYS as TRAIN_OPERATIONAL_KEYS
@@ -71,8 +71,7 @@ def operational_keys(keys) -> frozenset[str]:
 def resume_rule() -> ResumeRule:
     """What identifies a compare: every setting but the operational ones. A key the earlier
     compare's uptrain did not have yet held its default there."""
-    defaults = {k.name: k.default for k in keys_of(CompareSpec) if not k.required}
-    return ResumeRule(operational_keys([k.name for k in keys_of(CompareSpec)]), defaults)
+    return ResumeRule.for_schema(CompareSpec, operational_keys(names_of(CompareSpec)))
 
 
 def _flat_record(old: dict) -> dict:

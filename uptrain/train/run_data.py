@@ -47,24 +47,21 @@ def load_run_data(
             dataset_config=config.eval_dataset_config or config.dataset_config,
             **common,
         )
-    too_short = (
-        f"give more text or a smaller seq_len / batch (global batch: batch_size {config.batch_size} × "
-        f"grad_accum {config.grad_accum} × processes {world})"
-    )
     train_blocks: MicroBatches
     if isinstance(train_data, TextStream):
+        # The head of the whole stream (as every process sees it): the same decision everywhere.
+        available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
         train_blocks = StreamedTrainBlocks(
             train_data, config.seed, config.batch_size, config.grad_accum, world, rank, config.data_workers or 1
         )
-        # The head of the whole stream (as every process sees it): the same decision everywhere.
-        available = sum(1 for _ in itertools.islice(iter(train_data), global_batch))
     else:
-        train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
         available = len(train_data)
+        train_blocks = TrainBlocks(train_data, config.seed, config.batch_size, config.grad_accum, world)
     if available < global_batch:
         raise UptrainError(
-            f"train_data {train_source.label} gives {available} blocks of {config.seq_len} "
-            f"tokens; one optimizer step needs {global_batch}: {too_short}"
+            f"train_data {train_source.label} gives {available} blocks of {config.seq_len} tokens; one optimizer "
+            f"step needs {global_batch}: give more text or a smaller seq_len / batch (global batch: batch_size "
+            f"{config.batch_size} × grad_accum {config.grad_accum} × processes {world})"
         )
     evaluated = head_blocks(eval_data, config.eval_blocks)
     eval_set = [

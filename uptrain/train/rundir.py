@@ -21,12 +21,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from uptrain import UptrainError
 from uptrain.checkpoint.atomic import OutputLock, remove_stale_locks
 from uptrain.checkpoint.resumable import Change, ResumeRule, settings_changed, unreadable_record
-from uptrain.options import keys_of
+from uptrain.options import read_yaml
 from uptrain.strict_json import read_json
 from uptrain.train.checkpoint import latest_checkpoint, read_trainer_state, remove_partial_checkpoints
 from uptrain.train.config import OPERATIONAL_KEYS, TrainConfig, config_to_yaml
@@ -57,8 +55,7 @@ GLOBAL_BATCH = "batch_size × grad_accum × processes"
 def resume_rule() -> ResumeRule:
     """What identifies a run: every key but the bookkeeping ones (`OPERATIONAL_KEYS`) and
     output_dir, which names the folder being resumed however it is spelled (run, run/, /abs/run)."""
-    defaults = {k.name: k.default for k in keys_of(TrainConfig) if not k.required}
-    return ResumeRule(OPERATIONAL_KEYS | {"output_dir"}, defaults)
+    return ResumeRule.for_schema(TrainConfig, OPERATIONAL_KEYS | {"output_dir"})
 
 
 @contextmanager
@@ -112,9 +109,9 @@ def _contents(out: Path) -> list[Path]:
 
 def _read_run_config(marker: Path) -> dict:
     try:
-        old = yaml.safe_load(marker.read_text())
-    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as err:
-        raise unreadable_record(f"{marker} is damaged ({type(err).__name__})", "output_dir") from None
+        old = read_yaml(marker)
+    except UptrainError as err:  # its one line names the file and what is wrong with it
+        raise unreadable_record(f"{marker.name} is damaged ({err})", "output_dir") from None
     if not isinstance(old, dict):
         raise unreadable_record(f"{marker} is damaged (not a mapping of config keys)", "output_dir")
     return old

@@ -1,1 +1,2 @@
-"""Uptraining: data packing, the Accelerate loop, metrics, checkpoint/resume."""
+"""Uptraining: the Accelerate loop (setup, step, optimizer, report), metrics, checkpoint/resume.
+Its data (blocks, batches, objectives' inputs) come from `uptrain.data`."""

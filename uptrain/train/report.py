@@ -60,6 +60,8 @@ def print_plan(run: Run) -> None:
     if c.teacher:
         distill = f"from {c.teacher} (weight {c.distill_weight}, temperature {c.distill_temperature})"
     total_tokens, left_tokens = plan.total_steps * plan.tokens_per_step, steps_left * plan.tokens_per_step
+    framing = run.objective.framing
+    prompt = f"; prompt {framing.shown}" if framing is not None else ""
     resuming = f" (resuming after step {start_step}, {steps_left} left)" if start_step else ""
     lines = [
         "plan:",
@@ -72,7 +74,7 @@ def print_plan(run: Run) -> None:
         f"{c.grad_accum} × processes {acc.num_processes}",
         f"  processes        {acc.num_processes} ({acc.device.type}, mixed precision {acc.mixed_precision})",
         f"  train data       {data}; eval: the same {plan.eval_block_count} blocks each time",
-        f"  objective        {plan.objective}",
+        f"  objective        {plan.objective}{prompt}",
         f"  distillation     {distill}",
         f"  output           {plan.out}",
     ]

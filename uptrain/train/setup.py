@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,13 +17,14 @@ import torch
 import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
-from uptrain.architecture import auto_class_name, config_geometry
+from uptrain.architecture import auto_class_name, config_geometry, find_architecture
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
 from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.objectives import key_problem
+from uptrain.objectives.prompts import PromptKeys, target_framing
 from uptrain.train import metrics as M
 from uptrain.train.compile import check_compile_backend, compile_blocks
 from uptrain.train.config import TrainConfig
@@ -360,4 +361,8 @@ def _objective(
         resolve_objective(objective.name, teacher_config, f"teacher {config.teacher}")
     if problem := key_problem(objective, config.target_len, config.document_mask):
         raise UptrainError(problem)
-    return objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)
+    batches = objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)
+    keys = PromptKeys(config.language, config.task, config.source_lang, config.target_lang)
+    arch = find_architecture(model_config.get("model_type"))
+    framing = target_framing(arch, objective, keys, tokenizer, model_path, model_config)
+    return replace(batches, framing=framing)

@@ -228,3 +228,215 @@ def test_whisper_prompt_refusals(speech, tmp_path, s2s_bart):
 def s2s_bart(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bart")
     return build_model("bart", root / "bart", build_tokenizer("the cat a dog", sentinels=False))
+
+
+# Translation: the tokenizer's language codes (mBART, mBART-50, NLLB on M2M100) and Marian's source token.
+
+TEXT_WORDS = ["the", "cat", "a", "dog", "old", "king", "my", "sister"]
+
+
+def unigram_vocab() -> list[tuple[str, float]]:
+    """mBART's sentencepiece-style vocabulary: its four specials, the word boundary, whole words."""
+    return [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)] + [
+        (f"▁{w}", -1.0) for w in TEXT_WORDS
+    ]
+
+
+def translation_tokenizer(kind: str):
+    from transformers import MBart50Tokenizer, MBartTokenizer, NllbTokenizer
+
+    if kind == "mbart":  # mBART-cc25 / en-ro: codes close the text ([…, </s>, code])
+        return MBartTokenizer(vocab=unigram_vocab(), src_lang="en_XX", tgt_lang="ro_RO")
+    if kind == "mbart50":  # mBART-50: codes open it ([code, …, </s>])
+        return MBart50Tokenizer(vocab=unigram_vocab(), src_lang="en_XX", tgt_lang="ro_RO")
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "▁": 4}  # NLLB: BPE, here on characters
+    for c in "".join(TEXT_WORDS):
+        vocab.setdefault(c, len(vocab))
+    return NllbTokenizer(vocab=vocab, merges=[], src_lang="eng_Latn", tgt_lang="fra_Latn")
+
+
+def build_translation_model(kind: str, folder: Path) -> Path:
+    """A 2-layer mBART or M2M100 (NLLB's architecture) with `translation_tokenizer(kind)`. The
+    decoder starts as the published checkpoints' do: mBART-cc25 from the target code (its labels
+    end with it, and its shift wraps it round to the front), mBART-50 and NLLB from EOS, the code
+    then forced as the first token (`forced_bos_token_id`)."""
+    import transformers as tf
+
+    tokenizer = translation_tokenizer(kind)
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        d_model=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+    )
+    if kind == "nllb":
+        model = tf.M2M100ForConditionalGeneration(
+            tf.M2M100Config(decoder_start_token_id=tokenizer.eos_token_id, **common)
+        )
+    else:
+        start = tokenizer.convert_tokens_to_ids("ro_RO") if kind == "mbart" else tokenizer.eos_token_id
+        model = tf.MBartForConditionalGeneration(
+            tf.MBartConfig(decoder_start_token_id=start, forced_bos_token_id=None, **common)
+        )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+PAIRS = [("the old king", "a dog"), ("my sister", "the cat the dog"), ("a cat", "my old sister")]
+
+
+@pytest.fixture(scope="module")
+def translation(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("translation")
+    rows = [{"source": s, "target": t} for s, t in PAIRS]
+    write_jsonl(root / "train.jsonl", rows * 2)
+    write_jsonl(root / "eval.jsonl", rows)
+    return {"root": root, **{k: build_translation_model(k, root / k) for k in ("mbart", "mbart50", "nllb")}}
+
+
+def translation_config(translation, kind: str, tmp_path, **overrides) -> dict:
+    return {
+        "model": str(translation[kind]),
+        "objective": "pairs",
+        "train_data": str(translation["root"] / "train.jsonl"),
+        "eval_data": str(translation["root"] / "eval.jsonl"),
+        "output_dir": str(tmp_path / f"run-{kind}"),
+        "seq_len": 32,  # no pair is cut
+        "batch_size": 3,
+        "lr": 1e-3,
+        "max_steps": 1,
+        "eval_every": 1,
+        "save_every": 10,
+        "seed": 0,
+        "report_to": ["jsonl"],
+        **overrides,
+    }
+
+
+def translation_nll(kind: str, model_path: Path, source_code: str, target_code: str) -> float:
+    """Mean NLL per target token of every eval pair, its sequences written here by hand: the source
+    with its code where the family writes it, the decoder fed what `generate` starts with (NLLB and
+    mBART-50: EOS, then the code `forced_bos_token_id` forces; mBART-cc25: the code, its decoder start)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_path).eval()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    src, tgt, eos = tok.convert_tokens_to_ids(source_code), tok.convert_tokens_to_ids(target_code), tok.eos_token_id
+    total, count = 0.0, 0
+    for source, target in PAIRS:
+        s, t = (tok.encode(x, add_special_tokens=False) for x in (source, target))
+        if kind == "mbart":  # [text, </s>, code]; the decoder starts from the code
+            source_ids, decoder_ids, labels = s + [eos, src], [tgt] + t + [eos], t + [eos, tgt]
+        else:  # [code, text, </s>]; the decoder starts from </s>
+            source_ids, decoder_ids, labels = [src] + s + [eos], [eos, tgt] + t, [tgt] + t + [eos]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([source_ids]), decoder_input_ids=torch.tensor([decoder_ids])).logits
+        nll = -torch.log_softmax(logits.double(), dim=-1)[0].gather(1, torch.tensor(labels)[:, None])
+        total, count = total + nll.sum().item(), count + nll.numel()
+    return total / count
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "codes"),
+    [
+        ("mbart", {}, ("en_XX", "ro_RO")),  # the tokenizer's saved codes
+        ("mbart", {"source_lang": "de_DE", "target_lang": "fr_XX"}, ("de_DE", "fr_XX")),
+        ("mbart50", {"target_lang": "fr_XX"}, ("en_XX", "fr_XX")),
+        ("nllb", {}, ("eng_Latn", "fra_Latn")),
+        ("nllb", {"source_lang": "deu_Latn", "target_lang": "spa_Latn"}, ("deu_Latn", "spa_Latn")),
+    ],
+)
+def test_translation_targets_carry_the_target_language_code(translation, tmp_path, capsys, kind, keys, codes):
+    config = TrainConfig(**translation_config(translation, kind, tmp_path, **keys))
+    run_training(config)
+    assert f"prompt {codes[0]} → {codes[1]}" in capsys.readouterr().out
+    expected = translation_nll(kind, translation[kind], *codes)
+    assert records(config.output_dir)[0]["eval/loss"] == pytest.approx(expected, rel=1e-5)
+    if kind != "mbart":  # generate() with forced_bos_token_id starts from what the labels are scored after
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+        model, tok = AutoModelForSeq2SeqLM.from_pretrained(config.model), AutoTokenizer.from_pretrained(config.model)
+        code = tok.convert_tokens_to_ids(codes[1])
+        out = model.generate(torch.tensor([[5, 6, 2]]), forced_bos_token_id=code, max_new_tokens=2)
+        assert out[0, :2].tolist() == [tok.eos_token_id, code]
+
+
+def test_translation_prompt_refusals(translation, tmp_path, speech):
+    nllb = translation_config(translation, "nllb", tmp_path)
+    refuses({**nllb, "target_lang": "xx_Yyyy"}, r"`target_lang` 'xx_Yyyy' is not a language code of the tokenizer")
+    refuses({**nllb, "language": "fr"}, r"`language` applies to Whisper checkpoints .* is M2M100, trained on objective")
+    whisper = speech_config(speech, "english", tmp_path)
+    refuses({**whisper, "target_lang": "fr"}, r"`target_lang` applies to objective pairs of mBART")
+    # mBART trained on its default objective (text infilling of blocks) has no pairs to frame.
+    text = translation["root"] / "text.txt"
+    text.write_text(" ".join(TEXT_WORDS * 40))
+    mbart = translation_config(translation, "mbart", tmp_path, objective=None)
+    mbart.update(train_data=str(text), eval_data=str(text), target_lang="fr_XX")
+    refuses(mbart, r"`target_lang` applies to .* is mBART, trained on objective text_infilling")
+
+
+def test_marian_multi_writes_the_target_code_ahead_of_each_source(tmp_path):
+    """A multilingual Marian reads its target language from a `>>code<<` token opening the source."""
+    from tests.train.test_seq2seq import build_tokenizer as word_tokenizer
+    from uptrain.architecture import architecture
+    from uptrain.model_info import read_config
+    from uptrain.objectives import OBJECTIVES
+    from uptrain.objectives.prompts import PromptKeys, target_framing
+    from uptrain.train.pairs import load_pairs
+
+    tokenizer = word_tokenizer(" ".join(TEXT_WORDS), sentinels=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": [">>fra<<", ">>spa<<"]})
+    folder = build_model("marian", tmp_path / "marian", tokenizer)
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"source": s, "target": t} for s, t in PAIRS])
+    config = read_config(folder)
+
+    def examples(keys: PromptKeys):
+        framing = target_framing(architecture("marian"), OBJECTIVES["pairs"], keys, tokenizer, str(folder), config)
+        return load_pairs(str(data), "eval_data", OBJECTIVES["pairs"], tokenizer, str(folder), config, 16, 16, framing)
+
+    plain, french = examples(PromptKeys()), examples(PromptKeys(target_lang="fra"))
+    code = tokenizer.convert_tokens_to_ids(">>fra<<")
+    assert [s[0] for s in french.sources] == [code] * len(PAIRS)
+    assert [s[1:] for s in french.sources] == plain.sources
+    assert french.targets == plain.targets  # the targets carry no code
+    from uptrain import UptrainError
+
+    with pytest.raises(UptrainError, match=r"`target_lang` 'deu': the tokenizer of .* has no >>deu<< token"):
+        examples(PromptKeys(target_lang="deu"))
+    with pytest.raises(UptrainError, match=r"`source_lang` applies to objective pairs of mBART and M2M100/NLLB"):
+        examples(PromptKeys(source_lang="eng"))
+
+
+@pytest.mark.parametrize("kind", ["mbart", "mbart50", "nllb"])
+def test_a_cut_target_keeps_the_tokenizers_closing_tokens(translation, kind):
+    """target_len cuts the text, never mBART's closing </s> + code (nor EOS)."""
+    from transformers import AutoTokenizer
+
+    from uptrain.model_info import read_config
+    from uptrain.objectives import OBJECTIVES
+    from uptrain.train.pairs import load_pairs
+
+    path = translation[kind]
+    tok = AutoTokenizer.from_pretrained(path)
+    eos, code = tok.eos_token_id, tok.convert_tokens_to_ids(tok.tgt_lang)
+    examples = load_pairs(
+        str(translation["root"] / "eval.jsonl"), "eval_data", OBJECTIVES["pairs"], tok, str(path),
+        read_config(path), 32, 4,
+    )  # fmt: skip
+    for target, (_, text) in zip(examples.targets, PAIRS, strict=True):
+        words = tok.encode(text, add_special_tokens=False)
+        assert target == (words[:2] + [eos, code] if kind == "mbart" else [code] + words[:2] + [eos])

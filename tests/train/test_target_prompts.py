@@ -207,6 +207,38 @@ def test_whisper_targets_start_with_the_prompt_generate_forces(speech, tmp_path,
     )
 
 
+def test_a_speech_run_is_counted_in_clips(speech, tmp_path, capsys):
+    """Plan, speed and card say clips, seconds of audio and decoder tokens, not seq_len tokens."""
+    config = TrainConfig(**speech_config(speech, "english", tmp_path, max_steps=2, eval_every=2))
+    final = run_training(config)
+    plan = capsys.readouterr().out
+    # 9 clips of 0.5 s; labels <|notimestamps|> + two words + EOS = 4 each.
+    assert "  clips            6 (6 to go), about 3 s of audio" in plan
+    assert (
+        "  clips per step   3 = batch_size 3 × grad_accum 1 × processes 1; each read as a 1 s window, 50 encoder "
+        "positions\n" in plan
+    )
+    assert (
+        "  train data       9 clips (4.5 s of audio, 36 decoder tokens), 0.667 epochs over them; eval: the same 3 "
+        "clips each time\n" in plan
+    )
+    assert "tokens per step" not in plan and "blocks" not in plan
+    step = records(config.output_dir)[1]
+    assert step["perf/clips_per_second"] == pytest.approx(3 / step["perf/step_time_s"])
+    record = json.loads((final / "uptrain.json").read_text())["uptraining"]
+    assert record["speech"] == {
+        "clips": 6,
+        "clips_per_step": 3,
+        "audio_seconds": 3.0,
+        "window_seconds": 1.0,
+        "encoder_positions": 50,
+    }
+    assert (
+        "- Budget: 6 clips (about 3 s of audio) in 2 optimizer steps (global batch 3 clips, each read as a 1 s window "
+        "of 50 encoder positions; 1 process)\n" in (final / "README.md").read_text()
+    )
+
+
 def test_whisper_prompt_refusals(speech, tmp_path, s2s_bart):
     multilingual = speech_config(speech, "multilingual", tmp_path)
     refuses(multilingual, r"is a multilingual Whisper and its generation config names no language: set `language`")

@@ -236,6 +236,9 @@ class Architecture:
     # frames, 30 s); None where the source length is the input's (text).
     source_positions_key: str | None = None
     source_unit: str = "source token"
+    # The config field of the decoder's positions, the most tokens it generates (Whisper's
+    # max_target_positions, 448); None where it has no position table (T5's relative positions).
+    target_positions_key: str | None = None
     # What its targets begin with beyond the decoder start (Whisper's language and task tokens,
     # mBART's and NLLB's language codes); None: the tokenizer's targets as they are.
     target_prompt: TargetPrompt | None = None

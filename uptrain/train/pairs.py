@@ -131,9 +131,17 @@ class PairExamples:
     tensors). Audio is decoded when loaded, to check it, and again for each batch it is in, so that
     only a batch's audio is held in memory."""
 
-    def __init__(self, sources: list, targets: list[list[int]], pad_id: int | None, feature_extractor=None):
+    def __init__(
+        self,
+        sources: list,
+        targets: list[list[int]],
+        pad_id: int | None,
+        feature_extractor=None,
+        seconds: list[float] | None = None,
+    ):
         self.sources, self.targets = sources, targets
         self.pad_id, self.feature_extractor = pad_id, feature_extractor
+        self.seconds = seconds  # each clip's length in seconds (speech), for the plan
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -216,19 +224,22 @@ def load_pairs(
         sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
         return PairExamples(sources, label_ids, tokenizer.pad_token_id)
     feature_extractor = _load_feature_extractor(model_path)
-    sources = []
+    sources, seconds = [], []
     for where, r in records:
         value = _field(r, source_name, where, key)
         if isinstance(value, str):
             path = Path(value) if Path(value).is_absolute() else Path(where.file).parent / value
             what = f"`{key}` {where}"
-            read_wav(path, feature_extractor.sampling_rate, what)  # decodes now: refused before anything is written
+            # Decoded now: refused before anything is written.
+            samples = read_wav(path, feature_extractor.sampling_rate, what)
             sources.append((path, what))
         elif isinstance(value, list):
-            sources.append(_samples(value, where, key))
+            samples = _samples(value, where, key)
+            sources.append(samples)
         else:
             raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or an array of samples")
-    return PairExamples(sources, label_ids, None, feature_extractor)
+        seconds.append(samples.size / feature_extractor.sampling_rate)
+    return PairExamples(sources, label_ids, None, feature_extractor, seconds)
 
 
 def _load_feature_extractor(model_path: str):

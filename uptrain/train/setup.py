@@ -36,6 +36,7 @@ from uptrain.train.run_data import load_run_data
 from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
 from uptrain.train.seq2seq import ObjectiveBatches, objective_for, resolve_objective
 from uptrain.train.seq2seq import train_flops_per_token as seq2seq_flops
+from uptrain.train.speech_units import SpeechUnits, speech_units
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
 
@@ -56,6 +57,7 @@ class Plan:
     eval_block_count: int  # over all processes
     notes: tuple[str, ...] = ()  # printed above the plan
     objective: str = "causal"
+    speech: SpeechUnits | None = None  # a speech run's clips, audio seconds and decoder tokens
 
 
 @dataclass
@@ -177,6 +179,9 @@ def setup(config: TrainConfig) -> Run:
         config, accelerator, model_path, model_config, teacher_path, teacher_config, objective
     )
     plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes, objective.name)
+    if objective.objective.encoder_reads == "audio":  # counted in clips, not seq_len tokens
+        arch = find_architecture(model_config.get("model_type"))
+        plan = replace(plan, speech=speech_units(train_blocks.blocks, global_batch, model_config, arch))
     return Run(
         plan=plan,
         start=start,

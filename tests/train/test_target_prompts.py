@@ -207,6 +207,25 @@ def test_whisper_targets_start_with_the_prompt_generate_forces(speech, tmp_path,
     )
 
 
+def test_whisper_language_from_the_tokenizer(speech):
+    """A checkpoint whose tokenizer names its language (WhisperTokenizer(language=…), as
+    transformers' fine-tuning recipe saves it) needs no `language` key."""
+    from uptrain.architecture import architecture
+    from uptrain.model_info import read_config
+    from uptrain.objectives import OBJECTIVES
+    from uptrain.objectives.prompts import PromptKeys, target_framing
+
+    path = speech["multilingual"]
+    tokenizer = whisper_tokenizer()
+    tokenizer.language, tokenizer.task = "french", "translate"
+    framing = target_framing(
+        architecture("whisper"), OBJECTIVES["speech_pairs"], PromptKeys(), tokenizer, str(path), read_config(path)
+    )
+    assert framing.shown == "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"
+    prompt = ["<|fr|>", "<|translate|>", "<|notimestamps|>"]
+    assert framing.label_prefix == tuple(tokenizer.convert_tokens_to_ids(prompt))
+
+
 def test_a_speech_run_is_counted_in_clips(speech, tmp_path, capsys):
     """Plan, speed and card say clips, seconds of audio and decoder tokens, not seq_len tokens."""
     config = TrainConfig(**speech_config(speech, "english", tmp_path, max_steps=2, eval_every=2))

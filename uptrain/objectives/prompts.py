@@ -8,10 +8,11 @@ builds it from the checkpoint and the run's keys, refusing in one line what does
 
 - Whisper (`language`, `task`): `<|startoftranscript|><|lang|><|task|><|notimestamps|>`, the ids
   `generate(language=…, task=…)` forces, from generation_config.json (`lang_to_id`, `task_to_id`,
-  `no_timestamps_token_id`, `is_multilingual`; the defaults from its `language`, `task` or
-  `forced_decoder_ids`). The model puts the decoder start in front of the labels itself, so the
-  labels are the rest of the prompt, the transcript and <|endoftext|>: an English-only checkpoint's
-  `<|notimestamps|>`, a multilingual one's language and task tokens before it.
+  `no_timestamps_token_id`, `is_multilingual`; the defaults from its `language` and `task`, the
+  tokenizer's, or its `forced_decoder_ids`). The model puts the decoder start in front of the
+  labels itself, so the labels are the rest of the prompt, the transcript and <|endoftext|>: an
+  English-only checkpoint's `<|notimestamps|>`, a multilingual one's language and task tokens
+  before it.
 - mBART / M2M100 / NLLB (`source_lang`, `target_lang`): the tokenizer's `src_lang` / `tgt_lang`,
   whose codes it writes itself (the target's first, where `forced_bos_token_id` puts it; mBART-cc25's
   last, which its decoder start wraps round to the front); default: the tokenizer's saved ones.
@@ -121,10 +122,11 @@ def _language_token(language: str, lang_to_id: dict, model_path: str) -> str:
 
 def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dict) -> TargetFraming:
     gen = _generation_config(model_path)
-    lang_to_id, task_to_id = gen.get("lang_to_id") or {}, gen.get("task_to_id") or {}
-    multilingual = gen.get("is_multilingual", bool(lang_to_id))
+    lang_to_id, task_to_id = (m if isinstance(m := gen.get(k), dict) else {} for k in ("lang_to_id", "task_to_id"))
+    multilingual = gen["is_multilingual"] if gen.get("is_multilingual") is not None else bool(lang_to_id)
     # forced_decoder_ids: [[1, lang], [2, task], [3, notimestamps]], positions after the decoder start.
-    forced = {p: i for p, i in gen.get("forced_decoder_ids") or model_config.get("forced_decoder_ids") or []}
+    raw = gen.get("forced_decoder_ids") or model_config.get("forced_decoder_ids") or []
+    forced = dict(f for f in raw if isinstance(f, list) and len(f) == 2) if isinstance(raw, list) else {}
     prefix: list[int] = []
     if not multilingual:
         if given := keys.given(SPEECH_KEYS):
@@ -138,7 +140,9 @@ def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dic
                 f"{model_path} is a multilingual Whisper whose generation_config.json has no lang_to_id / task_to_id: "
                 "its language and task tokens are unknown"
             )
-        language = keys.language or gen.get("language")
+        # A fine-tuned checkpoint names its language in the generation config (transformers'
+        # recipe) or in its tokenizer's prefix (WhisperTokenizer(language=…)).
+        language = keys.language or gen.get("language") or getattr(tokenizer, "language", None)
         if language is not None:
             lang_id = lang_to_id[_language_token(language, lang_to_id, model_path)]
         elif forced.get(1) in lang_to_id.values():
@@ -148,7 +152,7 @@ def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dic
                 f"{model_path} is a multilingual Whisper and its generation config names no language: set `language` "
                 "(the audio's, e.g. en), whose token opens every target as `generate(language=…)` forces it"
             )
-        task = keys.task or gen.get("task")
+        task = keys.task or gen.get("task") or getattr(tokenizer, "task", None)
         if task is None:
             by_id = {i: t for t, i in task_to_id.items()}
             task = by_id.get(forced.get(2), "transcribe")

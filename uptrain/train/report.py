@@ -65,18 +65,8 @@ def print_plan(run: Run) -> None:
     resuming = f" (resuming after step {start_step}, {steps_left} left)" if start_step else ""
     speech = plan.speech
     if speech is not None:  # clips, audio seconds and decoder tokens: seq_len is no length of audio
-        total_clips, left_clips = plan.total_steps * speech.clips_per_step, steps_left * speech.clips_per_step
-        size = [
-            f"  clips            {total_clips:,} ({left_clips:,} to go), about {speech.audio_s(total_clips):,.0f} s "
-            "of audio",
-            f"  clips per step   {speech.clips_per_step} = batch_size {c.batch_size} × grad_accum {c.grad_accum} × "
-            f"processes {acc.num_processes}; each read as {speech.window}",
-        ]
-        epochs = plan.total_steps / run.train_blocks.steps_per_epoch
-        data = (
-            f"{speech.train_clips} clips ({speech.train_audio_s:,.1f} s of audio, {speech.train_decoder_tokens:,} "
-            f"decoder tokens), {epochs:.3g} epochs over them"
-        )
+        size = speech.plan_lines(plan.total_steps, steps_left, c, acc.num_processes)
+        data = speech.train_data(plan.total_steps / run.train_blocks.steps_per_epoch)
     else:
         size = [
             f"  tokens           {_human(total_tokens)} ({_human(left_tokens)} to go)",

@@ -36,6 +36,22 @@ class SpeechUnits:
         """Seconds of audio in `clips` clips drawn from train_data (its mean clip length each)."""
         return clips * self.train_audio_s / self.train_clips
 
+    def plan_lines(self, total_steps: int, steps_left: int, config, processes: int) -> list[str]:
+        """The plan's lines of what the run holds, in clips (where a text run's say tokens)."""
+        total, left = total_steps * self.clips_per_step, steps_left * self.clips_per_step
+        return [
+            f"  clips            {total:,} ({left:,} to go), about {self.audio_s(total):,.0f} s of audio",
+            f"  clips per step   {self.clips_per_step} = batch_size {config.batch_size} × grad_accum "
+            f"{config.grad_accum} × processes {processes}; each read as {self.window}",
+        ]
+
+    def train_data(self, epochs: float) -> str:
+        """The plan's train data, in clips, audio seconds and decoder tokens."""
+        return (
+            f"{self.train_clips} clips ({self.train_audio_s:,.1f} s of audio, {self.train_decoder_tokens:,} "
+            f"decoder tokens), {epochs:.3g} epochs over them"
+        )
+
     def record(self, steps: int) -> dict:
         """The uptraining record's `speech` entry (`uptrain.json`), which the model card reads."""
         clips = steps * self.clips_per_step

@@ -145,11 +145,12 @@ def speech_config(speech, kind: str, tmp_path, **overrides) -> dict:
 def whisper_nll(model_path: Path, eval_file: Path, prompt: list[str]) -> float:
     """Mean negative log-likelihood per token of `prompt`[1:] + transcript + <|endoftext|> under
     the model, the decoder fed <|startoftranscript|> and what follows, one example at a time."""
-    from transformers import AutoFeatureExtractor, AutoTokenizer, WhisperForConditionalGeneration
+    from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq, AutoTokenizer
 
+    import uptrain.modeling  # noqa: F401  registers whisper_gqa
     from uptrain.train.pairs import read_wav
 
-    model = WhisperForConditionalGeneration.from_pretrained(model_path).eval()
+    model = AutoModelForSpeechSeq2Seq.from_pretrained(model_path).eval()
     tokenizer, extractor = AutoTokenizer.from_pretrained(model_path), AutoFeatureExtractor.from_pretrained(model_path)
     total, count = 0.0, 0
     for line in eval_file.read_text().splitlines():
@@ -205,6 +206,19 @@ def test_whisper_targets_start_with_the_prompt_generate_forces(speech, tmp_path,
     assert records(config.output_dir)[0]["eval/loss"] != pytest.approx(
         whisper_nll(speech[kind], speech["root"] / "eval.jsonl", prompt[:1]), rel=1e-3
     )
+
+
+def test_a_whisper_converted_on_the_fly_trains_on_its_prompt(speech, tmp_path):
+    """`source` + `num_kv_heads`: the prompt is read from the source (its generation config travels
+    with the converted weights), and step 0 scores the converted model on it."""
+    values = speech_config(speech, "multilingual", tmp_path, language="fr")
+    del values["model"]
+    config = TrainConfig(**values, source=str(speech["multilingual"]), num_kv_heads=2)
+    run_training(config)
+    converted = Path(config.output_dir) / "converted"
+    assert json.loads((converted / "config.json").read_text())["model_type"] == "whisper_gqa"
+    expected = whisper_nll(converted, speech["root"] / "eval.jsonl", MULTILINGUAL_FR)
+    assert records(config.output_dir)[0]["eval/loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_whisper_language_from_the_tokenizer(speech):

@@ -97,8 +97,8 @@ class TrainData(Schema):
     language: str | None = option(
         None,
         help="Whisper (speech_pairs): the audio's language (en, fr, english, <|en|>), whose token opens every "
-        "target as `generate(language=…)` forces it; default: the generation config's; a multilingual checkpoint "
-        "that names none needs it, an English-only one takes none",
+        "target as `generate(language=…)` forces it; default: the generation config's (or the tokenizer's); a "
+        "multilingual checkpoint that names none needs it, an English-only one takes none",
     )
     task: Literal["transcribe", "translate"] | None = option(
         None,

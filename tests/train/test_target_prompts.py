@@ -186,7 +186,7 @@ MULTILINGUAL_FR = ["<|startoftranscript|>", "<|fr|>", "<|transcribe|>", "<|notim
         ("multilingual", {"language": "fr"}, MULTILINGUAL_FR),
         (
             "multilingual",
-            {"language": "english", "task": "translate"},
+            {"language": "english", "speech_task": "translate"},
             ["<|startoftranscript|>", "<|en|>", "<|translate|>", "<|notimestamps|>"],
         ),
         ("french", {}, MULTILINGUAL_FR),  # the generation config's language; transcribe from forced_decoder_ids
@@ -197,7 +197,8 @@ def test_whisper_targets_start_with_the_prompt_generate_forces(speech, tmp_path,
     config = TrainConfig(**speech_config(speech, kind, tmp_path, **keys))
     run_training(config)
     assert f"prompt {''.join(prompt)}" in capsys.readouterr().out
-    generate_keys = keys | ({"language": "fr"} if kind == "french" else {})
+    generate_keys = {"task" if k == "speech_task" else k: v for k, v in keys.items()}  # generate's names
+    generate_keys |= {"language": "fr"} if kind == "french" else {}
     assert forced_prompt(speech[kind], **generate_keys) == prompt
     # α = 0: the evaluation is the model's own likelihood of the transcript after the prompt.
     expected = whisper_nll(speech[kind], speech["root"] / "eval.jsonl", prompt)
@@ -278,15 +279,15 @@ def test_whisper_prompt_refusals(speech, tmp_path, s2s_bart):
     refuses({**multilingual, "language": "de"}, r"`language` 'de' is not a language of .* lang_to_id: en, fr")
     english = speech_config(speech, "english", tmp_path)
     refuses({**english, "language": "en"}, r"is an English-only Whisper .* it takes no `language`")
-    refuses({**english, "task": "translate"}, r"it takes no `task`")
+    refuses({**english, "speech_task": "translate"}, r"it takes no `speech_task`")
     refuses({**multilingual, "language": "fr", "target_len": 4}, r"target_len 4 leaves no room for text after")
     refuses({**multilingual, "source_lang": "fr"}, r"`source_lang` applies to objective pairs of mBART")
     bart = {**multilingual, "model": str(s2s_bart), "train_data": str(speech["root"] / "train.jsonl")}
     refuses({**bart, "language": "fr", "objective": "text_infilling"}, r"`language` applies to Whisper checkpoints")
     from uptrain import UptrainError
 
-    with pytest.raises(UptrainError, match="`task`: must be one of 'transcribe', 'translate' or null, not 'summarize'"):
-        TrainConfig(**{**multilingual, "task": "summarize"})
+    with pytest.raises(UptrainError, match="`speech_task`: must be one of 'transcribe', 'translate' or null, not 'sum"):
+        TrainConfig(**{**multilingual, "speech_task": "summarize"})
 
 
 @pytest.fixture(scope="module")

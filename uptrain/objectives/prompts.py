@@ -6,7 +6,7 @@ uptraining teaches it to skip the prompt that users' `generate()` forces. What a
 begin with is its record's `target_prompt` (`uptrain.architecture.TargetPrompt`); this module
 builds it from the checkpoint and the run's keys, refusing in one line what does not apply:
 
-- Whisper (`language`, `task`): `<|startoftranscript|><|lang|><|task|><|notimestamps|>`, the ids
+- Whisper (`language`, `speech_task`): `<|startoftranscript|><|lang|><|task|><|notimestamps|>`, the ids
   `generate(language=…, task=…)` forces, from generation_config.json (`lang_to_id`, `task_to_id`,
   `no_timestamps_token_id`, `is_multilingual`; the defaults from its `language` and `task`, the
   tokenizer's, or its `forced_decoder_ids`). The model puts the decoder start in front of the
@@ -29,7 +29,9 @@ from uptrain.architecture import Architecture, TargetPrompt
 from uptrain.objectives import Objective
 from uptrain.strict_json import read_json
 
-SPEECH_KEYS = ("language", "task")
+# `speech_task`, not `task`: `uptrain compare` embeds the run's keys and has a `task` of its own
+# (the evaluation tasks it scores); this is Whisper's transcribe / translate.
+SPEECH_KEYS = ("language", "speech_task")
 LANGUAGE_KEYS = ("source_lang", "target_lang")
 KEYS_OF = {
     TargetPrompt.SPEECH_TASK: SPEECH_KEYS,
@@ -39,7 +41,7 @@ KEYS_OF = {
 # What each key applies to, for the refusal of a key given where it does not.
 APPLIES_TO = {
     "language": "Whisper checkpoints (speech_pairs)",
-    "task": "Whisper checkpoints (speech_pairs)",
+    "speech_task": "Whisper checkpoints (speech_pairs)",
     "source_lang": "objective pairs of mBART and M2M100/NLLB",
     "target_lang": "objective pairs of mBART, M2M100/NLLB and multilingual Marian",
 }
@@ -50,7 +52,7 @@ class PromptKeys:
     """A run's keys that choose the prompt (None: the checkpoint's own)."""
 
     language: str | None = None
-    task: str | None = None
+    speech_task: str | None = None
     source_lang: str | None = None
     target_lang: str | None = None
 
@@ -152,12 +154,12 @@ def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dic
                 f"{model_path} is a multilingual Whisper and its generation config names no language: set `language` "
                 "(the audio's, e.g. en), whose token opens every target as `generate(language=…)` forces it"
             )
-        task = keys.task or gen.get("task") or getattr(tokenizer, "task", None)
+        task = keys.speech_task or gen.get("task") or getattr(tokenizer, "task", None)
         if task is None:
             by_id = {i: t for t, i in task_to_id.items()}
             task = by_id.get(forced.get(2), "transcribe")
         if task not in task_to_id:
-            raise UptrainError(f"`task` {task!r} is not a task of {model_path} ({', '.join(task_to_id)})")
+            raise UptrainError(f"`speech_task` {task!r} is not a task of {model_path} ({', '.join(task_to_id)})")
         prefix += [lang_id, task_to_id[task]]
     if gen.get("no_timestamps_token_id") is not None:
         prefix.append(gen["no_timestamps_token_id"])

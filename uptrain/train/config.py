@@ -100,10 +100,10 @@ class TrainData(Schema):
         "target as `generate(language=…)` forces it; default: the generation config's (or the tokenizer's); a "
         "multilingual checkpoint that names none needs it, an English-only one takes none",
     )
-    task: Literal["transcribe", "translate"] | None = option(
+    speech_task: Literal["transcribe", "translate"] | None = option(
         None,
-        help="Whisper (speech_pairs): the task token after the language (default: the generation config's, else "
-        "transcribe)",
+        help="Whisper (speech_pairs): the task token after the language, as `generate(task=…)` forces it (default: "
+        "the generation config's or the tokenizer's, else transcribe; not `task`, which is compare's evaluation)",
     )
     source_lang: str | None = option(
         None,

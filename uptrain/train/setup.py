@@ -367,7 +367,7 @@ def _objective(
     if problem := key_problem(objective, config.target_len, config.document_mask):
         raise UptrainError(problem)
     batches = objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)
-    keys = PromptKeys(config.language, config.task, config.source_lang, config.target_lang)
+    keys = PromptKeys(config.language, config.speech_task, config.source_lang, config.target_lang)
     arch = find_architecture(model_config.get("model_type"))
     framing = target_framing(arch, objective, keys, tokenizer, model_path, model_config)
     return replace(batches, framing=framing)

@@ -9,6 +9,8 @@ Every example is read and checked when the data is loaded, before the run writes
 missing field, an empty target, audio that does not decode or has another sampling rate is one
 UptrainError naming the file and line. Sources are cut at `seq_len` tokens, targets at
 `target_len`; a batch is padded to its longest example (labels with -100, which the loss skips).
+Targets start with the family's prompt (`uptrain.objectives.prompts`: Whisper's language and task
+tokens, mBART's and NLLB's language codes).
 """
 
 from __future__ import annotations

@@ -124,3 +124,51 @@ def test_inspect_whisper_caches_every_audio_frame(capsys, tmp_path):
     # -g pools both decoder attentions: G must divide the 8 self-attention and the 2 cross KV heads.
     assert [o["num_kv_heads"] for o in info["options"]] == [1, 2]
     assert info["options"][1]["kv_cache_bytes_per_token"] == per_token // 4
+
+
+def test_inspect_clamps_an_encoder_decoders_context_to_its_decoder(capsys, tmp_path):
+    """Whisper's decoder takes at most max_target_positions (448 in the released models; 16
+    here): the default context is clamped there and says so; a larger --context is refused in one
+    line. T5 (relative positions) has no such limit."""
+    from transformers import T5Config, T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=40,
+        max_source_positions=1500,
+        max_target_positions=16,
+        num_mel_bins=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=3,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+    )
+    src = save(WhisperForConditionalGeneration(config), tmp_path / "whisper")
+    info = run_json(capsys, src)
+    assert info["context"] == 16 and info["decoder_positions"] == 16 and info["context_clamped"]
+    per_token = 2 * 2 * 8 * 4 * 4  # K and V × decoder layers × heads × head_dim × fp32
+    assert info["kv_cache_bytes"] == per_token * 16 + per_token * 1500
+    assert main(["inspect", str(src)]) == 0
+    assert "for 16 tokens (the decoder's positions: it generates no more) from 1500 audio frames" in (
+        capsys.readouterr().out
+    )
+    info = run_json(capsys, src, "--context", 16)
+    assert info["context"] == 16 and not info["context_clamped"]
+    assert main(["inspect", str(src), "--context", "17"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "--context 17 is beyond the decoder's 16 positions (max_target_positions of "
+        f"{src}): it generates at most 16 tokens; give --context 16 or less"
+    )
+    assert len(err.splitlines()) == 1
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=40, num_layers=1, num_heads=4))
+    info = run_json(capsys, save(t5, tmp_path / "t5"))
+    assert info["context"] == 4096 and info["decoder_positions"] is None and not info["context_clamped"]

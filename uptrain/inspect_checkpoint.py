@@ -4,7 +4,9 @@ An encoder–decoder caches two things while it generates: its decoder self-atte
 entry per generated token, and its cross-attention's K/V of the encoder's output, one entry per
 source token (Whisper: per audio frame, 1500 of them whatever the audio's length), computed once.
 Both are reported at every G that `uptrain convert -g G` (its default `--attention`, the
-decoder's two) can give; the encoder's own K/V are never cached.
+decoder's two) can give; the encoder's own K/V are never cached. Its decoder generates at most
+its positions (Whisper: 448): the default context is clamped to them, and a larger `--context`
+is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config
 from uptrain.options import Schema, option
 
 TP_DEGREES = (2, 4, 8)
+DEFAULT_CONTEXT = 4096
 
 
 @dataclass(kw_only=True)
@@ -27,16 +30,21 @@ class InspectOptions(Schema):
     """`uptrain inspect`."""
 
     src: str = option(positional=True, help="checkpoint folder or Hub id")
-    context: int = option(4096, help="tokens per sequence")
+    context: int | None = option(
+        None,
+        help=f"tokens per sequence (default {DEFAULT_CONTEXT}; an encoder–decoder's at most its decoder's "
+        "positions, e.g. Whisper's 448)",
+    )
     batch: int = option(1, help="sequences")
     dtype: str | None = option(None, help="cache dtype (default: the checkpoint's dtype)")
     json: bool = option(False, help="machine-readable output")
 
 
-def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str | None = None) -> dict:
-    """The report of `uptrain inspect` as a dict (the --json output)."""
+def inspect_checkpoint(src: str, context: int | None = None, batch: int = 1, dtype: str | None = None) -> dict:
+    """The report of `uptrain inspect` as a dict (the --json output); `context` None: the default,
+    clamped to an encoder–decoder's decoder positions."""
     for name, value in (("--context", context), ("--batch", batch)):
-        if value < 1:
+        if value is not None and value < 1:
             raise UptrainError(f"{name} must be at least 1 (got {value})")
     resolved = resolve_source(src)
     folder, label = resolved.folder, resolved.label
@@ -55,9 +63,19 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
     except UptrainError:  # pickle-only or weightless folders: the layout is still worth showing
         parameters = None
     if arch is not None and arch.encoder_decoder:
+        given, (context, limit) = context, _decoder_context(config, arch, context, label)
         report = _encoder_decoder_report(config, arch, dtype_bytes, context, batch)
         run = {"parameters": parameters, "dtype": dtype, "context": context, "batch": batch}
-        return {"source": label, "model_type": model_type, **report, **run}
+        clamped = given is None and context != DEFAULT_CONTEXT
+        return {
+            "source": label,
+            "model_type": model_type,
+            **report,
+            **run,
+            "decoder_positions": limit,
+            "context_clamped": clamped,  # the default context, cut to the decoder's positions
+        }
+    context = DEFAULT_CONTEXT if context is None else context
     current = geo.kv_cache_bytes_per_token(dtype_bytes)
     options = []
     for g in geo.valid_num_kv_heads():
@@ -90,6 +108,23 @@ def inspect_checkpoint(src: str, context: int = 4096, batch: int = 1, dtype: str
         "kv_cache_bytes": current * context * batch,
         "options": options,
     }
+
+
+def _decoder_context(config: dict, arch: Architecture, context: int | None, label: str) -> tuple[int, int | None]:
+    """(the context an encoder–decoder's report is for, its decoder's positions or None): the
+    default clamped to the positions, a larger `--context` refused in one line."""
+    key = arch.target_positions_key
+    limit = config.get(key) if key else None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return (DEFAULT_CONTEXT if context is None else context), None
+    if context is None:
+        return min(DEFAULT_CONTEXT, limit), limit
+    if context > limit:
+        raise UptrainError(
+            f"--context {context} is beyond the decoder's {limit} positions ({key} of {label}): it generates at most "
+            f"{limit} tokens; give --context {limit} or less"
+        )
+    return context, limit
 
 
 def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, context: int, batch: int) -> dict:
@@ -180,6 +215,11 @@ def format_report(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _at_most(info: dict) -> str:
+    """What the context of an encoder–decoder's report is clamped to, when it is."""
+    return " (the decoder's positions: it generates no more)" if info.get("context_clamped") else ""
+
+
 def _format_encoder_decoder(info: dict) -> str:
     params = "unknown" if info["parameters"] is None else f"{info['parameters']:,}"
     unit = info["source_unit"]
@@ -195,8 +235,8 @@ def _format_encoder_decoder(info: dict) -> str:
         f"parameters    {params}",
         f"KV cache      {human_bytes(info['kv_cache_bytes_per_token'])} per generated token (decoder self-attention) "
         f"+ {human_bytes(info['cross_kv_cache_bytes_per_source_token'])} per {unit} (cross-attention); "
-        f"{human_bytes(info['kv_cache_bytes'])} for {info['context']} tokens from {info['source_positions']} "
-        f"{unit}s × batch {info['batch']} ({info['dtype']})",
+        f"{human_bytes(info['kv_cache_bytes'])} for {info['context']} tokens{_at_most(info)} from "
+        f"{info['source_positions']} {unit}s × batch {info['batch']} ({info['dtype']})",
         "",
         f"{'G':>4} {'q/kv':>5} {'per token':>11} {'per ' + unit:>16} {'total':>11} {'saving':>7}  "
         "TP degrees it divides",

@@ -19,7 +19,8 @@ A record (`Architecture`) holds:
   `mask_ignores_positions`, `attention_ignores_positions`) and what it refuses
   (`whole_layer_merges`; `refused_settings`: config settings outside what the record describes,
   each with its reason, refused wherever the geometry is read), and an encoder–decoder's
-  `source_positions_key` / `source_unit`.
+  `source_positions_key` / `source_unit`, and what its targets begin with (`target_prompt`:
+  Whisper's language and task tokens, mBART's and NLLB's language codes).
 
 To add an architecture:
 1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`, with
@@ -59,6 +60,7 @@ from uptrain.architecture.schema import (
     RefusedSetting,
     StackKeys,
     StandardKeys,
+    TargetPrompt,
 )
 from uptrain.model_info import AttentionGeometry, attention_geometry
 
@@ -75,6 +77,7 @@ __all__ = [
     "RefusedSetting",
     "StackKeys",
     "StandardKeys",
+    "TargetPrompt",
     "architecture",
     "auto_class_name",
     "config_geometry",

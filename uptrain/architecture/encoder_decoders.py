@@ -14,6 +14,7 @@ from uptrain.architecture.schema import (
     AttentionSite,
     GQAModeling,
     StackKeys,
+    TargetPrompt,
 )
 
 
@@ -82,6 +83,7 @@ def bart_family(model_type: str, name: str, modeling: GQAModeling, **fields) -> 
         "default_objective": "text_infilling",
         "pipeline_tag": "text2text-generation",
         "init_std_key": "init_std",
+        "target_positions_key": "max_position_embeddings",
         "whole_layer_merges": False,
         "notes": "q/k/v biases; head_dim = d_model // heads",
         **fields,
@@ -108,13 +110,14 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         "query head), which stays with the query heads",
     ),
     bart_family("bart", "BART", _seq2seq_modeling("bart", "Bart")),
-    bart_family("mbart", "mBART", _seq2seq_modeling("mbart", "MBart")),
+    bart_family("mbart", "mBART", _seq2seq_modeling("mbart", "MBart"), target_prompt=TargetPrompt.LANGUAGE_CODES),
     bart_family(
         "marian",
         "Marian",
         _seq2seq_modeling("marian", "Marian", "MTModel"),
         default_objective="pairs",
         pipeline_tag="translation",
+        target_prompt=TargetPrompt.TARGET_CODE_IN_SOURCE,
     ),
     bart_family(
         "whisper",
@@ -125,6 +128,8 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         pipeline_tag="automatic-speech-recognition",
         source_positions_key="max_source_positions",
         source_unit="audio frame",
+        target_positions_key="max_target_positions",
+        target_prompt=TargetPrompt.SPEECH_TASK,
         notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
     ),
     # M2M100 (also NLLB-200's dense models, which are M2M100 checkpoints): translation.
@@ -134,6 +139,7 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         _seq2seq_modeling("m2m_100", "M2M100"),
         default_objective="pairs",
         pipeline_tag="translation",
+        target_prompt=TargetPrompt.LANGUAGE_CODES,
     ),
     # Pegasus was pretrained on gap sentences (whole sentences masked, the target only those
     # sentences), which uptrain does not implement. text_infilling would be the nearest, but it

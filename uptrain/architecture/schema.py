@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -165,6 +166,23 @@ class GQAModeling:
         return f"modeling_{self.model_type}"
 
 
+class TargetPrompt(enum.Enum):
+    """What a family's targets begin with, as the users' `generate()` starts them, beyond the
+    decoder start token the model puts in front of its labels itself (`uptrain.objectives.prompts`
+    builds each from the checkpoint and the run's keys)."""
+
+    # Whisper: <|lang|><|task|><|notimestamps|> after <|startoftranscript|>, the ids
+    # `generate(language=…, task=…)` forces, read from generation_config.json (keys `language`, `task`).
+    SPEECH_TASK = "language and task tokens"
+    # mBART, mBART-50, M2M100, NLLB: the tokenizer writes the language codes itself once its
+    # `src_lang` / `tgt_lang` are set (keys `source_lang`, `target_lang`), the target's where
+    # `forced_bos_token_id` (or mBART's decoder start) puts it.
+    LANGUAGE_CODES = "language codes"
+    # Multilingual Marian (opus-mt-en-ROMANCE, …): the target language is a `>>code<<` token
+    # opening the source text (key `target_lang`); the targets have none.
+    TARGET_CODE_IN_SOURCE = "target code in the source"
+
+
 @dataclass(frozen=True)
 class Architecture:
     """Everything uptrain needs to know of one `model_type`."""
@@ -210,6 +228,12 @@ class Architecture:
     # frames, 30 s); None where the source length is the input's (text).
     source_positions_key: str | None = None
     source_unit: str = "source token"
+    # The config field of the decoder's positions, the most tokens it generates (Whisper's
+    # max_target_positions, 448); None where it has no position table (T5's relative positions).
+    target_positions_key: str | None = None
+    # What its targets begin with beyond the decoder start (Whisper's language and task tokens,
+    # mBART's and NLLB's language codes); None: the tokenizer's targets as they are.
+    target_prompt: TargetPrompt | None = None
     notes: str = ""  # what makes the layout different (the encoder–decoder model card quotes it)
 
     @property

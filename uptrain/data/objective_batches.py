@@ -30,6 +30,7 @@ from uptrain.objectives import (
     words,
 )
 from uptrain.objectives.corruption import evaluation_generator, training_generator
+from uptrain.objectives.prompts import TargetFraming
 
 
 def resolve_objective(objective: str | None, model_config: dict, model_label: str) -> Objective:
@@ -88,6 +89,8 @@ class ObjectiveBatches:
     objective: Objective
     seed: int
     tokens: SpecialTokens
+    # What a pairs/speech_pairs example's targets (or sources) begin with: the family's prompt.
+    framing: TargetFraming | None = None
 
     @property
     def name(self) -> str:

@@ -9,6 +9,8 @@ Every example is read and checked when the data is loaded, before the run writes
 missing field, an empty target, audio that does not decode or has another sampling rate is one
 UptrainError naming the file and line. Sources are cut at `seq_len` tokens, targets at
 `target_len`; a batch is padded to its longest example (labels with -100, which the loss skips).
+Targets start with the family's prompt (`uptrain.objectives.prompts`: Whisper's language and task
+tokens, mBART's and NLLB's language codes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from uptrain import UptrainError, exception_line
 from uptrain.data.blocks import check_indices
 from uptrain.data.text import resolve_data
 from uptrain.objectives import IGNORE_INDEX, Objective
+from uptrain.objectives.prompts import TargetFraming, framed_target_ids
 from uptrain.strict_json import parse_json
 
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
@@ -130,9 +133,17 @@ class PairExamples:
     tensors). Audio is decoded when loaded, to check it, and again for each batch it is in, so that
     only a batch's audio is held in memory."""
 
-    def __init__(self, sources: list, targets: list[list[int]], pad_id: int | None, feature_extractor=None):
+    def __init__(
+        self,
+        sources: list,
+        targets: list[list[int]],
+        pad_id: int | None,
+        feature_extractor=None,
+        seconds: list[float] | None = None,
+    ):
         self.sources, self.targets = sources, targets
         self.pad_id, self.feature_extractor = pad_id, feature_extractor
+        self.seconds = seconds  # each clip's length in seconds (speech), for the plan
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -161,18 +172,21 @@ class PairExamples:
 
 
 def _target_ids(tokenizer, texts: list[str], target_len: int, decoder_start: int | None) -> list[list[int]]:
-    """Label ids as the tokenizer makes targets (`text_target`: Marian has a target vocabulary),
-    cut at `target_len`, ending in EOS. A leading decoder start token is dropped: the model puts
-    it in front of the labels itself (Whisper's tokenizer writes <|startoftranscript|> first)."""
+    """Label ids as the tokenizer makes targets (`text_target`: Marian has a target vocabulary; mBART
+    and NLLB write their language codes), cut at `target_len` before the tokenizer's closing special
+    tokens (EOS; mBART's EOS and language code), which stay; a tokenizer that closes with none gets
+    EOS. A leading decoder start token is dropped: the model puts it in front of the labels itself."""
     eos = tokenizer.eos_token_id
+    closing_ids = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # an unknown word is text
     out = []
     for ids in tokenizer(text_target=texts, truncation=True, max_length=target_len + 1)["input_ids"]:
         if ids and decoder_start is not None and ids[0] == decoder_start:
             ids = ids[1:]
-        ids = ids[:target_len]
-        if ids[-1:] != [eos]:
-            ids = ids[: target_len - 1] + [eos]
-        out.append(ids)
+        body = len(ids)
+        while body and ids[body - 1] in closing_ids:
+            body -= 1
+        closing = ids[body:] or [eos]
+        out.append(ids[:body][: target_len - len(closing)] + closing)
     return out
 
 
@@ -185,9 +199,10 @@ def load_pairs(
     model_config: dict,
     seq_len: int,
     target_len: int,
+    framing: TargetFraming | None = None,
 ) -> PairExamples:
     """The examples of one data key for `objective` (one that reads examples), every one checked
-    (see the module's docstring)."""
+    (see the module's docstring); `framing`: the family's prompt (`uptrain.objectives.prompts`)."""
     records = _records(spec, key, objective)
     if not records:
         raise UptrainError(f"`{key}` holds no examples")
@@ -198,27 +213,34 @@ def load_pairs(
         )
     source_name, target_name = objective.fields
     targets = [_text(r, target_name, where, key) for where, r in records]
-    label_ids = _target_ids(tokenizer, targets, target_len, model_config.get("decoder_start_token_id"))
+    if framing is not None and framing.label_prefix is not None:
+        label_ids = framed_target_ids(tokenizer, targets, target_len, framing)
+    else:
+        label_ids = _target_ids(tokenizer, targets, target_len, model_config.get("decoder_start_token_id"))
     if objective.encoder_reads == "text":
         # Sources are padded with the tokenizer's padding token, which the objective's special
         # tokens require (`special_tokens_for` refused a tokenizer without one).
-        texts = [_text(r, source_name, where, key) for where, r in records]
+        prefix = framing.source_prefix if framing is not None else ""
+        texts = [prefix + _text(r, source_name, where, key) for where, r in records]
         sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
         return PairExamples(sources, label_ids, tokenizer.pad_token_id)
     feature_extractor = _load_feature_extractor(model_path)
-    sources = []
+    sources, seconds = [], []
     for where, r in records:
         value = _field(r, source_name, where, key)
         if isinstance(value, str):
             path = Path(value) if Path(value).is_absolute() else Path(where.file).parent / value
             what = f"`{key}` {where}"
-            read_wav(path, feature_extractor.sampling_rate, what)  # decodes now: refused before anything is written
+            # Decoded now: refused before anything is written.
+            samples = read_wav(path, feature_extractor.sampling_rate, what)
             sources.append((path, what))
         elif isinstance(value, list):
-            sources.append(_samples(value, where, key))
+            samples = _samples(value, where, key)
+            sources.append(samples)
         else:
             raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or an array of samples")
-    return PairExamples(sources, label_ids, None, feature_extractor)
+        seconds.append(samples.size / feature_extractor.sampling_rate)
+    return PairExamples(sources, label_ids, None, feature_extractor, seconds)
 
 
 def _load_feature_extractor(model_path: str):

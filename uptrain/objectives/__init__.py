@@ -11,6 +11,9 @@ An `Objective` declares
 - its lengths: the raw block that gives `seq_len` input tokens (`block_length`) and the target
   positions of an example (`target_length`).
 
+What an example's targets begin with, the family's prompt (Whisper's language and task tokens,
+mBART's and NLLB's language codes), is `uptrain.objectives.prompts`.
+
 Adding an objective is one record in `OBJECTIVES`; the `objective` key's choices, the refusals of
 what a model cannot learn and the batches (`uptrain.data.objective_batches`) all read the records.
 """

@@ -94,6 +94,28 @@ class TrainData(Schema):
         at_least=1,
         help="most target tokens of a pairs/speech_pairs example (longer are cut); default: seq_len",
     )
+    language: str | None = option(
+        None,
+        help="Whisper (speech_pairs): the audio's language (en, fr, english, <|en|>), whose token opens every "
+        "target as `generate(language=…)` forces it; default: the generation config's (or the tokenizer's); a "
+        "multilingual checkpoint that names none needs it, an English-only one takes none",
+    )
+    speech_task: Literal["transcribe", "translate"] | None = option(
+        None,
+        help="Whisper (speech_pairs): the task token after the language, as `generate(task=…)` forces it (default: "
+        "the generation config's or the tokenizer's, else transcribe; not `task`, which is compare's evaluation)",
+    )
+    source_lang: str | None = option(
+        None,
+        help="mBART/M2M100/NLLB (pairs): the tokenizer's src_lang, the language code its sources carry (en_XX, "
+        "eng_Latn; default: the tokenizer's saved one)",
+    )
+    target_lang: str | None = option(
+        None,
+        help="mBART/M2M100/NLLB (pairs): the tokenizer's tgt_lang, the code each target starts with as "
+        "`generate(forced_bos_token_id=…)` forces it (default: the tokenizer's saved one); multilingual Marian: "
+        "the `>>code<<` token written ahead of each source",
+    )
     eval_blocks: int = option(
         64, at_least=1, help="most `seq_len` blocks (pairs: examples) of `eval_data` used for evaluation"
     )

@@ -36,6 +36,7 @@ from uptrain.checkpoint.source import local_source, portable
 from uptrain.checkpoint.writer import write_tensors
 from uptrain.convert.plan import ATTENTION_NAMES
 from uptrain.model_info import read_config
+from uptrain.train.speech_units import card_budget
 
 # Shards as `uptrain convert` writes them by default.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -184,6 +185,7 @@ def uptraining_record(
     eval_before: dict | None,
     eval_after: dict,
     start_label: str | None = None,
+    speech: dict | None = None,
 ) -> dict:
     """`uptrain.json` of `final/`: the uptraining run and where it started from (`start_label`:
     what the user named, e.g. a Hub id, when not the folder itself), its Hub id and commit where
@@ -201,6 +203,8 @@ def uptraining_record(
             "global_batch": global_batch,
             "eval_before": eval_before,
             "eval_after": eval_after,
+            # A speech run's clips and audio seconds (`speech_units.SpeechUnits.record`), which the card says.
+            **({"speech": speech} if speech is not None else {}),
         },
         "started_from": {
             "name": started.name,
@@ -266,16 +270,21 @@ def uptrained_card(record: dict, start: Path) -> str:
             + (f" (revision `{revision}`)" if revision else "")
             + " uptrained (it was not converted by uptrain)."
         )
+    processes = f"{run['num_processes']} process" + ("es" if run["num_processes"] > 1 else "")
     budget = f"{run['tokens']:,} tokens in {run['steps']:,} optimizer steps"
+    shape = f"global batch {run['global_batch']} blocks of {c['seq_len']} tokens, {processes}"
+    if run.get("speech"):  # clips of audio, not seq_len tokens
+        budget, shape = card_budget(run["speech"], run["steps"], processes), None
     if c.get("uptrain_fraction") is not None:
         budget += f": α = {c['uptrain_fraction']} of the {c['pretrain_tokens']:,.0f} tokens the model was pretrained on"
+    if shape is not None:
+        budget += f" ({shape})"
     train_data, eval_data = (v if isinstance(v, str) else ", ".join(v) for v in (c["train_data"], c["eval_data"]))
     distill = (
         f"\n- Distillation from `{c['teacher']}` (weight {c['distill_weight']}, temperature {c['distill_temperature']})"
         if c.get("teacher")
         else ""
     )
-    processes = f"{run['num_processes']} process" + ("es" if run["num_processes"] > 1 else "")
     # Recorded by runs that train an objective (span corruption, pairs, …); older ones trained causal LM.
     objective = f"\n- Objective: `{c['objective']}`" if c.get("objective") else ""
     body = f"""# Uptrained grouped-query-attention model (uptrain)
@@ -284,7 +293,7 @@ def uptrained_card(record: dict, start: Path) -> str:
 
 ## Uptraining
 
-- Budget: {budget} (global batch {run["global_batch"]} blocks of {c["seq_len"]} tokens, {processes})
+- Budget: {budget}
 - Data: `{train_data}`; evaluation on `{eval_data}`{objective}{distill}
 - Optimizer: AdamW, peak lr {c["lr"]}, {c["warmup_steps"]} warmup steps then cosine, seed {c["seed"]}
 - Eval loss before uptraining: {_loss(run["eval_before"])}

@@ -127,8 +127,11 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
             if step % config.save_every == 0 and step < plan.total_steps:
                 _save_checkpoint(run)
             bar.update(1)
-            tokens_per_second = record["perf/tokens_per_second"]
-            bar.set_postfix(loss=f"{record['train/loss']:.4f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+            if "perf/clips_per_second" in record:  # speech: clips, not seq_len tokens
+                speed = {"clips_s": f"{record['perf/clips_per_second']:,.3g}"}
+            else:
+                speed = {"tok_s": f"{record['perf/tokens_per_second']:,.0f}"}
+            bar.set_postfix(loss=f"{record['train/loss']:.4f}", **speed, refresh=False)
             if (estimate := remaining.after(step, step_time)) is not None:
                 bar.write(estimate)
             if on_step is not None:

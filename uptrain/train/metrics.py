@@ -2,8 +2,8 @@
 
 Metric names are fixed (configs, docs and dashboards rely on them):
 train/loss, train/lr, train/grad_norm, train/tokens_seen, eval/loss, eval/perplexity,
-perf/tokens_per_second, perf/step_time_s, perf/mfu, perf/peak_memory_bytes,
-model/num_kv_heads, model/kv_cache_bytes_per_token, and for encoder–decoders
+perf/tokens_per_second (speech runs: perf/clips_per_second too), perf/step_time_s, perf/mfu,
+perf/peak_memory_bytes, model/num_kv_heads, model/kv_cache_bytes_per_token, and for encoder–decoders
 model/cross_kv_cache_bytes_per_source_token.
 """
 

@@ -56,19 +56,30 @@ def print_plan(run: Run) -> None:
     if c.teacher:
         distill = f"from {c.teacher} (weight {c.distill_weight}, temperature {c.distill_temperature})"
     total_tokens, left_tokens = plan.total_steps * plan.tokens_per_step, steps_left * plan.tokens_per_step
+    framing = run.objective.framing
+    prompt = f"; prompt {framing.shown}" if framing is not None else ""
     resuming = f" (resuming after step {start_step}, {steps_left} left)" if start_step else ""
+    speech = plan.speech
+    if speech is not None:  # clips, audio seconds and decoder tokens: seq_len is no length of audio
+        size = speech.plan_lines(plan.total_steps, steps_left, c, acc.num_processes)
+        data = speech.train_data(plan.total_steps / run.train_blocks.steps_per_epoch)
+    else:
+        size = [
+            f"  tokens           {_human(total_tokens)} ({_human(left_tokens)} to go)",
+            f"  tokens per step  {plan.tokens_per_step} = seq_len {c.seq_len} × batch_size {c.batch_size} × "
+            f"grad_accum {c.grad_accum} × processes {acc.num_processes}",
+        ]
+    unit = "blocks" if speech is None else "clips"
     lines = [
         "plan:",
         f"  model            {plan.model_path} ({plan.static_metrics['model/num_kv_heads']} KV heads, "
         f"{plan.static_metrics['model/kv_cache_bytes_per_token']} KV-cache bytes/token)",
         f"  budget           {budget}",
         f"  steps            {plan.total_steps}{resuming}",
-        f"  tokens           {_human(total_tokens)} ({_human(left_tokens)} to go)",
-        f"  tokens per step  {plan.tokens_per_step} = seq_len {c.seq_len} × batch_size {c.batch_size} × grad_accum "
-        f"{c.grad_accum} × processes {acc.num_processes}",
+        *size,
         f"  processes        {acc.num_processes} ({acc.device.type}, mixed precision {acc.mixed_precision})",
-        f"  train data       {data}; eval: the same {plan.eval_block_count} blocks each time",
-        f"  objective        {plan.objective}",
+        f"  train data       {data}; eval: the same {plan.eval_block_count} {unit} each time",
+        f"  objective        {plan.objective}{prompt}",
         f"  distillation     {distill}",
         f"  output           {plan.out}",
     ]
@@ -85,6 +96,8 @@ def perf_metrics(run: Run, step_time: float) -> dict:
         "perf/data_wait_s": run.train_blocks.last_wait_s,
         "perf/peak_memory_bytes": M.peak_memory_bytes(device),
     }
+    if plan.speech is not None:  # tokens/s counts seq_len per clip; clips/s is the speed of a speech run
+        record["perf/clips_per_second"] = plan.speech.clips_per_step / step_time
     if plan.peak_flops:
         record["perf/mfu"] = M.mfu(
             tokens_per_second, plan.flops_per_token, plan.peak_flops, run.accelerator.num_processes
@@ -124,10 +137,14 @@ class RemainingTime:
         if done_here != ETA_AFTER_STEPS + 1 or step >= self.plan.total_steps:
             return None
         per_step = self.timed_seconds / self.timed_steps
-        return (
-            f"estimated remaining: {_duration(per_step * (self.plan.total_steps - step))} "
-            f"({per_step:.3g} s/step, {self.plan.tokens_per_step / per_step:,.0f} tokens/s)"
+        speech = self.plan.speech
+        speed = (
+            f"{self.plan.tokens_per_step / per_step:,.0f} tokens/s"
+            if speech is None
+            else f"{speech.clips_per_step / per_step:,.3g} clips/s"
         )
+        left = _duration(per_step * (self.plan.total_steps - step))
+        return f"estimated remaining: {left} ({per_step:.3g} s/step, {speed})"
 
 
 def save_final(run: Run, final_metrics: dict) -> Path:
@@ -150,6 +167,7 @@ def save_final(run: Run, final_metrics: dict) -> Path:
             eval_before={k: v for k, v in step0.items() if k.startswith("eval/")} or None,
             eval_after={k: v for k, v in final_metrics.items() if k.startswith("eval/")},
             start_label=plan.config.model,
+            speech=plan.speech.record(plan.total_steps) if plan.speech is not None else None,
         )
         # Tensors the starting checkpoint lacked are written in its declared dtype.
         write_final(

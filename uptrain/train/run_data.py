@@ -86,6 +86,7 @@ def _load_pair_data(config: TrainConfig, accelerator, tokenizer, global_batch, o
         model_config=model_config,
         seq_len=config.seq_len,
         target_len=config.target_len or config.seq_len,
+        framing=objective.framing,
     )
     train = load_pairs(config.train_data, "train_data", **common)
     evaluation = load_pairs(config.eval_data, "eval_data", **common)

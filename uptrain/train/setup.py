@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import torch
 import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
-from uptrain.architecture import auto_class_name, config_geometry
+from uptrain.architecture import auto_class_name, config_geometry, find_architecture
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
@@ -27,6 +27,7 @@ from uptrain.data.objective_batches import ObjectiveBatches, objective_for, reso
 from uptrain.loading import load_model, load_tokenizer
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.objectives import key_problem
+from uptrain.objectives.prompts import PromptKeys, target_framing
 from uptrain.train import metrics as M
 from uptrain.train.compile import check_compile_backend, compile_blocks
 from uptrain.train.config import TrainConfig
@@ -34,6 +35,7 @@ from uptrain.train.distributed import MainProcessWait, make_accelerator, place_t
 from uptrain.train.optimizer import adamw
 from uptrain.train.run_data import load_run_data
 from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
+from uptrain.train.speech_units import SpeechUnits, speech_units
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
 
@@ -54,6 +56,7 @@ class Plan:
     eval_block_count: int  # over all processes
     notes: tuple[str, ...] = ()  # printed above the plan
     objective: str = "causal"
+    speech: SpeechUnits | None = None  # a speech run's clips, audio seconds and decoder tokens
 
 
 @dataclass
@@ -175,6 +178,9 @@ def setup(config: TrainConfig) -> Run:
         config, accelerator, model_path, model_config, teacher_path, teacher_config, objective
     )
     plan = _make_plan(config, accelerator, out, model_path, model_config, flops, eval_set, notes, objective.name)
+    if objective.objective.encoder_reads == "audio":  # counted in clips, not seq_len tokens
+        arch = find_architecture(model_config.get("model_type"))
+        plan = replace(plan, speech=speech_units(train_blocks.blocks, global_batch, model_config, arch))
     return Run(
         plan=plan,
         start=start,
@@ -359,4 +365,8 @@ def _objective(
         resolve_objective(objective.name, teacher_config, f"teacher {config.teacher}")
     if problem := key_problem(objective, config.target_len, config.document_mask):
         raise UptrainError(problem)
-    return objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)
+    batches = objective_for(objective, config.seed, tokenizer, model_config, model_path, config.seq_len)
+    keys = PromptKeys(config.language, config.speech_task, config.source_lang, config.target_lang)
+    arch = find_architecture(model_config.get("model_type"))
+    framing = target_framing(arch, objective, keys, tokenizer, model_path, model_config)
+    return replace(batches, framing=framing)

@@ -56,6 +56,7 @@ from uptrain.architecture.schema import (
     AttentionStack,
     GQAModeling,
     RefusedSetting,
+    Rotary,
     StackKeys,
     StandardKeys,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "AttentionStack",
     "GQAModeling",
     "RefusedSetting",
+    "Rotary",
     "StackKeys",
     "StandardKeys",
     "architecture",

@@ -12,6 +12,7 @@ from uptrain.architecture.schema import (
     GeometryKeys,
     GQAModeling,
     RefusedSetting,
+    Rotary,
     StackKeys,
     StandardKeys,
 )
@@ -96,7 +97,7 @@ NATIVE_GQA = (
 )
 
 # Architectures whose transformers modeling has no num_key_value_heads: converted to uptrain's
-# own (`modeling`), which reads the same layout with G heads. None supports whole-layer merges yet.
+# own (`modeling`), which reads the same layout with G heads.
 UPTRAIN_MODELING = (
     decoder_only(
         "gpt2",
@@ -111,10 +112,11 @@ UPTRAIN_MODELING = (
             fused_qkv="c_attn.weight",
             fused_qkv_bias="c_attn.bias",
             fused_axis=1,
+            o_proj_transposed=True,
         ),
         head_dim_key=None,
         modeling=gqa_modeling("gpt2", "GPT2"),
-        whole_layer_merges=False,
+        rotary=None,
         notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
     ),
     decoder_only(
@@ -127,7 +129,7 @@ UPTRAIN_MODELING = (
         head_dim_key=None,
         modeling=gqa_modeling("gpt_neox", "GPTNeoX"),
         renames=(("embed_out.", "lm_head."),),  # transformers renames it for GPTNeoXForCausalLM only
-        whole_layer_merges=False,
+        rotary=Rotary(factor_key="rotary_pct"),
         notes="query_key_value rows [h, 3, d] interleaved per head; partial rotary",
     ),
     decoder_only(
@@ -142,7 +144,7 @@ UPTRAIN_MODELING = (
         modeling=gqa_modeling("opt", "OPT"),
         init_std_key="init_std",
         mask_ignores_positions=True,
-        whole_layer_merges=False,
+        rotary=None,
         notes="separate projections with biases; no RoPE",
     ),
     decoder_only(
@@ -151,7 +153,7 @@ UPTRAIN_MODELING = (
         AttentionLayout(attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj"),
         head_dim_key=None,
         modeling=gqa_modeling("gptj", "GPTJ"),
-        whole_layer_merges=False,
+        rotary=Rotary(pairs="adjacent", dims_key="rotary_dim"),
         notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
     ),
     decoder_only(
@@ -165,7 +167,7 @@ UPTRAIN_MODELING = (
         head_dim_key=None,
         modeling=gqa_modeling("bloom", "Bloom"),
         alibi=True,
-        whole_layer_merges=False,
+        rotary=None,
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
     ),
     decoder_only(
@@ -182,7 +184,7 @@ UPTRAIN_MODELING = (
         ),
         modeling=gqa_modeling("gpt_neo", "GPTNeo"),
         attention_ignores_positions=True,
-        whole_layer_merges=False,
+        rotary=None,
         notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
     ),
     decoder_only(
@@ -206,7 +208,8 @@ UPTRAIN_MODELING = (
             RefusedSetting("attn_config.alibi", True, True, "transformers' MPT has no learned positions"),
             RefusedSetting("no_bias", True, True, "transformers' MPT has no biases"),
         ),
-        whole_layer_merges=False,
+        rotary=None,
+        clip_qkv_key="attn_config.clip_qkv",
         # Its ALiBi depends on the distance to each key alone (not on the padding mask): packed
         # documents take the document mask, so not the `alibi` quirk.
         notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",
@@ -222,7 +225,7 @@ UPTRAIN_MODELING = (
             RefusedSetting("new_decoder_architecture", False, False, "its KV heads are grouped already"),
         ),
         alibi="alibi",  # Falcon-RW; rotary otherwise
-        whole_layer_merges=False,
+        rotary=Rotary(off_key="alibi"),
         notes="multi-head Falcon (Falcon-RW): query_key_value rows [h, 3, d] interleaved per head; "
         "ALiBi (alibi: true) or rotary",
     ),

@@ -51,6 +51,7 @@ T5 = Architecture(
     init_std_key="initializer_factor",
     init_std_width_key="d_model",
     whole_layer_merges=False,
+    rotary=None,
     notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
     "(one column per query head) stays with the query heads",
 )
@@ -83,6 +84,7 @@ def bart_family(model_type: str, name: str, modeling: GQAModeling, **fields) -> 
         "pipeline_tag": "text2text-generation",
         "init_std_key": "init_std",
         "whole_layer_merges": False,
+        "rotary": None,
         "notes": "q/k/v biases; head_dim = d_model // heads",
         **fields,
     }

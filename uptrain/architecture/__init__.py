@@ -17,7 +17,7 @@ A record (`Architecture`) holds:
 - its init std (`init_std_key`, `init_std_width_key`), output `renames`, `converted_config`;
 - quirks the code acts on (`alibi`, always or where a config key turns it on;
   `mask_ignores_positions`, `attention_ignores_positions`) and what it refuses
-  (`whole_layer_merges`; `refused_settings`: config settings outside what the record describes,
+  (`refused_settings`: config settings outside what the record describes,
   each with its reason, refused wherever the geometry is read), and an encoder–decoder's
   `source_positions_key` / `source_unit`.
 

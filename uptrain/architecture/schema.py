@@ -57,6 +57,9 @@ class AttentionLayout:
     # GPT-2's Conv1D `c_proj`: the output projection's weight stored [in = h·d, out], so its
     # per-head columns are rows (whole-layer merges fold per-head maps into them).
     o_proj_transposed: bool = False
+    # Tensors of the attention module indexed by query head, which a whole-layer merge leaves as
+    # they are (T5's relative_attention_bias: one column per query head, added to the scores).
+    query_head_tensors: tuple[str, ...] = ()
     # Other spellings of `attn_prefix` found in published checkpoints (GPT-2 and BLOOM were
     # saved without the base model's "transformer." prefix; BartModel without the task model's
     # "model."); the one the checkpoint uses is read.
@@ -248,8 +251,6 @@ class Architecture:
     # packed documents from them there, would attend across them. Flex attention is unaffected:
     # its block mask is built by the forward, which has the positions.
     attention_ignores_positions: bool = False
-    # Whether `calibrated` pooling and `similarity` grouping (whole-layer merges) support it.
-    whole_layer_merges: bool = True
     # Its rotary embedding (None: positions that never touch q and k — learned or sinusoidal
     # embeddings, ALiBi, T5's relative bias — so a key merge may fold any d×d map into the queries).
     rotary: Rotary | None = ROTATE_HALF

@@ -47,6 +47,27 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class CrossMoments:
+    """A cross-attention layer's two moments: keys and values read the encoder's output, the
+    queries the decoder's states (each augmented with a constant 1)."""
+
+    keys_values: torch.Tensor
+    queries: torch.Tensor
+
+    def to(self, *args, **kwargs) -> CrossMoments:
+        return CrossMoments(self.keys_values.to(*args, **kwargs), self.queries.to(*args, **kwargs))
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys_values.device
+
+
+def input_moment(moment: torch.Tensor | CrossMoments) -> torch.Tensor:
+    """The moment of what the keys and values read (a cross-attention's: the encoder output's)."""
+    return moment.keys_values if isinstance(moment, CrossMoments) else moment
+
+
 @dataclass
 class LayerAttention:
     """One layer's attention projections in float64; biases None when absent."""

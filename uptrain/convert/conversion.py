@@ -18,7 +18,8 @@ from typing import Protocol
 import torch
 
 from uptrain.architecture import DECODER_SELF, Architecture, AttentionStack, architecture
-from uptrain.convert.layer_merge import LayerMerger, LayerSolution, merges_whole_layers
+from uptrain.convert.calibration_seq2seq import site_moments
+from uptrain.convert.layer_merge import LayerMerger, LayerSolution, SiteMergers, merges_whole_layers
 from uptrain.convert.layer_tensors import join_qkv, split_qkv
 from uptrain.convert.plan import ConversionPlan, PlannedTensor, choose_attentions, plan_conversion
 from uptrain.convert.pooling import PoolingContext, RowPooling, Strategy, pool_rows
@@ -96,18 +97,33 @@ class Conversion:
 
     def merger(
         self, source: TensorSource, calibration: Calibration | None, progress: bool | None = None
-    ) -> LayerMerger:
-        """The merger of whole layers (used only by a plan with whole-layer tensors)."""
-        layout = self.stacks[DECODER_SELF].layout  # whole-layer merges: decoder-only models only
+    ) -> LayerMerger | SiteMergers:
+        """The merger of whole layers (used only by a plan with whole-layer tensors): a
+        decoder-only model's one attention's, or one per chosen attention of an encoder–decoder
+        (each reading its own moments, `calibration_seq2seq.site_moments`)."""
+        if not self.arch.encoder_decoder:
+            moments = calibration.moments if calibration else None
+            return self._site_merger(DECODER_SELF, source, moments, calibration, progress)
+        return SiteMergers(
+            {
+                name: self._site_merger(
+                    name, source, site_moments(calibration.moments, name) if calibration else None, None, progress
+                )
+                for name in self.attention
+            }
+        )
+
+    def _site_merger(self, name: str, source: TensorSource, moments, calibration, progress) -> LayerMerger:
+        stack = self.stacks[name]
         return LayerMerger(
             source,
-            layout,
-            self.geometry,
+            stack.layout,
+            stack.geometry,
             self.num_kv_heads,
             self.strategy,
             self.grouping,
-            self.arch.rotary_dims(self.config, self.geometry.head_dim),
-            calibration.moments if calibration else None,
+            self.arch.rotary_dims(self.config, stack.geometry.head_dim),
+            moments,
             self.seed,
             self.init_std,
             progress,

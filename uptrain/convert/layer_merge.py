@@ -23,7 +23,14 @@ from tqdm.auto import tqdm
 from uptrain import UptrainError
 from uptrain.architecture import AttentionLayout
 from uptrain.checkpoint.reader import SourceCheckpoint
-from uptrain.convert.calibrated import LayerAttention, head_similarity, permute_kv_heads, similarity_order
+from uptrain.convert.calibrated import (
+    CrossMoments,
+    LayerAttention,
+    head_similarity,
+    input_moment,
+    permute_kv_heads,
+    similarity_order,
+)
 from uptrain.convert.layer_tensors import (
     FIELDS,
     kv_field_name,
@@ -102,10 +109,11 @@ def whole_layer_shapes(
     """
     prefix = layout.attn_prefix_in(tensors).format(layer=layer) + "."
     names = merge_tensor_names(layout)
+    kept = (*names, f"{layout.o_proj}.bias", *layout.query_head_tensors)
     extra = {
         n[len(prefix) :]: tuple(tensors[n].shape)
         for n in tensors
-        if n.startswith(prefix) and n[len(prefix) :] not in names and not n.endswith(f"{layout.o_proj}.bias")
+        if n.startswith(prefix) and n[len(prefix) :] not in kept
     }
     check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim, prefix)
     present = {rel: tuple(tensors[prefix + rel].shape) for rel in names if prefix + rel in tensors}
@@ -176,7 +184,7 @@ class LayerMerger:
                 self._bar.close()
         return self._outputs.pop(name)
 
-    def _second_moment(self, layer: int) -> torch.Tensor:
+    def _second_moment(self, layer: int) -> torch.Tensor | CrossMoments:
         if self.calibration is not None:
             return self.calibration[layer].to(torch.float64)
         return torch.eye(self.geometry.hidden_size + 1, dtype=torch.float64)  # weight-space similarity
@@ -204,10 +212,10 @@ class LayerMerger:
         )
         return attention, dtypes
 
-    def _solve(self, attention: LayerAttention, c: torch.Tensor) -> LayerSolution:
+    def _solve(self, attention: LayerAttention, c: torch.Tensor | CrossMoments) -> LayerSolution:
         order = None
         if self.grouping == "similarity":
-            order = similarity_order(head_similarity(attention, c).cpu(), self.num_kv_heads)
+            order = similarity_order(head_similarity(attention, input_moment(c)).cpu(), self.num_kv_heads)
             attention = permute_kv_heads(attention, order)
         return LayerSolution(order, self.strategy.solve(attention, self.num_kv_heads, c))
 
@@ -238,3 +246,18 @@ class LayerMerger:
             prefix + rel: t.to(dtypes[rel]).contiguous()
             for rel, t in written_tensors(fields, self.layout, self.geometry.head_dim).items()
         }
+
+
+class SiteMergers:
+    """The mergers of an encoder–decoder's chosen attentions, one `LayerMerger` each: a tensor
+    goes to the one whose attention module holds it."""
+
+    def __init__(self, mergers: dict[str, LayerMerger]):
+        self.mergers = mergers
+        self.kv_orders: dict[int, list[int]] = {}  # similarity grouping: decoder-only models only
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        for merger in self.mergers.values():
+            if name.startswith(merger.attn_prefix.format(layer=layer) + "."):
+                return merger.tensor(layer, name)
+        raise KeyError(name)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 from uptrain.architecture import Architecture
-from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
+from uptrain.convert.calibrated import CrossMoments, LayerAttention, apply_calibrated, solve_calibrated
 
 Role = Literal["weight", "bias", "norm"]
 
@@ -166,7 +166,9 @@ class CalibratedMerge(WholeLayerStrategy):
         "rows (RoPE-safe complex scales) and o_proj columns"
     )
 
-    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor):
+    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor | CrossMoments):
+        if isinstance(moment, CrossMoments):  # keys and values read the encoder, queries the decoder
+            return solve_calibrated(attention, groups, moment.keys_values, moment.queries)
         return solve_calibrated(attention, groups, moment)
 
     def apply(self, attention: LayerAttention, groups: int, solution) -> LayerAttention:

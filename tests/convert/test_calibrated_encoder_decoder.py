@@ -180,3 +180,28 @@ def test_provenance_names_the_calibration(tmp_path):
     out = calibrated(model, "t5", tmp_path / "src", tmp_path / "out", 2)
     record = json.loads((out / "uptrain.json").read_text())
     assert record["pooling"] == "calibrated"
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_in_memory_merge_equals_the_checkpoint(name, tmp_path):
+    """`convert_model` merges each attention from its own moments exactly as the checkpoint path."""
+    from safetensors.torch import load_file
+
+    from uptrain.convert import convert_model
+
+    model = build(name)
+    model.save_pretrained(tmp_path / "src")
+    moments = seq2seq_moments(model, architecture(model.config.model_type), calibration_batches(name), progress=False)
+    calibration = Calibration(moments)
+    out = convert_checkpoint(
+        tmp_path / "src",
+        tmp_path / "out",
+        2,
+        pooling="calibrated",
+        attention=ALL,
+        calibration=calibration,
+        progress=False,
+    )
+    in_memory = convert_model(model, 2, pooling="calibrated", attention=ALL, calibration=calibration).state_dict()
+    for tensor_name, tensor in load_file(out / "model.safetensors").items():
+        assert torch.equal(in_memory[tensor_name], tensor), tensor_name

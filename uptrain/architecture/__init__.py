@@ -19,7 +19,12 @@ A record (`Architecture`) holds:
   `mask_ignores_positions`, `attention_ignores_positions`) and what it refuses
   (`refused_settings`: config settings outside what the record describes,
   each with its reason, refused wherever the geometry is read), and an encoder–decoder's
-  `source_positions_key` / `source_unit`.
+  `source_positions_key` / `source_unit`;
+- what whole-layer merges (`calibrated`) must commute with: its rotary embedding (`rotary`, a
+  `Rotary`: which dims rotate and how they pair; None where positions never touch q and k, so
+  any per-head key map folds into the queries) and where its config keeps a clamp of q, k and v
+  (`clip_qkv_key`). The layout says where Q, K, V and O live (separate, fused, Conv1D) and which
+  tensors belong to the query heads (`query_head_tensors`: T5's relative bias).
 
 To add an architecture:
 1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`, with
@@ -33,7 +38,7 @@ To add an architecture:
    (`decoders.gqa_modeling` for a causal LM's usual names). `uptrain.modeling` imports that module
    and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
 3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
-   that pass none to attention, settings the modeling does not compute, no whole-layer merges),
+   that pass none to attention, settings the modeling does not compute, its rotary embedding),
    and `default_objective` / `auto_class` / `pipeline_tag` for an encoder–decoder. Tests: a tiny
    model from its config, converted exactly (tests/convert).
 A converted checkpoint's `<model_type>_gqa` finds its source's record (`source_model_type`), so

@@ -237,7 +237,8 @@ def collect_attention_moments(
 
     model_dir = resolve_source(src).folder
     config = read_config(model_dir)
-    layout = architecture(config.get("model_type")).site(DECODER_SELF).layout  # whole-layer merges: decoder-only
+    # A decoder-only model's one attention (encoder–decoders: calibration_seq2seq.py).
+    layout = architecture(config.get("model_type")).site(DECODER_SELF).layout
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     run_device, run_dtype = calibration_device(device, dtype)
     all_ids, source = _calibration_blocks(

@@ -175,3 +175,77 @@ def test_calibrated_refuses_mpt_clip_qkv_in_one_line(tokenizer, tmp_path):
         convert_checkpoint(src, tmp_path / "out", 2, pooling="calibrated", calibration=Calibration({}), progress=False)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+# Each architecture's attention modules, written from transformers' module names.
+ATTENTION_MODULES = {
+    "gpt2": r"transformer\.h\.(\d+)\.attn",
+    "opt": r"model\.decoder\.layers\.(\d+)\.self_attn",
+    "bloom": r"transformer\.h\.(\d+)\.self_attention",
+    "gpt_neo": r"transformer\.h\.(\d+)\.attn\.attention",  # nested one level deeper than the others
+    "mpt": r"transformer\.blocks\.(\d+)\.attn",
+    "falcon": r"transformer\.h\.(\d+)\.self_attention",
+    "gpt_neox": r"gpt_neox\.layers\.(\d+)\.attention",
+    "gptj": r"transformer\.h\.(\d+)\.attn",
+}
+
+
+@pytest.mark.parametrize("case", ["gpt2", "bloom", "gpt_neo", "mpt", "falcon-rotary", "gpt_neox"])
+def test_layerwise_moments_equal_the_whole_model(case, tokenizer, calibration_text, tmp_path):
+    """Calibration layer by layer (each layer's weights read from the shards, in turn) gives the
+    moments of the whole model's forward pass with hooks on its attention modules."""
+    from tests.convert.test_calibration_layerwise import NUM_TOKENS, SEQ_LEN
+    from uptrain.convert.calibration import (
+        attention_input,
+        collect_attention_moments,
+        fold_attention_input,
+        load_calibration_tokenizer,
+    )
+    from uptrain.textdata import load_blocks
+
+    model = build(case, tokenizer)
+    src = save(model, tokenizer, tmp_path / "src")
+    moments, _ = collect_attention_moments(
+        src, str(calibration_text), num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, device="cpu", progress=False
+    )
+    blocks, _ = load_blocks(
+        str(calibration_text),
+        "calibration_data",
+        load_calibration_tokenizer(src),
+        SEQ_LEN,
+        text_field="text",
+        split="train",
+        dataset_config=None,
+        sample_by="paragraph",
+        streaming=False,
+        workers=None,
+    )
+    count = NUM_TOKENS // SEQ_LEN
+    reference = {i: torch.zeros(HIDDEN + 1, HIDDEN + 1, dtype=torch.float64) for i in range(2)}
+    pattern = re.compile(ATTENTION_MODULES[CASES[case][0]])
+    for name, module in model.named_modules():
+        match = pattern.fullmatch(name)
+        if match:
+            layer = int(match.group(1))
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, i=layer: fold_attention_input(reference[i], attention_input(args, kwargs)),
+                with_kwargs=True,
+            )
+    with torch.no_grad():
+        for start in range(0, count, 4):
+            model(blocks.take(list(range(start, min(start + 4, count)))), use_cache=False)
+    assert sorted(moments) == [0, 1]
+    for layer in reference:
+        torch.testing.assert_close(moments[layer], reference[layer] / (count * SEQ_LEN), rtol=1e-10, atol=1e-10)
+
+
+def test_a_base_model_checkpoint_calibrates_and_merges_as_the_task_model(tokenizer, calibration_text, tmp_path):
+    """GPT-2 saved from its base model (`h.0.attn…`, as the Hub's gpt2 is): calibration reads its
+    tensors under their own names, and the merge writes them there, equal to the task model's."""
+    model = build("gpt2", tokenizer)
+    full = save(model, tokenizer, tmp_path / "full")
+    base = save(model.transformer, tokenizer, tmp_path / "base")
+    assert "h.0.attn.c_attn.weight" in state(base)
+    merged = [state(calibrated(src, tmp_path / f"{src.name}-out", 2, calibration_text)) for src in (full, base)]
+    for name, tensor in merged[1].items():
+        torch.testing.assert_close(merged[0][f"transformer.{name}"], tensor, rtol=0, atol=0)

@@ -205,3 +205,29 @@ def test_in_memory_merge_equals_the_checkpoint(name, tmp_path):
     in_memory = convert_model(model, 2, pooling="calibrated", attention=ALL, calibration=calibration).state_dict()
     for tensor_name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(in_memory[tensor_name], tensor), tensor_name
+
+
+def test_pairs_families_calibrate_on_their_pairs(tokenizer, tmp_path, capsys):
+    """Marian (objective `pairs`): calibrated from jsonl source/target pairs, the targets the
+    decoder's inputs; a file that is not such pairs is refused in one line, nothing written."""
+    from tests.convert.test_encoder_decoder import BART_GEOMETRY
+
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    geometry = {**BART_GEOMETRY, **ids, "vocab_size": len(tokenizer), "decoder_start_token_id": tokenizer.pad_token_id}
+    src = tmp_path / "src"
+    transformers.MarianMTModel(transformers.MarianConfig(**geometry)).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    pairs = tmp_path / "pairs.jsonl"
+    lines = [{"source": f"the cat sat on mat number {i}", "target": f"le chat numéro {i}"} for i in range(12)]
+    pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["convert", str(src), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
+    assert main([*argv, "--calibration-data", str(pairs)]) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "out" / "uptrain.json").read_text())
+    assert record["calibration"]["objective"] == "pairs" and record["calibration"]["examples"] == 12
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no pairs here"}) + "\n")
+    capsys.readouterr()
+    assert main([*argv[:2], str(tmp_path / "out2"), *argv[3:], "--calibration-data", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 1 lacks them" in err, err
+    assert not (tmp_path / "out2").exists()

@@ -132,12 +132,19 @@ def seq2seq_moments(model, arch, batches, progress: bool | None = None) -> dict[
 
 
 def _text_pairs(path: str, fields: tuple[str, str], limit: int) -> list[tuple[str, str]]:
+    """The first `limit` (source, target) pairs of a local jsonl file; one line for anything else."""
+    need = f"calibration data {path}: a jsonl file whose lines hold text fields {' and '.join(fields)}"
+    if not Path(path).is_file():
+        raise UptrainError(f"{need} (calibration reads pairs from local files)")
     pairs = []
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
-            if not all(isinstance(row.get(f), str) for f in fields):
-                raise UptrainError(f"calibration data {path}: each line needs text fields {' and '.join(fields)}")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UptrainError(f"{need}; line {number} is not JSON") from None
+            if not isinstance(row, dict) or not all(isinstance(row.get(f), str) for f in fields):
+                raise UptrainError(f"{need}; line {number} lacks them")
             pairs.append((row[fields[0]], row[fields[1]]))
         if len(pairs) >= limit:
             break

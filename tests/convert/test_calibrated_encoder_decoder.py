@@ -231,3 +231,27 @@ def test_pairs_families_calibrate_on_their_pairs(tokenizer, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "line 1 lacks them" in err, err
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("name", ["bart", "mbart"])
+def test_infilling_families_calibrate_on_infilled_text(name, tokenizer, calibration_text, tmp_path, capsys):
+    """BART and mBART (objective `text_infilling`): calibrated from text blocks with spans masked,
+    the whole block the decoder's input."""
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"mask_token": "<mask>"})
+    from tests.convert.test_encoder_decoder import BART_GEOMETRY
+
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=0)
+    geometry = {**BART_GEOMETRY, **ids, "vocab_size": len(tokenizer), "decoder_start_token_id": tokenizer.eos_token_id}
+    model_class, config = MODELS[name]
+    src = tmp_path / "src"
+    model_class(type(config())(**{**geometry, "max_position_embeddings": 256})).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    argv = ["convert", str(src), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
+    assert main([*argv, "--calibration-data", str(calibration_text), "--calibration-tokens", "512"]) == 0, (
+        capsys.readouterr().err
+    )
+    record = json.loads((tmp_path / "out" / "uptrain.json").read_text())
+    assert record["calibration"]["objective"] == "text_infilling" and record["calibration"]["tokens"] > 0

@@ -23,7 +23,6 @@ from tests.modeling.classic_models import (
     reads_config_aliases,
     token_ids,
 )
-from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 from uptrain.speed import output_cache
 
@@ -206,15 +205,6 @@ def test_converted_checkpoint_pools_further(model_type, sources, tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert json.loads((twice / "config.json").read_text())["model_type"] == f"{model_type}_gqa"
-
-
-@pytest.mark.parametrize("model_type", arch_params())
-@pytest.mark.parametrize("options", [dict(pooling="calibrated", calibration_data="x.txt"), dict(grouping="similarity")])
-def test_whole_layer_merges_are_refused(model_type, options, sources, tmp_path):
-    _, src = sources(model_type)
-    with pytest.raises(UptrainError, match=f"does not support {model_type} yet"):
-        convert_checkpoint(src, tmp_path / "out", 2, progress=False, **options)
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("model_type", arch_params(["gpt_neox", "bloom", "falcon"]))

@@ -354,13 +354,20 @@ def test_refusals(name, argv, expected, sources, capsys, tmp_path):
     fails(capsys, [src, *argv], expected, tmp_path / "out")
 
 
-def test_calibrated_is_refused(sources, capsys, tmp_path):
-    _, src = sources("t5")
-    text = tmp_path / "text.txt"
-    text.write_text("some calibration text\n")
-    argv = [src, "-g", 2, "--pooling", "calibrated", "--calibration-data", text]
-    err = fails(capsys, argv, "--pooling calibrated does not support encoder–decoders yet", tmp_path / "out")
-    assert "use mean, first or random" in err
+def test_calibrated_from_the_command_line(capsys, tmp_path):
+    """The shipped reference T5 calibrated on text through its objective (span corruption), every
+    attention moment from its own input: G KV heads in the decoder's self- and cross-attention."""
+    from uptrain.demo import REFERENCE_T5
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 200}) + "\n")
+    out = tmp_path / "out"
+    argv = ["convert", str(REFERENCE_T5), str(out), "-g", "2", "--pooling", "calibrated"]
+    assert main([*argv, "--calibration-data", str(text), "--calibration-tokens", "512"]) == 0, capsys.readouterr().err
+    record = json.loads((out / "uptrain.json").read_text())
+    assert record["pooling"] == "calibrated" and record["calibration"]["objective"] == "span_corruption"
+    config = json.loads((out / "config.json").read_text())
+    assert config["decoder_num_key_value_heads"] == config["cross_attention_num_key_value_heads"] == 2
 
 
 @pytest.mark.parametrize("attention", ["encoder", "cross", "encoder,decoder-self"])

@@ -17,10 +17,15 @@ A record (`Architecture`) holds:
 - its init std (`init_std_key`, `init_std_width_key`), output `renames`, `converted_config`;
 - quirks the code acts on (`alibi`, always or where a config key turns it on;
   `mask_ignores_positions`, `attention_ignores_positions`) and what it refuses
-  (`whole_layer_merges`; `refused_settings`: config settings outside what the record describes,
+  (`refused_settings`: config settings outside what the record describes,
   each with its reason, refused wherever the geometry is read), and an encoder–decoder's
   `source_positions_key` / `source_unit`, and what its targets begin with (`target_prompt`:
-  Whisper's language and task tokens, mBART's and NLLB's language codes).
+  Whisper's language and task tokens, mBART's and NLLB's language codes);
+- what whole-layer merges (`calibrated`) must commute with: its rotary embedding (`rotary`, a
+  `Rotary`: which dims rotate and how they pair; None where positions never touch q and k, so
+  any per-head key map folds into the queries) and where its config keeps a clamp of q, k and v
+  (`clip_qkv_key`). The layout says where Q, K, V and O live (separate, fused, Conv1D) and which
+  tensors belong to the query heads (`query_head_tensors`: T5's relative bias).
 
 To add an architecture:
 1. Add one record to `decoders.py` (`decoder_only(model_type, name, layout, ...)`, with
@@ -35,7 +40,7 @@ To add an architecture:
    its classes under a causal LM's usual names). `uptrain.modeling` imports that module
    and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
 3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
-   that pass none to attention, settings the modeling does not compute, no whole-layer merges),
+   that pass none to attention, settings the modeling does not compute, its rotary embedding),
    and `default_objective` / `auto_class` / `pipeline_tag` for an encoder–decoder. Tests: a tiny
    model from its config, converted exactly (tests/convert).
 A converted checkpoint's `<model_type>_gqa` finds its source's record (`source_model_type`), so
@@ -58,6 +63,7 @@ from uptrain.architecture.schema import (
     AttentionStack,
     GQAModeling,
     RefusedSetting,
+    Rotary,
     StackKeys,
     StandardKeys,
     TargetPrompt,
@@ -75,6 +81,7 @@ __all__ = [
     "AttentionStack",
     "GQAModeling",
     "RefusedSetting",
+    "Rotary",
     "StackKeys",
     "StandardKeys",
     "TargetPrompt",

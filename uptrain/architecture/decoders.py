@@ -12,6 +12,7 @@ from uptrain.architecture.schema import (
     GeometryKeys,
     GQAModeling,
     RefusedSetting,
+    Rotary,
     StackKeys,
     StandardKeys,
 )
@@ -45,9 +46,8 @@ def gqa_modeling(model_type: str, prefix: str) -> GQAModeling:
 def uptrain_modeled(model_type: str, name: str, class_prefix: str, layout: AttentionLayout, **fields) -> Architecture:
     """The record of a decoder-only architecture whose transformers modeling has no
     num_key_value_heads, converted to uptrain's own (`gqa_modeling(model_type, class_prefix)`):
-    its head_dim is hidden_size // heads (uptrain's modeling reads no head_dim), and it supports
-    no whole-layer merges yet."""
-    fields = {"head_dim_key": None, "whole_layer_merges": False, **fields}
+    its head_dim is hidden_size // heads (uptrain's modeling reads no head_dim)."""
+    fields = {"head_dim_key": None, **fields}
     return decoder_only(model_type, name, layout, modeling=gqa_modeling(model_type, class_prefix), **fields)
 
 
@@ -121,7 +121,9 @@ UPTRAIN_MODELING = (
             fused_qkv="c_attn.weight",
             fused_qkv_bias="c_attn.bias",
             fused_axis=1,
+            o_proj_transposed=True,
         ),
+        rotary=None,
         notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
     ),
     uptrain_modeled(
@@ -130,6 +132,7 @@ UPTRAIN_MODELING = (
         "GPTNeoX",
         AttentionLayout(attn_prefix="gpt_neox.layers.{layer}.attention", **PER_HEAD_QKV),
         renames=(("embed_out.", "lm_head."),),  # transformers renames it for GPTNeoXForCausalLM only
+        rotary=Rotary(factor_key="rotary_pct"),
         notes="query_key_value rows [h, 3, d] interleaved per head; partial rotary",
     ),
     uptrain_modeled(
@@ -143,6 +146,7 @@ UPTRAIN_MODELING = (
         ),
         init_std_key="init_std",
         mask_ignores_positions=True,
+        rotary=None,
         notes="separate projections with biases; no RoPE",
     ),
     uptrain_modeled(
@@ -150,6 +154,7 @@ UPTRAIN_MODELING = (
         "GPT-J",
         "GPTJ",
         AttentionLayout(attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj"),
+        rotary=Rotary(pairs="adjacent", dims_key="rotary_dim"),
         notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
     ),
     uptrain_modeled(
@@ -162,6 +167,7 @@ UPTRAIN_MODELING = (
             **PER_HEAD_QKV,
         ),
         alibi=True,
+        rotary=None,
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
     ),
     uptrain_modeled(
@@ -178,6 +184,7 @@ UPTRAIN_MODELING = (
             hidden_key="hidden_size",
         ),
         attention_ignores_positions=True,
+        rotary=None,
         notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
     ),
     uptrain_modeled(
@@ -201,6 +208,8 @@ UPTRAIN_MODELING = (
             RefusedSetting("attn_config.alibi", True, True, "transformers' MPT has no learned positions"),
             RefusedSetting("no_bias", True, True, "transformers' MPT has no biases"),
         ),
+        rotary=None,
+        clip_qkv_key="attn_config.clip_qkv",
         # Its ALiBi depends on the distance to each key alone (not on the padding mask): packed
         # documents take the document mask, so not the `alibi` quirk.
         notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",
@@ -215,6 +224,7 @@ UPTRAIN_MODELING = (
             RefusedSetting("new_decoder_architecture", False, False, "its KV heads are grouped already"),
         ),
         alibi="alibi",  # Falcon-RW; rotary otherwise
+        rotary=Rotary(off_key="alibi"),
         notes="multi-head Falcon (Falcon-RW): query_key_value rows [h, 3, d] interleaved per head; "
         "ALiBi (alibi: true) or rotary",
     ),

@@ -26,6 +26,7 @@ def _t5_site(attention: str, prefix: str, layers_key: str, layers_fallback_key: 
         kv_modules=("k", "v"),
         kv_rows=("k.weight", "v.weight"),
         kv_weights=("k.weight", "v.weight"),
+        query_head_tensors=("relative_attention_bias.weight",),
     )
     keys = StackKeys(
         layers_key,
@@ -51,7 +52,7 @@ T5 = Architecture(
     pipeline_tag="text2text-generation",
     init_std_key="initializer_factor",
     init_std_width_key="d_model",
-    whole_layer_merges=False,
+    rotary=None,
     notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
     "(one column per query head) stays with the query heads",
 )
@@ -84,7 +85,7 @@ def bart_family(model_type: str, name: str, modeling: GQAModeling, **fields) -> 
         "pipeline_tag": "text2text-generation",
         "init_std_key": "init_std",
         "target_positions_key": "max_position_embeddings",
-        "whole_layer_merges": False,
+        "rotary": None,
         "notes": "q/k/v biases; head_dim = d_model // heads",
         **fields,
     }

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from uptrain import UptrainError
-from uptrain.model_info import AttentionGeometry, attention_geometry, show, stack_geometry
+from uptrain.model_info import AttentionGeometry, attention_geometry, rotary_dim, show, stack_geometry
 
 # The attentions of a model, in model order, as `uptrain convert --attention` names them → the
 # config.json key of each one's KV heads in an encoder–decoder uptrain converted (the same table
@@ -55,6 +55,12 @@ class AttentionLayout:
     fused_order: str = "blocks"  # or "per_group"
     fused_axis: int = 0  # 1 for a Conv1D weight, stored [in, out]
     per_head_kv: tuple[str, ...] = ()
+    # GPT-2's Conv1D `c_proj`: the output projection's weight stored [in = h·d, out], so its
+    # per-head columns are rows (whole-layer merges fold per-head maps into them).
+    o_proj_transposed: bool = False
+    # Tensors of the attention module indexed by query head, which a whole-layer merge leaves as
+    # they are (T5's relative_attention_bias: one column per query head, added to the scores).
+    query_head_tensors: tuple[str, ...] = ()
     # Other spellings of `attn_prefix` found in published checkpoints (GPT-2 and BLOOM were
     # saved without the base model's "transformer." prefix; BartModel without the task model's
     # "model."); the one the checkpoint uses is read.
@@ -67,6 +73,39 @@ class AttentionLayout:
             if any(n.startswith(first) for n in names):
                 return template
         return self.attn_prefix
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """How an architecture's rotary embedding rotates each head: which dims, paired how.
+
+    Whole-layer merges read it: a per-head map folded into the queries must commute with the
+    rotation on the rotated dims (complex scales per pair), and may be any map on the rest."""
+
+    # "half": dim i pairs with i + rot/2 (transformers' rotate_half); "adjacent": 2i with 2i + 1
+    # (GPT-J's rotate_every_two).
+    pairs: str = "half"
+    # The config field holding the rotated dims per head (GPT-J's rotary_dim; None or absent:
+    # the whole head); None: head_dim × partial_rotary_factor (`model_info.rotary_dim`).
+    dims_key: str | None = None
+    # An older config spelling of partial_rotary_factor (GPT-NeoX 4.x: rotary_pct), read where
+    # the config has no rope_parameters.
+    factor_key: str | None = None
+    # A config field that, true, replaces the rotary embedding by ALiBi (Falcon's `alibi`).
+    off_key: str | None = None
+
+    def dims(self, config: dict, head_dim: int) -> int:
+        """Dims of each head the rotary embedding rotates in the model of `config` (0: none)."""
+        if self.off_key is not None and config.get(self.off_key):
+            return 0
+        if self.dims_key is not None:
+            return config.get(self.dims_key) or head_dim
+        if self.factor_key is not None and self.factor_key in config and not config.get("rope_parameters"):
+            return int(head_dim * config[self.factor_key])
+        return rotary_dim(config, head_dim)
+
+
+ROTATE_HALF = Rotary()
 
 
 class GeometryKeys(Protocol):
@@ -222,8 +261,13 @@ class Architecture:
     # packed documents from them there, would attend across them. Flex attention is unaffected:
     # its block mask is built by the forward, which has the positions.
     attention_ignores_positions: bool = False
-    # Whether `calibrated` pooling and `similarity` grouping (whole-layer merges) support it.
-    whole_layer_merges: bool = True
+    # Its rotary embedding (None: positions that never touch q and k — learned or sinusoidal
+    # embeddings, ALiBi, T5's relative bias — so a key merge may fold any d×d map into the queries).
+    rotary: Rotary | None = ROTATE_HALF
+    # The config field (dotted into nested settings) of an element-wise clamp of q, k and v
+    # after the projections (OLMo's clip_qkv, MPT's attn_config.clip_qkv): per-head maps folded
+    # into q_proj and o_proj do not commute with it.
+    clip_qkv_key: str = "clip_qkv"
     # The encoder's positions each cross-attention layer caches whole (Whisper: 1500 audio
     # frames, 30 s); None where the source length is the input's (text).
     source_positions_key: str | None = None
@@ -243,6 +287,17 @@ class Architecture:
     @property
     def encoder_decoder(self) -> bool:
         return len(self.sites) > 1
+
+    def rotary_dims(self, config: dict, head_dim: int) -> int:
+        """Dims of each head its rotary embedding rotates in the model of `config` (0: none)."""
+        return 0 if self.rotary is None else self.rotary.dims(config, head_dim)
+
+    def clip_qkv(self, config: dict) -> object:
+        """The clamp of q, k and v the model of `config` applies after the projections (None: none)."""
+        found: object = config
+        for part in self.clip_qkv_key.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        return found
 
     def site(self, attention: str) -> AttentionSite:
         return next(s for s in self.sites if s.attention == attention)

@@ -142,7 +142,8 @@ def _calibration(prepared, root: Path, log=print) -> Calibration:
         try:
             with safe_open(path, "pt") as f:
                 info = parse_json((f.metadata() or {})["info"], str(path))
-                moments = {int(k): f.get_tensor(k) for k in f.keys()}
+                # Layer numbers (decoder-only); an encoder–decoder's "{attention}.{layer}" keys.
+                moments = {int(k) if k.isdigit() else k: f.get_tensor(k) for k in f.keys()}
             if (
                 isinstance(info, dict)
                 and moments

@@ -14,12 +14,22 @@ map M_s folded into O_q, the error Σ_q ‖O_q (M_s W − W_s) x‖² is minimis
 M_s = W_s C Wᵀ (given W C Wᵀ = I) and W = the top-d principal directions of
 Σ_s W_sᵀ G_s W_s under C, G_s = Σ_{q→s} O_qᵀ O_q — a closed-form PCA.
 
-Keys. RoPE rotates each frequency pair (dims i and i + rot/2, transformers' rotate_half
-layout) as a complex number, so the only per-head maps that commute with it are complex
-scales per pair. Each source head's key pair u_s is approximated by σ_s · v (shared v, complex
-scale σ_s), weighted by its queries' energy E|q|²; the best v is a rank-1 Hermitian
-eigenproblem, and conj(σ_s) is folded into the query pair rows. Dimensions outside the
-rotary part are handled the same way with real scales.
+Keys. The score of query head q is q_qᵀ k_s: a per-source-head map M_s on the shared key can
+be folded into the queries (q' = M_sᵀ q), as long as it commutes with whatever acts between
+the projection and the score.
+- Dims no rotary embedding touches (every dim of GPT-2, OPT, BLOOM, T5, …; the pass-through
+  dims of partial rotary): any d×d map. Keys are then merged as values are, by the same PCA,
+  with the queries' second moment Q_s = Σ_{q→s} E[q_q q_qᵀ] in place of G_s: the logit error
+  E[(qᵀ (M_s W − W_s) x)²] = tr(Q_s (M_s W − W_s) C (M_s W − W_s)ᵀ). Position terms added to
+  the scores (ALiBi, T5's relative bias) belong to the query heads and are untouched.
+- Rotary dims: RoPE rotates each frequency pair (dims i and i + rot/2 in transformers'
+  rotate_half layout; 2i and 2i + 1 in GPT-J's) as a complex number, so the only per-head maps
+  that commute with it are complex scales per pair. Each source head's key pair u_s is
+  approximated by σ_s · v (shared v, complex scale σ_s), weighted by its queries' energy
+  E|q|²; the best v is a rank-1 Hermitian eigenproblem, and conj(σ_s) is folded into the query
+  pair rows.
+Biases ride along as the constant input: the shared key's bias is shared, and M_sᵀ acts on
+each query head's bias as on its weight rows, so the scores stay exact.
 
 Each merge is two steps: `solve_calibrated` decides, from C and the layer's weights, the few
 numbers the merge needs (per group the eigenvectors that make the shared V, per source head its
@@ -32,8 +42,30 @@ longer needed, so no layer's C outlives its calibration.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class CrossMoments:
+    """A cross-attention layer's two moments: keys and values read the encoder's output, the
+    queries the decoder's states (each augmented with a constant 1)."""
+
+    keys_values: torch.Tensor
+    queries: torch.Tensor
+
+    def to(self, *args, **kwargs) -> CrossMoments:
+        return CrossMoments(self.keys_values.to(*args, **kwargs), self.queries.to(*args, **kwargs))
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys_values.device
+
+
+def input_moment(moment: torch.Tensor | CrossMoments) -> torch.Tensor:
+    """The moment of what the keys and values read (a cross-attention's: the encoder output's)."""
+    return moment.keys_values if isinstance(moment, CrossMoments) else moment
 
 
 @dataclass
@@ -50,7 +82,8 @@ class LayerAttention:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rotary_dim: int  # dims [0, rotary_dim) rotate in pairs (i, i + rotary_dim / 2)
+    rotary_dim: int  # dims [0, rotary_dim) rotate in pairs; the rest pass through
+    rotary_pairs: str = "half"  # "half": (i, i + rotary_dim / 2); "adjacent": (2i, 2i + 1)
 
     @property
     def n_rep(self) -> int:
@@ -89,13 +122,25 @@ class RankOne:
 
 
 @dataclass
+class FullMaps:
+    """A merge of a group's heads that allows any map per head: the shared head is
+    Σ_s combine[s] · W_s, and source head s is approximated by maps[s] · (shared head)."""
+
+    combine: torch.Tensor  # [kv, d', d'] for the source heads of every group, in order
+    maps: torch.Tensor  # [kv, d', d']
+
+    def to(self, device) -> FullMaps:
+        return FullMaps(self.combine.to(device), self.maps.to(device))
+
+
+@dataclass
 class CalibratedSolution:
     """What the calibrated merge of one layer takes from C (see the module docstring)."""
 
     value_mix: list[torch.Tensor]  # per group: [r·d, d]; the shared V is value_mixᵀ · a (a: `_value_inputs`)
     value_maps: list[torch.Tensor]  # per source KV head s: M_s [d, d], folded into its queries' o_proj columns
     key_rotary: list[RankOne | None]  # per group: the rotary pairs' complex scales (None without rotary dims)
-    key_plain: list[RankOne | None]  # per group: the real scales of dims RoPE leaves alone (None if all rotate)
+    key_plain: FullMaps | None  # the dims RoPE leaves alone: any map per head (None if all rotate)
 
     def to(self, device) -> CalibratedSolution:
         def move(x):
@@ -105,7 +150,7 @@ class CalibratedSolution:
             [t.to(device) for t in self.value_mix],
             [t.to(device) for t in self.value_maps],
             [move(x) for x in self.key_rotary],
-            [move(x) for x in self.key_plain],
+            None if self.key_plain is None else self.key_plain.to(device),
         )
 
 
@@ -185,68 +230,115 @@ def _key_heads(layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _rotary_pairs(ks: torch.Tensor, half: int, rot: int) -> torch.Tensor:
-    return torch.complex(ks[:, :half], ks[:, half:rot]).transpose(0, 1)  # [half, r, D+1]
+def _dims(layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each rotary pair's real and imaginary dims, and the dims no rotation touches."""
+    rot, device = layer.rotary_dim, layer.k_w.device
+    if layer.rotary_pairs == "adjacent":
+        real, imag = torch.arange(0, rot, 2, device=device), torch.arange(1, rot, 2, device=device)
+    else:
+        real, imag = torch.arange(rot // 2, device=device), torch.arange(rot // 2, rot, device=device)
+    return real, imag, torch.arange(rot, layer.head_dim, device=device)
 
 
-def solve_keys(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[list, list]:
-    """Per group the key scales of the rotary pairs and of the other dims: (key_rotary, key_plain)."""
-    d, kv, rot = layer.head_dim, layer.num_kv_heads, layer.rotary_dim
-    r, half = kv // groups, rot // 2
+def _rotary_pairs(ks: torch.Tensor, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
+    return torch.complex(ks[:, real], ks[:, imag]).transpose(0, 1)  # [pairs, r, D+1]
+
+
+def solve_full_maps(w: torch.Tensor, gram: torch.Tensor, groups: int, c: torch.Tensor) -> FullMaps:
+    """The PCA merge of heads `w` ([kv, d', D+1]) into `groups` shared heads with any map per
+    head, each head's error weighted by `gram` ([kv, d', d'], its readers' second moment)."""
+    kv, dp = w.shape[:2]
+    r = kv // groups
+    roots = torch.stack([_psd_sqrt(g) for g in gram])
+    combine, maps = [], []
+    for j in range(groups):
+        sources = range(j * r, (j + 1) * r)
+        a = torch.cat([roots[s] @ w[s] for s in sources])  # [r·d', D+1]
+        vals, vecs = torch.linalg.eigh(a @ c @ a.mT)
+        mix = vecs[:, -dp:].flip(1) / vals[-dp:].flip(0).clamp(min=1e-30).sqrt()  # shared C-orthonormal
+        shared = mix.mT @ a
+        for i, s in enumerate(sources):
+            combine.append(mix[i * dp : (i + 1) * dp].mT @ roots[s])
+            maps.append(w[s] @ c @ shared.mT)
+    return FullMaps(torch.stack(combine), torch.stack(maps))
+
+
+def shared_heads(w: torch.Tensor, solved: FullMaps, groups: int) -> torch.Tensor:
+    """The `groups` shared heads of a `solve_full_maps` merge, [groups, d', D+1]."""
+    mixed = solved.combine @ w  # [kv, d', D+1]
+    return mixed.view(groups, -1, *mixed.shape[1:]).sum(1)
+
+
+def solve_keys(layer: LayerAttention, groups: int, c: torch.Tensor, c_query: torch.Tensor) -> tuple[list, Any]:
+    """The key merge: per group the complex scales of the rotary pairs, and the full maps of the
+    other dims (key_rotary, key_plain). `c_query`: the moment of the queries' input."""
+    kv, r = layer.num_kv_heads, layer.num_kv_heads // groups
+    real, imag, plain = _dims(layer)
     k_aug, q_aug = _key_heads(layer)
+    by_source = q_aug.view(kv, layer.n_rep, layer.head_dim, -1)
     # Query energy per source KV head and dim: α[s, i] = Σ_{q→s} E[(q_i)²].
-    q_energy = torch.einsum("hdx,xy,hdy->hd", q_aug, c, q_aug).view(kv, layer.n_rep, d).sum(1)
-    rotary, plain = [], []
+    q_energy = torch.einsum("srdx,xy,srdy->sd", by_source, c_query, by_source)
+    rotary = []
     for j in range(groups):
         sources = list(range(j * r, (j + 1) * r))
-        ks = k_aug[sources]  # [r, d, D+1]
         rotary.append(
             _solve_rank_one(
-                _rotary_pairs(ks, half, rot), (q_energy[sources, :half] + q_energy[sources, half:rot]).mT, c
+                _rotary_pairs(k_aug[sources], real, imag),
+                (q_energy[sources][:, real] + q_energy[sources][:, imag]).mT,
+                c,
             )
-            if half
+            if len(real)
             else None
         )
-        plain.append(_solve_rank_one(ks[:, rot:].transpose(0, 1), q_energy[sources, rot:].mT, c) if rot < d else None)
-    return rotary, plain
+    full = None
+    if len(plain):
+        q_plain = by_source[:, :, plain]  # [kv, n_rep, d', D+1]
+        gram = torch.einsum("srdx,xy,srey->sde", q_plain, c_query, q_plain)  # Q_s
+        full = solve_full_maps(k_aug[:, plain], gram, groups, c)
+    return rotary, full
 
 
 def apply_keys(
     layer: LayerAttention, groups: int, solution: CalibratedSolution
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Shared K per group; each query head's rows absorb its conj(σ): (k_w, k_b, q_w, q_b)."""
-    d, kv, rot = layer.head_dim, layer.num_kv_heads, layer.rotary_dim
-    r, half = kv // groups, rot // 2
+    """Shared K per group; each query head's rows absorb its map (conj(σ) on rotary pairs, M_sᵀ
+    on the other dims): (k_w, k_b, q_w, q_b)."""
+    d, kv = layer.head_dim, layer.num_kv_heads
+    r = kv // groups
+    real, imag, plain = _dims(layer)
     k_aug, q_aug = _key_heads(layer)
     new_k = torch.zeros(groups, d, k_aug.shape[-1], dtype=k_aug.dtype, device=k_aug.device)
     new_q = q_aug.clone()
     for j in range(groups):
         sources = list(range(j * r, (j + 1) * r))
-        ks = k_aug[sources]  # [r, d, D+1]
-        if half:
+        if len(real):
             solved = solution.key_rotary[j]
-            v, sigma = _shared_vector(_rotary_pairs(ks, half, rot), solved), solved.sigma
-            new_k[j, :half], new_k[j, half:rot] = v.real, v.imag
+            v, sigma = _shared_vector(_rotary_pairs(k_aug[sources], real, imag), solved), solved.sigma
+            new_k[j, real], new_k[j, imag] = v.real, v.imag
             for i, s in enumerate(sources):
                 for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
-                    pair = torch.complex(q_aug[q, :half], q_aug[q, half:rot]) * sigma[:, i, None].conj()
-                    new_q[q, :half], new_q[q, half:rot] = pair.real, pair.imag
-        if rot < d:  # dims RoPE leaves alone: real scales
-            solved = solution.key_plain[j]
-            v, sigma = _shared_vector(ks[:, rot:].transpose(0, 1), solved), solved.sigma
-            new_k[j, rot:] = v
-            for i, s in enumerate(sources):
-                for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
-                    new_q[q, rot:] = q_aug[q, rot:] * sigma[:, i, None]
+                    pair = torch.complex(q_aug[q, real], q_aug[q, imag]) * sigma[:, i, None].conj()
+                    new_q[q, real], new_q[q, imag] = pair.real, pair.imag
+    if len(plain):  # dims RoPE leaves alone: a full map per source head
+        solved = solution.key_plain
+        new_k[:, plain] = shared_heads(k_aug[:, plain], solved, groups)
+        for s in range(kv):
+            for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
+                new_q[q, plain] = solved.maps[s].mT @ q_aug[q, plain]
     k_w, k_b = _split(new_k.reshape(groups * d, -1), layer.k_b is not None)
     q_w, q_b = _split(new_q.reshape(layer.num_heads * d, -1), layer.q_b is not None)
     return k_w, k_b, q_w, q_b
 
 
-def solve_calibrated(layer: LayerAttention, groups: int, c: torch.Tensor) -> CalibratedSolution:
-    """Everything the calibrated merge of `layer` to `groups` KV heads takes from C."""
+def solve_calibrated(
+    layer: LayerAttention, groups: int, c: torch.Tensor, c_query: torch.Tensor | None = None
+) -> CalibratedSolution:
+    """Everything the calibrated merge of `layer` to `groups` KV heads takes from C, the moment
+    of the keys' and values' input; `c_query`: that of the queries' input where it differs
+    (cross-attention reads the encoder's states, its queries the decoder's), else C."""
     c = regularised(c)
-    return CalibratedSolution(*solve_values(layer, groups, c), *solve_keys(layer, groups, c))
+    c_query = c if c_query is None else regularised(c_query)
+    return CalibratedSolution(*solve_values(layer, groups, c), *solve_keys(layer, groups, c, c_query))
 
 
 def apply_calibrated(layer: LayerAttention, groups: int, solution: CalibratedSolution) -> LayerAttention:

@@ -235,7 +235,8 @@ def collect_attention_moments(
 
     model_dir = resolve_source(src).folder
     config = read_config(model_dir)
-    layout = architecture(config.get("model_type")).site(DECODER_SELF).layout  # whole-layer merges: decoder-only
+    # A decoder-only model's one attention (encoder–decoders: calibration_seq2seq.py).
+    layout = architecture(config.get("model_type")).site(DECODER_SELF).layout
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     run_device, run_dtype = calibration_device(device, dtype)
     all_ids, source = _calibration_blocks(
@@ -243,20 +244,25 @@ def collect_attention_moments(
     )
     count = len(all_ids)
     tokens = count * seq_len
-    # "model.layers.{layer}.self_attn" → layers at "model.layers", their parent "model".
-    layer_template, attn_name = layout.attn_prefix.rsplit(".", 1)
-    layers_path = layer_template.removesuffix(".{layer}")
+    # "model.layers.{layer}.self_attn" → layers at "model.layers", their parent "model", the
+    # attention module "self_attn" of each (GPT-Neo's "attn.attention": nested).
+    layers_path, attn_name = layout.attn_prefix.split(".{layer}.")
+    layer_template = layers_path + ".{layer}"
     base_path = layers_path.rsplit(".", 1)[0]
     # Weights only (weights_only=True for pickles); whether a pickle source may be converted
     # at all is decided by the conversion's own checks (pipeline.prepare, --allow-pickle).
     checkpoint = SourceCheckpoint(model_dir, allow_pickle=True)
+    # A checkpoint saved from the base model lacks the task model's leading module name
+    # (GPT-2's "h.0.attn" for "transformer.h.0.attn"): read its tensors under its own names.
+    stored = layout.attn_prefix_in(checkpoint.tensors)
+    checkpoint_root = layout.attn_prefix[: len(layout.attn_prefix) - len(stored)]
     moments = SpilledMoments() if per_layer is None else {}
     try:
         model = _empty_model(model_dir, run_dtype)
         base, layers = model.get_submodule(base_path), model.get_submodule(layers_path)
         outside = [(name, child) for name, child in base.named_children() if child is not layers]
         for name, child in outside:
-            _materialise(child, f"{base_path}.{name}.", checkpoint, run_device, run_dtype)
+            _materialise(child, f"{base_path}.{name}.".removeprefix(checkpoint_root), checkpoint, run_device, run_dtype)
         hidden, calls = [], []
         with torch.no_grad():
             for start in range(0, count, batch_size):
@@ -272,7 +278,13 @@ def collect_attention_moments(
         )
         with bar, torch.no_grad():
             for i, layer in enumerate(layers):
-                _materialise(layer, f"{layer_template.format(layer=i)}.", checkpoint, run_device, run_dtype)
+                _materialise(
+                    layer,
+                    f"{layer_template.format(layer=i)}.".removeprefix(checkpoint_root),
+                    checkpoint,
+                    run_device,
+                    run_dtype,
+                )
                 moment = _layer_moment(layer, attn_name, hidden, [c[i] for c in calls], run_device)
                 layer.to("meta")  # frees this layer's weights before the next layer is read
                 if per_layer is None:

@@ -18,10 +18,12 @@ from typing import Protocol
 import torch
 
 from uptrain.architecture import DECODER_SELF, Architecture, AttentionStack, architecture
-from uptrain.convert.layer_merge import LayerMerger, LayerSolution, merges_whole_layers
+from uptrain.convert.calibration_seq2seq import site_moments
+from uptrain.convert.layer_merge import LayerMerger, LayerSolution, SiteMergers, merges_whole_layers
+from uptrain.convert.layer_tensors import join_qkv, split_qkv
 from uptrain.convert.plan import ConversionPlan, PlannedTensor, choose_attentions, plan_conversion
 from uptrain.convert.pooling import PoolingContext, RowPooling, Strategy, pool_rows
-from uptrain.model_info import AttentionGeometry, rotary_dim
+from uptrain.model_info import AttentionGeometry
 
 
 class TensorHeader(Protocol):
@@ -95,22 +97,38 @@ class Conversion:
 
     def merger(
         self, source: TensorSource, calibration: Calibration | None, progress: bool | None = None
-    ) -> LayerMerger:
-        """The merger of whole layers (used only by a plan with whole-layer tensors)."""
-        layout = self.stacks[DECODER_SELF].layout  # whole-layer merges: decoder-only models only
+    ) -> LayerMerger | SiteMergers:
+        """The merger of whole layers (used only by a plan with whole-layer tensors): a
+        decoder-only model's one attention's, or one per chosen attention of an encoder–decoder
+        (each reading its own moments, `calibration_seq2seq.site_moments`)."""
+        if not self.arch.encoder_decoder:
+            moments = calibration.moments if calibration else None
+            return self._site_merger(DECODER_SELF, source, moments, calibration, progress)
+        return SiteMergers(
+            {
+                name: self._site_merger(
+                    name, source, site_moments(calibration.moments, name) if calibration else None, None, progress
+                )
+                for name in self.attention
+            }
+        )
+
+    def _site_merger(self, name: str, source: TensorSource, moments, calibration, progress) -> LayerMerger:
+        stack = self.stacks[name]
         return LayerMerger(
             source,
-            layout,
-            self.geometry,
+            stack.layout,
+            stack.geometry,
             self.num_kv_heads,
             self.strategy,
             self.grouping,
-            rotary_dim(self.config, self.geometry.head_dim),
-            calibration.moments if calibration else None,
+            self.arch.rotary_dims(self.config, stack.geometry.head_dim),
+            moments,
             self.seed,
             self.init_std,
             progress,
             solutions=calibration.solved if calibration else None,
+            rotary_pairs=self.arch.rotary.pairs if self.arch.rotary is not None else "half",
         )
 
     def compute(self, t: PlannedTensor, source: TensorSource, merger: LayerMerger) -> torch.Tensor:
@@ -143,7 +161,7 @@ def conversion_for(
     chooses and G against each, the strategy's own), before any tensor is read."""
     arch = architecture(config.get("model_type"))
     stacks, chosen = choose_attentions(config, arch, attention, num_kv_heads)
-    strategy.check_source(config)
+    strategy.check_source(config, arch)
     return Conversion(config, arch, strategy, grouping, num_kv_heads, seed, stacks, chosen)
 
 
@@ -162,17 +180,7 @@ def pool_fused(
     (each KV head's r query heads, its K, its V), written back as `[g, h/g + 2, d]`.
     """
     h, kv, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
-    x = qkv.movedim(axis, 0)
-    rest = x.shape[1:]
-    if order == "blocks":
-        q, k, v = x.split([h * d, kv * d, kv * d])
-    else:
-        heads = x.reshape(kv, h // kv + 2, d, *rest)
-        q, k, v = (part.reshape(-1, *rest) for part in (heads[:, :-2], heads[:, -2], heads[:, -1]))
+    q, k, v = split_qkv(qkv, h, kv, d, order, axis)
     k = pool_rows(k, g, d, strategy, PoolingContext(ctx.role, ctx.tensor_name + ":k", ctx.seed, ctx.init_std))
     v = pool_rows(v, g, d, strategy, PoolingContext(ctx.role, ctx.tensor_name + ":v", ctx.seed, ctx.init_std))
-    if order == "blocks":
-        out = torch.cat([q, k, v])
-    else:
-        out = torch.cat([q.reshape(g, h // g, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
-    return out.reshape((h + 2 * g) * d, *rest).movedim(0, axis)
+    return join_qkv(q, k, v, d, order, axis)

@@ -23,20 +23,24 @@ from tqdm.auto import tqdm
 from uptrain import UptrainError
 from uptrain.architecture import AttentionLayout
 from uptrain.checkpoint.reader import SourceCheckpoint
-from uptrain.convert.calibrated import LayerAttention, head_similarity, permute_kv_heads, similarity_order
+from uptrain.convert.calibrated import (
+    CrossMoments,
+    LayerAttention,
+    head_similarity,
+    input_moment,
+    permute_kv_heads,
+    similarity_order,
+)
+from uptrain.convert.layer_tensors import (
+    FIELDS,
+    kv_field_name,
+    merge_tensor_names,
+    merged_shapes,
+    read_fields,
+    written_tensors,
+)
 from uptrain.convert.pooling import PoolingContext, Strategy
 from uptrain.model_info import AttentionGeometry
-
-# Tensors of one attention module that a whole-layer merge reads and rewrites.
-PARTS = ("q", "k", "v", "o")
-
-
-def layer_tensor_names(layout: AttentionLayout) -> dict[str, str]:
-    """Relative names ('q_proj.weight', …) → field of LayerAttention ('q_w', …)."""
-    modules = {"q": layout.q_proj, "k": "k_proj", "v": "v_proj", "o": layout.o_proj}
-    names = {f"{modules[p]}.weight": f"{p}_w" for p in PARTS}
-    names.update({f"{modules[p]}.bias": f"{p}_b" for p in "qkv"})
-    return names
 
 
 def merges_whole_layers(strategy: Strategy, grouping: str) -> bool:
@@ -72,8 +76,6 @@ def check_whole_layer_support(
     StableLM without qk-layernorm is a plain layout, with it one norm per head.
     """
     what = whole_layer_option(strategy, grouping)
-    if layout.fused_qkv:
-        raise UptrainError(f"{what} does not support {model_type} yet (fused {layout.fused_qkv})")
     for name, shape in extra_tensors.items():
         if _per_head_module(name):
             # Each head's own norm would have to follow its head through renumbering and merging.
@@ -82,11 +84,13 @@ def check_whole_layer_support(
                 f"({model_type} per-head q/k norms); use mean, first or random with contiguous grouping"
             )
         # A norm shared by all heads over head_dim survives renumbering heads, not per-head maps
-        # folded into the queries.
+        # folded into the queries: it acts between the projection and the score, and a
+        # normalisation commutes with no map but an orthogonal one (which a q norm then breaks).
         if strategy.folds_into_queries or shape != (head_dim,):
             raise UptrainError(
-                f"{what} cannot carry {prefix}{name} through the merge ({model_type} q/k norms); "
-                "use mean, first or random with contiguous grouping"
+                f"{what} cannot carry {prefix}{name} through the merge ({model_type} q/k norms: they act "
+                "after the projections, and the per-head maps folded into q_proj and o_proj do not "
+                "commute with a normalisation); use mean, first or random with contiguous grouping"
             )
 
 
@@ -103,30 +107,17 @@ def whole_layer_shapes(
 
     `tensors` maps every source tensor name to its header (anything with a `.shape`).
     """
-    prefix = layout.attn_prefix.format(layer=layer) + "."
-    names = layer_tensor_names(layout)
+    prefix = layout.attn_prefix_in(tensors).format(layer=layer) + "."
+    names = merge_tensor_names(layout)
+    kept = (*names, f"{layout.o_proj}.bias", *layout.query_head_tensors)
     extra = {
         n[len(prefix) :]: tuple(tensors[n].shape)
         for n in tensors
-        if n.startswith(prefix) and n[len(prefix) :] not in names and not n.endswith(f"{layout.o_proj}.bias")
+        if n.startswith(prefix) and n[len(prefix) :] not in kept
     }
     check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim, prefix)
-    shapes = {}
-    for rel, field in names.items():
-        name = prefix + rel
-        if name not in tensors:
-            if field.endswith("_w"):
-                raise UptrainError(f"{name} is missing: checkpoint does not match the {geometry.model_type} layout")
-            continue
-        shape = tuple(tensors[name].shape)
-        heads = geometry.num_kv_heads if field[0] in "kv" else geometry.num_heads
-        width = shape[1] if field == "o_w" else shape[0]  # o_proj's columns are per head
-        if width != heads * geometry.head_dim:
-            raise UptrainError(f"{name} has shape {shape}, expected {heads} heads × {geometry.head_dim}")
-        if field[0] in "kv":
-            shape = (g * geometry.head_dim, *shape[1:])
-        shapes[name] = shape
-    return shapes
+    present = {rel: tuple(tensors[prefix + rel].shape) for rel in names if prefix + rel in tensors}
+    return {prefix + rel: shape for rel, shape in merged_shapes(present, layout, geometry, g, prefix).items()}
 
 
 @dataclass
@@ -145,7 +136,8 @@ class LayerMerger:
 
     `calibration` maps a layer to its moment C (a lazy mapping is read one layer at a time);
     None compares heads in weight space. `solutions`: layers already solved (`solve`), whose
-    moments are not needed. `progress`: a bar over layers (None: on terminals).
+    moments are not needed. `progress`: a bar over layers (None: on terminals). `rotary_dim` and
+    `rotary_pairs`: the dims of each head RoPE rotates and how they pair (`LayerAttention`).
     """
 
     def __init__(
@@ -162,12 +154,14 @@ class LayerMerger:
         init_std: float,
         progress: bool | None = None,
         solutions: Mapping[int, LayerSolution] | None = None,
+        rotary_pairs: str = "half",
     ):
         self.source, self.layout, self.geometry = source, layout, geometry
         self.solutions = dict(solutions or {})
         self.num_kv_heads, self.strategy, self.grouping = num_kv_heads, strategy, grouping
-        self.rotary_dim, self.calibration, self.seed, self.init_std = rotary_dim, calibration, seed, init_std
-        self.names = layer_tensor_names(layout)
+        self.rotary_dim, self.rotary_pairs = rotary_dim, rotary_pairs
+        self.calibration, self.seed, self.init_std = calibration, seed, init_std
+        self.attn_prefix = layout.attn_prefix_in(source.tensors)
         self.kv_orders: dict[int, list[int]] = {}  # layer → source KV heads in their new order
         self._layer: int | None = None
         self._outputs: dict[str, torch.Tensor] = {}
@@ -190,36 +184,38 @@ class LayerMerger:
                 self._bar.close()
         return self._outputs.pop(name)
 
-    def _second_moment(self, layer: int) -> torch.Tensor:
+    def _second_moment(self, layer: int) -> torch.Tensor | CrossMoments:
         if self.calibration is not None:
             return self.calibration[layer].to(torch.float64)
         return torch.eye(self.geometry.hidden_size + 1, dtype=torch.float64)  # weight-space similarity
 
     def _read_layer(self, layer: int, device: torch.device | str = "cpu") -> tuple[LayerAttention, dict]:
         """The layer's attention projections in float64 on `device`, and each tensor's stored dtype."""
-        prefix = self.layout.attn_prefix.format(layer=layer) + "."
+        prefix = self.attn_prefix.format(layer=layer) + "."
         geo = self.geometry
-        fields, dtypes = {}, {}
-        for rel, field in self.names.items():
-            name = prefix + rel
-            if name in self.source.tensors:
-                t = self.source.read_tensor(name)
-                fields[field], dtypes[field] = t.to(device=device, dtype=torch.float64), t.dtype
-            else:
-                fields[field] = None
+        dtypes = {}
+
+        def read(rel: str) -> torch.Tensor | None:
+            if prefix + rel not in self.source.tensors:
+                return None
+            t = self.source.read_tensor(prefix + rel)
+            dtypes[rel] = t.dtype
+            return t.to(device=device, dtype=torch.float64)
+
         attention = LayerAttention(
-            **fields,
+            **read_fields(read, self.layout, geo),
             num_heads=geo.num_heads,
             num_kv_heads=geo.num_kv_heads,
             head_dim=geo.head_dim,
             rotary_dim=self.rotary_dim,
+            rotary_pairs=self.rotary_pairs,
         )
         return attention, dtypes
 
-    def _solve(self, attention: LayerAttention, c: torch.Tensor) -> LayerSolution:
+    def _solve(self, attention: LayerAttention, c: torch.Tensor | CrossMoments) -> LayerSolution:
         order = None
         if self.grouping == "similarity":
-            order = similarity_order(head_similarity(attention, c).cpu(), self.num_kv_heads)
+            order = similarity_order(head_similarity(attention, input_moment(c)).cpu(), self.num_kv_heads)
             attention = permute_kv_heads(attention, order)
         return LayerSolution(order, self.strategy.solve(attention, self.num_kv_heads, c))
 
@@ -230,7 +226,7 @@ class LayerMerger:
         self.solutions[layer] = self._solve(attention, c).to("cpu")
 
     def _merge(self, layer: int) -> dict[str, torch.Tensor]:
-        prefix = self.layout.attn_prefix.format(layer=layer) + "."
+        prefix = self.attn_prefix.format(layer=layer) + "."
         attention, dtypes = self._read_layer(layer)
         solution = self.solutions.pop(layer, None)
         if solution is None:
@@ -238,15 +234,30 @@ class LayerMerger:
         if solution.order is not None:
             attention = permute_kv_heads(attention, solution.order)
             self.kv_orders[layer] = solution.order
-        fields = {field: rel for rel, field in self.names.items()}
 
         def context(field: str) -> PoolingContext:
+            # Row pooling of a whole layer (similarity grouping): each K/V field seeded by its name.
             role = "bias" if field.endswith("_b") else "weight"
-            return PoolingContext(role, prefix + fields[field], self.seed, self.init_std)
+            return PoolingContext(role, prefix + kv_field_name(self.layout, field), self.seed, self.init_std)
 
         attention = self.strategy.pool_layer(attention, self.num_kv_heads, solution.merge, context)
+        fields = {f: getattr(attention, f) for f in FIELDS}
         return {
-            prefix + rel: getattr(attention, field).to(dtypes[field])
-            for rel, field in self.names.items()
-            if field in dtypes
+            prefix + rel: t.to(dtypes[rel]).contiguous()
+            for rel, t in written_tensors(fields, self.layout, self.geometry.head_dim).items()
         }
+
+
+class SiteMergers:
+    """The mergers of an encoder–decoder's chosen attentions, one `LayerMerger` each: a tensor
+    goes to the one whose attention module holds it."""
+
+    def __init__(self, mergers: dict[str, LayerMerger]):
+        self.mergers = mergers
+        self.kv_orders: dict[int, list[int]] = {}  # similarity grouping: decoder-only models only
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        for merger in self.mergers.values():
+            if name.startswith(merger.attn_prefix.format(layer=layer) + "."):
+                return merger.tensor(layer, name)
+        raise KeyError(name)

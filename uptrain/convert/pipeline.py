@@ -116,6 +116,10 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     from uptrain.convert.calibration import calibration_device, load_calibration_tokenizer
     from uptrain.data.text import resolve_data
 
+    if prepared.conversion.arch.encoder_decoder:
+        from uptrain.convert.calibration_seq2seq import calibration_objective
+
+        calibration_objective(prepared.conversion.arch)  # refuses what calibration cannot read
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
@@ -139,6 +143,22 @@ def calibrate(
     from uptrain.convert.calibration import collect_attention_moments
 
     spec = prepared.spec
+    if prepared.conversion.arch.encoder_decoder:
+        # The whole model reads the objective's examples; every attention's moments are kept.
+        from uptrain.convert.calibration_seq2seq import collect_seq2seq_moments
+
+        moments, info = collect_seq2seq_moments(
+            prepared.source.folder,
+            spec.calibration_data,
+            num_tokens=spec.calibration_tokens,
+            seq_len=spec.calibration_seq_len,
+            text_field=spec.text_field,
+            sample_by=spec.sample_by,
+            device=spec.calibration_device,
+            dtype=spec.calibration_dtype,
+            progress=progress,
+        )
+        return Calibration(moments, info)
     solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
     moments, info = collect_attention_moments(
         prepared.source.folder,

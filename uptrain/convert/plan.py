@@ -135,10 +135,12 @@ def plan_conversion(
         return cast if cast is not None and dtype.is_floating_point else dtype
 
     by_layer = merges_whole_layers(strategy, grouping)
-    if by_layer and not arch.whole_layer_merges:
-        what = whole_layer_option(strategy, grouping)
-        kind = "encoder–decoders" if len(stacks) > 1 else geometry.model_type
-        raise UptrainError(f"{what} does not support {kind} yet; use mean, first or random with contiguous grouping")
+    if by_layer and len(stacks) > 1 and grouping != "contiguous":
+        # Renumbering heads would have to carry T5's relative position bias, one column per query
+        # head and shared by every layer, and record an order per attention.
+        raise UptrainError(
+            f"{whole_layer_option(strategy, grouping)} does not support encoder–decoders yet; use contiguous grouping"
+        )
     kv_prefixes = []
     for name in attention:
         stack = stacks[name]

@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 import torch
 
-from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
+from uptrain.architecture import Architecture
+from uptrain.convert.calibrated import CrossMoments, LayerAttention, apply_calibrated, solve_calibrated
 
 Role = Literal["weight", "bias", "norm"]
 
@@ -54,7 +55,7 @@ class RowPooling:
     merges_layers = False  # pools each K/V tensor on its own
     folds_into_queries = False  # leaves Q and O as they are
 
-    def check_source(self, config: dict) -> None:
+    def check_source(self, config: dict, arch: Architecture) -> None:
         """Row pooling converts any source the layout describes."""
 
     def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor) -> None:
@@ -86,15 +87,16 @@ class WholeLayerStrategy:
     merges_layers = True
     folds_into_queries = True  # per-head maps land in q_proj rows and o_proj columns
 
-    def check_source(self, config: dict) -> None:
-        """OLMo clamps q, k and v element-wise after the projections (`clip_qkv`): per-head maps
-        folded into q_proj and o_proj do not commute with a clamp (renumbering whole heads, as
-        similarity grouping does, does)."""
+    def check_source(self, config: dict, arch: Architecture) -> None:
+        """OLMo and MPT can clamp q, k and v element-wise after the projections (`clip_qkv`,
+        where `arch.clip_qkv_key` says): per-head maps folded into q_proj and o_proj do not
+        commute with a clamp (renumbering whole heads, as similarity grouping does, does)."""
         from uptrain import UptrainError
 
-        if config.get("clip_qkv") is not None:
+        clip = arch.clip_qkv(config)
+        if clip is not None:
             raise UptrainError(
-                f"--pooling {self.name} cannot merge a model with clip_qkv ({config['clip_qkv']}): "
+                f"--pooling {self.name} cannot merge a model with {arch.clip_qkv_key} ({clip}): "
                 "the clamp does not commute with the merge; use mean, first or random (with "
                 "--grouping similarity if you like)"
             )
@@ -164,7 +166,9 @@ class CalibratedMerge(WholeLayerStrategy):
         "rows (RoPE-safe complex scales) and o_proj columns"
     )
 
-    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor):
+    def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor | CrossMoments):
+        if isinstance(moment, CrossMoments):  # keys and values read the encoder, queries the decoder
+            return solve_calibrated(attention, groups, moment.keys_values, moment.queries)
         return solve_calibrated(attention, groups, moment)
 
     def apply(self, attention: LayerAttention, groups: int, solution) -> LayerAttention:

@@ -1,0 +1,244 @@
+"""Calibration statistics of an encoder–decoder: each attention's input moments, from its objective.
+
+The merge of each attention reads the moment of what its keys and values read and of what its
+queries read (`calibrated.py`). In self-attention both are the layer's input; in
+cross-attention the keys and values read the encoder's output and the queries the decoder's
+states, so each is calibrated from its own input: the family's objective (`uptrain.objectives`,
+the architecture's `default_objective`) turns calibration text into what the model is trained
+on — span-corrupted blocks (T5), infilled blocks (BART, mBART), or jsonl source/target pairs
+(Marian, M2M100, Pegasus) — and the source model reads them whole (encoder inputs, and the
+targets as the decoder's inputs), forward pre-hooks folding every attention's inputs, padding
+left out. Speech pairs (Whisper) are not read yet: its merges take moments given by the caller.
+
+Moments are keyed `"{attention}.{layer}"` (the input of that attention module; for "cross" the
+decoder's states) and `"cross.keys_values"` (the encoder's output, which every cross-attention
+layer reads); `site_moments` gives one attention's view, layer → moment, as `LayerMerger` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from uptrain import UptrainError
+from uptrain.convert.calibrated import CrossMoments
+
+CROSS_KEYS_VALUES = "cross.keys_values"
+
+
+class SiteMoments(Mapping):
+    """One attention's moments, layer → C (cross-attention: `CrossMoments`), read lazily."""
+
+    def __init__(self, moments: Mapping, attention: str):
+        self.moments, self.attention = moments, attention
+
+    def __getitem__(self, layer: int):
+        own = self.moments[f"{self.attention}.{layer}"]
+        if self.attention == "cross":
+            return CrossMoments(self.moments[CROSS_KEYS_VALUES], own)
+        return own
+
+    def _layers(self) -> list[int]:
+        prefix = f"{self.attention}."
+        return sorted(
+            int(k[len(prefix) :]) for k in self.moments if k.startswith(prefix) and k[len(prefix) :].isdigit()
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._layers())
+
+    def __len__(self) -> int:
+        return len(self._layers())
+
+
+def site_moments(moments: Mapping, attention: str) -> SiteMoments:
+    """The moments of one attention of an encoder–decoder (`attention`: "encoder", "decoder-self", "cross")."""
+    return SiteMoments(moments, attention)
+
+
+def calibration_objective(arch):
+    """The objective an encoder–decoder is calibrated with (its family's); refuses, in one line,
+    one whose data uptrain does not read for calibration yet."""
+    from uptrain.objectives import get_objective
+
+    objective = get_objective(arch.default_objective)
+    if objective.encoder_reads == "audio":
+        raise UptrainError(
+            f"--pooling calibrated cannot calibrate {arch.name} yet: its encoder reads audio, and calibration "
+            "reads text; use mean, first or random"
+        )
+    return objective
+
+
+def _fold(moments: dict, counts: dict, key: str, x: torch.Tensor, keep: torch.Tensor | None) -> None:
+    """Add Σ x̃ x̃ᵀ over the kept positions of `x` ([b, t, D]) to moments[key], x̃ = [x, 1], in float64."""
+    rows = x[keep] if keep is not None else x.reshape(-1, x.shape[-1])
+    rows = rows.to(torch.float64)
+    rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)], dim=1)
+    if key not in moments:
+        moments[key] = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
+        counts[key] = 0
+    moments[key].addmm_(rows.mT, rows)
+    counts[key] += rows.shape[0]
+
+
+def seq2seq_moments(model, arch, batches, progress: bool | None = None) -> dict[str, torch.Tensor]:
+    """Every attention's input moments (keys as the module docstring says) of `model`, a
+    transformers encoder–decoder with `arch`'s layout, over `batches` (dicts of model inputs:
+    `input_ids` or `input_features`, optional `attention_mask`, `labels` with -100 for padding)."""
+    from tqdm.auto import tqdm
+
+    moments: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    masks: dict[str, torch.Tensor | None] = {}
+    handles = []
+
+    def hook(key: str, site: str, layer: int):
+        def fold(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            _fold(moments, counts, key, hidden, masks["encoder" if site == "encoder" else "decoder"])
+            if site == "cross" and layer == 0:
+                # transformers spells the encoder's output key_value_states (T5, BART) or
+                # encoder_hidden_states (UMT5).
+                encoded = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
+                _fold(moments, counts, CROSS_KEYS_VALUES, encoded, masks["encoder"])
+
+        return fold
+
+    for site in arch.sites:
+        layers = site.geometry.read(model.config.to_dict()).num_layers
+        for layer in range(layers):
+            module = model.get_submodule(site.layout.attn_prefix.format(layer=layer))
+            key = f"{site.attention}.{layer}"
+            handles.append(module.register_forward_pre_hook(hook(key, site.attention, layer), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for batch in tqdm(
+                batches, desc="calibrate", unit="batch", disable=None if progress is None else not progress
+            ):
+                batch = {k: v.to(model.device) for k, v in batch.items()}
+                mask = batch.get("attention_mask")
+                masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
+                masks["decoder"] = batch["labels"] != -100
+                model(**batch, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {key: m / max(counts[key], 1) for key, m in moments.items()}
+
+
+def _text_pairs(path: str, fields: tuple[str, str], limit: int) -> list[tuple[str, str]]:
+    """The first `limit` (source, target) pairs of a local jsonl file; one line for anything else."""
+    need = f"calibration data {path}: a jsonl file whose lines hold text fields {' and '.join(fields)}"
+    if not Path(path).is_file():
+        raise UptrainError(f"{need} (calibration reads pairs from local files)")
+    pairs = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UptrainError(f"{need}; line {number} is not JSON") from None
+            if not isinstance(row, dict) or not all(isinstance(row.get(f), str) for f in fields):
+                raise UptrainError(f"{need}; line {number} lacks them")
+            pairs.append((row[fields[0]], row[fields[1]]))
+        if len(pairs) >= limit:
+            break
+    return pairs
+
+
+def calibration_batches(
+    model_dir: Path, arch, data, num_tokens: int, seq_len: int, batch_size: int, text_field: str, sample_by: str
+) -> tuple[list[dict], dict]:
+    """The batches an encoder–decoder is calibrated on (its family's objective over `data`, the
+    first ⌈num_tokens / seq_len⌉ examples) and their description for provenance."""
+    from uptrain.convert.calibration import _first_blocks, load_calibration_tokenizer
+    from uptrain.objectives import IGNORE_INDEX, special_tokens_for
+    from uptrain.objectives.corruption import evaluation_generator
+    from uptrain.textdata import load_blocks
+
+    objective = calibration_objective(arch)
+    tokenizer = load_calibration_tokenizer(model_dir)
+    wanted = math.ceil(num_tokens / seq_len)
+    label = str(data)
+    if objective.reads == "text_pairs":
+        files = [data] if isinstance(data, str) else list(data)
+        pairs = [p for f in files for p in _text_pairs(f, objective.fields, wanted)][:wanted]
+        if not pairs:
+            raise UptrainError(f"calibration data {label} holds no {'/'.join(objective.fields)} pairs")
+        examples = []
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start : start + batch_size]
+            enc = tokenizer(
+                [s for s, _ in chunk],
+                text_target=[t for _, t in chunk],
+                max_length=seq_len,
+                truncation=True,
+                padding=True,
+                return_tensors="pt",
+            )
+            labels = enc["labels"].masked_fill(enc["labels"] == tokenizer.pad_token_id, IGNORE_INDEX)
+            examples.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels})
+        count = len(pairs)
+    else:
+        blocks, source = load_blocks(
+            data,
+            "calibration_data",
+            tokenizer,
+            objective.block_length(seq_len),
+            text_field=text_field,
+            split="train",
+            dataset_config=None,
+            sample_by=sample_by,
+            streaming=None,
+            workers=None,
+        )
+        rows = _first_blocks(blocks, wanted)
+        if len(rows) == 0:
+            raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
+        label, count = source.label, len(rows)
+        tokens = special_tokens_for(objective, tokenizer, "calibration's source")
+        corrupted = [objective.corrupt(row, tokens, evaluation_generator(0, row)) for row in rows]
+        examples = [
+            {k: torch.cat([c[k] for c in corrupted[start : start + batch_size]]) for k in corrupted[0]}
+            for start in range(0, count, batch_size)
+        ]
+    info = {"data": label, "objective": objective.name, "examples": count, "seq_len": seq_len}
+    return examples, info
+
+
+def collect_seq2seq_moments(
+    src: str | Path,
+    data,
+    num_tokens: int = 32768,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    text_field: str = "text",
+    sample_by: str = "paragraph",
+    device: str = "auto",
+    dtype: str = "float32",
+    progress: bool | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """({key: C}, a description for provenance) of the encoder–decoder at `src` over `data`,
+    read through its family's objective; the whole model runs in `dtype` on `device`."""
+    from uptrain.architecture import architecture
+    from uptrain.checkpoint.source import resolve_source
+    from uptrain.convert.calibration import calibration_device
+    from uptrain.loading import load_model
+    from uptrain.model_info import read_config
+
+    model_dir = resolve_source(src).folder
+    arch = architecture(read_config(model_dir).get("model_type"))
+    run_device, run_dtype = calibration_device(device, dtype)
+    batches, info = calibration_batches(model_dir, arch, data, num_tokens, seq_len, batch_size, text_field, sample_by)
+    import uptrain.modeling  # noqa: F401  registers t5_gqa, …: a converted checkpoint loads here too
+
+    model = load_model(model_dir, "calibration's source", arch.auto_class, dtype=run_dtype).to(run_device).eval()
+    moments = seq2seq_moments(model, arch, batches, progress)
+    info["tokens"] = sum(int((b["labels"] != -100).sum()) for b in batches)
+    info["dtype"] = dtype
+    return {k: m.cpu() for k, m in moments.items()}, info

@@ -201,7 +201,7 @@ def test_layerwise_moments_equal_the_whole_model(case, tokenizer, calibration_te
         fold_attention_input,
         load_calibration_tokenizer,
     )
-    from uptrain.textdata import load_blocks
+    from uptrain.data.text import load_blocks
 
     model = build(case, tokenizer)
     src = save(model, tokenizer, tmp_path / "src")

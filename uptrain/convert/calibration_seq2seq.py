@@ -157,9 +157,9 @@ def calibration_batches(
     """The batches an encoder–decoder is calibrated on (its family's objective over `data`, the
     first ⌈num_tokens / seq_len⌉ examples) and their description for provenance."""
     from uptrain.convert.calibration import _first_blocks, load_calibration_tokenizer
+    from uptrain.data.text import load_blocks
     from uptrain.objectives import IGNORE_INDEX, special_tokens_for
     from uptrain.objectives.corruption import evaluation_generator
-    from uptrain.textdata import load_blocks
 
     objective = calibration_objective(arch)
     tokenizer = load_calibration_tokenizer(model_dir)

@@ -128,11 +128,15 @@ def _samples(value, where: Where, key: str) -> np.ndarray:
 class PairExamples:
     """Tokenized examples, batched on demand (`take`, as `TokenBlocks.take` but a dict of padded
     tensors). Audio is decoded when loaded, to check it, and again for each batch it is in, so that
-    only a batch's audio is held in memory."""
+    only a batch's audio is held in memory. `records`: each example's place and JSON object, for
+    readers of its text (evaluation's references)."""
 
-    def __init__(self, sources: list, targets: list[list[int]], pad_id: int | None, feature_extractor=None):
+    def __init__(
+        self, sources: list, targets: list[list[int]], pad_id: int | None, feature_extractor=None, records=None
+    ):
         self.sources, self.targets = sources, targets
         self.pad_id, self.feature_extractor = pad_id, feature_extractor
+        self.records: list[tuple[Where, dict]] = records or []
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -205,7 +209,7 @@ def load_pairs(
         # tokens require (`special_tokens_for` refused a tokenizer without one).
         texts = [_text(r, source_name, where, key) for where, r in records]
         sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
-        return PairExamples(sources, label_ids, tokenizer.pad_token_id)
+        return PairExamples(sources, label_ids, tokenizer.pad_token_id, records=records)
     feature_extractor = _load_feature_extractor(model_path)
     sources = []
     for where, r in records:
@@ -219,7 +223,7 @@ def load_pairs(
             sources.append(_samples(value, where, key))
         else:
             raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or an array of samples")
-    return PairExamples(sources, label_ids, None, feature_extractor)
+    return PairExamples(sources, label_ids, None, feature_extractor, records)
 
 
 def _load_feature_extractor(model_path: str):

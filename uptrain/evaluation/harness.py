@@ -1,0 +1,96 @@
+"""Tasks of the lm-evaluation-harness (`lm-eval`), run through its Python API on the model already
+in memory: `HFLM(pretrained=model, tokenizer=tokenizer)` and `simple_evaluate`, so a converted
+`*_gqa` model is scored as loaded (no re-loading by name, no remote code).
+
+`--task lm-eval:NAME` names a task lm-eval has installed, or a local task YAML file (its `task:`
+key names it; the folder it is in is given to lm-eval's `TaskManager(include_path=…)`). Its data
+is whatever the task names: a local task reads local files (`dataset_path: json`,
+`dataset_kwargs: {data_files: …}`, paths as `datasets` reads them: absolute, or relative to the
+current folder); a Hub dataset needs the network. Scores are lm-eval's own, named and scaled as it reports them
+(`acc,none`, `exact_match,none`, …: fractions in [0, 1]), with its per-example records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from uptrain import UptrainError, exception_line
+from uptrain.evaluation.scores import require
+from uptrain.evaluation.tasks import HARNESS_PREFIX
+
+
+def harness_task(task: str) -> tuple[str, Path | None]:
+    """(the lm-eval task name, the folder to include or None) of a `--task lm-eval:…` value."""
+    name = task[len(HARNESS_PREFIX) :].strip()
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml"):
+        return name, None
+    if not path.is_file():
+        raise UptrainError(f"--task {task}: no task YAML at {path}")
+    return _yaml_task_name(path), path.resolve().parent
+
+
+def _yaml_task_name(path: Path) -> str:
+    import yaml
+
+    class _Loader(yaml.SafeLoader):  # lm-eval's tags (`!function utils.process`) matter to lm-eval only
+        pass
+
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        config = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 (a SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise UptrainError(f"cannot read the task YAML {path}: {exception_line(err)}") from None
+    name = config.get("task") if isinstance(config, dict) else None
+    if not isinstance(name, str) or not name:
+        raise UptrainError(f"the task YAML {path} has no `task:` name")
+    return name
+
+
+def check_harness(task: str) -> None:
+    """Refuse, in one line naming the extra, when lm-eval is missing."""
+    require("lm_eval", "lm-eval", f"--task {task}")
+
+
+def run_harness(model, tokenizer, task: str, *, batch_size: int, limit: int | None, num_fewshot: int | None) -> dict:
+    """Run one lm-eval task (or group) on `model`. Returns {"scores": {task: {metric: value}},
+    "predictions": [per-example records]} (a record: the task, the document, lm-eval's target,
+    the filtered response and the example's metrics)."""
+    lm_eval = require("lm_eval", "lm-eval", f"--task {task}")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    name, include = harness_task(task)
+    manager = TaskManager(include_path=str(include)) if include is not None else TaskManager()
+    if name not in manager.all_tasks:
+        raise UptrainError(f"--task {task}: lm-eval knows no task {name!r} (`lm-eval ls tasks` lists them)")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=[name], task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=True
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a dataset that is not there, a bad YAML field
+        raise UptrainError(f"--task {task}: lm-eval failed: {exception_line(err)}") from None
+    scores = {
+        task_name: {metric: value for metric, value in metrics.items() if isinstance(value, (int, float))}
+        for task_name, metrics in results["results"].items()
+    }
+    predictions = [
+        {
+            "task": task_name,
+            "index": sample["doc_id"],
+            "doc": _plain(sample["doc"]),
+            "reference": _plain(sample["target"]),
+            "prediction": _plain(sample["filtered_resps"]),
+            **{metric: _plain(sample[metric]) for metric in sample["metrics"] if metric in sample},
+        }
+        for task_name, samples in results["samples"].items()
+        for sample in samples
+    ]
+    return {"scores": scores, "predictions": predictions}
+
+
+def _plain(value):
+    """`value` as JSON holds it (lm-eval's samples carry tuples and numpy numbers)."""
+    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))

@@ -13,6 +13,7 @@ current folder); a Hub dataset needs the network. Scores are lm-eval's own, name
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError, exception_line
@@ -48,30 +49,47 @@ def _yaml_task_name(path: Path) -> str:
     return name
 
 
-def check_harness(task: str) -> None:
-    """Refuse, in one line naming the extra, when lm-eval is missing."""
+@dataclass(frozen=True)
+class HarnessTask:
+    """An lm-eval task found in its task index, before any model is loaded."""
+
+    option: str  # the --task value, for messages
+    name: str
+    manager: object  # lm-eval's TaskManager that indexes it
+
+
+def find_harness_task(task: str) -> HarnessTask:
+    """The lm-eval task of a `--task lm-eval:…` value; one line when lm-eval is missing (naming
+    the extra), when a task YAML is not there, or when lm-eval knows no such task."""
     require("lm_eval", "lm-eval", f"--task {task}")
-
-
-def run_harness(model, tokenizer, task: str, *, batch_size: int, limit: int | None, num_fewshot: int | None) -> dict:
-    """Run one lm-eval task (or group) on `model`. Returns {"scores": {task: {metric: value}},
-    "predictions": [per-example records]} (a record: the task, the document, lm-eval's target,
-    the filtered response and the example's metrics)."""
-    lm_eval = require("lm_eval", "lm-eval", f"--task {task}")
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     name, include = harness_task(task)
     manager = TaskManager(include_path=str(include)) if include is not None else TaskManager()
     if name not in manager.all_tasks:
         raise UptrainError(f"--task {task}: lm-eval knows no task {name!r} (`lm-eval ls tasks` lists them)")
+    return HarnessTask(task, name, manager)
+
+
+def run_harness(model, tokenizer, task: HarnessTask, *, batch_size: int, limit: int | None, num_fewshot: int | None):
+    """Run one lm-eval task (or group) on `model`. Returns {"scores": {task: {metric: value}},
+    "predictions": [per-example records]} (a record: the task, the document, lm-eval's target,
+    the filtered response and the example's metrics)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     try:
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=[name], task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=True
+            model=lm,
+            tasks=[task.name],
+            task_manager=task.manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=True,
         )
     except (OSError, ValueError, KeyError, TypeError) as err:  # a dataset that is not there, a bad YAML field
-        raise UptrainError(f"--task {task}: lm-eval failed: {exception_line(err)}") from None
+        raise UptrainError(f"--task {task.option}: lm-eval failed: {exception_line(err)}") from None
     scores = {
         task_name: {metric: value for metric, value in metrics.items() if isinstance(value, (int, float))}
         for task_name, metrics in results["results"].items()

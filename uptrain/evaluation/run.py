@@ -101,8 +101,7 @@ def evaluate_model(options: EvaluateOptions) -> dict:
     if task is not None:
         task.check_library()  # before anything loads
     else:
-        harness.check_harness(options.task)
-        harness.harness_task(options.task)  # a task YAML that is not there, before the model loads
+        lm_task = harness.find_harness_task(options.task)
     if options.output_dir is not None:
         check_output_path(Path(options.output_dir), options.overwrite)
     device = parse_device(options.device)
@@ -114,7 +113,7 @@ def evaluate_model(options: EvaluateOptions) -> dict:
     tokenizer = loading.load_tokenizer(source.folder, "model")
     if task is None:
         model = load_model(source.folder, dtype, device)
-        result = _run_harness(model, tokenizer, options)
+        result = _run_harness(model, tokenizer, lm_task, options)
     else:
         result = _run_generation(options, task, tokenizer, source.folder, config, shape, dtype, device)
     result = {
@@ -132,9 +131,9 @@ def evaluate_model(options: EvaluateOptions) -> dict:
     return result
 
 
-def _run_harness(model, tokenizer, options: EvaluateOptions) -> dict:
+def _run_harness(model, tokenizer, task: harness.HarnessTask, options: EvaluateOptions) -> dict:
     limits = {"limit": options.limit, "num_fewshot": options.num_fewshot}
-    run = harness.run_harness(model, tokenizer, options.task, batch_size=options.batch_size, **limits)
+    run = harness.run_harness(model, tokenizer, task, batch_size=options.batch_size, **limits)
     return {"scores": run["scores"], "primary": None, "time_per_sample_s": None, "predictions": run["predictions"]}
 
 

@@ -164,7 +164,6 @@ def _compare_schema():
 
 def _demo_schema():
     from uptrain.demo import DemoOptions
-    from uptrain.evaluation.run import EvaluateOptions
 
     return DemoOptions
 

@@ -98,6 +98,7 @@ def test_a_missing_library_is_one_line_naming_the_extra(built, tmp_path, capsys,
         (["--task", "qa", "--data", "{pairs}", "--max-new-tokens", "200"], "beyond the decoder's 64 positions"),
         (["--task", "qa", "--data", "{speech}"], "line 1: no `target` field"),
         (["--task", "qa", "--data", "{pairs}", "--num-fewshot", "2"], "`num_fewshot` is for lm-eval tasks"),
+        (["--task", "lm-eval:x", "--max-new-tokens", "2"], "`max_new_tokens`: an lm-eval task sets its own lengths"),
     ],
 )
 def test_refusals_are_one_line(built, capsys, args, message):

@@ -99,6 +99,7 @@ def test_an_lm_eval_task_from_a_local_yaml(built, tmp_path, capsys):
     assert set(source["scores"]) == {"uptrain_tiny_choice"} and "acc,none" in source["scores"]["uptrain_tiny_choice"]
     assert converted["scores"] == source["scores"] and converted["predictions"] == source["predictions"]
     assert [p["index"] for p in source["predictions"]] == [0, 1]
+    assert source["primary"]["metric"] == "uptrain_tiny_choice/acc,none" and source["primary"]["higher_is_better"]
     assert source["predictions"][0]["doc"]["question"] == "the cat" and "acc" in source["predictions"][0]
     out = tmp_path / "out"
     assert main(["evaluate", str(built["gpt2"]), *args, "--output-dir", str(out)]) == 0

@@ -11,6 +11,7 @@ decode step, synchronised on a GPU), for the time per sample the paper reports b
 
 from __future__ import annotations
 
+import copy
 import time
 
 from uptrain.speed import synchronize
@@ -44,8 +45,17 @@ def generate_predictions(model, tokenizer, examples, *, batch_size: int, max_new
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    settings = dict(
-        do_sample=False, num_beams=1, use_cache=True, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad
+    # The model's own generation config with greedy decoding set on a copy (passed whole: transformers
+    # warns when a config and loose generation arguments are mixed).
+    settings = copy.deepcopy(model.generation_config)
+    settings.update(
+        do_sample=False,
+        num_beams=1,
+        use_cache=True,
+        max_new_tokens=max_new_tokens,
+        max_length=None,  # max_new_tokens alone bounds the generation
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
     predictions: list[str] = []
     seconds = 0.0
@@ -58,7 +68,7 @@ def generate_predictions(model, tokenizer, examples, *, batch_size: int, max_new
                 inputs = _decoder_only_batch([examples.sources[i] for i in indices], pad, device)
             synchronize(device)
             began = time.perf_counter()
-            output = model.generate(**inputs, **settings)
+            output = model.generate(**inputs, generation_config=settings)
             synchronize(device)
             seconds += time.perf_counter() - began
             new = output if seq2seq else output[:, inputs["input_ids"].shape[1] :]

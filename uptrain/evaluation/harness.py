@@ -3,7 +3,8 @@ in memory: `HFLM(pretrained=model, tokenizer=tokenizer)` and `simple_evaluate`, 
 `*_gqa` model is scored as loaded (no re-loading by name, no remote code).
 
 `--task lm-eval:NAME` names a task lm-eval has installed, or a local task YAML file (its `task:`
-key names it; the folder it is in is given to lm-eval's `TaskManager(include_path=…)`). Its data
+key names it; the folder it is in is what lm-eval's `TaskManager(include_path=…)` indexes, without
+lm-eval's own tasks). Its data
 is whatever the task names: a local task reads local files (`dataset_path: json`,
 `dataset_kwargs: {data_files: …}`, paths as `datasets` reads them: absolute, or relative to the
 current folder); a Hub dataset needs the network. Scores are lm-eval's own, named and scaled as it reports them
@@ -65,7 +66,8 @@ def find_harness_task(task: str) -> HarnessTask:
     from lm_eval.tasks import TaskManager
 
     name, include = harness_task(task)
-    manager = TaskManager(include_path=str(include)) if include is not None else TaskManager()
+    # A local YAML's folder alone: indexing lm-eval's own ~15k task files costs tens of seconds.
+    manager = TaskManager() if include is None else TaskManager(include_path=str(include), include_defaults=False)
     if name not in manager.all_tasks:
         raise UptrainError(f"--task {task}: lm-eval knows no task {name!r} (`lm-eval ls tasks` lists them)")
     return HarnessTask(task, name, manager)
@@ -73,8 +75,8 @@ def find_harness_task(task: str) -> HarnessTask:
 
 def run_harness(model, tokenizer, task: HarnessTask, *, batch_size: int, limit: int | None, num_fewshot: int | None):
     """Run one lm-eval task (or group) on `model`. Returns {"scores": {task: {metric: value}},
-    "predictions": [per-example records]} (a record: the task, the document, lm-eval's target,
-    the filtered response and the example's metrics)."""
+    "primary": the score a comparison shows, "predictions": [per-example records]} (a record: the
+    task, the document, lm-eval's target, the filtered response and the example's metrics)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -91,7 +93,8 @@ def run_harness(model, tokenizer, task: HarnessTask, *, batch_size: int, limit: 
     except (OSError, ValueError, KeyError, TypeError) as err:  # a dataset that is not there, a bad YAML field
         raise UptrainError(f"--task {task.option}: lm-eval failed: {exception_line(err)}") from None
     scores = {
-        task_name: {metric: value for metric, value in metrics.items() if isinstance(value, (int, float))}
+        # lm-eval names each score `metric,filter`; its other numbers (`sample_len`) are not scores.
+        task_name: {metric: value for metric, value in metrics.items() if "," in metric and _number(value)}
         for task_name, metrics in results["results"].items()
     }
     predictions = [
@@ -106,7 +109,26 @@ def run_harness(model, tokenizer, task: HarnessTask, *, batch_size: int, limit: 
         for task_name, samples in results["samples"].items()
         for sample in samples
     ]
-    return {"scores": scores, "predictions": predictions}
+    return {
+        "scores": scores,
+        "primary": _primary(scores, results.get("higher_is_better", {})),
+        "predictions": predictions,
+    }
+
+
+def _primary(scores: dict, higher_is_better: dict) -> dict | None:
+    """The score a comparison shows: the first task's first metric that is not a standard error
+    (`acc,none` of `acc,none` and `acc_stderr,none`), named `task/metric`."""
+    for task_name, metrics in scores.items():
+        for metric, value in metrics.items():
+            if "_stderr" not in metric:
+                better = higher_is_better.get(task_name, {}).get(metric.split(",")[0], True)
+                return {"metric": f"{task_name}/{metric}", "value": value, "higher_is_better": bool(better)}
+    return None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _plain(value):

@@ -86,13 +86,17 @@ class EvaluateOptions(Schema):
             found.append(f"`data` is required for --task {self.task}")
         if not harness_task and self.num_fewshot is not None:
             found.append("`num_fewshot` is for lm-eval tasks")
+        for key in ("max_new_tokens", "seq_len"):
+            if harness_task and getattr(self, key) is not None:
+                found.append(f"`{key}`: an lm-eval task sets its own lengths; drop it")
         return found
 
 
 def evaluate_model(options: EvaluateOptions) -> dict:
     """Score `options.model` on `options.task`. Returns the result (the --json output): model,
     task, data, examples, scores ({metric: value}; an lm-eval task's {task: {metric: value}}),
-    primary ({metric, value, higher_is_better}: what a comparison shows; None for lm-eval),
+    primary ({metric, value, higher_is_better}: what a comparison shows; an lm-eval task's first
+    metric, named `task/metric`),
     time_per_sample_s (generation's seconds over the examples; None for lm-eval), the settings,
     and predictions (one record per example: its place, source, reference, prediction; QA's
     exact match and F1 too)."""
@@ -134,7 +138,7 @@ def evaluate_model(options: EvaluateOptions) -> dict:
 def _run_harness(model, tokenizer, task: harness.HarnessTask, options: EvaluateOptions) -> dict:
     limits = {"limit": options.limit, "num_fewshot": options.num_fewshot}
     run = harness.run_harness(model, tokenizer, task, batch_size=options.batch_size, **limits)
-    return {"scores": run["scores"], "primary": None, "time_per_sample_s": None, "predictions": run["predictions"]}
+    return {**run, "time_per_sample_s": None}
 
 
 def _run_generation(options: EvaluateOptions, task: Task, tokenizer, folder, config, shape, dtype, device) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 from tests.compare.test_study import compare, setup  # noqa: F401  (the fixture)
 from tests.train.test_seq2seq import write_jsonl
@@ -74,6 +75,12 @@ def test_task_refusals_come_before_any_work(setup, tmp_path, capsys):  # noqa: F
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
         assert not out.exists()
+    # Task data in the folder that --overwrite would empty is refused, and stays.
+    out.mkdir()
+    inside = out / "qa.jsonl"
+    inside.write_text(Path(data).read_text())
+    assert compare(setup, out, "--task", "qa", "--task-data", str(inside), "--overwrite") == 2
+    assert "overlaps the `task_data`" in capsys.readouterr().err and inside.is_file()
 
 
 def test_an_lm_eval_task_in_the_report(tmp_path):

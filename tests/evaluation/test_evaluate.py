@@ -72,6 +72,9 @@ def test_writes_scores_and_predictions_and_limit(built, tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main([*args, "--output-dir", str(out), "--overwrite"]) == 0  # … unless asked
     assert json.loads((out / "scores.json").read_text())["examples"] == 6
+    # Never the model's folder (nor one holding it or its data), --overwrite or not.
+    assert main([*args, "--output-dir", str(built["bart"]), "--overwrite"]) == 2
+    assert "overlaps the model" in capsys.readouterr().err and (built["bart"] / "config.json").is_file()
 
 
 @pytest.mark.parametrize(

@@ -303,7 +303,8 @@ def hold_compare_dir(spec: CompareSpec) -> Iterator[str]:
     validate(spec)
     check_apart(
         root,
-        [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)), ("`eval_data`", Path(spec.eval_data))],
+        [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)), ("`eval_data`", Path(spec.eval_data))]
+        + [("`task_data`", Path(data)) for data in spec.task_data],
         "output_dir",
     )
     with hold_run_dir(root):

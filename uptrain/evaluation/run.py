@@ -21,7 +21,7 @@ from pathlib import Path
 
 from uptrain import UptrainError, loading
 from uptrain.architecture import auto_class_name
-from uptrain.checkpoint.atomic import atomic_directory, check_output_path
+from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.source import resolve_source
 from uptrain.evaluation import harness
 from uptrain.evaluation.generation import generate_predictions
@@ -96,21 +96,23 @@ def evaluate_model(options: EvaluateOptions) -> dict:
     """Score `options.model` on `options.task`. Returns the result (the --json output): model,
     task, data, examples, scores ({metric: value}; an lm-eval task's {task: {metric: value}}),
     primary ({metric, value, higher_is_better}: what a comparison shows; an lm-eval task's first
-    metric, named `task/metric`),
-    time_per_sample_s (generation's seconds over the examples; None for lm-eval), the settings,
-    and predictions (one record per example: its place, source, reference, prediction; QA's
-    exact match and F1 too)."""
+    metric, named `task/metric`), time_per_sample_s (generation's seconds over the examples;
+    None for lm-eval), the settings, and predictions (one record per example: its place, source,
+    reference, prediction; QA's exact match and F1 too)."""
     harness_task = options.task.startswith(HARNESS_PREFIX)
     task = None if harness_task else get_task(options.task)
+    # Before anything loads: the library (lm-eval's task too), the output folder, the device.
+    lm_task = harness.find_harness_task(options.task) if task is None else None
     if task is not None:
-        task.check_library()  # before anything loads
-    else:
-        lm_task = harness.find_harness_task(options.task)
+        task.check_library()
+    source = resolve_source(options.model)
     if options.output_dir is not None:
-        check_output_path(Path(options.output_dir), options.overwrite)
+        out = Path(options.output_dir)
+        inputs = [("model", Path(source.folder))] + ([("`data`", Path(options.data))] if options.data else [])
+        check_apart(out, inputs, "output_dir")  # --overwrite never replaces the model or its data
+        check_output_path(out, options.overwrite)
     device = parse_device(options.device)
     dtype = options.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-    source = resolve_source(options.model)
     config = read_config(source.folder)
     shape = model_shape(source.folder, source.label)
     _check_model_fits_task(options.task, task, config, shape, source.label)

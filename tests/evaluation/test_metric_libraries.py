@@ -1,8 +1,9 @@
 """`uptrain evaluate` with the metric libraries of `uptrain[eval]`: WER/CER (jiwer) on a tiny
-Whisper, BLEU/chrF (sacrebleu) and ROUGE (rouge-score) on tiny BART and GPT-2, an lm-evaluation-harness
-task from a local YAML over a local jsonl (offline) on GPT-2 — each model and its G = h conversion
-scoring exactly alike. Skipped where the extra is not installed: test_metric_environment.py runs this
-file in a cached environment that has it."""
+Whisper, BLEU/chrF (sacrebleu) and ROUGE (rouge-score) on tiny BART and GPT-2, an
+lm-evaluation-harness task from a local YAML over a local jsonl (offline) on GPT-2 — each model
+and its G = h conversion scoring exactly alike — and `uptrain compare --task` with both kinds.
+Skipped where the extra is not installed: test_metric_environment.py runs this file in a cached
+environment that has it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 for _module in ("jiwer", "sacrebleu", "rouge_score", "lm_eval"):
     pytest.importorskip(_module)
 
+from tests.compare.test_study import compare, setup  # noqa: E402, F401  (the fixture)
 from tests.evaluation.models import build_all, evaluate_json  # noqa: E402
 from tests.train.test_seq2seq import write_jsonl  # noqa: E402
 from uptrain.cli import main  # noqa: E402
@@ -122,3 +124,26 @@ def test_refusals_are_one_line(built, capsys, model, task, message):
     assert main(["evaluate", str(built[model]), "--task", task, *data]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_compare_scores_library_tasks_and_an_lm_eval_task(setup, built, tmp_path, capsys):  # noqa: F811
+    """`uptrain compare --task` with a library-backed task and a local lm-eval task: one column
+    each, and every run's predictions kept."""
+    import csv
+
+    out = tmp_path / "cmp"
+    tasks = ["--task", "translation", f"lm-eval:{built['yaml']}", "--task-data", str(built["pairs"])]
+    runs = ["--num-kv-heads", "2", "--pooling", "mean", "--task-max-new-tokens", "3", "--speed-repeats", "0"]
+    assert compare(setup, out, *tasks, *runs) == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["pooling"] for r in rows] == ["mha", "mean"]
+    assert all(float(r["translation:bleu"]) >= 0 for r in rows)
+    assert all(0 <= float(r["lm-eval-tiny_task:uptrain_tiny_choice/acc,none"]) <= 1 for r in rows)
+    for name in ("mha", "g2-mean"):
+        lines = (out / "runs" / name / "tasks" / "lm-eval-tiny_task" / "predictions.jsonl").read_text().splitlines()
+        assert [json.loads(line)["doc"]["question"] for line in lines] == ["the cat", "a dog"]
+    assert (
+        "| G | pooling | translation:bleu | lm-eval-tiny_task:uptrain_tiny_choice/acc,none |"
+        in (out / "results.md").read_text()
+    )

@@ -243,7 +243,7 @@ def load_pairs(
         else:
             raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or an array of samples")
         seconds.append(samples.size / feature_extractor.sampling_rate)
-    return PairExamples(sources, label_ids, None, feature_extractor, seconds, records)
+    return PairExamples(sources, label_ids, None, feature_extractor, seconds=seconds, records=records)
 
 
 def _load_feature_extractor(model_path: str):

@@ -213,7 +213,12 @@ def _read_examples(options: EvaluateOptions, task: Task, tokenizer, folder, conf
     )
     n = len(examples) if options.limit is None else min(options.limit, len(examples))
     return PairExamples(
-        examples.sources[:n], examples.targets[:n], examples.pad_id, examples.feature_extractor, examples.records[:n]
+        examples.sources[:n],
+        examples.targets[:n],
+        examples.pad_id,
+        examples.feature_extractor,
+        seconds=examples.seconds[:n] if examples.seconds is not None else None,
+        records=examples.records[:n],
     )
 
 

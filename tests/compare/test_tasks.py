@@ -127,3 +127,33 @@ def test_an_lm_eval_task_in_the_report(tmp_path):
         [4, "mha", 0, "0", "[[-1.5, false], [-2.0, false]]"],
         [2, "mean", 0, "0", "[[-1.5, false], [-2.0, false]]"],
     ]
+
+
+def test_each_task_is_scored_with_the_runs_prompt_keys(tmp_path):
+    """compare's prompt keys (train's data group, which its runs are trained with) reach evaluate:
+    every run's checkpoint is scored with the prompt it was trained on; lm-eval tasks take none."""
+    from uptrain.compare.spec import CompareSpec
+    from uptrain.compare.task_rows import evaluate_options, task_settings
+    from uptrain.options import validated
+
+    data = str(qa_data(tmp_path))
+    keys = {"source_lang": "deu_Latn", "target_lang": "spa_Latn"}
+    spec = validated(
+        CompareSpec,
+        "compare",
+        model="m",
+        num_kv_heads=[2],
+        output_dir="o",
+        max_steps=1,
+        task=["qa"],
+        task_data=[data],
+        **keys,
+    )
+    (setting,) = task_settings(spec)
+    assert {k: setting[k] for k in ("language", "speech_task", *keys)} == {
+        "language": None,
+        "speech_task": None,
+        **keys,
+    }
+    prompt = evaluate_options("final", setting).prompt_keys()
+    assert (prompt.source_lang, prompt.target_lang, prompt.language) == ("deu_Latn", "spa_Latn", None)

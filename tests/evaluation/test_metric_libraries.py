@@ -94,6 +94,28 @@ def test_speech_recognition_scores_wer_and_cer(built, tmp_path, capsys):
     assert again["scores"] == {"wer": 0.0, "cer": 0.0} and source["scores"]["wer"] > 0
 
 
+def test_a_multilingual_whisper_is_scored_with_its_language(built, tmp_path, capsys):
+    """`--language fr`: the targets and the generation carry <|fr|><|transcribe|> (train's framing;
+    test_prompts.py checks the generated ids), a G = h conversion scores exactly alike; without a
+    language, train's one-line refusal, before anything is written."""
+    from tests.evaluation.models import convert
+    from tests.train.test_target_prompts import MULTILINGUAL_FR, build_whisper
+
+    whisper = build_whisper(tmp_path / "multilingual", True)
+    args = ("--task", "asr", "--data", str(built["speech"]), "--max-new-tokens", "4")
+    source = evaluate_json(str(whisper), *args, "--language", "fr", capsys=capsys)
+    assert source["prompt"] == "".join(MULTILINGUAL_FR) and source["examples"] == 3
+    converted = evaluate_json(str(convert(whisper, tmp_path / "gqa", 4)), *args, "--language", "fr", capsys=capsys)
+    assert converted["predictions"] == source["predictions"] and converted["scores"] == source["scores"]
+    out = tmp_path / "out"
+    assert main(["evaluate", str(whisper), *args, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a multilingual Whisper and its generation config names no language: set `language`" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
+    assert main(["evaluate", str(built["whisper"]), *args, "--source-lang", "en_XX"]) == 2
+    assert "`source_lang` applies to objective pairs of mBART" in capsys.readouterr().err
+
+
 def test_an_lm_eval_task_from_a_local_yaml(built, tmp_path, capsys):
     args = ("--task", f"lm-eval:{built['yaml']}", "--batch-size", "2")
     source = evaluate_json(str(built["gpt2"]), *args, capsys=capsys)

@@ -20,7 +20,7 @@ from uptrain import UptrainError
 from uptrain.compare.spec import CompareSpec
 from uptrain.data.text import resolve_data
 from uptrain.evaluation.harness import find_harness_task
-from uptrain.evaluation.run import EvaluateOptions, evaluate_model, write_result
+from uptrain.evaluation.run import PROMPT_KEYS, EvaluateOptions, evaluate_model, write_result
 from uptrain.evaluation.tasks import HARNESS_PREFIX, get_task
 from uptrain.options import validated
 from uptrain.speed_checks import parse_device
@@ -50,6 +50,9 @@ def task_settings(spec: CompareSpec) -> list[dict]:
             "batch_size": spec.task_batch_size,
             "limit": spec.task_limit,
             "device": spec.task_device,
+            # The runs' prompt keys (train's, in the embedded data group): each is scored with the
+            # prompt it was trained on. An lm-eval task writes its own prompts.
+            **({} if path is None else {key: getattr(spec, key) for key in PROMPT_KEYS}),
         }
         evaluate_options(spec.model, setting)  # the options' own checks
         settings.append(setting)

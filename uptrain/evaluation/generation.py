@@ -1,6 +1,8 @@
 """Greedy generation with the KV cache over a task's examples, as a user decodes: transformers'
 `generate` (`do_sample=False, num_beams=1, use_cache=True`), so that a model's own generation
-settings (Whisper's prompt, a forced first token) apply as they do for its users.
+settings (Whisper's prompt, a forced first token) apply as they do for its users, and the family's
+prompt the targets were read with (`--language`, `--target-lang`, …: train's `TargetFraming`) is
+forced as users force it (`generate(language=…, task=…)`, `forced_bos_token_id`).
 
 An encoder–decoder reads the source (token ids, or a speech encoder's input features) and its
 decoder generates the prediction from its start token. A decoder-only model continues the source
@@ -35,18 +37,14 @@ def _encoder_decoder_batch(examples, indices: list[int], model, device) -> dict:
     }
 
 
-def generate_predictions(model, tokenizer, examples, *, batch_size: int, max_new_tokens: int, device) -> tuple:
-    """(the decoded prediction of every example in order, the seconds generation took in all).
-    `examples` is a `PairExamples` (uptrain.data.pairs); predictions are decoded without special
-    tokens and stripped."""
-    import torch
-
-    seq2seq = model.config.is_encoder_decoder
+def generation_settings(model, tokenizer, max_new_tokens: int, framing=None):
+    """The model's own generation config with greedy decoding set, on a copy (passed whole:
+    transformers warns when a config and loose generation arguments are mixed), and the family's
+    prompt forced as training framed the targets (`framing`, a `TargetFraming` of
+    `uptrain.objectives.prompts`: Whisper's language and task, mBART's / NLLB's target code)."""
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # The model's own generation config with greedy decoding set on a copy (passed whole: transformers
-    # warns when a config and loose generation arguments are mixed).
     settings = copy.deepcopy(model.generation_config)
     settings.update(
         do_sample=False,
@@ -57,6 +55,25 @@ def generate_predictions(model, tokenizer, examples, *, batch_size: int, max_new
         eos_token_id=eos,
         pad_token_id=pad,
     )
+    # Set, not `update`d: update skips what the config has no attribute for (Whisper's `language`
+    # and `task` where the checkpoint's config names none), and generate() would then detect a language.
+    for name, value in framing.generation if framing is not None else ():
+        setattr(settings, name, value)
+    return settings
+
+
+def generate_predictions(
+    model, tokenizer, examples, *, batch_size: int, max_new_tokens: int, device, framing=None
+) -> tuple:
+    """(the decoded prediction of every example in order, the seconds generation took in all).
+    `examples` is a `PairExamples` (uptrain.data.pairs), read with `framing`, whose prompt every
+    generation starts with (`generation_settings`); predictions are decoded without special tokens
+    and stripped."""
+    import torch
+
+    seq2seq = model.config.is_encoder_decoder
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    settings = generation_settings(model, tokenizer, max_new_tokens, framing)
     predictions: list[str] = []
     seconds = 0.0
     with torch.inference_mode():

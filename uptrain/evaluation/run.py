@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from uptrain import UptrainError, loading
 from uptrain.architecture import auto_class_name
@@ -28,13 +29,17 @@ from uptrain.evaluation.generation import generate_predictions
 from uptrain.evaluation.scores import qa_example_scores, qa_scores
 from uptrain.evaluation.tasks import HARNESS_PREFIX, TASKS, Task, get_task, task_choices, task_problem
 from uptrain.model_info import read_config
-from uptrain.options import Schema, option
+from uptrain.options import Schema, option, option_like
 from uptrain.speed import DTYPES, load_model
 from uptrain.speed_checks import ModelShape, model_shape, parse_device
+from uptrain.train.config import TrainData
 
 DEFAULT_SEQ_LEN = 1024  # sources are cut here unless the model's positions are fewer
 DEFAULT_NEW_TOKENS = 128
 SPEECH_AUTO_CLASS = "AutoModelForSpeechSeq2Seq"
+# The keys of `PromptKeys` (uptrain.objectives.prompts, which imports torch), named here for the
+# schema and for compare, which passes its runs' keys on.
+PROMPT_KEYS = ("language", "speech_task", "source_lang", "target_lang")
 
 
 def _task_help() -> str:
@@ -76,10 +81,18 @@ class EvaluateOptions(Schema):
     device: str = option("cpu", metavar="cpu|cuda[:N]", help="where the model runs")
     dtype: str | None = option(None, choices=DTYPES, help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
     json: bool = option(False, help="print the result, predictions included, as one JSON object")
+    # The prompt keys are `uptrain train`'s (declared there): the targets are read, and generation
+    # starts, with the prompt the model was trained and is decoded with.
+    language: str | None = option_like(TrainData, "language", None)
+    speech_task: Literal["transcribe", "translate"] | None = option_like(TrainData, "speech_task", None)
+    source_lang: str | None = option_like(TrainData, "source_lang", None)
+    target_lang: str | None = option_like(TrainData, "target_lang", None)
 
     def problems(self) -> list[str]:
         found = super().problems()
         harness_task = self.task.startswith(HARNESS_PREFIX)
+        if harness_task and (given := self.prompt_keys().given()):
+            found.append(f"`{given[0]}`: an lm-eval task writes its own prompts; drop it")
         if harness_task and self.data is not None:
             found.append("`data`: an lm-eval task reads the data its task names; drop --data")
         if not harness_task and self.data is None:
@@ -90,6 +103,13 @@ class EvaluateOptions(Schema):
             if harness_task and getattr(self, key) is not None:
                 found.append(f"`{key}`: an lm-eval task sets its own lengths; drop it")
         return found
+
+    def prompt_keys(self):
+        """The `PromptKeys` that choose the targets' prompt (`uptrain.objectives.prompts`, which
+        imports torch: asked only when the options are checked or used)."""
+        from uptrain.objectives.prompts import PromptKeys
+
+        return PromptKeys(**{key: getattr(self, key) for key in PROMPT_KEYS})
 
 
 def evaluate_model(options: EvaluateOptions) -> dict:
@@ -147,13 +167,31 @@ def _run_generation(options: EvaluateOptions, task: Task, tokenizer, folder, con
     """Read the examples (every one checked), load the model, generate and score."""
     new_tokens = _new_tokens(options, shape)
     seq_len = _source_length(options, shape, new_tokens)
-    examples = _read_examples(options, task, tokenizer, folder, config, seq_len, new_tokens)
+    framing = _framing(options, task, tokenizer, folder, config)
+    examples = _read_examples(options, task, tokenizer, folder, config, seq_len, new_tokens, framing)
     model = load_model(folder, dtype, device)
     predictions, seconds = generate_predictions(
-        model, tokenizer, examples, batch_size=options.batch_size, max_new_tokens=new_tokens, device=device
+        model,
+        tokenizer,
+        examples,
+        batch_size=options.batch_size,
+        max_new_tokens=new_tokens,
+        device=device,
+        framing=framing,
     )
     scored = _score_generations(task, examples, predictions, seconds)
-    return {**scored, "max_new_tokens": new_tokens, "seq_len": seq_len}
+    prompt = None if framing is None else framing.shown
+    return {**scored, "max_new_tokens": new_tokens, "seq_len": seq_len, "prompt": prompt}
+
+
+def _framing(options: EvaluateOptions, task: Task, tokenizer, folder, config: dict):
+    """The family's prompt, as `uptrain train` builds it (its refusals too), before the model loads."""
+    from uptrain.architecture import find_architecture
+    from uptrain.objectives import OBJECTIVES
+    from uptrain.objectives.prompts import target_framing
+
+    arch = find_architecture(config.get("model_type"))
+    return target_framing(arch, OBJECTIVES[task.objective], options.prompt_keys(), tokenizer, str(folder), config)
 
 
 def _check_model_fits_task(name: str, task: Task | None, config: dict, shape: ModelShape, label: str) -> None:
@@ -203,14 +241,20 @@ def _source_length(options: EvaluateOptions, shape: ModelShape, new: int) -> int
     return seq_len
 
 
-def _read_examples(options: EvaluateOptions, task: Task, tokenizer, folder, config: dict, seq_len: int, new: int):
-    """The task's examples (the first `limit`), every one read and checked by train's pair reader."""
+def _read_examples(
+    options: EvaluateOptions, task: Task, tokenizer, folder, config: dict, seq_len: int, new: int, framing
+):
+    """The task's examples (the first `limit`), every one read and checked by train's pair reader,
+    with the family's prompt (`framing`) as train reads them."""
     from uptrain.data.pairs import PairExamples, load_pairs
     from uptrain.objectives import OBJECTIVES
 
-    examples = load_pairs(
-        options.data, "data", OBJECTIVES[task.objective], tokenizer, str(folder), config, seq_len, new
-    )
+    objective = OBJECTIVES[task.objective]
+    # The references are the lines' texts; the targets are read for their checks, a prompt's then
+    # with room for it: the decoder holds its start, the prompt and the `new` tokens generated after.
+    prompt = framing.label_prefix if framing is not None else None
+    target_len = new if prompt is None else len(prompt) + 1 + new
+    examples = load_pairs(options.data, "data", objective, tokenizer, str(folder), config, seq_len, target_len, framing)
     n = len(examples) if options.limit is None else min(options.limit, len(examples))
     return PairExamples(
         examples.sources[:n],
@@ -284,4 +328,4 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TASKS", "EvaluateOptions", "evaluate_model", "format_result", "write_result"]
+__all__ = ["PROMPT_KEYS", "TASKS", "EvaluateOptions", "evaluate_model", "format_result", "write_result"]

@@ -67,11 +67,15 @@ class TargetFraming:
     `label_prefix`: label ids ahead of the transcript (Whisper's prompt after the decoder start);
     with it the transcript is tokenized without the tokenizer's own special tokens, the prefix and
     EOS framing it instead. `source_prefix`: text written ahead of each source (Marian's `>>fra<<`).
-    `shown`: the prompt as the plan prints it."""
+    `shown`: the prompt as the plan prints it. `generation`: the generation-config settings that make
+    `generate()` start with the same prompt (`uptrain evaluate`): Whisper's `language` and `task`,
+    the target code as `forced_bos_token_id` (or, where the tokenizer closes targets with it, as
+    mBART-cc25 does, as the decoder start its shift wraps round)."""
 
     shown: str
     label_prefix: tuple[int, ...] | None = None
     source_prefix: str = ""
+    generation: tuple[tuple[str, object], ...] = ()
 
 
 def target_framing(
@@ -130,6 +134,7 @@ def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dic
     raw = gen.get("forced_decoder_ids") or model_config.get("forced_decoder_ids") or []
     forced = dict(f for f in raw if isinstance(f, list) and len(f) == 2) if isinstance(raw, list) else {}
     prefix: list[int] = []
+    generation: tuple = ()  # English-only: generate() forces <|notimestamps|> and takes no language or task
     if not multilingual:
         if given := keys.given(SPEECH_KEYS):
             raise UptrainError(
@@ -161,11 +166,13 @@ def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dic
         if task not in task_to_id:
             raise UptrainError(f"`speech_task` {task!r} is not a task of {model_path} ({', '.join(task_to_id)})")
         prefix += [lang_id, task_to_id[task]]
+        token = next(t for t, i in lang_to_id.items() if i == lang_id)
+        generation = (("language", token), ("task", task))
     if gen.get("no_timestamps_token_id") is not None:
         prefix.append(gen["no_timestamps_token_id"])
     start = model_config["decoder_start_token_id"]
     shown = "".join(str(t) for t in tokenizer.convert_ids_to_tokens([start, *prefix]))
-    return TargetFraming(shown, label_prefix=tuple(prefix))
+    return TargetFraming(shown, label_prefix=tuple(prefix), generation=generation)
 
 
 def _lang_token(tokenizer, code: str) -> str:
@@ -195,13 +202,18 @@ def _language_codes(keys: PromptKeys, tokenizer, model_path: str) -> TargetFrami
             "each target starts with as `generate(forced_bos_token_id=…)` forces it"
         )
     code_id = tokenizer.convert_tokens_to_ids(_lang_token(tokenizer, tokenizer.tgt_lang))
-    if code_id not in tokenizer(text_target="x")["input_ids"]:
+    target_ids = tokenizer(text_target="x")["input_ids"]
+    if code_id not in target_ids:
         raise UptrainError(
             f"the tokenizer of {model_path} ({type(tokenizer).__name__}) does not write its target language code "
             f"{tokenizer.tgt_lang} into targets"
         )
+    # Labels [code, …, </s>] are scored after the decoder start, the code then forced first; labels
+    # [… </s>, code] (mBART-cc25) are shifted with the code wrapped round to be the decoder start.
+    forced = "decoder_start_token_id" if target_ids[-1] == code_id else "forced_bos_token_id"
     source = getattr(tokenizer, "src_lang", None)
-    return TargetFraming(f"{source} → {tokenizer.tgt_lang}" if source else f"→ {tokenizer.tgt_lang}")
+    shown = f"{source} → {tokenizer.tgt_lang}" if source else f"→ {tokenizer.tgt_lang}"
+    return TargetFraming(shown, generation=((forced, code_id),))
 
 
 def _target_code_in_source(keys: PromptKeys, tokenizer, model_path: str) -> TargetFraming | None:

@@ -4,13 +4,16 @@ the paper's Table 1, beside the time per sample.
 For the generation tasks (`uptrain.evaluation.tasks`) the data is a local JSON-lines file in the
 pair formats `uptrain train` reads for the `pairs` and `speech_pairs` objectives (read and checked
 by the same reader, `uptrain.data.pairs`); every prediction is a greedy generation with the KV
-cache (`uptrain.evaluation.generation`). `lm-eval:NAME` runs an lm-evaluation-harness task on the
+cache (`uptrain.evaluation.generation`). The family's prompt keys are train's (`language`,
+`speech_task`, `source_lang`, `target_lang`, embedded with `option_like`): the examples are read
+with train's framing (`uptrain.objectives.prompts`) and generation starts with the same prompt,
+so a model is scored on what users decode with. `lm-eval:NAME` runs an lm-evaluation-harness task on the
 loaded model (`uptrain.evaluation.harness`). Plain transformers checkpoints and uptrain's `*_gqa`
 conversions load alike; a conversion at G = h scores exactly what its source scores.
 
 Every cheap refusal comes before the model is loaded: an unknown task, a missing metric library
 (one line naming `uptrain[eval]`), data a task cannot read, lengths past the model's positions,
-an output folder that exists.
+a prompt key train would refuse, an output folder that exists.
 """
 
 from __future__ import annotations

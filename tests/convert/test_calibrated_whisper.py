@@ -159,3 +159,33 @@ def test_wrong_calibration_data_is_one_line_and_writes_nothing(speech, tmp_path,
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
         assert not out.exists()
+
+
+def test_training_on_the_fly_calibrates_on_the_prompt_it_trains_on(speech, tmp_path):
+    """`uptrain train --source … --pooling calibrated`: the conversion calibrates on train_data with
+    the run's `language` / `speech_task`."""
+    from uptrain.train.config import TrainConfig
+    from uptrain.train.loop import run_training
+
+    src = whisper(tmp_path / "src")
+    config = TrainConfig(
+        source=str(src),
+        num_kv_heads=2,
+        pooling="calibrated",
+        language="fr",
+        speech_task="translate",
+        train_data=str(speech),
+        eval_data=str(speech),
+        output_dir=str(tmp_path / "run"),
+        seq_len=32,
+        batch_size=5,
+        lr=1e-3,
+        max_steps=1,
+        eval_every=1,
+        eval_blocks=5,
+        report_to=["jsonl"],
+    )
+    run_training(config)
+    record = json.loads((tmp_path / "run" / "converted" / "uptrain.json").read_text())
+    assert record["pooling"] == "calibrated" and record["calibration"]["objective"] == "speech_pairs"
+    assert record["calibration"]["prompt"] == "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"

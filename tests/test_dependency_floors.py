@@ -11,12 +11,10 @@ checkout's. Skipped when the registry cannot be reached, except under CI (`CI=tr
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.modeling.second_environment import CACHE, CONSTRAINTS
+from tests.modeling.second_environment import CACHE, CONSTRAINTS, cached_environment
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT = 900
@@ -62,39 +60,12 @@ def test_every_dependency_has_a_floor_and_torch_matches_the_constraint():
 def floors_python() -> Path:
     requirements = [f"{name}=={version}" for name, version in sorted(floors().items()) if name != "torch"]
     digest = hashlib.sha256("\n".join(requirements + [sys.version]).encode()).hexdigest()[:12]
-    folder = CACHE / f"floors-{digest}"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Built in place (console scripts such as `wandb` name their interpreter by its absolute
-    # path, so the folder cannot be renamed after), under a lock; `complete` is written last, so
-    # a killed build is redone.
-    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "complete").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, capture_output=True)
-            pip = subprocess.run(
-                [str(folder / "bin" / "python"), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS)]
-                + requirements
-                + ["torch", "pytest>=8", "psutil>=5.9", "hypothesis>=6.100"],
-                capture_output=True,
-                text=True,
-                timeout=BUILD_TIMEOUT,
-            )
-            if pip.returncode != 0:
-                message = f"cannot build the dependency-floors environment: {pip.stderr.strip()[-1500:]}"
-                if os.environ.get("CI", "").lower() == "true":
-                    pytest.fail(message)
-                pytest.skip(message)
-            (folder / "complete").write_text("\n".join(requirements) + "\n")
-    python = folder / "bin" / "python"
-    # This checkout, not a cached copy: editable, without touching the pinned dependencies.
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(REPO)],
-        check=True,
-        capture_output=True,
-        timeout=BUILD_TIMEOUT,
+    return cached_environment(
+        CACHE / f"floors-{digest}",
+        requirements + ["torch", "pytest>=8", "psutil>=5.9", "hypothesis>=6.100"],
+        "dependency-floors",
+        BUILD_TIMEOUT,
     )
-    return python
 
 
 @pytest.mark.slow

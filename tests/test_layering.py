@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("uptrain.train.*",)),
     # Inference speed and KV-cache memory of a checkpoint (`uptrain speed`; compare reports it).
     ("speed", ("uptrain.speed", "uptrain.speed_checks")),
+    # Task metrics (`uptrain evaluate`; compare's task columns): generation, the metric libraries, lm-eval.
+    ("evaluation", ("uptrain.evaluation.*",)),
     ("compare", ("uptrain.compare.*",)),
     # The commands.
     ("commands", ("uptrain.cli", "uptrain.__main__", "uptrain.demo", "uptrain.inspect_checkpoint")),

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # each command imports its own schema, when it runs
     from uptrain.convert.spec import ConvertCommand
     from uptrain.data.spec import TokenizeOptions
     from uptrain.demo import DemoOptions
+    from uptrain.evaluation.run import EvaluateOptions
     from uptrain.inspect_checkpoint import InspectOptions
     from uptrain.speed import SpeedOptions
     from uptrain.train.config import TrainConfig
@@ -82,6 +83,14 @@ def speed(options: SpeedOptions) -> int:
     return 0
 
 
+def evaluate(options: EvaluateOptions) -> int:
+    from uptrain.evaluation.run import evaluate_model, format_result
+
+    result = evaluate_model(options)
+    print(json.dumps(result) if options.json else format_result(result))
+    return 0
+
+
 def tokenize(options: TokenizeOptions) -> int:
     from uptrain.data.tokenize import tokenize as write_tokens
 
@@ -131,6 +140,12 @@ def _speed_schema():
     from uptrain.speed import SpeedOptions
 
     return SpeedOptions
+
+
+def _evaluate_schema():
+    from uptrain.evaluation.run import EvaluateOptions
+
+    return EvaluateOptions
 
 
 def _compare_schema():
@@ -200,6 +215,17 @@ COMMANDS = {
         "checkpoint in turn: prefill_s, decode_s_per_token, time_per_sample_s, decode_tokens_per_s, "
         "and kv_cache_bytes and peak_memory_bytes measured on the run. Give the MHA original and its "
         "conversions together to see what each G buys.",
+    ),
+    "evaluate": Command(
+        evaluate,
+        schema=_evaluate_schema,
+        help="task scores (WER, BLEU, ROUGE, QA F1, lm-eval tasks) of a checkpoint, with its predictions",
+        description="Score a checkpoint on a task with the field's metric libraries (pip install 'uptrain[eval]'): "
+        "greedy generation with the KV cache on local JSON-lines pairs (the `pairs` / `speech_pairs` formats "
+        "`uptrain train` reads), or an lm-evaluation-harness task on the loaded model. Prints the scores and the "
+        "time per sample; --json adds every prediction, --output-dir writes scores.json and predictions.jsonl.",
+        epilog="Examples: uptrain evaluate gqa-model --task translation --data test.jsonl; "
+        "uptrain evaluate gqa-model --task lm-eval:my_task.yaml --json",
     ),
     "tokenize": Command(
         tokenize,

@@ -355,7 +355,7 @@ def _help(key: Key) -> str:
         text += " (" + "; ".join(f"{name}: {what}" for name, what in allowed.items()) + ")"
     if key.required:
         return text + ("" if key.option.positional else " [required]")
-    if key.default is None:
+    if key.default is None or key.default == []:  # nothing to show: the help says what none means
         return text
     shown = " ".join(map(str, key.default)) if isinstance(key.default, list) else key.default
     return f"{text} (default: {shown})"

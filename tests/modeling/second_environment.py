@@ -1,6 +1,7 @@
 """A second Python environment with transformers 4.57 (the last 4.x), for the tests that load
 converted checkpoints the way a transformers 4 user does: without uptrain, from the files
-beside the weights.
+beside the weights; and `cached_environment`, the builder of the other cached environments
+(the dependency floors', the metric libraries' of `uptrain[eval]`), which hold this checkout.
 
 Built once from the package registry with pip and cached under
 `~/.cache/uptrain-tests/`, keyed by the versions it holds (Python, torch, the transformers
@@ -11,6 +12,7 @@ constraints.txt). Nothing of uptrain is installed in it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -94,3 +96,45 @@ def _build(folder: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cached_environment(folder: Path, requirements: list[str], what: str, timeout: int = 900) -> Path:
+    """The Python of the environment `folder` (under CACHE, named by a key of what it holds),
+    built once with pip from `requirements` (constraints.txt applies), then this checkout
+    installed into it in editable mode without dependencies at every call, so the code under
+    test is this checkout's. Built in place (console scripts such as `wandb` name their
+    interpreter by its absolute path, so the folder cannot be renamed after), under a lock;
+    `complete` is written last, so a killed build is redone, and it records the build's seconds.
+    Skips the calling test when the registry cannot be reached, except under CI (`CI=true`)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    python = folder / "bin" / "python"
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "complete").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            started = time.monotonic()
+            subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, capture_output=True)
+            pip = subprocess.run(
+                [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
+                + requirements,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if pip.returncode != 0:
+                message = f"cannot build the {what} environment: {pip.stderr.strip()[-1500:]}"
+                if os.environ.get("CI", "").lower() == "true":
+                    pytest.fail(message)
+                pytest.skip(message)
+            seconds = round(time.monotonic() - started, 1)
+            (folder / "complete").write_text("\n".join(requirements) + f"\n# built in {seconds} s\n")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=timeout,
+    )
+    return python

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from uptrain.checkpoint.atomic import atomic_file, write_file
 from uptrain.compare.study import MHA, RunResult, recorded_group
+from uptrain.compare.task_report import prediction_tables, write_task_plots
+from uptrain.compare.task_rows import task_column
 
 # Measured at each row's G (`uptrain.compare.speed_rows`); empty where speed was not measured.
 SPEED_COLUMNS = ["time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"]
@@ -32,10 +34,26 @@ COLUMNS = [
 ]
 
 
+def task_columns(results: list[RunResult]) -> dict[str, str]:
+    """Each --task scored in the comparison → its column (`qa:f1`), in the order the tasks were given."""
+    columns: dict[str, str] = {}
+    for r in results:
+        for task, summary in (r.tasks or {}).items():
+            columns.setdefault(task, task_column(task, summary))
+    return columns
+
+
+def columns_of(results: list[RunResult]) -> list[str]:
+    """The results table's columns: COLUMNS, then one per task."""
+    return COLUMNS + list(task_columns(results).values())
+
+
 def table_rows(results: list[RunResult]) -> list[dict]:
     """One row per run. Gaps are eval-loss differences to the MHA row at the same point: before
-    uptraining (the original model) and after (MHA trained with the same budget)."""
+    uptraining (the original model) and after (MHA trained with the same budget). Each task's
+    column holds the uptrained checkpoint's score (empty where it was not scored)."""
     mha = next(r for r in results if r.pooling == MHA)
+    tasks = task_columns(results)
     return [
         {
             "num_kv_heads": r.num_kv_heads,
@@ -49,14 +67,20 @@ def table_rows(results: list[RunResult]) -> list[dict]:
             "kv_cache_bytes_per_token": r.kv_cache_bytes_per_token,
             "uptrain_tokens": r.uptrain_tokens,
             **{k: r.speed[k] if r.speed else None for k in SPEED_COLUMNS},
+            **{column: _task_score(r, task) for task, column in tasks.items()},
         }
         for r in results
     ]
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+def _task_score(r: RunResult, task: str) -> float | None:
+    summary = (r.tasks or {}).get(task)
+    return None if summary is None else summary["primary"]["value"]
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> None:
     with atomic_file(path) as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
 
@@ -89,6 +113,30 @@ def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
             "(speed does not depend on the weights' values).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def table1_markdown(results: list[RunResult]) -> str:
+    """The paper's Table 1 view: each task's score after uptraining and the time per sample, per
+    G and pooling (the time where speed was measured: one measurement per G)."""
+    tasks = task_columns(results)
+    lines = [
+        "| G | pooling | " + " | ".join(tasks.values()) + " | time/sample s |",
+        "|---:|---|" + "---:|" * (len(tasks) + 1),
+    ]
+    for r in results:
+        scores = [_task_score(r, task) for task in tasks]
+        shown = ["—" if v is None else f"{v:.4g}" for v in scores]
+        time = "—" if not r.speed else f"{r.speed['time_per_sample_s']:.3f}"
+        lines.append(f"| {r.num_kv_heads} | {r.pooling} | " + " | ".join(shown) + f" | {time} |")
+    better = "; ".join(
+        f"{column}: {'higher' if _primary(results, task)['higher_is_better'] else 'lower'} is better"
+        for task, column in tasks.items()
+    )
+    return "\n".join(lines) + f"\n\n{better}.\n"
+
+
+def _primary(results: list[RunResult], task: str) -> dict:
+    return next(r.tasks[task]["primary"] for r in results if r.tasks and task in r.tasks)
 
 
 def source_text(speed: dict) -> str:
@@ -186,6 +234,7 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     colors = {p: f"C{i}" for i, p in enumerate(strategies)}
     drawn = _Drawn(results, mha, runs, strategies, groups, colors)
     paths = [draw(plt, drawn, folder) for draw in (_loss_curves, _quality_vs_kv_heads, _strategies)]
+    paths += write_task_plots(results, list(task_columns(results)), folder, _save)
     if all(r.speed for r in results):
         paths += _speed_plots(mha, runs, strategies, colors, folder)
     else:  # a rerun without speed: no plot left from an earlier one contradicts the table
@@ -361,7 +410,8 @@ def _save(fig, path: Path) -> Path:
 def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path:
     """Log the comparison to wandb as one more run of the compare's group (the group its
     training runs share): the results table (`wandb.Table`, the rows of results.csv), the
-    comparison against mean pooling when there is one, and the plots. Offline without
+    comparison against mean pooling when there is one, per --task a table of sample predictions
+    of every run (`predictions/<task>`), and the plots. Offline without
     credentials, like the training runs. Returns the wandb run's folder."""
     import wandb
 
@@ -387,8 +437,9 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
         reinit="create_new",
     )
     try:
-        rows = table_rows(results)
-        logged = {"results": wandb.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows])}
+        rows, columns = table_rows(results), columns_of(results)
+        logged = {"results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}
+        logged.update(prediction_tables(results, list(task_columns(results)), wandb))
         comparisons = against_mean(results)
         if comparisons:
             columns = list(comparisons[0])
@@ -408,8 +459,11 @@ def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dic
     `report_to` includes wandb, also logged to wandb (`log_to_wandb`)."""
     folder = Path(folder)
     rows = table_rows(results)
-    write_csv(rows, folder / "results.csv")
+    write_csv(rows, folder / "results.csv", columns_of(results))
     text = markdown(rows, [r.speed for r in results if r.speed])
+    if task_columns(results):
+        text += "\nTask scores after uptraining and time per sample (the paper's Table 1):\n\n"
+        text += table1_markdown(results)
     comparisons = against_mean(results)
     if comparisons:
         text += "\nAgainst mean pooling (gap = eval loss − MHA eval loss at the same point):\n\n"

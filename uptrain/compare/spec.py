@@ -15,6 +15,7 @@ from pathlib import Path
 from uptrain.budgets import UptrainingBudget
 from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, kv_heads_option, seed_option
 from uptrain.data.corpus import split_path
+from uptrain.evaluation.tasks import HARNESS_PREFIX, task_problem
 from uptrain.options import REQUIRED, InvalidOptions, names_of, option, option_like, validated_values
 from uptrain.train.config import (
     Execution,
@@ -32,8 +33,14 @@ SPEED = "speed (measured once per G after the runs, with `uptrain speed`'s metho
 # pay (docs/DOMAIN.md §2); 32 new tokens keep the measurement a small share of the demo's time
 # (measured figures: the README's demo table and BENCHMARKS.md).
 SPEED_CONTEXT, SPEED_NEW_TOKENS = 480, 32
+TASKS = "task metrics (each run's final/ scored with `uptrain evaluate` after the runs)"
 # `uptrain train`'s groups that every run of a comparison takes as they are.
 TRAINED_ALIKE = (TrainData, StepShape, Optimization, UptrainingBudget, Execution, Reporting, Timeouts)
+
+
+def _speed_option(default, metavar: str, help: str, **bounds):
+    """An option of the speed measurement, listed under SPEED in --help."""
+    return option(default, group=SPEED, metavar=metavar, help=help, **bounds)
 
 
 @dataclass(kw_only=True)
@@ -66,47 +73,73 @@ class CompareSpec(
     output_dir: str = option(help="runs, results and plots go here")
     eval_every: int = option_like(TrainConfig, "eval_every", 10, help="evaluate (and checkpoint) every N steps")
     seed: int = seed_option("seed of data order, initialisation and random pooling")
-    speed_context: int | None = option(
+    speed_context: int | None = _speed_option(
         None,
-        at_least=1,
-        group=SPEED,
-        metavar="N",
-        help=f"prompt tokens of the speed measurement (default: {SPEED_CONTEXT}, or the model's positions less the "
+        "N",
+        f"prompt tokens of the speed measurement (default: {SPEED_CONTEXT}, or the model's positions less the "
         "new tokens where that is fewer): the cache, and so what fewer KV heads save, grows with it",
-    )
-    speed_new_tokens: int | None = option(
-        None,
-        at_least=2,
-        group=SPEED,
-        metavar="M",
-        help=f"tokens generated greedily after the prompt, with the cache (default: {SPEED_NEW_TOKENS}, or an eighth "
-        "of the model's positions where that is fewer); time per sample is the prompt's pass plus these",
-    )
-    speed_batch: int = option(
-        8,
         at_least=1,
-        group=SPEED,
-        metavar="B",
-        help="sequences decoded together: the cache grows with the batch, the weights read per step do not (at "
+    )
+    speed_new_tokens: int | None = _speed_option(
+        None,
+        "M",
+        f"tokens generated greedily after the prompt, with the cache (default: {SPEED_NEW_TOKENS}, or an eighth "
+        "of the model's positions where that is fewer); time per sample is the prompt's pass plus these",
+        at_least=2,
+    )
+    speed_batch: int = _speed_option(
+        8,
+        "B",
+        "sequences decoded together: the cache grows with the batch, the weights read per step do not (at "
         "batch 8 and 512 positions the reference model's MHA cache is twice its weights)",
+        at_least=1,
     )
-    speed_repeats: int = option(
+    speed_repeats: int = _speed_option(
         2,
-        at_least=0,
-        group=SPEED,
-        metavar="R",
-        help="timed samples per checkpoint after one warm-up, reported as their median; each takes seconds for "
+        "R",
+        "timed samples per checkpoint after one warm-up, reported as their median; each takes seconds for "
         "the reference model on 2 CPU cores; 0: no speed measurement, the columns stay empty",
+        at_least=0,
     )
-    speed_device: str = option(
-        "cpu",
-        group=SPEED,
-        metavar="DEVICE",
-        help="device of the speed measurement: cpu, cuda or cuda:N (float32 on CPU, bfloat16 on CUDA)",
+    speed_device: str = _speed_option(
+        "cpu", "DEVICE", "device of the speed measurement: cpu, cuda or cuda:N (float32 on CPU, bfloat16 on CUDA)"
+    )
+    task: list[str] = option(
+        [],
+        group=TASKS,
+        metavar="TASK",
+        check=task_problem,
+        help="tasks to score every run's uptrained checkpoint on, as `uptrain evaluate --task` does: asr, "
+        "translation, summarization, qa, lm-eval:NAME (one table column each, the Table-1 view, a quality vs "
+        "time per sample plot each); none by default",
+    )
+    task_data: list[str] = option(
+        [],
+        group=TASKS,
+        metavar="FILE",
+        help="local JSON-lines data of each --task, in their order (lm-eval tasks take none: their task names it)",
+    )
+    task_max_new_tokens: int | None = option(
+        None, at_least=1, group=TASKS, metavar="N", help="most tokens generated per example (default: evaluate's)"
+    )
+    task_batch_size: int = option(8, at_least=1, group=TASKS, metavar="B", help="examples generated together")
+    task_limit: int | None = option(None, at_least=1, group=TASKS, metavar="N", help="score the first N examples only")
+    task_device: str = option(
+        "cpu", group=TASKS, metavar="DEVICE", help="device of the task scoring: cpu, cuda or cuda:N"
     )
     overwrite: bool = option(
         False, help="delete an earlier compare in output_dir (or whatever else it holds) and start over"
     )
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        wanted = sum(not t.startswith(HARNESS_PREFIX) for t in self.task)
+        if len(self.task_data) != wanted:
+            found.append(
+                f"`task_data`: give one file for each --task but lm-eval ones ({wanted}), in their order; "
+                f"got {len(self.task_data)}"
+            )
+        return found
 
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
         """The conversion of one run (calibrated on the training data, as `uptrain train` does)."""

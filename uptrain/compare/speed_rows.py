@@ -55,17 +55,10 @@ def speed_setting(spec: CompareSpec) -> dict | None:
             f"{new_tokens}; lower it (or --speed-repeats 0: no speed)"
         )
     device = parse_device(spec.speed_device)
-    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    dtype = _dtype(device)
     # The MHA cache is the largest of the comparison: if it fits, every G's does.
     shape.check_cache_fits(spec.speed_batch, context, new_tokens, dtype, device)
-    return {
-        "context": context,
-        "new_tokens": new_tokens,
-        "batch": spec.speed_batch,
-        "repeats": spec.speed_repeats,
-        "device": str(device),
-        "dtype": dtype,
-    }
+    return _measurement(spec, context, new_tokens, device)
 
 
 def _encoder_decoder_setting(spec: CompareSpec, shape) -> dict:
@@ -80,19 +73,28 @@ def _encoder_decoder_setting(spec: CompareSpec, shape) -> dict:
     if context is None and not shape.fixed_source:
         context = min(SPEED_CONTEXT, shape.source_positions or SPEED_CONTEXT)
     device = parse_device(spec.speed_device)
-    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    dtype = _dtype(device)
     try:
         context = shape.source_length(context)
         shape.check(context, new_tokens, spec.speed_batch, dtype, device)  # MHA's cache is the largest
     except UptrainError as err:
         raise UptrainError(f"speed: {err} (--speed-context, --speed-new-tokens; --speed-repeats 0: no speed)") from None
+    return _measurement(spec, context, new_tokens, device)
+
+
+def _dtype(device) -> str:
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def _measurement(spec: CompareSpec, context: int, new_tokens: int, device) -> dict:
+    """The setting of a measurement, as `speed_setting` returns it."""
     return {
         "context": context,
         "new_tokens": new_tokens,
         "batch": spec.speed_batch,
         "repeats": spec.speed_repeats,
         "device": str(device),
-        "dtype": dtype,
+        "dtype": _dtype(device),
     }
 
 

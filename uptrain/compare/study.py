@@ -12,6 +12,7 @@ compare picks those up and resumes the unfinished run from its last checkpoint.
       converted/NAME/           each conversion
       runs/NAME/train/          each training run (`uptrain train`'s run folder)
       runs/NAME/result.json     each finished run's row and curve
+      runs/NAME/tasks/SLUG/     each run's score on each --task (scores.json, predictions.jsonl)
       results.csv, results.md, *.png, wandb/
       .uptrain-lock             while a compare (or a `uptrain train`) uses the folder
 
@@ -37,8 +38,9 @@ from uptrain import UptrainError
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_locks, remove_temporaries, write_file
 from uptrain.checkpoint.resumable import ResumeRule, unreadable_record
-from uptrain.compare.spec import SPEED, CompareSpec
+from uptrain.compare.spec import SPEED, TASKS, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
+from uptrain.compare.task_rows import task_settings, with_tasks
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
@@ -54,7 +56,8 @@ RECORD = "compare.json"
 CALIBRATION = "calibration.safetensors"
 MHA = "mha"
 # Settings a rerun may change: which runs there are (each run is made alike, whatever the others),
-# the speed measurement (a change remeasures speed, `speed_rows`, and retrains nothing), and what
+# the speed measurement and the task scoring (a change remeasures speed, `speed_rows`, or scores the
+# tasks again, `task_rows`, and retrains nothing), and what
 # `uptrain train` lets a resumed run change (how the compare is reported, how often the runs
 # evaluate, where calibration runs, how a step is computed), but for the keys of the global batch:
 # train allows those only with the batch kept, and a finished run keeps the batch it was made with.
@@ -64,8 +67,9 @@ OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "overwrite", "outpu
 def operational_keys(keys) -> frozenset[str]:
     """The operational ones among a compare's `keys`, derived from `uptrain train`'s own rule."""
     train = TRAIN_OPERATIONAL_KEYS - GLOBAL_BATCH_KEYS
-    speed = {k.name for k in keys_of(CompareSpec) if k.option.group == SPEED}
-    return frozenset(k for k in keys if k in OWN_OPERATIONAL_KEYS | speed | train)
+    # The speed measurement and the task scoring: a change measures or scores again, and retrains nothing.
+    after_runs = {k.name for k in keys_of(CompareSpec) if k.option.group in (SPEED, TASKS)}
+    return frozenset(k for k in keys if k in OWN_OPERATIONAL_KEYS | after_runs | train)
 
 
 def resume_rule() -> ResumeRule:
@@ -96,6 +100,9 @@ class RunResult:
     # `measure_speed`'s result at this G, measured once per G after the runs (speed-g{G}.json);
     # None in result.json, which is written before it, and with speed_repeats 0.
     speed: dict | None = None
+    # Per --task, the uptrained checkpoint's score summary (`task_rows`, runs/NAME/tasks/); None in
+    # result.json, which is written before it, and without --task.
+    tasks: dict | None = None
 
     @property
     def perplexity_before(self) -> float:
@@ -116,6 +123,7 @@ def validate(spec: CompareSpec) -> None:
         spec.pretrain_tokens = pretrain_tokens(spec.model)
     spec.train_config(spec.model, Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     speed_setting(spec)  # the speed measurement's refusals too
+    task_settings(spec)  # and the task scoring's
     for _, g, pooling in run_names(spec):
         if g is not None:
             prepare(spec.conversion_spec(g, pooling)).close()
@@ -295,7 +303,8 @@ def hold_compare_dir(spec: CompareSpec) -> Iterator[str]:
     validate(spec)
     check_apart(
         root,
-        [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)), ("`eval_data`", Path(spec.eval_data))],
+        [("model", Path(spec.model)), ("`train_data`", Path(spec.train_data)), ("`eval_data`", Path(spec.eval_data))]
+        + [("`task_data`", Path(data)) for data in spec.task_data],
         "output_dir",
     )
     with hold_run_dir(root):
@@ -343,4 +352,4 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)
-    return with_speed(spec, results, log)
+    return with_tasks(spec, with_speed(spec, results, log), log)

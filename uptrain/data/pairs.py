@@ -131,7 +131,8 @@ def _samples(value, where: Where, key: str) -> np.ndarray:
 class PairExamples:
     """Tokenized examples, batched on demand (`blocks.Blocks`: `take` gives a dict of padded
     tensors). Audio is decoded when loaded, to check it, and again for each batch it is in, so that
-    only a batch's audio is held in memory."""
+    only a batch's audio is held in memory. `records`: each example's place and JSON object, for
+    readers of its text (evaluation's references)."""
 
     def __init__(
         self,
@@ -140,10 +141,12 @@ class PairExamples:
         pad_id: int | None,
         feature_extractor=None,
         seconds: list[float] | None = None,
+        records=None,
     ):
         self.sources, self.targets = sources, targets
         self.pad_id, self.feature_extractor = pad_id, feature_extractor
         self.seconds = seconds  # each clip's length in seconds (speech), for the plan
+        self.records: list[tuple[Where, dict]] = records or []
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -223,7 +226,7 @@ def load_pairs(
         prefix = framing.source_prefix if framing is not None else ""
         texts = [prefix + _text(r, source_name, where, key) for where, r in records]
         sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
-        return PairExamples(sources, label_ids, tokenizer.pad_token_id)
+        return PairExamples(sources, label_ids, tokenizer.pad_token_id, records=records)
     feature_extractor = _load_feature_extractor(model_path)
     sources, seconds = [], []
     for where, r in records:
@@ -240,7 +243,7 @@ def load_pairs(
         else:
             raise UptrainError(f"`{key}` {where}: `audio` must be a wav path or an array of samples")
         seconds.append(samples.size / feature_extractor.sampling_rate)
-    return PairExamples(sources, label_ids, None, feature_extractor, seconds)
+    return PairExamples(sources, label_ids, None, feature_extractor, seconds=seconds, records=records)
 
 
 def _load_feature_extractor(model_path: str):

@@ -151,6 +151,8 @@ class CompareSpec(
             seed=self.seed,
             calibration_data=self.train_data,
             calibration_seq_len=self.seq_len,
+            language=self.language,  # Whisper's calibration targets: the prompt its runs train on
+            speech_task=self.speech_task,
             **shared,
         )
 

@@ -6,9 +6,11 @@ cross-attention the keys and values read the encoder's output and the queries th
 states, so each is calibrated from its own input: the family's objective (`uptrain.objectives`,
 the architecture's `default_objective`) turns calibration text into what the model is trained
 on — span-corrupted blocks (T5), infilled blocks (BART, mBART), or jsonl source/target pairs
-(Marian, M2M100, Pegasus) — and the source model reads them whole (encoder inputs, and the
-targets as the decoder's inputs), forward pre-hooks folding every attention's inputs, padding
-left out. Speech pairs (Whisper) are not read yet: its merges take moments given by the caller.
+(Marian, M2M100, Pegasus), or jsonl speech pairs (Whisper: read by `uptrain.data.pairs`, the
+reader training uses, audio through the checkpoint's feature extractor and targets opening with
+the prompt training frames them with, so the decoder states calibrated on are those users decode
+with) — and the source model reads them whole (encoder inputs, and the targets as the decoder's
+inputs), forward pre-hooks folding every attention's inputs, padding left out.
 
 Moments are keyed `"{attention}.{layer}"` (the input of that attention module; for "cross" the
 decoder's states) and `"cross.keys_values"` (the encoder's output, which every cross-attention
@@ -26,8 +28,10 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.calibrated import CrossMoments
+from uptrain.objectives.prompts import SPEECH_KEYS, PromptKeys
 
 CROSS_KEYS_VALUES = "cross.keys_values"
+CHECKPOINT_PROMPT = PromptKeys()  # no keys given: Whisper's prompt from the checkpoint's defaults
 
 
 class SiteMoments(Mapping):
@@ -61,17 +65,42 @@ def site_moments(moments: Mapping, attention: str) -> SiteMoments:
 
 
 def calibration_objective(arch):
-    """The objective an encoder–decoder is calibrated with (its family's); refuses, in one line,
-    one whose data uptrain does not read for calibration yet."""
+    """The objective an encoder–decoder is calibrated with (its family's)."""
     from uptrain.objectives import get_objective
 
-    objective = get_objective(arch.default_objective)
-    if objective.encoder_reads == "audio":
-        raise UptrainError(
-            f"--pooling calibrated cannot calibrate {arch.name} yet: its encoder reads audio, and calibration "
-            "reads text; use mean, first or random"
-        )
-    return objective
+    return get_objective(arch.default_objective)
+
+
+def check_prompt_keys(arch, keys: PromptKeys) -> None:
+    """Refuses, in one line, `--language` / `--speech-task` for a model whose calibration reads no
+    speech (they choose Whisper's target prompt)."""
+    speech = arch.encoder_decoder and calibration_objective(arch).reads == "speech_pairs"
+    if not speech and (given := keys.given(SPEECH_KEYS)):
+        flag = "--" + given[0].replace("_", "-")
+        raise UptrainError(f"{flag} applies to Whisper's calibration (speech pairs); {arch.name} calibrates on text")
+
+
+def _refuse_speech_pairs(data, arch) -> None:
+    """A text family given speech pairs (jsonl lines with `audio`) is refused in one line: its
+    text reader would otherwise calibrate on the transcripts alone."""
+    from uptrain.data.pairs import OPENERS
+    from uptrain.data.text import resolve_data
+
+    source = resolve_data(data, "calibration_data")
+    if source.builder != "json" or not source.is_local:
+        return
+    for file in source.files:
+        with OPENERS.get(Path(file).suffix, open)(file, "rt") as f:
+            first = next((line for line in f if line.strip()), "")
+        try:
+            row = json.loads(first) if first else None
+        except json.JSONDecodeError:
+            continue  # the text reader says what is wrong with it
+        if isinstance(row, dict) and "audio" in row:
+            raise UptrainError(
+                f"calibration data {file} holds speech pairs (`audio`); {arch.name}'s encoder reads text: "
+                "give text (or source/target pairs) for its calibration"
+            )
 
 
 def _fold(moments: dict, counts: dict, key: str, x: torch.Tensor, keep: torch.Tensor | None) -> None:
@@ -120,7 +149,11 @@ def seq2seq_moments(model, arch, batches, progress: bool | None = None) -> dict[
             for batch in tqdm(
                 batches, desc="calibrate", unit="batch", disable=None if progress is None else not progress
             ):
-                batch = {k: v.to(model.device) for k, v in batch.items()}
+                # Audio features in the model's dtype (bfloat16 calibration); ids and labels as they are.
+                batch = {
+                    k: v.to(model.device, model.dtype) if v.is_floating_point() else v.to(model.device)
+                    for k, v in batch.items()
+                }
                 mask = batch.get("attention_mask")
                 masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
                 masks["decoder"] = batch["labels"] != -100
@@ -151,11 +184,47 @@ def _text_pairs(path: str, fields: tuple[str, str], limit: int) -> list[tuple[st
     return pairs
 
 
+def _speech_batches(
+    model_dir: Path, arch, objective, tokenizer, data, wanted: int, seq_len: int, batch_size: int, keys: PromptKeys
+) -> tuple[list[dict], dict]:
+    """Whisper's calibration batches: the first `wanted` speech pairs of `data` as training reads
+    them (`load_pairs`: every line checked, audio through the feature extractor), the targets
+    framed with the prompt `generate(language=…, task=…)` forces, cut at `seq_len` tokens (at
+    most the decoder's positions)."""
+    from uptrain.data.pairs import load_pairs
+    from uptrain.model_info import read_config
+    from uptrain.objectives.prompts import target_framing
+
+    config = read_config(model_dir)
+    framing = target_framing(arch, objective, keys, tokenizer, str(model_dir), config)
+    positions = config.get("max_target_positions")
+    target_len = min(seq_len, positions) if isinstance(positions, int) else seq_len
+    examples = load_pairs(
+        data, "calibration_data", objective, tokenizer, str(model_dir), config, seq_len, target_len, framing
+    )
+    count = min(wanted, len(examples))
+    starts = range(0, count, batch_size)
+    batches = [examples.take(list(range(start, min(start + batch_size, count)))) for start in starts]
+    info = {"data": str(data), "objective": objective.name, "examples": count, "target_len": target_len}
+    if framing is not None:
+        info["prompt"] = framing.shown
+    return batches, info
+
+
 def calibration_batches(
-    model_dir: Path, arch, data, num_tokens: int, seq_len: int, batch_size: int, text_field: str, sample_by: str
+    model_dir: Path,
+    arch,
+    data,
+    num_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    text_field: str,
+    sample_by: str,
+    keys: PromptKeys = CHECKPOINT_PROMPT,
 ) -> tuple[list[dict], dict]:
     """The batches an encoder–decoder is calibrated on (its family's objective over `data`, the
-    first ⌈num_tokens / seq_len⌉ examples) and their description for provenance."""
+    first ⌈num_tokens / seq_len⌉ examples) and their description for provenance. `keys`: the
+    prompt of Whisper's targets (the checkpoint's defaults where None)."""
     from uptrain.convert.calibration import _first_blocks, load_calibration_tokenizer
     from uptrain.data.text import load_blocks
     from uptrain.objectives import IGNORE_INDEX, special_tokens_for
@@ -165,6 +234,10 @@ def calibration_batches(
     tokenizer = load_calibration_tokenizer(model_dir)
     wanted = math.ceil(num_tokens / seq_len)
     label = str(data)
+    check_prompt_keys(arch, keys)
+    if objective.reads == "speech_pairs":
+        return _speech_batches(model_dir, arch, objective, tokenizer, data, wanted, seq_len, batch_size, keys)
+    _refuse_speech_pairs(data, arch)
     if objective.reads == "text_pairs":
         files = [data] if isinstance(data, str) else list(data)
         pairs = [p for f in files for p in _text_pairs(f, objective.fields, wanted)][:wanted]
@@ -222,9 +295,11 @@ def collect_seq2seq_moments(
     device: str = "auto",
     dtype: str = "float32",
     progress: bool | None = None,
+    keys: PromptKeys = CHECKPOINT_PROMPT,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """({key: C}, a description for provenance) of the encoder–decoder at `src` over `data`,
-    read through its family's objective; the whole model runs in `dtype` on `device`."""
+    read through its family's objective; the whole model runs in `dtype` on `device`. `keys`:
+    the prompt of Whisper's targets (`--language`, `--speech-task`)."""
     from uptrain.architecture import architecture
     from uptrain.checkpoint.source import resolve_source
     from uptrain.convert.calibration import calibration_device
@@ -234,7 +309,9 @@ def collect_seq2seq_moments(
     model_dir = resolve_source(src).folder
     arch = architecture(read_config(model_dir).get("model_type"))
     run_device, run_dtype = calibration_device(device, dtype)
-    batches, info = calibration_batches(model_dir, arch, data, num_tokens, seq_len, batch_size, text_field, sample_by)
+    batches, info = calibration_batches(
+        model_dir, arch, data, num_tokens, seq_len, batch_size, text_field, sample_by, keys
+    )
     import uptrain.modeling  # noqa: F401  registers t5_gqa, …: a converted checkpoint loads here too
 
     model = load_model(model_dir, "calibration's source", arch.auto_class, dtype=run_dtype).to(run_device).eval()

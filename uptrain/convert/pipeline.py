@@ -114,15 +114,20 @@ def prepare(
 def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     """What calibration will read, checked before any of it runs."""
     from uptrain.convert.calibration import calibration_device, load_calibration_tokenizer
+    from uptrain.convert.calibration_seq2seq import check_prompt_keys
     from uptrain.data.text import resolve_data
 
-    if prepared.conversion.arch.encoder_decoder:
-        from uptrain.convert.calibration_seq2seq import calibration_objective
-
-        calibration_objective(prepared.conversion.arch)  # refuses what calibration cannot read
+    check_prompt_keys(prepared.conversion.arch, _prompt_keys(prepared.spec))
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
+
+
+def _prompt_keys(spec: ConversionSpec):
+    """The keys that choose Whisper's calibration prompt."""
+    from uptrain.objectives.prompts import PromptKeys
+
+    return PromptKeys(language=spec.language, speech_task=spec.speech_task)
 
 
 def _solved_for(prepared: PreparedConversion) -> tuple:
@@ -157,6 +162,7 @@ def calibrate(
             device=spec.calibration_device,
             dtype=spec.calibration_dtype,
             progress=progress,
+            keys=_prompt_keys(spec),
         )
         return Calibration(moments, info)
     solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)

@@ -155,6 +155,16 @@ class ConversionSpec(ConversionOptions):
         metavar="FILE",
         help="calibration text: text/jsonl/parquet file(s) or a datasets name; required by calibrated pooling",
     )
+    # Whisper's calibration targets open with the prompt training frames them with
+    # (`uptrain.objectives.prompts`); `uptrain train` passes its own keys.
+    language: str | None = option(
+        None,
+        help="Whisper calibration (speech pairs): the audio's language (en, fr, <|en|>), whose token opens every "
+        "target as `generate(language=…)` forces it; default: the generation config's (or the tokenizer's)",
+    )
+    speech_task: Literal["transcribe", "translate"] | None = option(
+        None, help="Whisper calibration (speech pairs): the task token after the language (default: the checkpoint's)"
+    )
     max_shard_size: int | str = option("5GB", check=_size_problem, help="largest output shard, e.g. 5GB or 500MiB")
     allow_pickle: bool = option(False, help="read pytorch_model*.bin checkpoints (with torch.load(weights_only=True))")
     # How calibration text is read: `uptrain train` and `uptrain compare` pass their data keys.

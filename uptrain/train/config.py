@@ -363,6 +363,8 @@ class TrainConfig(
             calibration_seq_len=self.seq_len,
             text_field=self.text_field,
             sample_by=self.sample_by,
+            language=self.language,
+            speech_task=self.speech_task,
             **shared,
         )
 

@@ -11,12 +11,15 @@ constraints.txt). Nothing of uptrain is installed in it.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,43 @@ def _build(folder: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def cached_environment(
+    name: str, requirements: list[str], *, timeout: float, finish: Callable[[Path], None] | None = None
+) -> Path:
+    """The Python of a cached environment holding `requirements` (torch pinned by
+    constraints.txt), built when missing under `CACHE/<name>-<digest of the pins>`; `finish`
+    runs on the new environment's Python before it counts as built. Skips the calling test
+    when the registry cannot be reached, except under CI (`CI=true`), where it fails.
+
+    Built in place (console scripts name their interpreter by its absolute path, so the folder
+    cannot be renamed after), under a lock; `complete.json` (what it holds, and how long the
+    build took) is written last, so a killed build is redone."""
+    digest = hashlib.sha256("\n".join([*requirements, CONSTRAINTS.read_text(), sys.version]).encode()).hexdigest()
+    folder = CACHE / f"{name}-{digest[:12]}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    python = folder / "bin" / "python"
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "complete.json").exists():
+            return python
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, capture_output=True)
+        pip = subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS), *requirements],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if pip.returncode != 0:
+            message = f"cannot build the {name} environment from the registry: {pip.stderr.strip()[-1500:]}"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(message)
+            pytest.skip(message)
+        if finish is not None:
+            finish(python)
+        record = {"requirements": requirements, "build_seconds": round(time.monotonic() - started, 1)}
+        (folder / "complete.json").write_text(json.dumps(record, indent=1))
+    return python

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),
     # Inference speed and KV-cache memory of a checkpoint (`uptrain speed`; compare reports it).
-    ("speed", ("uptrain.speed", "uptrain.speed_checks")),
+    ("speed", ("uptrain.speed", "uptrain.speed_checks", "uptrain.speed_vllm")),
     ("compare", ("uptrain.compare.*",)),
     # The commands.
     ("commands", ("uptrain.cli", "uptrain.__main__", "uptrain.demo", "uptrain.inspect_checkpoint")),

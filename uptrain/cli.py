@@ -74,6 +74,8 @@ def inspect(options: InspectOptions) -> int:
 
 
 def speed(options: SpeedOptions) -> int:
+    if options.engine == "vllm":
+        return speed_in_vllm(options)
     from uptrain.speed import format_speed_table, measure_speed
 
     results = measure_speed(
@@ -87,6 +89,25 @@ def speed(options: SpeedOptions) -> int:
         compile=options.compile,
     )
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
+    return 0
+
+
+def speed_in_vllm(options: SpeedOptions) -> int:
+    from uptrain.speed_vllm import format_vllm_table, measure_vllm_speed
+
+    if options.device != "cpu":
+        raise UptrainError("--engine vllm runs where its vLLM build does (CPU or GPU): drop --device")
+    results = measure_vllm_speed(
+        options.models,
+        context=options.context,
+        new_tokens=options.new_tokens,
+        batch=options.batch,
+        dtype=options.dtype,
+        repeats=options.repeats,
+        kv_cache_gib=options.kv_cache_gib,
+        compile=options.compile,
+    )
+    print("\n".join(json.dumps(r) for r in results) if options.json else format_vllm_table(results))
     return 0
 
 

@@ -241,8 +241,7 @@ class EncoderDecoderAttention:
         q = heads(q * self.scaling if self.queries_scaled_first else q)
         states = key_value_states if cross else hidden_states
         k, v = encoder_decoder_kv(cache, self.layer_idx, project, states, cross, kwargs)
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward, and reads `scaling=self.…`).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

@@ -80,8 +80,7 @@ class BloomGQAAttention(BloomAttention):
             kwargs["position_bias"] = alibi.expand(b, self.num_heads, t, k.shape[2])
         else:
             attention_mask = alibi_as_mask(alibi, attention_mask, t, k.shape[2], q.dtype)
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

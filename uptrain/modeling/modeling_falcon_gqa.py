@@ -103,8 +103,7 @@ class FalconGQAAttention(FalconAttention):
         # second time, unscaled, before scaling; its SDPA, its default, once, as here.)
         if self.config._attn_implementation in (None, "eager"):
             kwargs["score_divisor"] = math.sqrt(d)  # Falcon's eager divides by √d: bit for bit at G = h
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

@@ -46,8 +46,7 @@ class GPT2GQAAttention(GPT2Attention):
         heads = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (x.view(heads).transpose(1, 2) for x in (q, k, v))
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

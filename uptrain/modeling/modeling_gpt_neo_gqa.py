@@ -134,8 +134,7 @@ class GPTNeoGQAAttention(GPTNeoSelfAttention):
             # scaled by 1/√d, so half precision would overflow); the weights return to V's dtype.
             q, k = q.to(torch.float32), k.to(torch.float32)
         mask = self._layer_mask(attention_mask, implementation, q, k.shape[2], kwargs)
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

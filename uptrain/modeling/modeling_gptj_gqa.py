@@ -60,8 +60,7 @@ class GPTJGQAAttention(GPTJAttention):
         k = _rotate(self.k_proj(hidden_states).view(heads), sin, cos, self.rotary_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

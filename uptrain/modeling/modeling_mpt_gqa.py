@@ -85,8 +85,7 @@ class MptGQAAttention(MptAttention):
         allowed = None if attention_mask is None else ~attention_mask[..., :s]
         attention_mask = alibi_as_mask(alibi, allowed, t, s, q.dtype)
         check_backend(self.config._attn_implementation)  # also after a `set_attn_implementation`
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self,

@@ -41,12 +41,10 @@ class OPTGQAAttention(OPTAttention):
         k = self.k_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        dropout = self.dropout if self.training else 0.0
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
-        out, weights = attention_interface(
-            self, q, k, v, attention_mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **kwargs
-        )
+        out, weights = attention_interface(self, q, k, v, attention_mask, scaling=1.0, dropout=dropout, **kwargs)
         out = out.reshape(bsz, tgt_len, -1).contiguous()
         return self.out_proj(out), weights
 

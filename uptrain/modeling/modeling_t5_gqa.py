@@ -164,12 +164,10 @@ class T5GQAAttention(T5Attention):
             # transformers 5's SDPA function takes T5's bias itself (folds it into the mask),
             # exactly as for its own T5.
             extra = {"position_bias": position_bias}
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        dropout = self.dropout if self.training else 0.0
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
-        out, weights = attention_interface(
-            self, q, k, v, mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **extra, **kwargs
-        )
+        out, weights = attention_interface(self, q, k, v, mask, scaling=1.0, dropout=dropout, **extra, **kwargs)
         out = self.o(out.reshape(b, t, -1).contiguous())
         if TRANSFORMERS_4:
             return (out, position_bias, weights) if output_attentions else (out, position_bias)

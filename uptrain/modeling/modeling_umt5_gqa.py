@@ -128,12 +128,10 @@ class UMT5GQAAttention(UMT5Attention):
             mask, extra = bias, {}
         else:
             mask, extra = attention_mask, {"position_bias": bias}
-        # transformers' attention interface, dispatched here as its own models do (vLLM's
-        # transformers backend looks for it in this forward).
+        dropout = self.dropout if self.training else 0.0
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
-        out, weights = attention_interface(
-            self, q, k, v, mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **extra, **kwargs
-        )
+        out, weights = attention_interface(self, q, k, v, mask, scaling=1.0, dropout=dropout, **extra, **kwargs)
         return self.o(out.reshape(b, t, -1).contiguous()), weights
 
 

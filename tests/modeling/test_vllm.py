@@ -4,11 +4,11 @@ of tests/modeling/vllm_environment.py) and generate what transformers generates.
 A tiny Llama (native GQA: vLLM's own Llama class) converted to G = 2 and G = 1, and each
 classic family uptrain brings its GQA modeling for, converted to G = 2 (vLLM's transformers
 backend, which serves a model whose attention modules dispatch through transformers' attention
-interface in their own `forward`): vLLM's greedy tokens, in float32, equal transformers'
-greedy `generate()` exactly, and the KV cache vLLM allocates in a fixed space holds h/G times
-the tokens MHA's does. The ALiBi families (BLOOM, MPT, Falcon with `alibi`) and GPT-Neo with
-local layers are refused in one line: vLLM's attention takes no per-head bias and no mask, so
-they would serve without ALiBi or the window.
+interface in their own `forward`; GPT-2 through uptrain's vLLM plugin, uptrain/vllm_plugin.py):
+vLLM's greedy tokens, in float32, equal transformers' greedy `generate()` exactly, and the KV
+cache vLLM allocates in a fixed space holds h/G times the tokens MHA's does. The ALiBi families
+(BLOOM, MPT, Falcon with `alibi`) and GPT-Neo with local layers are refused in one line: vLLM's
+attention takes no per-head bias and no mask, so they would serve without ALiBi or the window.
 
 Every engine starts in one process (serve_in_vllm.py), one after another: vLLM's import is
 paid once. vLLM's CPU attention takes head sizes of 32 and up: 4 heads of 32 here.
@@ -59,6 +59,8 @@ REFUSED = {
 }
 PROMPTS = [[5, 17, 99, 42, 8, 61, 23, 77, 3, 50], [120, 4, 66, 31], [9, 88, 14, 101, 45, 72, 36]]
 NEW_TOKENS = 8
+# The class vLLM serves each case with, where it is not its transformers backend.
+ARCHITECTURES = {f"llama-g{g}": "LlamaForCausalLM" for g in (4, 2, 1)} | {"gpt2": "GPT2GQAForCausalLM"}
 KV_SPACE_GIB = 1
 
 
@@ -139,6 +141,8 @@ def transformers_tokens(folder: str) -> list[list[int]]:
 def test_vllm_generates_the_tokens_transformers_generates(case, checkpoints, served):
     result = served["cases"][case]
     assert "error" not in result, f"{case} does not serve in vLLM: {result.get('error')}"
+    # GPT-2 through uptrain's plugin (vLLM's own GPT-2, GQA); the others by vLLM's class or its transformers backend.
+    assert result["architecture"] == ARCHITECTURES.get(case, "TransformersForCausalLM"), result["architecture"]
     expected = transformers_tokens(checkpoints[case])
     assert result["tokens"] == expected, case
     # Not degenerate (one token repeated): equal tokens say something.

@@ -4,11 +4,12 @@ of tests/modeling/vllm_environment.py) and generate what transformers generates.
 A tiny Llama (native GQA: vLLM's own Llama class) converted to G = 2 and G = 1, and each
 classic family uptrain brings its GQA modeling for, converted to G = 2 (vLLM's transformers
 backend, which serves a model whose attention modules dispatch through transformers' attention
-interface in their own `forward`; GPT-2 through uptrain's vLLM plugin, uptrain/vllm_plugin.py):
+interface in their own `forward`; GPT-2 and BLOOM through uptrain's vLLM plugin):
 vLLM's greedy tokens, in float32, equal transformers' greedy `generate()` exactly, and the KV
-cache vLLM allocates in a fixed space holds h/G times the tokens MHA's does. The ALiBi families
-(BLOOM, MPT, Falcon with `alibi`) and GPT-Neo with local layers are refused in one line: vLLM's
-attention takes no per-head bias and no mask, so they would serve without ALiBi or the window.
+cache vLLM allocates in a fixed space holds h/G times the tokens MHA's does. MPT and Falcon with
+`alibi` and GPT-Neo with local layers are refused in one line: the attention of vLLM's
+transformers backend takes no per-head bias and no mask, so they would serve without ALiBi or the
+window.
 
 Every engine starts in one process (serve_in_vllm.py), one after another: vLLM's import is
 paid once. vLLM's CPU attention takes head sizes of 32 and up: 4 heads of 32 here.
@@ -42,11 +43,11 @@ SERVED = {
     # global layers only: vLLM's attention takes no window (a local layer's is refused, below)
     "gpt_neo": dict(hidden_size=HIDDEN, num_heads=HEADS, attention_types=[[["global"], 2]]),
     "falcon": dict(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=False),
+    "bloom": dict(hidden_size=HIDDEN, n_head=HEADS),
 }
 # vLLM's attention takes no per-head bias on the scores (ALiBi) and no mask (GPT-Neo's local
 # layers' window): refused in one line each, naming what it lacks.
 REFUSED = {
-    "bloom": (dict(hidden_size=HIDDEN, n_head=HEADS), "cannot use attn_implementation='vllm': ALiBi needs one of"),
     "mpt": (dict(d_model=HIDDEN, n_heads=HEADS), "cannot use attn_implementation='vllm': ALiBi needs one of"),
     "falcon_alibi": (
         dict(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=True),
@@ -60,7 +61,10 @@ REFUSED = {
 PROMPTS = [[5, 17, 99, 42, 8, 61, 23, 77, 3, 50], [120, 4, 66, 31], [9, 88, 14, 101, 45, 72, 36]]
 NEW_TOKENS = 8
 # The class vLLM serves each case with, where it is not its transformers backend.
-ARCHITECTURES = {f"llama-g{g}": "LlamaForCausalLM" for g in (4, 2, 1)} | {"gpt2": "GPT2GQAForCausalLM"}
+ARCHITECTURES = {f"llama-g{g}": "LlamaForCausalLM" for g in (4, 2, 1)} | {
+    "gpt2": "GPT2GQAForCausalLM",
+    "bloom": "BloomGQAForCausalLM",
+}
 KV_SPACE_GIB = 1
 
 
@@ -141,7 +145,8 @@ def transformers_tokens(folder: str) -> list[list[int]]:
 def test_vllm_generates_the_tokens_transformers_generates(case, checkpoints, served):
     result = served["cases"][case]
     assert "error" not in result, f"{case} does not serve in vLLM: {result.get('error')}"
-    # GPT-2 through uptrain's plugin (vLLM's own GPT-2, GQA); the others by vLLM's class or its transformers backend.
+    # GPT-2 and BLOOM through uptrain's plugin (vLLM's own classes, GQA); the others by vLLM's
+    # own class or its transformers backend.
     assert result["architecture"] == ARCHITECTURES.get(case, "TransformersForCausalLM"), result["architecture"]
     expected = transformers_tokens(checkpoints[case])
     assert result["tokens"] == expected, case

@@ -36,10 +36,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # GQA modeling for GPT-2, NeoX, OPT, GPT-J, BLOOM and the encoder–decoders (T5, BART, mBART,
     # Marian, Whisper); importing it registers them with transformers.
     ("modeling", ("uptrain.modeling.*",)),
+    # vLLM model classes for the GQA architectures (`vllm.general_plugins` entry point); imports vLLM.
+    ("serving", ("uptrain.vllm_plugin",)),
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),
     # Inference speed and KV-cache memory of a checkpoint (`uptrain speed`; compare reports it).
-    ("speed", ("uptrain.speed", "uptrain.speed_checks")),
+    ("speed", ("uptrain.speed", "uptrain.speed_checks", "uptrain.speed_vllm")),
     # Task metrics (`uptrain evaluate`; compare's task columns): generation, the metric libraries, lm-eval.
     ("evaluation", ("uptrain.evaluation.*",)),
     ("compare", ("uptrain.compare.*",)),

@@ -75,10 +75,13 @@ def inspect(options: InspectOptions) -> int:
 
 
 def speed(options: SpeedOptions) -> int:
+    if options.engine == "vllm":
+        return speed_in_vllm(options)
     from uptrain.speed import format_speed_table, measure_speed
 
-    # The options are measure_speed's keywords, and `json`: how to print what it measured.
-    results = measure_speed(**{name: value for name, value in options.to_dict().items() if name != "json"})
+    # The options are measure_speed's keywords, less how to print (`json`) and the vLLM engine's own.
+    not_measured = ("json", "engine", "kv_cache_gib")
+    results = measure_speed(**{name: value for name, value in options.to_dict().items() if name not in not_measured})
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
     return 0
 
@@ -88,6 +91,25 @@ def evaluate(options: EvaluateOptions) -> int:
 
     result = evaluate_model(options)
     print(json.dumps(result) if options.json else format_result(result))
+    return 0
+
+
+def speed_in_vllm(options: SpeedOptions) -> int:
+    from uptrain.speed_vllm import format_vllm_table, measure_vllm_speed
+
+    if options.device != "cpu":
+        raise UptrainError("--engine vllm runs where its vLLM build does (CPU or GPU): drop --device")
+    results = measure_vllm_speed(
+        options.models,
+        context=options.context,
+        new_tokens=options.new_tokens,
+        batch=options.batch,
+        dtype=options.dtype,
+        repeats=options.repeats,
+        kv_cache_gib=options.kv_cache_gib,
+        compile=options.compile,
+    )
+    print("\n".join(json.dumps(r) for r in results) if options.json else format_vllm_table(results))
     return 0
 
 

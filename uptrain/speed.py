@@ -38,6 +38,7 @@ from uptrain.options import Schema, option
 from uptrain.speed_checks import DEFAULT_CONTEXT, check_counts, model_shape, parse_device
 
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("transformers", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -69,7 +70,18 @@ class SpeedOptions(Schema):
         3, at_least=1, help="timed samples per model after one warm-up; medians are reported, with min and max"
     )
     compile: bool = option(
-        False, help="GPU only: also time a static cache with torch.compile'd decode steps (compile time reported apart)"
+        False,
+        help="GPU only: also time a static cache with torch.compile'd decode steps (compile time reported apart); "
+        "--engine vllm: vLLM's torch.compile'd model, its serving default (else eager), on CPU or GPU",
+    )
+    engine: str = option(
+        "transformers",
+        choices=ENGINES,
+        help="what serves the models: transformers (this process's forward) or vllm (a vLLM engine per model, "
+        "`uptrain[vllm]`: throughput at --batch sequences at once, KV capacity vLLM reports)",
+    )
+    kv_cache_gib: float = option(
+        1.0, help="--engine vllm: the KV-cache space each engine gets, the same for all, in GiB"
     )
     json: bool = option(False, help="one JSON object per model, for scripts")
 

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -101,13 +102,16 @@ def _build(folder: Path) -> None:
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cached_environment(folder: Path, requirements: list[str], what: str, timeout: int = 900) -> Path:
+def cached_environment(
+    folder: Path, requirements: list[str], what: str, timeout: int = 900, finish: Callable[[Path], None] | None = None
+) -> Path:
     """The Python of the environment `folder` (under CACHE, named by a key of what it holds),
     built once with pip from `requirements` (constraints.txt applies), then this checkout
     installed into it in editable mode without dependencies at every call, so the code under
     test is this checkout's. Built in place (console scripts such as `wandb` name their
     interpreter by its absolute path, so the folder cannot be renamed after), under a lock;
-    `complete` is written last, so a killed build is redone, and it records the build's seconds.
+    `finish` runs on the new environment's Python before it counts as built; `complete` is
+    written last, so a killed build is redone, and it records the build's seconds.
     Skips the calling test when the registry cannot be reached, except under CI (`CI=true`)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     python = folder / "bin" / "python"
@@ -129,6 +133,8 @@ def cached_environment(folder: Path, requirements: list[str], what: str, timeout
                 if os.environ.get("CI", "").lower() == "true":
                     pytest.fail(message)
                 pytest.skip(message)
+            if finish is not None:
+                finish(python)
             seconds = round(time.monotonic() - started, 1)
             (folder / "complete").write_text("\n".join(requirements) + f"\n# built in {seconds} s\n")
     subprocess.run(

@@ -218,6 +218,8 @@ class EncoderDecoderAttention:
         kv_dim = self.num_key_value_heads * self.head_dim
         self.k_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=self.k_proj.bias is not None)
         self.v_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=self.v_proj.bias is not None)
+        # The scale the attention function applies: 1 where the queries come scaled already.
+        self.attention_scaling = 1.0 if self.queries_scaled_first else self.scaling
 
     def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
         cache = pop_cache(kwargs)
@@ -235,14 +237,21 @@ class EncoderDecoderAttention:
         def project(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return heads(self.k_proj(states)), heads(self.v_proj(states))
 
-        if self.queries_scaled_first:
-            q, scaling = heads(self.q_proj(hidden_states) * self.scaling), 1.0
-        else:
-            q, scaling = heads(self.q_proj(hidden_states)), self.scaling
+        q = self.q_proj(hidden_states)
+        q = heads(q * self.scaling if self.queries_scaled_first else q)
         states = key_value_states if cross else hidden_states
         k, v = encoder_decoder_kv(cache, self.layer_idx, project, states, cross, kwargs)
-        out, weights = attend(
-            self, q, k, v, attention_mask, scaling=scaling, dropout=self.dropout if self.training else 0.0, **kwargs
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.attention_scaling,
+            dropout=self.dropout if self.training else 0.0,
+            **kwargs,
         )
         out = out.reshape(bsz, tgt_len, -1).contiguous()
         return self.out_proj(out), weights
@@ -260,10 +269,13 @@ def use_encoder_decoder_attention(model, attention_class, config) -> None:
 
 
 class AttentionBackends:
-    """Mixin for the GQA model classes: every attention backend transformers offers goes through
-    `attend` below (transformers' attention interface), so eager, SDPA, flash, flex and
-    registered kernels all see K/V at G heads; `num_key_value_groups` on each attention layer
-    tells them to share each KV head among its queries."""
+    """Mixin for the GQA model classes: every GQA attention's `forward` dispatches through
+    transformers' attention interface (`ALL_ATTENTION_FUNCTIONS`, "eager" being
+    `eager_attention_forward` below), as transformers' own attentions do, so eager, SDPA, flash,
+    flex, registered kernels and engines that register their own (vLLM's transformers backend,
+    which looks for that dispatch in the attention's `forward` source) all see K/V at G heads;
+    `num_key_value_groups` on each attention layer tells them to share each KV head among its
+    queries."""
 
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -577,23 +589,3 @@ def eager_attention_forward(
         divisor=score_divisor,
     )
     return out.transpose(1, 2).contiguous(), weights
-
-
-def attend(
-    module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask,
-    *,
-    scaling: float,
-    dropout: float,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention through transformers' attention interface, as its own models do: "eager" is
-    `eager_attention_forward` above, any other `config._attn_implementation` (sdpa, flash, flex,
-    paged, a registered kernel) the function transformers registered under that name. q
-    `[B, h, T, d]`, K/V `[B, G, S, d]`; returns `[B, T, h, d]` and the weights (or None)."""
-    implementation = module.config._attn_implementation
-    function = eager_attention_forward if implementation in (None, "eager") else ALL_ATTENTION_FUNCTIONS[implementation]
-    return function(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

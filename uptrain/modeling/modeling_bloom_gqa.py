@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import BloomConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bloom.modeling_bloom import BloomAttention, BloomForCausalLM, BloomModel, dropout_add
 
 from .attention import (
@@ -19,8 +20,8 @@ from .attention import (
     AttentionBackends,
     GroupedHeadsConfig,
     alibi_as_mask,
-    attend,
     causal_lm_gqa,
+    eager_attention_forward,
     pop_cache,
     refuse_backend,
     update_cache,
@@ -79,7 +80,9 @@ class BloomGQAAttention(BloomAttention):
             kwargs["position_bias"] = alibi.expand(b, self.num_heads, t, k.shape[2])
         else:
             attention_mask = alibi_as_mask(alibi, attention_mask, t, k.shape[2], q.dtype)
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,

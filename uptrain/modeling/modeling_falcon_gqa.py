@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from transformers import FalconConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.falcon.modeling_falcon import (
     FalconAttention,
     FalconForCausalLM,
@@ -25,8 +26,8 @@ from transformers.models.falcon.modeling_falcon import (
 from .attention import (
     AttentionBackends,
     GroupedHeadsConfig,
-    attend,
     causal_lm_gqa,
+    eager_attention_forward,
     pop_cache,
     refuse_backend,
     rope_for_4x,
@@ -63,6 +64,12 @@ class FalconGQAConfig(GroupedHeadsConfig, FalconConfig):
     def _kwargs_for_4x(kwargs: dict) -> dict:
         return rope_for_4x(kwargs, theta="rope_theta")
 
+    def _check_gqa(self) -> None:
+        # Falcon's own KV-head count (read by transformers' Falcon only in the new decoder
+        # architecture, refused here), mirrored: engines that size the KV cache read it first
+        # (vLLM: `n_head_kv`, then `num_kv_heads`, then `num_key_value_heads`).
+        self.num_kv_heads = self.num_key_value_heads
+
 
 class FalconGQAAttention(FalconAttention):
     """Falcon attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
@@ -96,7 +103,9 @@ class FalconGQAAttention(FalconAttention):
         # second time, unscaled, before scaling; its SDPA, its default, once, as here.)
         if self.config._attn_implementation in (None, "eager"):
             kwargs["score_divisor"] = math.sqrt(d)  # Falcon's eager divides by √d: bit for bit at G = h
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,

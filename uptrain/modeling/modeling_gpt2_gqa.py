@@ -9,10 +9,11 @@ imports only torch, transformers and the attention file next to it.
 from __future__ import annotations
 
 from transformers import GPT2Config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2LMHeadModel, GPT2Model
 from transformers.pytorch_utils import Conv1D
 
-from .attention import GroupedHeadsConfig, attend, causal_lm_gqa, pop_cache, update_cache
+from .attention import GroupedHeadsConfig, causal_lm_gqa, eager_attention_forward, pop_cache, update_cache
 
 
 class GPT2GQAConfig(GroupedHeadsConfig, GPT2Config):
@@ -45,7 +46,9 @@ class GPT2GQAAttention(GPT2Attention):
         heads = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (x.view(heads).transpose(1, 2) for x in (q, k, v))
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,
@@ -59,11 +62,20 @@ class GPT2GQAAttention(GPT2Attention):
         return self.resid_dropout(self.c_proj(out)), weights
 
 
+class MaskBufferKeys:
+    """Old GPT-2 checkpoints hold causal-mask buffers (`h.N.attn.bias`, `attn.masked_bias`) that
+    loading ignores. transformers' pattern for them, "attn.bias", also matches `c_attn.bias`
+    under `re.search`, and vLLM's transformers backend drops every key it matches, the QKV bias
+    with them: anchored here, so that only the buffers match."""
+
+    _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$", r"crossattention\.bias$"]
+
+
 def _use_gqa_attention(model: GPT2Model, config: GPT2GQAConfig) -> None:
     for i, block in enumerate(model.h):
         block.attn = GPT2GQAAttention(config, layer_idx=i)
 
 
 GPT2GQAModel, GPT2GQAForCausalLM = causal_lm_gqa(
-    __name__, GPT2GQAConfig, GPT2Model, GPT2LMHeadModel, _use_gqa_attention
+    __name__, GPT2GQAConfig, GPT2Model, GPT2LMHeadModel, _use_gqa_attention, mixins=(MaskBufferKeys,)
 )

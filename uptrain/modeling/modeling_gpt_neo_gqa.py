@@ -16,14 +16,15 @@ import torch
 from torch import nn
 from transformers import GPTNeoConfig
 from transformers.generation.continuous_batching import PagedAttentionCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoForCausalLM, GPTNeoModel, GPTNeoSelfAttention
 
 from .attention import (
     TRANSFORMERS_4,
     AttentionBackends,
     GroupedHeadsConfig,
-    attend,
     causal_lm_gqa,
+    eager_attention_forward,
     pop_cache,
     update_cache,
 )
@@ -133,7 +134,9 @@ class GPTNeoGQAAttention(GPTNeoSelfAttention):
             # scaled by 1/√d, so half precision would overflow); the weights return to V's dtype.
             q, k = q.to(torch.float32), k.to(torch.float32)
         mask = self._layer_mask(attention_mask, implementation, q, k.shape[2], kwargs)
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,
@@ -148,7 +151,18 @@ class GPTNeoGQAAttention(GPTNeoSelfAttention):
         return self.resid_dropout(self.out_proj(out)), weights
 
 
+def check_engine(config) -> None:
+    """Refuse, in one line, vLLM's transformers backend (its attention function, "vllm") for a
+    model with local layers: vLLM's attention takes no mask, so the window would not apply."""
+    if config._attn_implementation == "vllm" and "local" in config.attention_layers:
+        raise ValueError(
+            f"gpt_neo_gqa with local attention layers (window_size {config.window_size}) cannot serve in "
+            "vLLM's transformers backend: its attention takes no window"
+        )
+
+
 def _use_gqa_attention(model: GPTNeoModel, config: GPTNeoGQAConfig) -> None:
+    check_engine(config)
     for i, block in enumerate(model.h):
         block.attn.attention = GPTNeoGQAAttention(config, block.attn.attention_type, i)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import GPTNeoXConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import (
     GPTNeoXAttention,
     GPTNeoXForCausalLM,
@@ -24,8 +25,8 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (
 from .attention import (
     TRANSFORMERS_4,
     GroupedHeadsConfig,
-    attend,
     causal_lm_gqa,
+    eager_attention_forward,
     pop_cache,
     rope_for_4x,
     update_cache,
@@ -62,7 +63,9 @@ class GPTNeoXGQAAttention(GPTNeoXAttention):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,

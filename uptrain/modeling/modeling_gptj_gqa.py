@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import GPTJConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gptj.modeling_gptj import GPTJAttention, GPTJForCausalLM, GPTJModel, apply_rotary_pos_emb
 
-from .attention import GroupedHeadsConfig, attend, causal_lm_gqa, pop_cache, update_cache
+from .attention import GroupedHeadsConfig, causal_lm_gqa, eager_attention_forward, pop_cache, update_cache
 
 
 class GPTJGQAConfig(GroupedHeadsConfig, GPTJConfig):
@@ -59,7 +60,9 @@ class GPTJGQAAttention(GPTJAttention):
         k = _rotate(self.k_proj(hidden_states).view(heads), sin, cos, self.rotary_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,

@@ -14,6 +14,7 @@ import inspect
 import torch
 from torch import nn
 from transformers import MptConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.mpt.modeling_mpt import MptAttention, MptForCausalLM, MptModel
 
 from .attention import (
@@ -21,8 +22,8 @@ from .attention import (
     AttentionBackends,
     GroupedHeadsConfig,
     alibi_as_mask,
-    attend,
     causal_lm_gqa,
+    eager_attention_forward,
     pop_cache,
     refuse_backend,
     update_cache,
@@ -84,7 +85,9 @@ class MptGQAAttention(MptAttention):
         allowed = None if attention_mask is None else ~attention_mask[..., :s]
         attention_mask = alibi_as_mask(alibi, allowed, t, s, q.dtype)
         check_backend(self.config._attn_implementation)  # also after a `set_attn_implementation`
-        out, weights = attend(
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(
             self,
             q,
             k,

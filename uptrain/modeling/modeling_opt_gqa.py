@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import OPTConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.opt.modeling_opt import OPTAttention, OPTForCausalLM, OPTModel
 
-from .attention import GroupedHeadsConfig, attend, causal_lm_gqa, pop_cache, update_cache
+from .attention import GroupedHeadsConfig, causal_lm_gqa, eager_attention_forward, pop_cache, update_cache
 
 
 class OPTGQAConfig(GroupedHeadsConfig, OPTConfig):
@@ -40,9 +41,10 @@ class OPTGQAAttention(OPTAttention):
         k = self.k_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(bsz, tgt_len, -1, self.head_dim).transpose(1, 2)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
-        out, weights = attend(
-            self, q, k, v, attention_mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **kwargs
-        )
+        dropout = self.dropout if self.training else 0.0
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(self, q, k, v, attention_mask, scaling=1.0, dropout=dropout, **kwargs)
         out = out.reshape(bsz, tgt_len, -1).contiguous()
         return self.out_proj(out), weights
 

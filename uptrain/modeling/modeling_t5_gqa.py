@@ -16,14 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import T5Config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.t5.modeling_t5 import T5Attention, T5ForConditionalGeneration, T5Model
 
 from .attention import (
     TRANSFORMERS_4,
     AttentionBackends,
     GroupedStacksConfig,
-    attend,
     build_as_eager,
+    eager_attention_forward,
     encoder_decoder_kv,
     pop_cache,
     refuse_backend,
@@ -163,9 +164,10 @@ class T5GQAAttention(T5Attention):
             # transformers 5's SDPA function takes T5's bias itself (folds it into the mask),
             # exactly as for its own T5.
             extra = {"position_bias": position_bias}
-        out, weights = attend(
-            self, q, k, v, mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **extra, **kwargs
-        )
+        dropout = self.dropout if self.training else 0.0
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(self, q, k, v, mask, scaling=1.0, dropout=dropout, **extra, **kwargs)
         out = self.o(out.reshape(b, t, -1).contiguous())
         if TRANSFORMERS_4:
             return (out, position_bias, weights) if output_attentions else (out, position_bias)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import UMT5Config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.umt5.modeling_umt5 import UMT5Attention, UMT5ForConditionalGeneration, UMT5Model
 
 from .attention import (
@@ -25,8 +26,8 @@ from .attention import (
     AttentionBackends,
     GroupedStacksConfig,
     alibi_as_mask,
-    attend,
     build_as_eager,
+    eager_attention_forward,
     encoder_decoder_kv,
     pop_cache,
     refuse_backend,
@@ -127,9 +128,10 @@ class UMT5GQAAttention(UMT5Attention):
             mask, extra = bias, {}
         else:
             mask, extra = attention_mask, {"position_bias": bias}
-        out, weights = attend(
-            self, q, k, v, mask, scaling=1.0, dropout=self.dropout if self.training else 0.0, **extra, **kwargs
-        )
+        dropout = self.dropout if self.training else 0.0
+        # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention_interface(self, q, k, v, mask, scaling=1.0, dropout=dropout, **extra, **kwargs)
         return self.o(out.reshape(b, t, -1).contiguous()), weights
 
 

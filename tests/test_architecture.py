@@ -48,7 +48,9 @@ def test_every_record_is_consistent():
         if record.modeling is not None:
             assert record.modeling.model_type == f"{source_model_type(record.modeling.model_type)}_gqa"
             assert (MODELING_DIR / f"{record.modeling.module}.py").is_file()
-            assert set(modeling_files(model_type)) == {f"{record.modeling.module}.py", "attention.py"}
+            siblings = {f"{m}.py" for m in record.modeling.siblings}
+            assert set(modeling_files(model_type)) == {f"{record.modeling.module}.py", "attention.py", *siblings}
+            assert all(path.is_file() for path in modeling_files(model_type).values())
         else:
             assert modeling_files(model_type) == {}
     # Every modeling file on disk is some record's, and every converted type some record's

@@ -35,7 +35,8 @@ To add an architecture:
    heads and layers (each site's KV heads under `STACK_KV_HEADS`, as uptrain's modeling reads them).
 2. If its transformers modeling has no `num_key_value_heads`, it needs uptrain's: write
    `uptrain/modeling/modeling_<model_type>_gqa.py` (loadable alone beside the weights: it imports
-   only torch, transformers and `.attention`) and name its classes in `modeling=GQAModeling(...)`
+   only torch, transformers and `.attention`, or sibling modules it lists in `GQAModeling.siblings`,
+   as T5's and UMT5's `.t5_family`) and name its classes in `modeling=GQAModeling(...)`
    (a decoder-only record: `decoders.uptrain_modeled(model_type, name, class_prefix, layout, ...)`,
    its classes under a causal LM's usual names). `uptrain.modeling` imports that module
    and registers the classes from the record: no edit there. Otherwise leave `modeling` None.

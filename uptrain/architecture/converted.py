@@ -52,13 +52,14 @@ def gqa_config(config: dict, num_kv_heads: int | Mapping[str, int]) -> dict:
 
 
 def modeling_files(model_type: str | None) -> dict[str, Path]:
-    """Files to save beside a converted checkpoint's weights: name there → source file.
-    Empty where transformers' own modeling reads the checkpoint."""
+    """Files to save beside a converted checkpoint's weights: name there → source file (the
+    modeling file, attention.py and the record's `siblings`). Empty where transformers' own
+    modeling reads the checkpoint."""
     record = find_architecture(model_type)
     if record is None or record.modeling is None:
         return {}
-    module = record.modeling.module
-    return {f"{module}.py": MODELING_DIR / f"{module}.py", ATTENTION_FILE: MODELING_DIR / ATTENTION_FILE}
+    names = (f"{record.modeling.module}.py", ATTENTION_FILE, *(f"{m}.py" for m in record.modeling.siblings))
+    return {name: MODELING_DIR / name for name in names}
 
 
 def copy_modeling_files(model_type: str | None, folder: Path) -> None:

@@ -46,7 +46,8 @@ T5 = Architecture(
         _t5_site(DECODER_SELF, "decoder.block.{layer}.layer.0.SelfAttention", "num_decoder_layers", "num_layers"),
         _t5_site("cross", "decoder.block.{layer}.layer.1.EncDecAttention", "num_decoder_layers", "num_layers"),
     ),
-    modeling=GQAModeling("t5_gqa", "T5GQAConfig", "T5GQAModel", "T5GQAForConditionalGeneration"),
+    # t5_family.py: what T5's and UMT5's GQA modeling share.
+    modeling=GQAModeling("t5_gqa", "T5GQAConfig", "T5GQAModel", "T5GQAForConditionalGeneration", ("t5_family",)),
     auto_class="AutoModelForSeq2SeqLM",
     default_objective="span_corruption",
     pipeline_tag="text2text-generation",
@@ -106,7 +107,7 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         T5,
         model_type="umt5",
         name="UMT5",
-        modeling=_seq2seq_modeling("umt5", "UMT5"),
+        modeling=dataclasses.replace(_seq2seq_modeling("umt5", "UMT5"), siblings=("t5_family",)),
         notes="as T5; every self-attention layer has its own relative_attention_bias (one column per "
         "query head), which stays with the query heads",
     ),

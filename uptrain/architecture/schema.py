@@ -197,6 +197,9 @@ class GQAModeling:
     config_class: str
     model_class: str
     head_class: str  # the model with its task head (a causal LM, or a seq2seq model)
+    # Modules of uptrain/modeling/ the file imports besides attention.py (T5's and UMT5's share
+    # t5_family), copied beside the weights with it.
+    siblings: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:

@@ -1,9 +1,10 @@
 """GQA modeling for architectures whose transformers code has no `num_key_value_heads`.
 
 Each architecture is one module here (`modeling_gpt2_gqa.py`, …) built on transformers' own
-classes; `attention.py` holds the one grouped-query attention they share. A converted
-checkpoint of such an architecture gets its own `model_type` (e.g. "gpt2_gqa"), an `auto_map`,
-and a copy of its modeling file and attention.py beside the weights; the architecture registry
+classes; `attention.py` holds the one grouped-query attention they share (`t5_family.py` what
+T5's and UMT5's share besides). A converted checkpoint of such an architecture gets its own
+`model_type` (e.g. "gpt2_gqa"), an `auto_map`, and a copy of its modeling file, attention.py
+(and t5_family.py for those two) beside the weights; the architecture registry
 (`uptrain.architecture`, its records' `modeling`) names each file and its classes.
 
 Importing this package registers every GQA architecture the way transformers documents for
@@ -11,7 +12,7 @@ custom models:
 - `AutoConfig.register` / `AutoModel.register` / `AutoModelForCausalLM.register`, so that plain
   `AutoModelForCausalLM.from_pretrained` loads a converted checkpoint;
 - `register_for_auto_class` on each class, so that `save_pretrained` of a loaded model copies its
-  modeling file (and the attention.py it imports) and writes `auto_map`: the saved checkpoint
+  modeling file (and the sibling files it imports) and writes `auto_map`: the saved checkpoint
   loads without uptrain, with `trust_remote_code=True`, as a converted one does.
 It imports torch and transformers, which `uptrain convert` never needs: conversion reads only
 the registry.

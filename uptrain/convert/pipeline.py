@@ -148,27 +148,8 @@ def calibrate(
     from uptrain.convert.calibration import collect_attention_moments
 
     spec = prepared.spec
-    if prepared.conversion.arch.encoder_decoder:
-        # The whole model reads the objective's examples; every attention's moments are kept.
-        from uptrain.convert.calibration_seq2seq import collect_seq2seq_moments
-
-        moments, info = collect_seq2seq_moments(
-            prepared.source.folder,
-            spec.calibration_data,
-            num_tokens=spec.calibration_tokens,
-            seq_len=spec.calibration_seq_len,
-            text_field=spec.text_field,
-            sample_by=spec.sample_by,
-            device=spec.calibration_device,
-            dtype=spec.calibration_dtype,
-            progress=progress,
-            keys=_prompt_keys(spec),
-        )
-        return Calibration(moments, info)
-    solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
-    moments, info = collect_attention_moments(
-        prepared.source.folder,
-        spec.calibration_data,
+    # What both kinds of calibration read, and how.
+    reading = dict(
         num_tokens=spec.calibration_tokens,
         seq_len=spec.calibration_seq_len,
         text_field=spec.text_field,
@@ -176,6 +157,20 @@ def calibrate(
         device=spec.calibration_device,
         dtype=spec.calibration_dtype,
         progress=progress,
+    )
+    if prepared.conversion.arch.encoder_decoder:
+        # The whole model reads the objective's examples; every attention's moments are kept.
+        from uptrain.convert.calibration_seq2seq import collect_seq2seq_moments
+
+        moments, info = collect_seq2seq_moments(
+            prepared.source.folder, spec.calibration_data, **reading, keys=_prompt_keys(spec)
+        )
+        return Calibration(moments, info)
+    solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
+    moments, info = collect_attention_moments(
+        prepared.source.folder,
+        spec.calibration_data,
+        **reading,
         dataset_config=spec.calibration_dataset_config,
         split=spec.calibration_split,
         per_layer=None if solver is None else solver.solve,

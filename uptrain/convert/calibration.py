@@ -208,6 +208,26 @@ def _first_blocks(data: Blocks | TextStream, wanted: int) -> torch.Tensor:
     return blocks.take(list(range(count))) if count else torch.empty(0, dtype=torch.long)
 
 
+def _layer_inputs(base, base_path: str, layers, all_ids: torch.Tensor, batch_size: int, reading: tuple):
+    """What enters the decoder layers for every batch of `all_ids` (`_record_layer_inputs`): the
+    modules outside the layers (the embedding, …) are read from the checkpoint, run, then freed
+    before the first layer is read. `reading`: (checkpoint, its root prefix, device, dtype)."""
+    checkpoint, root, run_device, run_dtype = reading
+    outside = [(name, child) for name, child in base.named_children() if child is not layers]
+    for name, child in outside:
+        _materialise(child, f"{base_path}.{name}.".removeprefix(root), checkpoint, run_device, run_dtype)
+    hidden, calls = [], []
+    with torch.no_grad():
+        for start in range(0, len(all_ids), batch_size):
+            h, c = _record_layer_inputs(base, layers, all_ids[start : start + batch_size].to(run_device))
+            hidden.append(h)
+            calls.append(c)
+    for _, child in outside:
+        child.to("meta")  # the embedding is no longer needed: free it before the layers
+    release_freed_memory()
+    return hidden, calls
+
+
 def collect_attention_moments(
     src: str | Path,
     data: str | list[str],
@@ -260,19 +280,8 @@ def collect_attention_moments(
     try:
         model = _empty_model(model_dir, run_dtype)
         base, layers = model.get_submodule(base_path), model.get_submodule(layers_path)
-        outside = [(name, child) for name, child in base.named_children() if child is not layers]
-        for name, child in outside:
-            _materialise(child, f"{base_path}.{name}.".removeprefix(checkpoint_root), checkpoint, run_device, run_dtype)
-        hidden, calls = [], []
-        with torch.no_grad():
-            for start in range(0, count, batch_size):
-                ids = all_ids[start : start + batch_size].to(run_device)
-                h, c = _record_layer_inputs(base, layers, ids)
-                hidden.append(h)
-                calls.append(c)
-        for _, child in outside:
-            child.to("meta")  # the embedding is no longer needed: free it before the layers
-        release_freed_memory()
+        reading = (checkpoint, checkpoint_root, run_device, run_dtype)
+        hidden, calls = _layer_inputs(base, base_path, layers, all_ids, batch_size, reading)
         bar = tqdm(
             total=len(layers), desc="calibrate", unit="layer", disable=None if progress is None else not progress
         )

@@ -462,6 +462,12 @@ def _status_kib(field: str) -> int:
     return int(found.group(1))
 
 
+def spread_cell(measured: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """One table cell: a measured median and its spread, `median (min–max)`, each times `scale`."""
+    spread = measured["spread"][key]
+    return f"{measured[key] * scale:{fmt}} ({spread['min'] * scale:{fmt}}–{spread['max'] * scale:{fmt}})"
+
+
 def format_speed_table(results: list[dict]) -> str:
     """The results of `measure_speed` as a table for people."""
     if not results:
@@ -479,15 +485,8 @@ def format_speed_table(results: list[dict]) -> str:
     for r in results:
         rows = [(r["model"], r)] + ([(r["model"] + " (compiled)", r["compiled"])] if r.get("compiled") else [])
         for name, m in rows:
-            spread = m["spread"]
-            decode = (
-                f"{m['decode_s_per_token'] * 1e3:.2f} ({spread['decode_s_per_token']['min'] * 1e3:.2f}–"
-                f"{spread['decode_s_per_token']['max'] * 1e3:.2f})"
-            )
-            total = (
-                f"{m['time_per_sample_s']:.3f} ({spread['time_per_sample_s']['min']:.3f}–"
-                f"{spread['time_per_sample_s']['max']:.3f})"
-            )
+            decode = spread_cell(m, "decode_s_per_token", ".2f", scale=1e3)
+            total = spread_cell(m, "time_per_sample_s", ".3f")
             peak = r["peak_memory_bytes"] if m is r else None
             lines.append(
                 f"{name[-32:]:<32} {r['num_kv_heads']:>3} {m['prefill_s']:>9.3f} {decode:>21} "

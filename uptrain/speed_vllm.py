@@ -26,6 +26,7 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.checkpoint.source import resolve_source
+from uptrain.speed import spread_cell
 from uptrain.speed_checks import DEFAULT_CONTEXT, check_counts, model_shape
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -183,15 +184,8 @@ def format_vllm_table(results: list[dict]) -> str:
     )
     lines = [title, header, "-" * len(header)]
     for r in results:
-        spread = r["spread"]
-        rate = (
-            f"{r['output_tokens_per_s']:.1f} ({spread['output_tokens_per_s']['min']:.1f}–"
-            f"{spread['output_tokens_per_s']['max']:.1f})"
-        )
-        total = (
-            f"{r['time_per_sample_s']:.3f} ({spread['time_per_sample_s']['min']:.3f}–"
-            f"{spread['time_per_sample_s']['max']:.3f})"
-        )
+        rate = spread_cell(r, "output_tokens_per_s", ".1f")
+        total = spread_cell(r, "time_per_sample_s", ".3f")
         lines.append(
             f"{r['model'][-32:]:<32} {r['num_kv_heads']:>3} {r['kv_cache_tokens']:>10} "
             f"{r['kv_cache_tokens'] / first['kv_cache_tokens']:>7.2f} {r['max_concurrency']:>9.1f} {rate:>22} "

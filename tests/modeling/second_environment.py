@@ -61,29 +61,7 @@ def _build(folder: Path) -> None:
     try:
         subprocess.run([sys.executable, "-m", "venv", str(staging)], check=True, capture_output=True, text=True)
         python = staging / "bin" / "python"
-        pip = subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "-c",
-                str(CONSTRAINTS),
-                TRANSFORMERS_4,
-                torch_requirement(),
-                "safetensors",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT,
-        )
-        if pip.returncode != 0:
-            message = f"cannot build the transformers 4.57 environment from the registry: {pip.stderr.strip()[-1500:]}"
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(message)
-            pytest.skip(message)
+        pip_install(python, [TRANSFORMERS_4, torch_requirement(), "safetensors"], "transformers 4.57", BUILD_TIMEOUT)
         listed = subprocess.run(
             [str(python), "-m", "pip", "list", "--format", "json"], check=True, capture_output=True, text=True
         ).stdout
@@ -97,6 +75,23 @@ def _build(folder: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def pip_install(python: Path, requirements: list[str], what: str, timeout: float) -> None:
+    """Install `requirements` (constraints.txt applies) into the environment of `python`. When the
+    registry cannot give them, the calling test is skipped, or fails under CI (`CI=true`)."""
+    pip = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
+        + requirements,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if pip.returncode != 0:
+        message = f"cannot build the {what} environment from the registry: {pip.stderr.strip()[-1500:]}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,18 +116,7 @@ def cached_environment(
             shutil.rmtree(folder, ignore_errors=True)
             started = time.monotonic()
             subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, capture_output=True)
-            pip = subprocess.run(
-                [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
-                + requirements,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-            if pip.returncode != 0:
-                message = f"cannot build the {what} environment: {pip.stderr.strip()[-1500:]}"
-                if os.environ.get("CI", "").lower() == "true":
-                    pytest.fail(message)
-                pytest.skip(message)
+            pip_install(python, requirements, what, timeout)
             if finish is not None:
                 finish(python)
             seconds = round(time.monotonic() - started, 1)

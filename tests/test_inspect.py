@@ -79,31 +79,37 @@ def test_inspect_t5_reports_self_and_cross_caches(capsys, tmp_path):
     assert "per source token" in text
 
 
+def tiny_whisper():
+    """A Whisper of 8 decoder heads (4 in the encoder), 1500 audio frames, 16 decoder positions."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration(
+        WhisperConfig(
+            vocab_size=64,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=8,
+            encoder_ffn_dim=40,
+            decoder_ffn_dim=40,
+            max_source_positions=1500,
+            max_target_positions=16,
+            num_mel_bins=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=3,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
+        )
+    )
+
+
 def test_inspect_whisper_caches_every_audio_frame(capsys, tmp_path):
     """Whisper's cross-attention caches the encoder's max_source_positions frames (1500 in every
     released model) whatever the context; a converted checkpoint reports its own KV heads."""
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
-    config = WhisperConfig(
-        vocab_size=64,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=8,
-        encoder_ffn_dim=40,
-        decoder_ffn_dim=40,
-        max_source_positions=1500,
-        max_target_positions=16,
-        num_mel_bins=8,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=3,
-        suppress_tokens=[],
-        begin_suppress_tokens=[],
-    )
-    src = save(WhisperForConditionalGeneration(config), tmp_path / "src")
+    src = save(tiny_whisper(), tmp_path / "src")
     info = run_json(capsys, src, "--context", 10)
     assert info["source_unit"] == "audio frame" and info["source_positions"] == 1500
     assert info["attentions"]["encoder"] == {
@@ -130,28 +136,9 @@ def test_inspect_clamps_an_encoder_decoders_context_to_its_decoder(capsys, tmp_p
     """Whisper's decoder takes at most max_target_positions (448 in the released models; 16
     here): the default context is clamped there and says so; a larger --context is refused in one
     line. T5 (relative positions) has no such limit."""
-    from transformers import T5Config, T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration
+    from transformers import T5Config, T5ForConditionalGeneration
 
-    config = WhisperConfig(
-        vocab_size=64,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=8,
-        encoder_ffn_dim=40,
-        decoder_ffn_dim=40,
-        max_source_positions=1500,
-        max_target_positions=16,
-        num_mel_bins=8,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=3,
-        suppress_tokens=[],
-        begin_suppress_tokens=[],
-    )
-    src = save(WhisperForConditionalGeneration(config), tmp_path / "whisper")
+    src = save(tiny_whisper(), tmp_path / "whisper")
     info = run_json(capsys, src)
     assert info["context"] == 16 and info["decoder_positions"] == 16 and info["context_clamped"]
     per_token = 2 * 2 * 8 * 4 * 4  # K and V × decoder layers × heads × head_dim × fp32

@@ -33,6 +33,20 @@ WORDS = "low middle high le bas haut"
 TONES = {"low": 220.0, "middle": 880.0, "high": 3000.0}
 
 
+# The tiny encoder–decoder every test here builds (Whisper, mBART, NLLB), without dropout.
+TINY_GEOMETRY = dict(
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    d_model=32,
+    dropout=0.0,
+    attention_dropout=0.0,
+)
+
+
 def whisper_tokenizer():
     """A word-level tokenizer with Whisper's special tokens (<|endoftext|> is its BOS, EOS,
     padding and unknown token, as in Whisper's own)."""
@@ -77,15 +91,7 @@ def build_whisper(folder: Path, multilingual: bool, **generation) -> Path:
         pad_token_id=eot,
         suppress_tokens=None,
         begin_suppress_tokens=None,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        d_model=32,
-        dropout=0.0,
-        attention_dropout=0.0,
+        **TINY_GEOMETRY,
     )
     tf.WhisperForConditionalGeneration(config).save_pretrained(folder)
     tf.WhisperFeatureExtractor(feature_size=16, sampling_rate=SAMPLING_RATE, chunk_length=1).save_pretrained(folder)
@@ -336,15 +342,7 @@ def build_translation_model(kind: str, folder: Path) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        d_model=32,
-        dropout=0.0,
-        attention_dropout=0.0,
+        **TINY_GEOMETRY,
         encoder_layerdrop=0.0,
         decoder_layerdrop=0.0,
     )

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: `load` uses plain AutoModelForCausalLM
-from tests.convert.test_calibrated import calibrated, save
+from tests.convert.test_calibrated import calibrated, load, save
 from tests.modeling.classic_models import CONFIGS, HEAD_DIM, HEADS, HIDDEN, SHARED, token_ids
 from uptrain import UptrainError
 from uptrain.architecture import architecture
@@ -123,10 +123,6 @@ def relate_heads_exactly(model, case: str, groups: int) -> None:
 def logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model(token_ids()).logits
-
-
-def load(folder):
-    return AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 @pytest.mark.parametrize("case", CASES)

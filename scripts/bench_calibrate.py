@@ -135,15 +135,18 @@ def _imports():
 def child_layerwise(src: Path, data: str, opts: dict):
     """uptrain's path; the moments stay spilled (read back one layer at a time, as the merge does)."""
     from uptrain.convert.calibration import collect_attention_moments
+    from uptrain.convert.spec import CalibrationSettings
 
     moments, info = collect_attention_moments(
         src,
         data,
-        num_tokens=opts["tokens"],
-        seq_len=opts["seq_len"],
+        CalibrationSettings(
+            calibration_tokens=opts["tokens"],
+            calibration_seq_len=opts["seq_len"],
+            calibration_device=opts["device"],
+            calibration_dtype=opts["dtype"],
+        ),
         batch_size=opts["batch_size"],
-        device=opts["device"],
-        dtype=opts["dtype"],
         progress=False,
     )
     return moments, info["tokens"]

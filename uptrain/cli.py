@@ -79,11 +79,16 @@ def speed(options: SpeedOptions) -> int:
         return speed_in_vllm(options)
     from uptrain.speed import format_speed_table, measure_speed
 
-    # The options are measure_speed's keywords, less how to print (`json`) and the vLLM engine's own.
-    not_measured = ("json", "engine", "kv_cache_gib")
-    results = measure_speed(**{name: value for name, value in options.to_dict().items() if name not in not_measured})
+    results = measure_speed(**_measured(options, "kv_cache_gib"))
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
     return 0
+
+
+def _measured(options: SpeedOptions, other_engine_key: str) -> dict:
+    """The options as the engine's measuring function's keywords: all of them, less how to print
+    (`json`), the engine's choice, and the key of the other engine's own."""
+    not_measured = ("json", "engine", other_engine_key)
+    return {name: value for name, value in options.to_dict().items() if name not in not_measured}
 
 
 def evaluate(options: EvaluateOptions) -> int:
@@ -99,16 +104,7 @@ def speed_in_vllm(options: SpeedOptions) -> int:
 
     if options.device != "cpu":
         raise UptrainError("--engine vllm runs where its vLLM build does (CPU or GPU): drop --device")
-    results = measure_vllm_speed(
-        options.models,
-        context=options.context,
-        new_tokens=options.new_tokens,
-        batch=options.batch,
-        dtype=options.dtype,
-        repeats=options.repeats,
-        kv_cache_gib=options.kv_cache_gib,
-        compile=options.compile,
-    )
+    results = measure_vllm_speed(**_measured(options, "device"))
     print("\n".join(json.dumps(r) for r in results) if options.json else format_vllm_table(results))
     return 0
 

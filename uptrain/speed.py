@@ -468,6 +468,32 @@ def spread_cell(measured: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     return f"{measured[key] * scale:{fmt}} ({spread['min'] * scale:{fmt}}–{spread['max'] * scale:{fmt}})"
 
 
+def format_table(title: str, columns: tuple[tuple[str, int], ...], rows: list[tuple]) -> str:
+    """A table for people: `title`, a header of `columns` (heading, width), a rule, then one line
+    per row of formatted cells. The first column (the model) is left-aligned and keeps the last
+    `width` characters of a longer name; the others are right-aligned."""
+    widths = [width for _, width in columns]
+
+    def line(cells) -> str:
+        name, *rest = (str(cell) for cell in cells)
+        return " ".join([f"{name[-widths[0] :]:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(rest, widths[1:]))])
+
+    header = line(heading for heading, _ in columns)
+    return "\n".join([title, header, "-" * len(header), *(line(row) for row in rows)])
+
+
+SPEED_COLUMNS = (
+    ("model", 32),
+    ("G", 3),
+    ("prefill s", 9),
+    ("decode ms/token", 21),
+    ("tokens/s", 9),
+    ("time/sample s", 22),
+    ("KV cache MiB", 12),
+    ("peak MiB", 9),
+)
+
+
 def format_speed_table(results: list[dict]) -> str:
     """The results of `measure_speed` as a table for people."""
     if not results:
@@ -477,22 +503,24 @@ def format_speed_table(results: list[dict]) -> str:
         f"greedy decoding: context {first['context']}, {first['new_tokens']} new tokens, batch {first['batch']}, "
         f"{first['device']} {first['dtype']}, median of {first['repeats']} (min–max)"
     )
-    header = (
-        f"{'model':<32} {'G':>3} {'prefill s':>9} {'decode ms/token':>21} {'tokens/s':>9} "
-        f"{'time/sample s':>22} {'KV cache MiB':>12} {'peak MiB':>9}"
-    )
-    lines = [title, header, "-" * len(header)]
+    rows = []
     for r in results:
-        rows = [(r["model"], r)] + ([(r["model"] + " (compiled)", r["compiled"])] if r.get("compiled") else [])
-        for name, m in rows:
-            decode = spread_cell(m, "decode_s_per_token", ".2f", scale=1e3)
-            total = spread_cell(m, "time_per_sample_s", ".3f")
+        timings = [(r["model"], r)] + ([(r["model"] + " (compiled)", r["compiled"])] if r.get("compiled") else [])
+        for name, m in timings:
             peak = r["peak_memory_bytes"] if m is r else None
-            lines.append(
-                f"{name[-32:]:<32} {r['num_kv_heads']:>3} {m['prefill_s']:>9.3f} {decode:>21} "
-                f"{m['decode_tokens_per_s']:>9.1f} {total:>22} {m['kv_cache_bytes'] / 2**20:>12.2f} "
-                f"{'-' if peak is None else f'{peak / 2**20:.1f}':>9}"
+            rows.append(
+                (
+                    name,
+                    r["num_kv_heads"],
+                    f"{m['prefill_s']:.3f}",
+                    spread_cell(m, "decode_s_per_token", ".2f", scale=1e3),
+                    f"{m['decode_tokens_per_s']:.1f}",
+                    spread_cell(m, "time_per_sample_s", ".3f"),
+                    f"{m['kv_cache_bytes'] / 2**20:.2f}",
+                    "-" if peak is None else f"{peak / 2**20:.1f}",
+                )
             )
+    lines = [format_table(title, SPEED_COLUMNS, rows)]
     if any(r.get("compiled") for r in results):
         lines.append(
             "compile time (apart from the timings): "

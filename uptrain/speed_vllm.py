@@ -26,7 +26,7 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.checkpoint.source import resolve_source
-from uptrain.speed import spread_cell
+from uptrain.speed import format_table, spread_cell
 from uptrain.speed_checks import DEFAULT_CONTEXT, check_counts, model_shape
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -167,6 +167,18 @@ def _measure_one(vllm, folder, context: int, new_tokens: int, batch: int, repeat
     }
 
 
+VLLM_COLUMNS = (
+    ("model", 32),
+    ("G", 3),
+    ("KV tokens", 10),
+    ("× first", 7),
+    ("max seqs", 9),
+    ("tokens/s", 22),
+    ("time/sample s", 22),
+    ("start s", 7),
+)
+
+
 def format_vllm_table(results: list[dict]) -> str:
     """The results of `measure_vllm_speed` as a table for people, each model's KV capacity also
     as a multiple of the first's."""
@@ -178,17 +190,17 @@ def format_vllm_table(results: list[dict]) -> str:
         f"{first['batch']} sequences at once, KV cache {first['kv_cache_gib']:g} GiB, "
         f"{'compiled' if first['compiled'] else 'eager'}, median of {first['repeats']} (min–max)"
     )
-    header = (
-        f"{'model':<32} {'G':>3} {'KV tokens':>10} {'× first':>7} {'max seqs':>9} "
-        f"{'tokens/s':>22} {'time/sample s':>22} {'start s':>7}"
-    )
-    lines = [title, header, "-" * len(header)]
-    for r in results:
-        rate = spread_cell(r, "output_tokens_per_s", ".1f")
-        total = spread_cell(r, "time_per_sample_s", ".3f")
-        lines.append(
-            f"{r['model'][-32:]:<32} {r['num_kv_heads']:>3} {r['kv_cache_tokens']:>10} "
-            f"{r['kv_cache_tokens'] / first['kv_cache_tokens']:>7.2f} {r['max_concurrency']:>9.1f} {rate:>22} "
-            f"{total:>22} {r['start_s']:>7.1f}"
+    rows = [
+        (
+            r["model"],
+            r["num_kv_heads"],
+            r["kv_cache_tokens"],
+            f"{r['kv_cache_tokens'] / first['kv_cache_tokens']:.2f}",
+            f"{r['max_concurrency']:.1f}",
+            spread_cell(r, "output_tokens_per_s", ".1f"),
+            spread_cell(r, "time_per_sample_s", ".3f"),
+            f"{r['start_s']:.1f}",
         )
-    return "\n".join(lines)
+        for r in results
+    ]
+    return format_table(title, VLLM_COLUMNS, rows)

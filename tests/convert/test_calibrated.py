@@ -14,6 +14,7 @@ from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.pipeline import Calibration
+from uptrain.convert.spec import CalibrationSettings
 
 # Layouts the whole-layer merge supports (no q/k norms): phi and stablelm without their optional
 # qk_layernorm (support follows the checkpoint's tensors, not its model_type).
@@ -49,7 +50,9 @@ def save(model, tokenizer, folder):
 
 
 def calibrated(src, out, g, text, **kwargs):
-    moments, info = collect_attention_moments(src, str(text), num_tokens=2048, seq_len=64)
+    moments, info = collect_attention_moments(
+        src, str(text), CalibrationSettings(calibration_tokens=2048, calibration_seq_len=64)
+    )
     return convert_checkpoint(
         src, out, g, pooling="calibrated", calibration=Calibration(moments, info), progress=False, **kwargs
     )
@@ -153,7 +156,9 @@ def test_similarity_grouping_is_permutation_invariant(pooling, tokenizer, calibr
     psrc = save(permuted, tokenizer, tmp_path / "psrc")
     results = []
     for folder in (src, psrc):
-        moments, info = collect_attention_moments(folder, str(calibration_text), num_tokens=2048, seq_len=64)
+        moments, info = collect_attention_moments(
+            folder, str(calibration_text), CalibrationSettings(calibration_tokens=2048, calibration_seq_len=64)
+        )
         out = convert_checkpoint(
             folder,
             tmp_path / f"{folder.name}-out",

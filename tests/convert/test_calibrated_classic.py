@@ -190,7 +190,7 @@ ATTENTION_MODULES = {
 def test_layerwise_moments_equal_the_whole_model(case, tokenizer, calibration_text, tmp_path):
     """Calibration layer by layer (each layer's weights read from the shards, in turn) gives the
     moments of the whole model's forward pass with hooks on its attention modules."""
-    from tests.convert.test_calibration_layerwise import NUM_TOKENS, SEQ_LEN
+    from tests.convert.test_calibration_layerwise import NUM_TOKENS, SEQ_LEN, on_cpu
     from uptrain.convert.calibration import (
         attention_input,
         collect_attention_moments,
@@ -201,9 +201,7 @@ def test_layerwise_moments_equal_the_whole_model(case, tokenizer, calibration_te
 
     model = build(case, tokenizer)
     src = save(model, tokenizer, tmp_path / "src")
-    moments, _ = collect_attention_moments(
-        src, str(calibration_text), num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, device="cpu", progress=False
-    )
+    moments, _ = collect_attention_moments(src, str(calibration_text), on_cpu(NUM_TOKENS), progress=False)
     blocks, _ = load_blocks(
         str(calibration_text),
         "calibration_data",

@@ -103,6 +103,7 @@ def test_calibration_reads_the_pairs_training_reads_and_hooks_their_inputs(speec
     from transformers import AutoTokenizer, WhisperForConditionalGeneration
 
     from uptrain.convert.calibration_seq2seq import calibration_batches, seq2seq_moments
+    from uptrain.convert.spec import CalibrationSettings
     from uptrain.data.pairs import load_pairs
     from uptrain.model_info import read_config
     from uptrain.objectives import get_objective
@@ -110,7 +111,9 @@ def test_calibration_reads_the_pairs_training_reads_and_hooks_their_inputs(speec
 
     src = whisper(tmp_path / "src")
     arch, keys = architecture("whisper"), PromptKeys(language="fr", speech_task="translate")
-    batches, info = calibration_batches(src, arch, str(speech), 64, 16, 8, "text", "paragraph", keys)
+    batches, info = calibration_batches(
+        src, arch, str(speech), CalibrationSettings(calibration_tokens=64, calibration_seq_len=16), 8, keys
+    )
     assert info["examples"] == 4 and len(batches) == 1  # ⌈64 / 16⌉ clips
     tokenizer, config, objective = AutoTokenizer.from_pretrained(src), read_config(src), get_objective("speech_pairs")
     framing = target_framing(arch, objective, keys, tokenizer, str(src), config)

@@ -23,8 +23,16 @@ from uptrain.convert.calibration import (
     load_calibration_tokenizer,
 )
 from uptrain.convert.pipeline import Calibration
+from uptrain.convert.spec import CalibrationSettings
 
 NUM_TOKENS, SEQ_LEN, BATCH = 640, 64, 4  # 10 blocks: the last batch is a short one
+
+
+def on_cpu(tokens: int, **settings) -> CalibrationSettings:
+    """Calibration over `tokens` tokens in blocks of SEQ_LEN, on the CPU."""
+    return CalibrationSettings(
+        calibration_tokens=tokens, calibration_seq_len=SEQ_LEN, calibration_device="cpu", **settings
+    )
 
 
 def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch_size=BATCH) -> dict:
@@ -70,13 +78,7 @@ def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch
 def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type, tokenizer, calibration_text, tmp_path):
     src = save(build(model_type, tokenizer), tokenizer, tmp_path / "src")
     moments, info = collect_attention_moments(
-        src,
-        str(calibration_text),
-        num_tokens=NUM_TOKENS,
-        seq_len=SEQ_LEN,
-        batch_size=BATCH,
-        device="cpu",
-        progress=False,
+        src, str(calibration_text), on_cpu(NUM_TOKENS), batch_size=BATCH, progress=False
     )
     reference = whole_model_moments(src, calibration_text)
     assert isinstance(moments, SpilledMoments) and sorted(moments) == sorted(reference) == [0, 1]
@@ -98,11 +100,9 @@ def test_layerwise_moments_equal_whole_model_and_convert_identically(model_type,
 def test_layerwise_moments_in_bfloat16_stay_close(tokenizer, calibration_text, tmp_path):
     """A bf16 forward pass (for GPUs) changes the moments by bf16 rounding, not more."""
     src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
-    full, _ = collect_attention_moments(
-        src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu", progress=False
-    )
+    full, _ = collect_attention_moments(src, str(calibration_text), on_cpu(256), progress=False)
     half, info = collect_attention_moments(
-        src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu", dtype="bfloat16", progress=False
+        src, str(calibration_text), on_cpu(256, calibration_dtype="bfloat16"), progress=False
     )
     assert info["dtype"] == "bfloat16" and half[0].dtype == torch.float64
     for layer in full:
@@ -119,9 +119,7 @@ def test_missing_layer_weight_is_one_line_error(tokenizer, calibration_text, tmp
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UptrainError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
-        collect_attention_moments(
-            src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN, device="cpu", progress=False
-        )
+        collect_attention_moments(src, str(calibration_text), on_cpu(128), progress=False)
 
 
 def test_spilled_moments_read_one_layer_at_a_time():
@@ -162,9 +160,7 @@ def test_progress_bars_for_calibration_and_merge(tokenizer, calibration_text, tm
     src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
     capsys.readouterr()
     for progress in (False, True):
-        moments, _ = collect_attention_moments(
-            src, str(calibration_text), num_tokens=128, seq_len=SEQ_LEN, device="cpu", progress=progress
-        )
+        moments, _ = collect_attention_moments(src, str(calibration_text), on_cpu(128), progress=progress)
         assert ("calibrate" in capsys.readouterr().err) == progress
     geometry = attention_geometry(read_config(src))
     for progress in (False, True):
@@ -196,13 +192,7 @@ def test_layers_with_different_masks_get_their_own(tokenizer, calibration_text, 
     assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     src = save(model, tokenizer, tmp_path / "src")
     moments, _ = collect_attention_moments(
-        src,
-        str(calibration_text),
-        num_tokens=NUM_TOKENS,
-        seq_len=SEQ_LEN,
-        batch_size=BATCH,
-        device="cpu",
-        progress=False,
+        src, str(calibration_text), on_cpu(NUM_TOKENS), batch_size=BATCH, progress=False
     )
     reference = whole_model_moments(src, calibration_text)
     # The same weights with full attention everywhere: layer 2's input differs, so the masks matter.
@@ -264,18 +254,10 @@ def test_merges_solved_during_calibration_equal_merges_from_kept_moments(
 
 def test_per_layer_moments_are_handed_over_in_layer_order_and_not_kept(tokenizer, calibration_text, tmp_path):
     src = save(build("llama", tokenizer), tokenizer, tmp_path / "src")
-    reference, _ = collect_attention_moments(
-        src, str(calibration_text), num_tokens=256, seq_len=SEQ_LEN, device="cpu", progress=False
-    )
+    reference, _ = collect_attention_moments(src, str(calibration_text), on_cpu(256), progress=False)
     handed = []
     moments, info = collect_attention_moments(
-        src,
-        str(calibration_text),
-        num_tokens=256,
-        seq_len=SEQ_LEN,
-        device="cpu",
-        progress=False,
-        per_layer=lambda layer, c: handed.append((layer, c)),
+        src, str(calibration_text), on_cpu(256), progress=False, per_layer=lambda layer, c: handed.append((layer, c))
     )
     assert len(moments) == 0 and info["tokens"] == 256
     assert [layer for layer, _ in handed] == [0, 1]

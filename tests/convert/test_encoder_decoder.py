@@ -42,6 +42,8 @@ from tests.convert.tiny_models import build_model, save
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.in_memory import converted_tensors
+from uptrain.convert.spec import ConversionOptions
+from uptrain.options import validated
 
 TOKENS = dict(vocab_size=96, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 # T5: 8 heads of d_kv 6 on d_model 32 (8 × 6 ≠ 32: d_kv is independent of d_model / heads);
@@ -318,7 +320,7 @@ def test_in_memory_equals_the_converted_checkpoint(sources, tmp_path):
     """`convert_model`'s tensors (before they become a model) equal `convert_checkpoint`'s."""
     model, src = sources("bart")
     out = convert_checkpoint(src, tmp_path / "out", 2, attention="encoder,decoder-self", source_hash="none")
-    state, plan = converted_tensors(model, 2, attention="encoder,decoder-self")
+    state, plan = converted_tensors(model, 2, validated(ConversionOptions, attention="encoder,decoder-self"))
     assert plan.attention == ("encoder", "decoder-self")
     assert plan.config_kv_heads == {"encoder": 2, "decoder-self": 2, "cross": 8}
     written = tensors(out)

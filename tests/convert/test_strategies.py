@@ -18,7 +18,7 @@ from uptrain.convert import pooling as registry
 from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.in_memory import converted_tensors
 from uptrain.convert.pipeline import Calibration
-from uptrain.convert.spec import conversion_spec
+from uptrain.convert.spec import CalibrationSettings, conversion_spec
 
 
 class KeepFirstHead(registry.WholeLayerStrategy):
@@ -102,7 +102,11 @@ def test_checkpoint_and_model_follow_one_plan(name, tmp_path):
 def test_in_memory_whole_layer_merges_equal_the_checkpoint(pooling, grouping, tokenizer, calibration_text, tmp_path):
     model = build("llama", tokenizer)
     src = save(model, tokenizer, tmp_path / "src")
-    moments, info = collect_attention_moments(src, str(calibration_text), num_tokens=512, seq_len=64, device="cpu")
+    moments, info = collect_attention_moments(
+        src,
+        str(calibration_text),
+        CalibrationSettings(calibration_tokens=512, calibration_seq_len=64, calibration_device="cpu"),
+    )
     calibration = Calibration(moments, info)
     out = convert_checkpoint(
         src, tmp_path / "out", 2, pooling=pooling, grouping=grouping, calibration=calibration, progress=False

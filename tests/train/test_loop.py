@@ -221,6 +221,7 @@ def test_similarity_grouping_on_the_fly_is_calibrated_like_convert(base_config, 
     from uptrain.convert import convert_checkpoint
     from uptrain.convert.calibration import collect_attention_moments
     from uptrain.convert.pipeline import Calibration
+    from uptrain.convert.spec import CalibrationSettings
 
     values = {
         **base_config,
@@ -238,7 +239,9 @@ def test_similarity_grouping_on_the_fly_is_calibrated_like_convert(base_config, 
     provenance = json.loads((converted / "uptrain.json").read_text())
     assert provenance["pooling"] == "mean" and provenance["calibration"]["tokens"] >= 256
     calibration, info = collect_attention_moments(
-        str(assets["mha"]), config.train_data, num_tokens=256, seq_len=config.seq_len
+        str(assets["mha"]),
+        config.train_data,
+        CalibrationSettings(calibration_tokens=256, calibration_seq_len=config.seq_len),
     )
     by_hand = convert_checkpoint(
         assets["mha"],

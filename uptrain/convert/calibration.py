@@ -26,11 +26,11 @@ model (tests/convert/test_calibration_layerwise.py).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, architecture
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
+from uptrain.convert.spec import DEFAULT_CALIBRATION, CalibrationSettings
 from uptrain.data.blocks import Blocks
 from uptrain.data.text import TextStream, head_blocks, load_blocks
 from uptrain.loading import load_model, load_tokenizer
@@ -231,13 +232,9 @@ def _layer_inputs(base, base_path: str, layers, all_ids: torch.Tensor, batch_siz
 def collect_attention_moments(
     src: str | Path,
     data: str | list[str],
-    num_tokens: int = 32768,
-    seq_len: int = 256,
+    settings: CalibrationSettings = DEFAULT_CALIBRATION,
+    *,
     batch_size: int = 4,
-    text_field: str = "text",
-    sample_by: str = "paragraph",
-    device: str = "auto",
-    dtype: str = "float32",
     progress: bool | None = None,
     dataset_config: str | None = None,
     split: str = "train",
@@ -245,8 +242,8 @@ def collect_attention_moments(
 ) -> tuple[Mapping[int, torch.Tensor], dict]:
     """Return ({layer: C of shape [(hidden + 1), (hidden + 1)], float64}, a description for provenance).
 
-    The forward pass runs in `dtype` on `device` (auto: the first GPU when there is one), one
-    decoder layer at a time; moments are accumulated in float64 and read back from disk on
+    The forward pass runs as `settings` say (dtype, device), one decoder layer at a time, over
+    `batch_size` blocks at once; moments are accumulated in float64 and read back from disk on
     access. With `per_layer`, each moment is instead handed to `per_layer(layer, C)` as soon as
     it is complete (C on the calibration device) and not kept: the mapping returned is empty.
     `progress`: None shows a bar on terminals, False never, True always. A Hub dataset
@@ -257,11 +254,11 @@ def collect_attention_moments(
     config = read_config(model_dir)
     # A decoder-only model's one attention (encoder–decoders: calibration_seq2seq.py).
     layout = architecture(config.get("model_type")).site(DECODER_SELF).layout
-    seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
-    run_device, run_dtype = calibration_device(device, dtype)
-    all_ids, source = _calibration_blocks(
-        model_dir, data, num_tokens, seq_len, text_field, sample_by, dataset_config=dataset_config, split=split
-    )
+    seq_len = min(settings.calibration_seq_len, config.get("max_position_embeddings") or settings.calibration_seq_len)
+    settings = replace(settings, calibration_seq_len=seq_len)
+    run_device, run_dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
+    tokenizer = load_calibration_tokenizer(model_dir)
+    all_ids, source = first_calibration_blocks(tokenizer, data, settings, seq_len, dataset_config, split)
     count = len(all_ids)
     tokens = count * seq_len
     # "model.layers.{layer}.self_attn" → layers at "model.layers", their parent "model", the
@@ -305,30 +302,33 @@ def collect_attention_moments(
                 bar.update(1)
     finally:
         checkpoint.close()
+    dtype = settings.calibration_dtype
     info = {"data": source.label, "tokens": tokens, "seq_len": seq_len, "blocks": count, "dtype": dtype}
     return moments, info
 
 
-def _calibration_blocks(model_dir, data, num_tokens, seq_len, text_field, sample_by, *, dataset_config, split):
-    """The first ⌈num_tokens / seq_len⌉ blocks of `data` tokenized as training tokenizes it
-    (documents joined with EOS, packed), and the data's description; refuses data too short for one."""
-    tokenizer = load_calibration_tokenizer(model_dir)
+def first_calibration_blocks(
+    tokenizer, data, settings: CalibrationSettings, block_length: int, dataset_config=None, split="train"
+):
+    """The first `settings.wanted_blocks` blocks of `block_length` tokens of `data`, tokenized as
+    training tokenizes it (documents joined with EOS, packed), and the data's description;
+    refuses data too short for one."""
     blocks, source = load_blocks(
         data,
         "calibration_data",
         tokenizer,
-        seq_len,
-        text_field=text_field,
+        block_length,
+        text_field=settings.text_field,
         split=split,
         dataset_config=dataset_config,
-        sample_by=sample_by,
+        sample_by=settings.sample_by,
         streaming=None,
         workers=None,
     )
-    all_ids = _first_blocks(blocks, math.ceil(num_tokens / seq_len))
-    if len(all_ids) == 0:
-        raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
-    return all_ids, source
+    rows = _first_blocks(blocks, settings.wanted_blocks)
+    if len(rows) == 0:
+        raise UptrainError(f"calibration data {source.label} holds fewer than {settings.calibration_seq_len} tokens")
+    return rows, source
 
 
 def _layer_moment(layer: torch.nn.Module, attn_name: str, hidden: list, calls: list, device) -> torch.Tensor:

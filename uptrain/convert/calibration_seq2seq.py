@@ -20,7 +20,6 @@ layer reads); `site_moments` gives one attention's view, layer → moment, as `L
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.convert.calibrated import CrossMoments
+from uptrain.convert.spec import DEFAULT_CALIBRATION, CalibrationSettings
 from uptrain.objectives.prompts import SPEECH_KEYS, PromptKeys
 
 CROSS_KEYS_VALUES = "cross.keys_values"
@@ -215,24 +215,20 @@ def calibration_batches(
     model_dir: Path,
     arch,
     data,
-    num_tokens: int,
-    seq_len: int,
+    settings: CalibrationSettings,
     batch_size: int,
-    text_field: str,
-    sample_by: str,
     keys: PromptKeys = CHECKPOINT_PROMPT,
 ) -> tuple[list[dict], dict]:
     """The batches an encoder–decoder is calibrated on (its family's objective over `data`, the
-    first ⌈num_tokens / seq_len⌉ examples) and their description for provenance. `keys`: the
+    first `settings.wanted_blocks` examples) and their description for provenance. `keys`: the
     prompt of Whisper's targets (the checkpoint's defaults where None)."""
-    from uptrain.convert.calibration import _first_blocks, load_calibration_tokenizer
-    from uptrain.data.text import load_blocks
+    from uptrain.convert.calibration import first_calibration_blocks, load_calibration_tokenizer
     from uptrain.objectives import IGNORE_INDEX, special_tokens_for
     from uptrain.objectives.corruption import evaluation_generator
 
     objective = calibration_objective(arch)
     tokenizer = load_calibration_tokenizer(model_dir)
-    wanted = math.ceil(num_tokens / seq_len)
+    wanted, seq_len = settings.wanted_blocks, settings.calibration_seq_len
     label = str(data)
     check_prompt_keys(arch, keys)
     if objective.reads == "speech_pairs":
@@ -258,21 +254,8 @@ def calibration_batches(
             examples.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels})
         count = len(pairs)
     else:
-        blocks, source = load_blocks(
-            data,
-            "calibration_data",
-            tokenizer,
-            objective.block_length(seq_len),
-            text_field=text_field,
-            split="train",
-            dataset_config=None,
-            sample_by=sample_by,
-            streaming=None,
-            workers=None,
-        )
-        rows = _first_blocks(blocks, wanted)
-        if len(rows) == 0:
-            raise UptrainError(f"calibration data {source.label} holds fewer than {seq_len} tokens")
+        # A Hub dataset's own configuration and split are not read here (its "train" split is).
+        rows, source = first_calibration_blocks(tokenizer, data, settings, objective.block_length(seq_len))
         label, count = source.label, len(rows)
         tokens = special_tokens_for(objective, tokenizer, "calibration's source")
         corrupted = [objective.corrupt(row, tokens, evaluation_generator(0, row)) for row in rows]
@@ -287,19 +270,15 @@ def calibration_batches(
 def collect_seq2seq_moments(
     src: str | Path,
     data,
-    num_tokens: int = 32768,
-    seq_len: int = 256,
+    settings: CalibrationSettings = DEFAULT_CALIBRATION,
+    *,
     batch_size: int = 4,
-    text_field: str = "text",
-    sample_by: str = "paragraph",
-    device: str = "auto",
-    dtype: str = "float32",
     progress: bool | None = None,
     keys: PromptKeys = CHECKPOINT_PROMPT,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """({key: C}, a description for provenance) of the encoder–decoder at `src` over `data`,
-    read through its family's objective; the whole model runs in `dtype` on `device`. `keys`:
-    the prompt of Whisper's targets (`--language`, `--speech-task`)."""
+    read through its family's objective; the whole model runs as `settings` say (dtype, device).
+    `keys`: the prompt of Whisper's targets (`--language`, `--speech-task`)."""
     from uptrain.architecture import architecture
     from uptrain.checkpoint.source import resolve_source
     from uptrain.convert.calibration import calibration_device
@@ -308,14 +287,12 @@ def collect_seq2seq_moments(
 
     model_dir = resolve_source(src).folder
     arch = architecture(read_config(model_dir).get("model_type"))
-    run_device, run_dtype = calibration_device(device, dtype)
-    batches, info = calibration_batches(
-        model_dir, arch, data, num_tokens, seq_len, batch_size, text_field, sample_by, keys
-    )
+    run_device, run_dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
+    batches, info = calibration_batches(model_dir, arch, data, settings, batch_size, keys)
     import uptrain.modeling  # noqa: F401  registers t5_gqa, …: a converted checkpoint loads here too
 
     model = load_model(model_dir, "calibration's source", arch.auto_class, dtype=run_dtype).to(run_device).eval()
     moments = seq2seq_moments(model, arch, batches, progress)
     info["tokens"] = sum(int((b["labels"] != -100).sum()) for b in batches)
-    info["dtype"] = dtype
+    info["dtype"] = settings.calibration_dtype
     return {k: m.cpu() for k, m in moments.items()}, info

@@ -53,19 +53,18 @@ class StateDictSource:
 def converted_tensors(
     model,
     num_kv_heads: int,
-    pooling: str = "mean",
-    *,
-    grouping: str = "contiguous",
-    attention: str = ",".join(DEFAULT_ATTENTIONS),
+    options: ConversionOptions | None = None,
     seed: int = 0,
     calibration: Calibration | None = None,
 ) -> tuple[dict[str, torch.Tensor], ConversionPlan]:
     """The state dict of `model` converted to `num_kv_heads` KV heads (tensors not rewritten are
-    the model's own, not copies), and the plan it follows. `convert_model` builds the model."""
-    options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
+    the model's own, not copies), and the plan it follows. `options`: the validated pooling,
+    grouping and attention (default: mean, contiguous, the decoder's); `convert_model` takes
+    them as keywords and builds the model."""
+    options = options or validated(ConversionOptions)
     strategy = get_strategy(options.pooling)
     if strategy.needs_calibration and calibration is None:
-        raise UptrainError(f"pooling {pooling!r} needs calibration statistics (calibration=Calibration(...))")
+        raise UptrainError(f"pooling {options.pooling!r} needs calibration statistics (calibration=Calibration(...))")
     conversion = conversion_for(
         model.config.to_dict(), num_kv_heads, strategy, options.grouping, options.attention, seed
     )
@@ -101,9 +100,8 @@ def convert_model(
     `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`). The original
     model is left untouched; the copy keeps its dtype, device and train/eval mode.
     """
-    converted, plan = converted_tensors(
-        model, num_kv_heads, pooling, grouping=grouping, attention=attention, seed=seed, calibration=calibration
-    )
+    options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
+    converted, plan = converted_tensors(model, num_kv_heads, options, seed, calibration)
     # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, T5, ….
     new_class, new_config = gqa_counterpart(model, plan.config_kv_heads)
     with torch.device("meta"):

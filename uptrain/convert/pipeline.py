@@ -24,7 +24,7 @@ from uptrain.convert.conversion import Calibration, Conversion, conversion_for
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.plan import DTYPES, ConversionPlan
 from uptrain.convert.pooling import Strategy, get_strategy
-from uptrain.convert.spec import ConversionSpec, conversion_spec, parse_size
+from uptrain.convert.spec import CalibrationSettings, ConversionSpec, conversion_spec, parse_size
 from uptrain.convert.stream import write_weights
 from uptrain.model_info import AttentionGeometry, read_config
 
@@ -148,29 +148,21 @@ def calibrate(
     from uptrain.convert.calibration import collect_attention_moments
 
     spec = prepared.spec
-    # What both kinds of calibration read, and how.
-    reading = dict(
-        num_tokens=spec.calibration_tokens,
-        seq_len=spec.calibration_seq_len,
-        text_field=spec.text_field,
-        sample_by=spec.sample_by,
-        device=spec.calibration_device,
-        dtype=spec.calibration_dtype,
-        progress=progress,
-    )
+    settings = CalibrationSettings.of(spec)  # what both kinds of calibration read, and how
     if prepared.conversion.arch.encoder_decoder:
         # The whole model reads the objective's examples; every attention's moments are kept.
         from uptrain.convert.calibration_seq2seq import collect_seq2seq_moments
 
         moments, info = collect_seq2seq_moments(
-            prepared.source.folder, spec.calibration_data, **reading, keys=_prompt_keys(spec)
+            prepared.source.folder, spec.calibration_data, settings, progress=progress, keys=_prompt_keys(spec)
         )
         return Calibration(moments, info)
     solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
     moments, info = collect_attention_moments(
         prepared.source.folder,
         spec.calibration_data,
-        **reading,
+        settings,
+        progress=progress,
         dataset_config=spec.calibration_dataset_config,
         split=spec.calibration_split,
         per_layer=None if solver is None else solver.solve,

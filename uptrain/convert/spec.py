@@ -9,8 +9,9 @@ group of keys that `ConversionSpec`, `TrainConfig` and `CompareSpec` all build o
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from uptrain import UptrainError
@@ -173,6 +174,33 @@ class ConversionSpec(ConversionOptions):
     calibration_seq_len: int = option(256, at_least=2, flag=False, help="tokens per calibration block")
     text_field: str = option("text", flag=False, help="column holding the text in jsonl/parquet/Hub data")
     sample_by: Literal["line", "paragraph", "document"] = option("paragraph", flag=False, help="one document in .txt")
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How calibration reads its text and runs the source model: the `ConversionSpec` keys that both
+    collectors (`calibration`: decoder-only, `calibration_seq2seq`: encoder–decoders) read, under
+    their names. Defaults as the spec's."""
+
+    calibration_tokens: int = 32768
+    calibration_seq_len: int = 256  # tokens per block (at most the model's positions)
+    text_field: str = "text"
+    sample_by: str = "paragraph"
+    calibration_device: str = "auto"  # auto: the first GPU when there is one
+    calibration_dtype: str = "float32"  # of the forward pass; moments are float64
+
+    @classmethod
+    def of(cls, spec) -> CalibrationSettings:
+        """The settings a `ConversionSpec` gives (its keys of the same names)."""
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(cls)})
+
+    @property
+    def wanted_blocks(self) -> int:
+        """How many blocks (examples) hold `calibration_tokens`, the last one counted whole."""
+        return math.ceil(self.calibration_tokens / self.calibration_seq_len)
+
+
+DEFAULT_CALIBRATION = CalibrationSettings()
 
 
 @dataclass(kw_only=True)

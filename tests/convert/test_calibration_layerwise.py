@@ -23,7 +23,7 @@ from uptrain.convert.calibration import (
     load_calibration_tokenizer,
 )
 from uptrain.convert.pipeline import Calibration
-from uptrain.convert.spec import CalibrationSettings
+from uptrain.convert.spec import CalibrationSettings, ConversionSpec
 
 NUM_TOKENS, SEQ_LEN, BATCH = 640, 64, 4  # 10 blocks: the last batch is a short one
 
@@ -33,6 +33,11 @@ def on_cpu(tokens: int, **settings) -> CalibrationSettings:
     return CalibrationSettings(
         calibration_tokens=tokens, calibration_seq_len=SEQ_LEN, calibration_device="cpu", **settings
     )
+
+
+def test_calibration_settings_default_as_the_spec_keys_they_are_read_from():
+    """A collector called without settings calibrates as `uptrain convert` does by default."""
+    assert CalibrationSettings.of(ConversionSpec(source="src", num_kv_heads=2)) == CalibrationSettings()
 
 
 def whole_model_moments(src, text, num_tokens=NUM_TOKENS, seq_len=SEQ_LEN, batch_size=BATCH) -> dict:

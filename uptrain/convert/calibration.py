@@ -236,8 +236,6 @@ def collect_attention_moments(
     *,
     batch_size: int = 4,
     progress: bool | None = None,
-    dataset_config: str | None = None,
-    split: str = "train",
     per_layer: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[Mapping[int, torch.Tensor], dict]:
     """Return ({layer: C of shape [(hidden + 1), (hidden + 1)], float64}, a description for provenance).
@@ -246,8 +244,7 @@ def collect_attention_moments(
     `batch_size` blocks at once; moments are accumulated in float64 and read back from disk on
     access. With `per_layer`, each moment is instead handed to `per_layer(layer, C)` as soon as
     it is complete (C on the calibration device) and not kept: the mapping returned is empty.
-    `progress`: None shows a bar on terminals, False never, True always. A Hub dataset
-    (`dataset_config`, `split`) is streamed: only its first blocks are read.
+    `progress`: None shows a bar on terminals, False never, True always.
     """
 
     model_dir = resolve_source(src).folder
@@ -258,7 +255,7 @@ def collect_attention_moments(
     settings = replace(settings, calibration_seq_len=seq_len)
     run_device, run_dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
     tokenizer = load_calibration_tokenizer(model_dir)
-    all_ids, source = first_calibration_blocks(tokenizer, data, settings, seq_len, dataset_config, split)
+    all_ids, source = first_calibration_blocks(tokenizer, data, settings, seq_len)
     count = len(all_ids)
     tokens = count * seq_len
     # "model.layers.{layer}.self_attn" → layers at "model.layers", their parent "model", the
@@ -307,9 +304,7 @@ def collect_attention_moments(
     return moments, info
 
 
-def first_calibration_blocks(
-    tokenizer, data, settings: CalibrationSettings, block_length: int, dataset_config=None, split="train"
-):
+def first_calibration_blocks(tokenizer, data, settings: CalibrationSettings, block_length: int):
     """The first `settings.wanted_blocks` blocks of `block_length` tokens of `data`, tokenized as
     training tokenizes it (documents joined with EOS, packed), and the data's description;
     refuses data too short for one."""
@@ -319,8 +314,8 @@ def first_calibration_blocks(
         tokenizer,
         block_length,
         text_field=settings.text_field,
-        split=split,
-        dataset_config=dataset_config,
+        split=settings.calibration_split,
+        dataset_config=settings.calibration_dataset_config,
         sample_by=settings.sample_by,
         streaming=None,
         workers=None,

@@ -254,7 +254,6 @@ def calibration_batches(
             examples.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels})
         count = len(pairs)
     else:
-        # A Hub dataset's own configuration and split are not read here (its "train" split is).
         rows, source = first_calibration_blocks(tokenizer, data, settings, objective.block_length(seq_len))
         label, count = source.label, len(rows)
         tokens = special_tokens_for(objective, tokenizer, "calibration's source")

@@ -163,8 +163,6 @@ def calibrate(
         spec.calibration_data,
         settings,
         progress=progress,
-        dataset_config=spec.calibration_dataset_config,
-        split=spec.calibration_split,
         per_layer=None if solver is None else solver.solve,
     )
     if solver is None:

@@ -188,6 +188,8 @@ class CalibrationSettings:
     sample_by: str = "paragraph"
     calibration_device: str = "auto"  # auto: the first GPU when there is one
     calibration_dtype: str = "float32"  # of the forward pass; moments are float64
+    calibration_dataset_config: str | None = None  # a Hub dataset's configuration
+    calibration_split: str = "train"  # a Hub dataset's split (streamed: only its first blocks are read)
 
     @classmethod
     def of(cls, spec) -> CalibrationSettings:

@@ -1,0 +1,28 @@
+"""uptrain's vLLM plugin (`vllm.general_plugins` entry point `uptrain`, installed with
+`uptrain[vllm]`): vLLM model classes for the converted checkpoints vLLM's transformers backend
+cannot serve, each built on vLLM's own class of its family with the KV heads read from the
+converted config, tensor-parallel as vLLM's is. One module a family:
+
+- `gpt2`: GPT-2 (`gpt2_gqa`), whose vLLM class assumes full multi-head attention;
+- `bloom`: BLOOM (`bloom_gqa`), ALiBi (the transformers backend's attention takes no score bias).
+
+Importing this package imports nothing of vLLM: `register` names each class by its module, and
+vLLM imports a module (which imports vLLM) only when it serves that architecture.
+"""
+
+from __future__ import annotations
+
+# Architecture name (config.json's `architectures`) → the module and class serving it.
+CLASSES = {
+    "GPT2GQAForCausalLM": f"{__name__}.gpt2:GPT2GQAForCausalLM",
+    "BloomGQAForCausalLM": f"{__name__}.bloom:BloomGQAForCausalLM",
+}
+
+
+def register() -> None:
+    """vLLM's plugin hook: the GQA architectures' classes, by their config's `architectures` name."""
+    from vllm import ModelRegistry
+
+    for architecture, cls in CLASSES.items():
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, cls)

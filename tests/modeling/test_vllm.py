@@ -21,9 +21,11 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM, AutoModelForSpeechSeq2Seq, LlamaConfig, LlamaForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: transformers' side loads without trust_remote_code
 from tests.modeling import serve_in_vllm
@@ -67,6 +69,13 @@ ARCHITECTURES = {f"llama-g{g}": "LlamaForCausalLM" for g in (4, 2, 1)} | {
 }
 KV_SPACE_GIB = 1
 
+# Whisper (uptrain's vLLM plugin, on vLLM's Whisper): the source (MHA), every attention at G = 2
+# (the encoder's too), and the decoder's (self and cross, uptrain's default) at G = 1; each
+# served two waveforms of noise, each with its decoder prompt (token ids).
+WHISPER = {"whisper-g4": None, "whisper-g2": "encoder,decoder-self,cross", "whisper-g1": "decoder-self,cross"}
+SAMPLING_RATE, MEL_BINS = 16000, 80
+DECODER_PROMPTS = [[3, 7, 9], [3, 20]]
+
 
 def tiny_llama(folder) -> None:
     config = LlamaConfig(
@@ -83,6 +92,63 @@ def tiny_llama(folder) -> None:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def tiny_whisper(folder) -> None:
+    """A Whisper of 4 heads of 32 (1 encoder layer, 2 decoder layers, 1500 audio frames) with a
+    Whisper processor: its feature extractor, and a tokenizer of 124 byte tokens (vLLM's Whisper
+    processor loads one; the prompts are token ids)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    config = transformers.WhisperConfig(
+        vocab_size=128,
+        d_model=HIDDEN,
+        encoder_layers=1,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=192,
+        decoder_ffn_dim=192,
+        max_source_positions=1500,
+        max_target_positions=64,
+        num_mel_bins=MEL_BINS,
+        init_std=0.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=3,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+    )
+    torch.manual_seed(0)
+    transformers.WhisperForConditionalGeneration(config).save_pretrained(folder)
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[b]: i for i, b in enumerate(range(33, 33 + 124))}
+    tokenizer = transformers.WhisperTokenizer(vocab=vocab, merges=[], pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|startoftranscript|>"]})
+    features = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLING_RATE)
+    transformers.WhisperProcessor(feature_extractor=features, tokenizer=tokenizer).save_pretrained(folder)
+
+
+def waveforms() -> np.ndarray:
+    """Two 2-second waveforms of noise (float32): Whisper's processor pads each to 30 s."""
+    return (np.random.default_rng(0).standard_normal((2, 2 * SAMPLING_RATE)) * 0.1).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def speech_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Case → Whisper folder: the source, and its conversions of WHISPER (processor copied beside)."""
+    root = tmp_path_factory.mktemp("served-speech")
+    tiny_whisper(root / "whisper-src")
+    folders = {}
+    for case, attentions in WHISPER.items():
+        if attentions is None:
+            folders[case] = root / "whisper-src"
+            continue
+        g = int(case.removeprefix("whisper-g"))
+        folders[case] = convert_checkpoint(root / "whisper-src", root / case, g, attention=attentions, progress=False)
+        transformers.WhisperProcessor.from_pretrained(root / "whisper-src").save_pretrained(folders[case])
+    return {case: str(folder) for case, folder in folders.items()}
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +168,14 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints, tmp_path_factory) -> dict:
+def served(checkpoints, speech_checkpoints, tmp_path_factory) -> dict:
     """What serve_in_vllm.py reports of every case, from one process in the vLLM environment."""
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-run")
+    np.save(root / "waveforms.npy", waveforms())
     spec = {"cases": checkpoints, "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "max_model_len": 64}
+    speech = {"waveforms": str(root / "waveforms.npy"), "sampling_rate": SAMPLING_RATE}
+    spec.update(speech_cases=speech_checkpoints, speech={**speech, "decoder_prompts": DECODER_PROMPTS})
     (root / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_", "VLLM_"))}
     env.update(
@@ -139,6 +208,52 @@ def transformers_tokens(folder: str) -> list[list[int]]:
             out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
             tokens.append(out[0, len(prompt) :].tolist())
     return tokens
+
+
+def transformers_speech_tokens(folder: str) -> list[list[int]]:
+    """transformers' greedy generation (GenerationMixin's: Whisper's own `generate` adds language
+    and task handling these tiny models have no configuration for) from each waveform's log-mel
+    features, its decoder prompt as given."""
+    model = AutoModelForSpeechSeq2Seq.from_pretrained(folder, dtype=torch.float32).eval()
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(folder)
+    config = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None
+    )
+    tokens = []
+    with torch.no_grad():
+        for wave, prompt in zip(waveforms(), DECODER_PROMPTS):
+            features = extractor(wave, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
+            ids = torch.tensor([prompt])
+            out = transformers.GenerationMixin.generate(
+                model, input_features=features, decoder_input_ids=ids, generation_config=config
+            )
+            tokens.append(out[0, len(prompt) :].tolist())
+    return tokens
+
+
+@pytest.mark.parametrize("case", sorted(WHISPER))
+def test_vllm_serves_whisper_gqa_with_the_tokens_transformers_generates(case, speech_checkpoints, served):
+    result = served["cases"][case]
+    assert "error" not in result, f"{case} does not serve in vLLM: {result.get('error')}"
+    # The source by vLLM's Whisper, each conversion by uptrain's plugin (vLLM's Whisper, GQA).
+    expected_class = "WhisperForConditionalGeneration" if case == "whisper-g4" else "WhisperGQAForConditionalGeneration"
+    assert result["architecture"] == expected_class
+    expected = transformers_speech_tokens(speech_checkpoints[case])
+    assert result["tokens"] == expected, case
+    assert len({t for row in expected for t in row}) > 3, case
+
+
+def test_whispers_self_and_cross_attention_caches_hold_g_heads(served):
+    """vLLM caches the decoder's self-attention and its cross-attention (the encoder's 1500
+    frames) of every layer with the converted G, and its KV cache then holds h/G times the tokens."""
+    cases = served["cases"]
+    for case in WHISPER:
+        g = int(case.removeprefix("whisper-g"))
+        layers = cases[case]["kv_heads"]
+        for attention in ("self_attn", "encoder_attn"):  # each decoder layer's two
+            assert [heads for name, heads in layers.items() if f".{attention}." in name] == [g] * LAYERS, case
+        assert len(layers) == 2 * LAYERS, layers
+        assert cases[case]["kv_tokens"] == cases["whisper-g4"]["kv_tokens"] * HEADS // g, case
 
 
 @pytest.mark.parametrize("case", ["llama-g4", "llama-g2", "llama-g1", *SERVED])

@@ -4,7 +4,10 @@ cannot serve, each built on vLLM's own class of its family with the KV heads rea
 converted config, tensor-parallel as vLLM's is. One module a family:
 
 - `gpt2`: GPT-2 (`gpt2_gqa`), whose vLLM class assumes full multi-head attention;
-- `bloom`: BLOOM (`bloom_gqa`), ALiBi (the transformers backend's attention takes no score bias).
+- `bloom`: BLOOM (`bloom_gqa`), ALiBi (the transformers backend's attention takes no score bias);
+- `whisper`: Whisper (`whisper_gqa`), an encoder–decoder (the transformers backend serves
+  decoder-only models), G KV heads in the encoder, the decoder's self-attention and its
+  cross-attention, whose cache over the encoder's 1500 frames is where GQA saves most.
 
 Importing this package imports nothing of vLLM: `register` names each class by its module, and
 vLLM imports a module (which imports vLLM) only when it serves that architecture.
@@ -16,6 +19,7 @@ from __future__ import annotations
 CLASSES = {
     "GPT2GQAForCausalLM": f"{__name__}.gpt2:GPT2GQAForCausalLM",
     "BloomGQAForCausalLM": f"{__name__}.bloom:BloomGQAForCausalLM",
+    "WhisperGQAForConditionalGeneration": f"{__name__}.whisper:WhisperGQAForConditionalGeneration",
 }
 
 

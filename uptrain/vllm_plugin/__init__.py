@@ -5,6 +5,9 @@ converted config, tensor-parallel as vLLM's is. One module a family:
 
 - `gpt2`: GPT-2 (`gpt2_gqa`), whose vLLM class assumes full multi-head attention;
 - `bloom`: BLOOM (`bloom_gqa`), ALiBi (the transformers backend's attention takes no score bias);
+- `falcon`: multi-head Falcon (`falcon_gqa`, ALiBi or rotary), whose vLLM class reads its KV
+  heads from `multi_query` and `new_decoder_architecture` only;
+- `mpt`: MPT (`mpt_gqa`), ALiBi, of vLLM's layers (vLLM 0.32 has no MPT class);
 - `whisper`: Whisper (`whisper_gqa`), an encoder–decoder (the transformers backend serves
   decoder-only models), G KV heads in the encoder, the decoder's self-attention and its
   cross-attention, whose cache over the encoder's 1500 frames is where GQA saves most.
@@ -19,6 +22,8 @@ from __future__ import annotations
 CLASSES = {
     "GPT2GQAForCausalLM": f"{__name__}.gpt2:GPT2GQAForCausalLM",
     "BloomGQAForCausalLM": f"{__name__}.bloom:BloomGQAForCausalLM",
+    "FalconGQAForCausalLM": f"{__name__}.falcon:FalconGQAForCausalLM",
+    "MptGQAForCausalLM": f"{__name__}.mpt:MptGQAForCausalLM",
     "WhisperGQAForConditionalGeneration": f"{__name__}.whisper:WhisperGQAForConditionalGeneration",
 }
 

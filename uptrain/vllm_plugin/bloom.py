@@ -31,6 +31,19 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return slopes
 
 
+def qkv_of_grouped_rows(weights, heads: int, kv_heads: int):
+    """The checkpoint's tensors, each `query_key_value` (weight or bias) whose rows are grouped
+    per KV head, `[G, r + 2, d]` (its r = h / G query heads, its K, its V: BLOOM's and Falcon's
+    GQA layout), repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits."""
+    r = heads // kv_heads
+    for name, w in weights:
+        if "query_key_value" in name:
+            grouped = w.view(kv_heads, r + 2, -1, *w.shape[1:])
+            q, k, v = (part.reshape(-1, *w.shape[1:]) for part in (grouped[:, :r], grouped[:, r], grouped[:, r + 1]))
+            w = torch.cat([q, k, v])
+        yield name, w
+
+
 class BloomGQAAttention(nn.Module):
     """vLLM's BloomAttention over `num_key_value_heads` KV heads, ALiBi slopes of the query heads."""
 
@@ -103,18 +116,9 @@ class BloomGQAModel(nn.Module):
         )
 
     def load_weights(self, weights):
-        """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` (per KV head: its r
-        query heads, its K, its V) repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits."""
+        """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` repacked to `[Q | K | V]`."""
         kv_heads = self.config.num_key_value_heads
-        r = self.config.n_head // kv_heads
-
-        def repacked(name: str, w: torch.Tensor) -> torch.Tensor:
-            grouped = w.view(kv_heads, r + 2, -1, *w.shape[1:])
-            q, k, v = grouped[:, :r], grouped[:, r], grouped[:, r + 1]
-            return torch.cat([q.reshape(-1, *w.shape[1:]), k.reshape(-1, *w.shape[1:]), v.reshape(-1, *w.shape[1:])])
-
-        weights = ((n, repacked(n, w) if "query_key_value" in n else w) for n, w in weights)
-        return AutoWeightsLoader(self).load_weights(weights)
+        return AutoWeightsLoader(self).load_weights(qkv_of_grouped_rows(weights, self.config.n_head, kv_heads))
 
 
 class BloomGQAForCausalLM(bloom.BloomForCausalLM):

@@ -7,6 +7,8 @@ converted config, tensor-parallel as vLLM's is. One module a family:
 - `bloom`: BLOOM (`bloom_gqa`), ALiBi (the transformers backend's attention takes no score bias);
 - `falcon`: multi-head Falcon (`falcon_gqa`, ALiBi or rotary), whose vLLM class reads its KV
   heads from `multi_query` and `new_decoder_architecture` only;
+- `gpt_neo`: GPT-Neo (`gpt_neo_gqa`), of vLLM's layers (vLLM 0.32 has no GPT-Neo class; the
+  transformers backend's attention takes no mask, so local layers would lose their window);
 - `mpt`: MPT (`mpt_gqa`), ALiBi, of vLLM's layers (vLLM 0.32 has no MPT class);
 - `whisper`: Whisper (`whisper_gqa`), an encoder–decoder (the transformers backend serves
   decoder-only models), G KV heads in the encoder, the decoder's self-attention and its
@@ -23,6 +25,7 @@ CLASSES = {
     "GPT2GQAForCausalLM": f"{__name__}.gpt2:GPT2GQAForCausalLM",
     "BloomGQAForCausalLM": f"{__name__}.bloom:BloomGQAForCausalLM",
     "FalconGQAForCausalLM": f"{__name__}.falcon:FalconGQAForCausalLM",
+    "GPTNeoGQAForCausalLM": f"{__name__}.gpt_neo:GPTNeoGQAForCausalLM",
     "MptGQAForCausalLM": f"{__name__}.mpt:MptGQAForCausalLM",
     "WhisperGQAForConditionalGeneration": f"{__name__}.whisper:WhisperGQAForConditionalGeneration",
 }

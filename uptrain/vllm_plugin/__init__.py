@@ -1,7 +1,8 @@
 """uptrain's vLLM plugin (`vllm.general_plugins` entry point `uptrain`, installed with
 `uptrain[vllm]`): vLLM model classes for the converted checkpoints vLLM's transformers backend
-cannot serve, each built on vLLM's own class of its family with the KV heads read from the
-converted config, tensor-parallel as vLLM's is. One module a family:
+cannot serve, each built on vLLM's own class of its family (of vLLM's layers where vLLM has
+none) with the KV heads read from the converted config, tensor-parallel as vLLM's is. One
+module a family:
 
 - `gpt2`: GPT-2 (`gpt2_gqa`), whose vLLM class assumes full multi-head attention;
 - `bloom`: BLOOM (`bloom_gqa`), ALiBi (the transformers backend's attention takes no score bias);
@@ -14,11 +15,18 @@ converted config, tensor-parallel as vLLM's is. One module a family:
   decoder-only models), G KV heads in the encoder, the decoder's self-attention and its
   cross-attention, whose cache over the encoder's 1500 frames is where GQA saves most.
 
-Importing this package imports nothing of vLLM: `register` names each class by its module, and
-vLLM imports a module (which imports vLLM) only when it serves that architecture.
+`attention` holds the fused-QKV attention over G KV heads that GPT-2, BLOOM, MPT and GPT-Neo
+share, `causal_lm` the causal-LM wrapper of the two built of vLLM's layers.
+
+Importing this package imports nothing of vLLM; `register` (which vLLM calls in each of its
+processes) imports the modules and registers their classes themselves: vLLM inspects a class
+named only by its module in a fresh Python process, which imports vLLM again (15–25 s on a CPU,
+for each class, whenever this package changes).
 """
 
 from __future__ import annotations
+
+import importlib
 
 # Architecture name (config.json's `architectures`) → the module and class serving it.
 CLASSES = {
@@ -35,6 +43,7 @@ def register() -> None:
     """vLLM's plugin hook: the GQA architectures' classes, by their config's `architectures` name."""
     from vllm import ModelRegistry
 
-    for architecture, cls in CLASSES.items():
+    for architecture, target in CLASSES.items():
         if architecture not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(architecture, cls)
+            module, name = target.split(":")
+            ModelRegistry.register_model(architecture, getattr(importlib.import_module(module), name))

@@ -11,11 +11,10 @@ import math
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models import bloom
 from vllm.model_executor.models.utils import AutoWeightsLoader, make_layers
+
+from .attention import FusedQKVAttention
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:
@@ -44,38 +43,24 @@ def qkv_of_grouped_rows(weights, heads: int, kv_heads: int):
         yield name, w
 
 
-class BloomGQAAttention(nn.Module):
+class BloomGQAAttention(FusedQKVAttention):
     """vLLM's BloomAttention over `num_key_value_heads` KV heads, ALiBi slopes of the query heads."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        hidden, heads, kv_heads = config.hidden_size, config.n_head, config.num_key_value_heads
-        tp = get_tensor_model_parallel_world_size()
-        head_dim = hidden // heads
-        local_heads, local_kv = heads // tp, max(1, kv_heads // tp)
-        self.query_key_value = QKVParallelLinear(
-            hidden, head_dim, heads, kv_heads, bias=True, quant_config=quant_config, prefix=f"{prefix}.query_key_value"
-        )
-        self.dense = RowParallelLinear(hidden, hidden, bias=True, quant_config=quant_config, prefix=f"{prefix}.dense")
-        self.q_size, self.kv_size = local_heads * head_dim, local_kv * head_dim
-        first = get_tensor_model_parallel_rank() * local_heads
-        slopes = alibi_slopes(heads)[first : first + local_heads].tolist()
-        self.attn = Attention(
-            local_heads,
-            head_dim,
-            head_dim**-0.5,
-            num_kv_heads=local_kv,
-            alibi_slopes=slopes,
+        super().__init__(
+            config.hidden_size,
+            config.n_head,
+            config.num_key_value_heads,
+            names=("query_key_value", "dense"),
+            biases=(True, True),
+            slopes=alibi_slopes(config.n_head),
             cache_config=cache_config,
             quant_config=quant_config,
-            prefix=f"{prefix}.attn",
+            prefix=prefix,
         )
 
     def forward(self, position_ids, hidden_states):
-        qkv, _ = self.query_key_value(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out, _ = self.dense(self.attn(q, k, v))
-        return out
+        return super().forward(hidden_states)  # ALiBi: no positions (vLLM's BLOOM block passes them)
 
 
 class BloomGQABlock(bloom.BloomBlock):

@@ -8,45 +8,29 @@ from __future__ import annotations
 
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import LayerNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models import gpt2
 from vllm.model_executor.models.utils import AutoWeightsLoader, make_layers
 
+from .attention import FusedQKVAttention
 
-class GPT2GQAAttention(nn.Module):
+
+class GPT2GQAAttention(FusedQKVAttention):
     """vLLM's GPT2Attention over `num_key_value_heads` KV heads."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        tp = get_tensor_model_parallel_world_size()
-        self.head_dim = hidden // heads
-        self.c_attn = QKVParallelLinear(
-            hidden, self.head_dim, heads, kv_heads, bias=True, quant_config=quant_config, prefix=f"{prefix}.c_attn"
-        )
-        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, quant_config=quant_config, prefix=f"{prefix}.c_proj")
-        # Fewer KV heads than ranks: each rank holds a replica of one (vLLM's rule for GQA).
-        self.q_size = heads // tp * self.head_dim
-        self.kv_size = max(1, kv_heads // tp) * self.head_dim
-        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
-        self.attn = Attention(
-            heads // tp,
-            self.head_dim,
-            scale=scale,
-            num_kv_heads=max(1, kv_heads // tp),
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        super().__init__(
+            hidden,
+            heads,
+            config.num_key_value_heads,
+            names=("c_attn", "c_proj"),
+            biases=(True, True),
+            scale=None if config.scale_attn_weights else 1.0,
             cache_config=cache_config,
             quant_config=quant_config,
-            prefix=f"{prefix}.attn",
+            prefix=prefix,
         )
-
-    def forward(self, hidden_states):
-        qkv, _ = self.c_attn(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out, _ = self.c_proj(self.attn(q, k, v))
-        return out
 
 
 class GPT2GQABlock(gpt2.GPT2Block):

@@ -15,65 +15,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.distributed import get_pp_group
-from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_fn
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import (
-    AutoWeightsLoader,
     WeightsMapper,
     make_empty_intermediate_tensors_factory,
     make_layers,
-    maybe_prefix,
 )
-from vllm.sequence import IntermediateTensors
 
-
-class GPTNeoGQAAttention(nn.Module):
-    """GPT-Neo's attention (global, or local with its window) over `num_key_value_heads` KV heads."""
-
-    def __init__(self, config, window: int | None, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        hidden, heads, kv_heads = config.hidden_size, config.num_heads, config.num_key_value_heads
-        tp = get_tensor_model_parallel_world_size()
-        head_dim = hidden // heads
-        # Fewer KV heads than ranks: each rank holds a replica of one (vLLM's rule for GQA).
-        local_heads, local_kv = heads // tp, max(1, kv_heads // tp)
-        self.qkv_proj = QKVParallelLinear(
-            hidden, head_dim, heads, kv_heads, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj"
-        )
-        self.out_proj = RowParallelLinear(
-            hidden, hidden, bias=True, quant_config=quant_config, prefix=f"{prefix}.out_proj"
-        )
-        self.q_size, self.kv_size = local_heads * head_dim, local_kv * head_dim
-        self.attn = Attention(
-            local_heads,
-            head_dim,
-            1.0,  # GPT-Neo does not scale the scores
-            num_kv_heads=local_kv,
-            per_layer_sliding_window=window,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=f"{prefix}.attn",
-        )
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out, _ = self.out_proj(self.attn(q, k, v))
-        return out
+from .attention import FusedQKVAttention
+from .causal_lm import CausalLM, stage_forward
 
 
 class GPTNeoGQASelfAttention(nn.Module):
-    """The `attn` of a GPT-Neo block, holding its `attention` (transformers' nesting, kept for
-    the weights' names)."""
+    """The `attn` of a GPT-Neo block: its `attention` (transformers' nesting, kept for the weights'
+    names), global or local with its window, over `num_key_value_heads` KV heads."""
 
     def __init__(self, config, window: int | None, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.attention = GPTNeoGQAAttention(config, window, cache_config, quant_config, prefix=f"{prefix}.attention")
+        self.attention = FusedQKVAttention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_key_value_heads,
+            names=("qkv_proj", "out_proj"),
+            biases=(False, True),
+            scale=1.0,  # GPT-Neo does not scale the scores
+            window=window,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attention",
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.attention(hidden_states)
@@ -144,19 +116,14 @@ class GPTNeoGQAModel(nn.Module):
         return self.wte(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        if get_pp_group().is_first_rank:
-            embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            hidden_states = embeds + self.wpe(positions)
-        else:
-            hidden_states = intermediate_tensors["hidden_states"]
-        for block in self.h[self.start_layer : self.end_layer]:
-            hidden_states = block(hidden_states)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states})
-        return self.ln_f(hidden_states)
+        def embed():
+            tokens = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            return tokens + self.wpe(positions)
+
+        return stage_forward(self, embed, self.h, self.ln_f, intermediate_tensors)
 
 
-class GPTNeoGQAForCausalLM(nn.Module):
+class GPTNeoGQAForCausalLM(CausalLM):
     """GPT-Neo's causal LM: the model and its head (tied to the embeddings unless the config unties them)."""
 
     # transformers' separate projections → vLLM's fused one, each its shard.
@@ -167,27 +134,4 @@ class GPTNeoGQAForCausalLM(nn.Module):
             ".attention.v_proj": (".attention.qkv_proj", "v"),
         }
     )
-
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.transformer = GPTNeoGQAModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "transformer"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.transformer.wte)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.transformer.make_empty_intermediate_tensors
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.transformer.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        return self.transformer(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights):
-        """The checkpoint's tensors, Q, K and V into the fused projection."""
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+    model_class = GPTNeoGQAModel

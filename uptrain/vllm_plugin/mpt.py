@@ -15,19 +15,15 @@ import math
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.distributed import get_pp_group
-from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import (
-    AutoWeightsLoader,
     make_empty_intermediate_tensors_factory,
     make_layers,
-    maybe_prefix,
 )
-from vllm.sequence import IntermediateTensors
+
+from .attention import FusedQKVAttention
+from .causal_lm import CausalLM, stage_forward
 
 
 def mpt_alibi_slopes(heads: int, alibi_bias_max: float) -> torch.Tensor:
@@ -47,44 +43,23 @@ def attention_setting(config, name: str):
     return attn.get(name) if isinstance(attn, dict) else getattr(attn, name, None)
 
 
-class MptGQAAttention(nn.Module):
+class MptGQAAttention(FusedQKVAttention):
     """MPT's attention over `num_key_value_heads` KV heads: fused QKV, clipped, ALiBi."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        hidden, heads, kv_heads = config.d_model, config.n_heads, config.num_key_value_heads
-        tp = get_tensor_model_parallel_world_size()
-        head_dim = hidden // heads
-        local_heads, local_kv = heads // tp, max(1, kv_heads // tp)
-        self.Wqkv = QKVParallelLinear(
-            hidden, head_dim, heads, kv_heads, bias=False, quant_config=quant_config, prefix=f"{prefix}.Wqkv"
-        )
-        self.out_proj = RowParallelLinear(
-            hidden, hidden, bias=False, quant_config=quant_config, prefix=f"{prefix}.out_proj"
-        )
-        self.q_size, self.kv_size = local_heads * head_dim, local_kv * head_dim
-        self.clip_qkv = attention_setting(config, "clip_qkv")
-        scale = attention_setting(config, "softmax_scale") or 1 / math.sqrt(head_dim)
-        first = get_tensor_model_parallel_rank() * local_heads
-        slopes = mpt_alibi_slopes(heads, attention_setting(config, "alibi_bias_max") or 8)
-        self.attn = Attention(
-            local_heads,
-            head_dim,
-            scale,
-            num_kv_heads=local_kv,
-            alibi_slopes=slopes[first : first + local_heads].tolist(),
+        super().__init__(
+            config.d_model,
+            config.n_heads,
+            config.num_key_value_heads,
+            names=("Wqkv", "out_proj"),
+            biases=(False, False),
+            scale=attention_setting(config, "softmax_scale"),  # None: 1/√d
+            slopes=mpt_alibi_slopes(config.n_heads, attention_setting(config, "alibi_bias_max") or 8),
+            clip=attention_setting(config, "clip_qkv"),
             cache_config=cache_config,
             quant_config=quant_config,
-            prefix=f"{prefix}.attn",
+            prefix=prefix,
         )
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.Wqkv(hidden_states)
-        if self.clip_qkv:
-            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out, _ = self.out_proj(self.attn(q, k, v))
-        return out
 
 
 class MptGQAMLP(nn.Module):
@@ -148,42 +123,18 @@ class MptGQAModel(nn.Module):
         return self.wte(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        if get_pp_group().is_first_rank:
-            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        else:
-            hidden_states = intermediate_tensors["hidden_states"]
-        for block in self.blocks[self.start_layer : self.end_layer]:
-            hidden_states = block(hidden_states)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states})
-        return self.norm_f(hidden_states)
+        def embed():
+            return inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+
+        return stage_forward(self, embed, self.blocks, self.norm_f, intermediate_tensors)
 
 
-class MptGQAForCausalLM(nn.Module):
+class MptGQAForCausalLM(CausalLM):
     """MPT's causal LM: the model and its head (tied to the embeddings unless the config unties them)."""
 
+    model_class = MptGQAModel
+
     def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        if not attention_setting(config, "alibi"):
+        if not attention_setting(vllm_config.model_config.hf_config, "alibi"):
             raise ValueError("uptrain's vLLM mpt_gqa serves MPT with ALiBi (as transformers' MPT computes it)")
-        self.config = config
-        self.transformer = MptGQAModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "transformer"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.d_model, prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.transformer.wte)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.transformer.make_empty_intermediate_tensors
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.transformer.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        return self.transformer(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights):
-        """The checkpoint's tensors by their transformers names."""
-        return AutoWeightsLoader(self).load_weights(weights)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)

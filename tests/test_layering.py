@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Marian, Whisper); importing it registers them with transformers.
     ("modeling", ("uptrain.modeling.*",)),
     # vLLM model classes for the GQA architectures (`vllm.general_plugins` entry point); imports vLLM.
-    ("serving", ("uptrain.vllm_plugin",)),
+    ("serving", ("uptrain.vllm_plugin.*",)),
     ("convert", ("uptrain.convert.*",)),
     ("train", ("uptrain.train.*",)),
     # Inference speed and KV-cache memory of a checkpoint (`uptrain speed`; compare reports it).

@@ -7,7 +7,12 @@ prints what the engine served: the greedy tokens of each prompt, the KV cache ca
 vLLM reports, the model class it used, and how long the engine took to start, or the one line its failure gave. The
 last line of stdout is the JSON of every case. Imports only vLLM (and what it imports).
 
-SPEC = {"cases": {name: folder}, "prompts": [[…]], "new_tokens": n, "max_model_len": n}.
+SPEC = {"cases": {name: folder}, "prompts": [[…]], "new_tokens": n, "max_model_len": n,
+"speech_cases": {name: folder}, "speech": {"waveforms": file.npy, "sampling_rate": n,
+"decoder_prompts": [[…]]}}: a speech case (Whisper) is served each waveform of the .npy file
+(one a row) with its decoder prompt, through vLLM's audio processing, with the checkpoint's
+tokenizer (vLLM's Whisper processor needs one). A case also reports the KV heads of each
+attention layer vLLM cached (`kv_heads`: layer name → heads, cross-attention's too).
 """
 
 from __future__ import annotations
@@ -18,21 +23,54 @@ import sys
 import time
 
 
-def serve(folder: str, spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+def text_prompts(spec: dict) -> list:
     from vllm.inputs import TokensPrompt
 
+    return [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+
+
+def speech_prompts(spec: dict) -> list:
+    """Each waveform as the encoder's audio, its decoder prompt as given (token ids)."""
+    import numpy as np
+    from vllm.inputs import TokensPrompt
+
+    speech = spec["speech"]
+    waveforms = np.load(speech["waveforms"])
+    rate = speech["sampling_rate"]
+    return [
+        {
+            # The encoder's prompt is a placeholder its processor replaces by the audio's frames.
+            "encoder_prompt": TokensPrompt(prompt_token_ids=[0], multi_modal_data={"audio": (wave, rate)}),
+            "decoder_prompt": TokensPrompt(prompt_token_ids=ids),
+        }
+        for wave, ids in zip(waveforms, speech["decoder_prompts"])
+    ]
+
+
+def cached_kv_heads(llm) -> dict[str, int]:
+    """Layer name → the KV heads of each attention layer that has a cache (vLLM's own record of
+    the layers it built; the engine runs in this process)."""
+    layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return {name: layer.num_kv_heads for name, layer in layers.items() if hasattr(layer, "num_kv_heads")}
+
+
+def serve(folder: str, spec: dict, speech: bool = False) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    prompts = speech_prompts(spec) if speech else text_prompts(spec)
     started = time.monotonic()
     try:
         llm = LLM(
             model=folder,
             trust_remote_code=True,
             dtype="float32",
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not speech,  # vLLM's Whisper processor needs the tokenizer
             enforce_eager=True,  # no torch.compile: minutes per engine on CPU, and the same arithmetic
             max_model_len=spec["max_model_len"],
-            max_num_seqs=len(spec["prompts"]),
+            max_num_seqs=len(prompts),
+            # A whole audio's encoder frames (1500) in one step: vLLM does not chunk them.
+            max_num_batched_tokens=2048 if speech else None,
             seed=0,
         )
     except Exception as error:  # noqa: BLE001  the refusal is the result: its last line is compared
@@ -41,13 +79,13 @@ def serve(folder: str, spec: dict) -> dict:
         return {"error": f"{type(error).__name__}: {lines[-1] if lines else ''}"}
     start_seconds = time.monotonic() - started
     cache = llm.llm_engine.vllm_config.cache_config
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     greedy = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True, detokenize=False)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     result = {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
         "kv_tokens": cache.num_gpu_blocks * cache.block_size,
         "architecture": llm.llm_engine.vllm_config.model_config.architecture,  # the class vLLM used
+        "kv_heads": cached_kv_heads(llm),
         "start_seconds": round(start_seconds, 1),
     }
     del llm
@@ -62,8 +100,10 @@ def main() -> None:
     import vllm
 
     results = {"vllm": vllm.__version__, "import_seconds": round(time.monotonic() - started, 1), "cases": {}}
-    for name, folder in spec["cases"].items():
-        results["cases"][name] = serve(folder, spec)
+    cases = [(name, folder, False) for name, folder in spec["cases"].items()]
+    cases += [(name, folder, True) for name, folder in spec.get("speech_cases", {}).items()]
+    for name, folder, speech in cases:
+        results["cases"][name] = serve(folder, spec, speech)
         print(name, results["cases"][name], file=sys.stderr, flush=True)
     print(json.dumps(results))
 

@@ -1,0 +1,71 @@
+"""The attention the plugin's GPT-2, BLOOM, MPT and GPT-Neo share: vLLM's attention layer over G
+KV heads behind one fused QKV projection of h query and G KV heads and an output projection,
+both tensor-parallel (fewer KV heads than ranks: each rank holds a replica of one, vLLM's rule
+for GQA). Each family names its projections as its checkpoint does and gives its score scale,
+its ALiBi slopes, its window or its clip."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+
+class FusedQKVAttention(nn.Module):
+    """`names`: the (fused QKV, output) projections' names. `slopes`: every query head's ALiBi
+    slope (this rank's are taken); `window`: a sliding window (keys up to the query, counted);
+    `clip`: the fused projection's output clamped to ±clip."""
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        *,
+        names: tuple[str, str],
+        biases: tuple[bool, bool],
+        scale: float | None = None,
+        slopes: torch.Tensor | None = None,
+        window: int | None = None,
+        clip: float | None = None,
+        cache_config=None,
+        quant_config=None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        head_dim = hidden // heads
+        local_heads, local_kv = heads // tp, max(1, kv_heads // tp)
+        self.qkv_name, self.out_name = names
+        qkv = QKVParallelLinear(
+            hidden, head_dim, heads, kv_heads, bias=biases[0], quant_config=quant_config, prefix=f"{prefix}.{names[0]}"
+        )
+        out = RowParallelLinear(
+            hidden, hidden, bias=biases[1], quant_config=quant_config, prefix=f"{prefix}.{names[1]}"
+        )
+        self.add_module(self.qkv_name, qkv)
+        self.add_module(self.out_name, out)
+        self.q_size, self.kv_size = local_heads * head_dim, local_kv * head_dim
+        self.clip = clip
+        first = get_tensor_model_parallel_rank() * local_heads
+        self.attn = Attention(
+            local_heads,
+            head_dim,
+            head_dim**-0.5 if scale is None else scale,
+            num_kv_heads=local_kv,
+            alibi_slopes=None if slopes is None else slopes[first : first + local_heads].tolist(),
+            per_layer_sliding_window=window,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = getattr(self, self.qkv_name)(hidden_states)
+        if self.clip:
+            qkv = qkv.clamp(min=-self.clip, max=self.clip)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out, _ = getattr(self, self.out_name)(self.attn(q, k, v))
+        return out

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--kv-heads", type=int, nargs="+", default=None, metavar="G", help="KV head counts (default 2 1; --quick: 1)"
     )
     parser.add_argument(
-        "--task-examples", type=int, default=None, help="examples per task (default 128; --quick 4; 0: no tasks)"
+        "--task-examples", type=int, default=None, help="examples per task (default 64; --quick 4; 0: no tasks)"
     )
     parser.add_argument(
         "--quick", action="store_true", help="tiny settings for a test: G = 1, blocks of 32 tokens, a five-step budget"
@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.eval_every = args.eval_every or (QUICK_EVAL_EVERY if args.quick else EVAL_EVERY[args.reference])
     args.kv_heads = args.kv_heads or (QUICK_KV_HEADS if args.quick else [2, 1])
     if args.task_examples is None:
-        args.task_examples = QUICK_TASK_EXAMPLES if args.quick else 128
+        args.task_examples = QUICK_TASK_EXAMPLES if args.quick else 64
     if not 0 < args.fraction <= 1 or args.eval_every < 1 or args.task_examples < 0:
         parser.error("--fraction must be in (0, 1], --eval-every at least 1 and --task-examples at least 0")
     return args

@@ -304,7 +304,7 @@ def print_task_table(study: dict) -> None:
         rows.append(row)
     what = "; ".join(f"{t['slug']}: {t['what']}" for t in tasks)
     count = study["runs"][0]["tasks"]["after"][tasks[0]["slug"]]["examples"]
-    print(f"\ntask scores after uptraining (0–100, {count} examples each; {what})")
+    print(f"\ntask scores, α = 0 → after uptraining (0–100, {count} examples each; {what})")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))

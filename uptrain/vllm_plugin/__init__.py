@@ -16,7 +16,9 @@ module a family:
   cross-attention, whose cache over the encoder's 1500 frames is where GQA saves most.
 
 `attention` holds the fused-QKV attention over G KV heads that GPT-2, BLOOM, MPT and GPT-Neo
-share, `causal_lm` the causal-LM wrapper of the two built of vLLM's layers.
+share, BLOOM's ALiBi slopes and the repacking of a fused QKV grouped per KV head (BLOOM's and
+Falcon's); `causal_lm` a pipeline stage's blocks and the head on the model (every decoder-only
+family's) and the causal-LM wrapper of the two built of vLLM's layers.
 
 Importing this package imports nothing of vLLM; `register` (which vLLM calls in each of its
 processes) imports the modules and registers their classes themselves: vLLM inspects a class

@@ -2,15 +2,44 @@
 KV heads behind one fused QKV projection of h query and G KV heads and an output projection,
 both tensor-parallel (fewer KV heads than ranks: each rank holds a replica of one, vLLM's rule
 for GQA). Each family names its projections as its checkpoint does and gives its score scale,
-its ALiBi slopes, its window or its clip."""
+its ALiBi slopes, its window or its clip. Beside it, what BLOOM and Falcon share: BLOOM's ALiBi
+slopes and the repacking of their fused QKV, grouped per KV head, to vLLM's `[Q | K | V]`."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """BLOOM's ALiBi slope of each query head (float32, as transformers computes them): powers
+    of 2^(-8/n) for the n = largest power of two ≤ heads, then odd powers of 2^(-4/n) for the rest."""
+    closest = 2 ** math.floor(math.log2(heads))
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    if closest != heads:
+        extra = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        odd = torch.arange(1, 1 + 2 * (heads - closest), 2, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra, odd)])
+    return slopes
+
+
+def qkv_of_grouped_rows(weights, heads: int, kv_heads: int):
+    """The checkpoint's tensors, each `query_key_value` (weight or bias) whose rows are grouped
+    per KV head, `[G, r + 2, d]` (its r = h / G query heads, its K, its V: BLOOM's and Falcon's
+    GQA layout), repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits."""
+    r = heads // kv_heads
+    for name, w in weights:
+        if "query_key_value" in name:
+            grouped = w.view(kv_heads, r + 2, -1, *w.shape[1:])
+            q, k, v = (part.reshape(-1, *w.shape[1:]) for part in (grouped[:, :r], grouped[:, r], grouped[:, r + 1]))
+            w = torch.cat([q, k, v])
+        yield name, w
 
 
 class FusedQKVAttention(nn.Module):

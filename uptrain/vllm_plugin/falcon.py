@@ -21,9 +21,10 @@ from vllm.model_executor.layers.layernorm import LayerNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models import falcon
-from vllm.model_executor.models.utils import AutoWeightsLoader, make_layers
+from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from .bloom import alibi_slopes, qkv_of_grouped_rows
+from .attention import alibi_slopes, qkv_of_grouped_rows
+from .causal_lm import attach_head, stage_blocks
 
 
 class FalconGQAAttention(falcon.FalconAttention):
@@ -120,17 +121,8 @@ class FalconGQAModel(nn.Module):
         self.config = config
         self.embed_dim, self.num_heads, self.use_alibi = config.hidden_size, config.num_attention_heads, config.alibi
         self.word_embeddings = falcon.VocabParallelEmbedding(config.vocab_size, self.embed_dim)
-        self.start_layer, self.end_layer, self.h = make_layers(
-            config.num_hidden_layers,
-            lambda prefix: FalconGQADecoderLayer(
-                config, vllm_config.cache_config, vllm_config.quant_config, prefix=prefix
-            ),
-            prefix=f"{prefix}.h",
-        )
+        self.h = stage_blocks(self, FalconGQADecoderLayer, vllm_config=vllm_config, prefix=f"{prefix}.h")
         self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.make_empty_intermediate_tensors = falcon.make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
-        )
 
     def load_weights(self, weights):
         """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` repacked to `[Q | K | V]`."""
@@ -143,18 +135,13 @@ class FalconGQAForCausalLM(falcon.FalconForCausalLM):
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         nn.Module.__init__(self)
-        config = vllm_config.model_config.hf_config
-        self.config, self.quant_config = config, vllm_config.quant_config
-        self.transformer = FalconGQAModel(vllm_config=vllm_config, prefix=falcon.maybe_prefix(prefix, "transformer"))
         # Falcon configs before tie_word_embeddings tied them (vLLM's Falcon's default).
-        self.tie_word_embeddings = config.tie_word_embeddings is not False
-        self.lm_head = falcon.ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            quant_config=self.quant_config,
-            prefix=falcon.maybe_prefix(prefix, "lm_head"),
+        self.tie_word_embeddings = vllm_config.model_config.hf_config.tie_word_embeddings is not False
+        attach_head(
+            self,
+            FalconGQAModel,
+            vllm_config=vllm_config,
+            prefix=prefix,
+            embeddings="word_embeddings",
+            tied=self.tie_word_embeddings,
         )
-        if self.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.transformer.word_embeddings)
-        self.logits_processor = falcon.LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.transformer.make_empty_intermediate_tensors

@@ -10,9 +10,10 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.layernorm import LayerNorm
 from vllm.model_executor.models import gpt2
-from vllm.model_executor.models.utils import AutoWeightsLoader, make_layers
+from vllm.model_executor.models.utils import AutoWeightsLoader
 
 from .attention import FusedQKVAttention
+from .causal_lm import attach_head, stage_blocks
 
 
 class GPT2GQAAttention(FusedQKVAttention):
@@ -66,15 +67,8 @@ class GPT2GQAModel(nn.Module):
             config.vocab_size, self.embed_dim, quant_config=vllm_config.quant_config, prefix=f"{prefix}.wte"
         )
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
-        self.start_layer, self.end_layer, self.h = make_layers(
-            config.num_hidden_layers,
-            lambda prefix: GPT2GQABlock(config, vllm_config.cache_config, vllm_config.quant_config, prefix=prefix),
-            prefix=f"{prefix}.h",
-        )
+        self.h = stage_blocks(self, GPT2GQABlock, vllm_config=vllm_config, prefix=f"{prefix}.h")
         self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.make_empty_intermediate_tensors = gpt2.make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.n_embd
-        )
 
     def load_weights(self, weights):
         """The checkpoint's tensors, GPT-2's Conv1D weights (stored `[in, out]`) transposed to the
@@ -91,14 +85,5 @@ class GPT2GQAForCausalLM(gpt2.GPT2LMHeadModel):
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         nn.Module.__init__(self)
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.quant_config = vllm_config.quant_config
-        self.transformer = GPT2GQAModel(vllm_config=vllm_config, prefix=gpt2.maybe_prefix(prefix, "transformer"))
-        self.lm_head = gpt2.ParallelLMHead(
-            config.vocab_size, config.hidden_size, quant_config=self.quant_config, prefix=f"{prefix}.lm_head"
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.transformer.wte)
-        self.logits_processor = gpt2.LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.transformer.make_empty_intermediate_tensors
+        tied = vllm_config.model_config.hf_config.tie_word_embeddings
+        attach_head(self, GPT2GQAModel, vllm_config=vllm_config, prefix=prefix, embeddings="wte", tied=tied)

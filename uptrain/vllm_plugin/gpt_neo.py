@@ -18,14 +18,10 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.utils import (
-    WeightsMapper,
-    make_empty_intermediate_tensors_factory,
-    make_layers,
-)
+from vllm.model_executor.models.utils import WeightsMapper
 
 from .attention import FusedQKVAttention
-from .causal_lm import CausalLM, stage_forward
+from .causal_lm import TOKEN_DIMS, CausalLM, stage_blocks, stage_forward
 
 
 class GPTNeoGQASelfAttention(nn.Module):
@@ -68,13 +64,19 @@ class GPTNeoGQAMLP(nn.Module):
         return down
 
 
+def layer_index(prefix: str) -> int:
+    """The layer number make_layers puts at the end of each layer's prefix (`….h.3`)."""
+    return int(prefix.rsplit(".", 1)[-1])
+
+
 class GPTNeoGQABlock(nn.Module):
     """GPT-Neo's block: attention and MLP, each after a layer norm, each added to the stream."""
 
-    def __init__(self, config, layer: int, cache_config=None, quant_config=None, prefix: str = ""):
+    def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__()
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
-        window = config.window_size if config.attention_layers[layer] == "local" else None
+        local = config.attention_layers[layer_index(prefix)] == "local"
+        window = config.window_size if local else None
         self.ln_1 = nn.LayerNorm(hidden, eps=eps)
         self.attn = GPTNeoGQASelfAttention(config, window, cache_config, quant_config, prefix=f"{prefix}.attn")
         self.ln_2 = nn.LayerNorm(hidden, eps=eps)
@@ -85,32 +87,18 @@ class GPTNeoGQABlock(nn.Module):
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
-def layer_index(prefix: str) -> int:
-    """The layer number make_layers puts at the end of each layer's prefix (`….h.3`)."""
-    return int(prefix.rsplit(".", 1)[-1])
-
-
-# The dimension of each argument that varies with the batch's tokens (spelled out: this module's
-# annotations are strings, which the decorator does not read).
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0})
+@support_torch_compile(dynamic_arg_dims=TOKEN_DIMS)
 class GPTNeoGQAModel(nn.Module):
     """GPT-Neo's model: token and learned position embeddings, the blocks, a final layer norm."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
-        config, cache, quant = vllm_config.model_config.hf_config, vllm_config.cache_config, vllm_config.quant_config
+        config = vllm_config.model_config.hf_config
         self.config = config
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.start_layer, self.end_layer, self.h = make_layers(
-            config.num_layers,
-            lambda prefix: GPTNeoGQABlock(config, layer_index(prefix), cache, quant, prefix=prefix),
-            prefix=f"{prefix}.h",
-        )
+        self.h = stage_blocks(self, GPTNeoGQABlock, vllm_config=vllm_config, prefix=f"{prefix}.h")
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
-        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)

@@ -17,13 +17,9 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.utils import (
-    make_empty_intermediate_tensors_factory,
-    make_layers,
-)
 
 from .attention import FusedQKVAttention
-from .causal_lm import CausalLM, stage_forward
+from .causal_lm import TOKEN_DIMS, CausalLM, stage_blocks, stage_forward
 
 
 def mpt_alibi_slopes(heads: int, alibi_bias_max: float) -> torch.Tensor:
@@ -98,9 +94,7 @@ class MptGQABlock(nn.Module):
         return hidden_states + self.ffn(self.norm_2(hidden_states))
 
 
-# The dimension of each argument that varies with the batch's tokens (spelled out: this
-# module's annotations are strings, which the decorator does not read).
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0})
+@support_torch_compile(dynamic_arg_dims=TOKEN_DIMS)
 class MptGQAModel(nn.Module):
     """MPT's model: token embeddings (no positions: ALiBi), the blocks, a bias-free final norm."""
 
@@ -109,15 +103,8 @@ class MptGQAModel(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model)
-        self.start_layer, self.end_layer, self.blocks = make_layers(
-            config.n_layers,
-            lambda prefix: MptGQABlock(config, vllm_config.cache_config, vllm_config.quant_config, prefix=prefix),
-            prefix=f"{prefix}.blocks",
-        )
+        self.blocks = stage_blocks(self, MptGQABlock, vllm_config=vllm_config, prefix=f"{prefix}.blocks")
         self.norm_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon, bias=False)
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.d_model
-        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)

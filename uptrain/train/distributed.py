@@ -188,9 +188,9 @@ def leave_together(accelerator) -> None:
     1 launch in 20 of tests/train/test_fsdp.py, the backtrace in the commit message). A gloo
     barrier keeps (weak) references to every collective still queued, running or not yet released
     by its worker when it is issued, so those are freed when the barrier is; the main thread keeps
-    this one until the interpreter clears this module, so its worker never drops its last
-    reference, and it and the collectives it holds are freed on the main thread. Under NCCL the
-    run ends as accelerate ends it.
+    this one until the interpreter clears this module, so the reference its worker drops right
+    after it completes is not the last (no GIL needed), and it and the collectives it holds are
+    freed on the main thread. Under NCCL the run ends as accelerate ends it.
     """
     for tracker in accelerator.trackers:
         tracker.finish()

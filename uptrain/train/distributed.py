@@ -5,7 +5,8 @@ on a machine without GPUs becomes N independent single-process runs (or, with
 `ACCELERATE_USE_CPU=1`, DDP). `make_accelerator` turns each such mismatch into one line before
 anything is written. `place_teacher` shards the distillation teacher under FSDP2 instead of
 copying it whole to every GPU. `MainProcessWait` lets the other processes wait for the main
-process's conversion longer than the collectives' timeout.
+process's conversion longer than the collectives' timeout. `leave_together` ends a finished run
+on every process without a gloo worker thread still holding Python tensors at interpreter exit.
 """
 
 from __future__ import annotations
@@ -166,6 +167,38 @@ class MainProcessWait:
         finally:
             torch.distributed.destroy_process_group(self.group)
             self.group = None
+
+
+# The last barrier of a finished gloo run, held by the main thread until the interpreter clears
+# this module (see `leave_together`); at most one, the latest run's.
+_last_barrier: list = []
+
+
+def leave_together(accelerator) -> None:
+    """End a finished run on every process: finish the trackers, meet at a last barrier, then
+    destroy the process group. Call it only once every process has finished (a failed process
+    must not wait for the others: use `accelerator.end_training()` there).
+
+    Why a barrier whose work is kept: a gloo worker thread drops its reference to a collective
+    after the caller's `wait()` has returned, and when that is the last reference it frees the
+    collective's tensors, which takes the GIL (they have Python objects). A worker that asks for
+    the GIL once the interpreter is finalizing is ended by Python (`pthread_exit`) inside that C++
+    destructor: std::terminate, "terminate called without an active exception", SIGABRT, after a
+    run that had finished (a process with little left to do after the run's last barrier; about
+    1 launch in 20 of tests/train/test_fsdp.py, the backtrace in the commit message). A gloo
+    barrier keeps (weak) references to every collective still queued, running or not yet released
+    by its worker when it is issued, so those are freed when the barrier is; the main thread keeps
+    this one until the interpreter clears this module, so the reference its worker drops right
+    after it completes is not the last (no GIL needed), and it and the collectives it holds are
+    freed on the main thread. Under NCCL the run ends as accelerate ends it.
+    """
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    if accelerator.num_processes > 1 and torch.distributed.get_backend() == "gloo":
+        barrier = torch.distributed.barrier(async_op=True)
+        barrier.wait()
+        _last_barrier[:] = [barrier]  # a previous run's is freed here, on the main thread
+    accelerator.state.destroy_process_group()
 
 
 def teacher_dtype(accelerator) -> torch.dtype:

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from uptrain.checkpoint.atomic import check_apart
 from uptrain.train.checkpoint import load_checkpoint, load_data_state, save_checkpoint
 from uptrain.train.config import TrainConfig
+from uptrain.train.distributed import leave_together
 from uptrain.train.report import RemainingTime, log_record, non_finite, perf_metrics, print_plan, save_final
 from uptrain.train.rundir import hold_run_dir
 from uptrain.train.setup import Progress, Run, setup
@@ -58,9 +59,12 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
     print_plan(run)
     _start_trackers(run)
     try:
-        return _train(run, on_step)
-    finally:
-        acc.end_training()
+        final = _train(run, on_step)
+    except BaseException:
+        acc.end_training()  # no barrier: the other processes may have failed too, or be gone
+        raise
+    leave_together(acc)  # every process finished: leave at a last barrier (see its docstring)
+    return final
 
 
 def _resume(run: Run) -> None:

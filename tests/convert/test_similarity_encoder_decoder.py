@@ -132,3 +132,42 @@ def test_in_memory_similarity_equals_the_checkpoint(tmp_path):
     in_memory = convert_model(model, G, grouping="similarity", attention=ALL, calibration=calibration).state_dict()
     for tensor_name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(in_memory[tensor_name], tensor), tensor_name
+
+
+def _cross_layer(model, layer: int):
+    from uptrain.convert.calibrated import LayerAttention
+
+    attn = model.model.decoder.layers[layer].encoder_attn
+    heads, d = attn.num_heads, attn.head_dim
+
+    def f64(t):
+        return t.detach().double()
+
+    return LayerAttention(
+        *(f64(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)),
+        *(f64(m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d,
+        rotary_dim=0,
+    )
+
+
+def test_cross_attention_heads_are_compared_under_the_encoder_output(tmp_path):
+    """With calibration, cross-attention's K/V heads are compared under the moment of what they
+    read, the encoder's output — not the decoder states its queries read."""
+    from uptrain.convert.calibrated import head_similarity, similarity_order
+
+    model = build("bart")
+    model.save_pretrained(tmp_path / "src")
+    calibration = moments_of(model, "bart")
+    g = 4  # pairs of heads: in this model the pairs differ between the two moments, in every layer
+    out = similarity(tmp_path / "src", tmp_path / "out", g, calibration, attention="cross")
+    recorded = json.loads((out / "uptrain.json").read_text())["attentions"]["cross"]["kv_head_order"]
+    encoder_output = calibration.moments["cross.keys_values"].double()
+    assert len(recorded) == model.config.decoder_layers
+    for i, order in recorded.items():
+        layer = _cross_layer(model, int(i))
+        decoder_states = calibration.moments[f"cross.{i}"].double()  # what the layer's queries read
+        assert order == similarity_order(head_similarity(layer, encoder_output), g)
+        assert order != similarity_order(head_similarity(layer, decoder_states), g)

@@ -171,3 +171,13 @@ def test_cross_attention_heads_are_compared_under_the_encoder_output(tmp_path):
         decoder_states = calibration.moments[f"cross.{i}"].double()  # what the layer's queries read
         assert order == similarity_order(head_similarity(layer, encoder_output), g)
         assert order != similarity_order(head_similarity(layer, decoder_states), g)
+
+
+def test_the_records_shared_bias_is_the_modelings():
+    """`position_bias_shared`, which decides the refusal, says what the GQA modeling does."""
+    from uptrain.modeling.modeling_t5_gqa import T5GQAAttention
+    from uptrain.modeling.modeling_umt5_gqa import UMT5GQAAttention
+
+    for model_type, attention_class in (("t5", T5GQAAttention), ("mt5", T5GQAAttention), ("umt5", UMT5GQAAttention)):
+        assert architecture(model_type).position_bias_shared == (not attention_class.bias_in_every_layer), model_type
+    assert not any(architecture(t).position_bias_shared for t in ("bart", "whisper", "llama", "gpt2"))

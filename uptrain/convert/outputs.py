@@ -283,7 +283,7 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
     # Renumbering moves whole query heads: q and o rows/columns, and a per-layer position bias's columns.
     moved = (
         f" except for the renumbering of heads (`{site.q_proj}` rows, `{site.o_proj}` columns"
-        + (", each layer's own relative position bias's columns" if site.query_head_tensors else "")
+        + (", the columns of a layer's own relative position bias where it has one" if site.query_head_tensors else "")
         + ")"
         if renumbered
         else ""

@@ -15,7 +15,6 @@ import transformers
 
 import uptrain.modeling  # noqa: F401  registers t5_gqa, bart_gqa, …
 from tests.convert.test_encoder_decoder import MODELS, TOKENS, WHISPER_GEOMETRY
-from uptrain import UptrainError
 from uptrain.architecture import architecture
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
@@ -153,13 +152,6 @@ def test_cross_attention_moments_are_the_encoder_output_and_the_decoder_states()
         *(f"{a}.{i}" for a in ("encoder", "decoder-self", "cross") for i in range(2)),
     }
     assert not torch.allclose(moments["cross.0"], moments["cross.keys_values"])
-
-
-def test_similarity_grouping_is_refused_for_encoder_decoders(tmp_path):
-    build("t5").save_pretrained(tmp_path / "src")
-    with pytest.raises(UptrainError, match="--grouping similarity does not support encoder–decoders yet"):
-        convert_checkpoint(tmp_path / "src", tmp_path / "out", 2, grouping="similarity", progress=False)
-    assert not (tmp_path / "out").exists()
 
 
 def test_provenance_names_the_calibration(tmp_path):

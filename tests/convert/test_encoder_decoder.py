@@ -348,7 +348,7 @@ def fails(capsys, argv, expected: str, out: Path) -> str:
         ("t5", ["-g", 2, "--attention", "decoder"], "unknown attention 'decoder'"),
         ("t5", ["-g", 2, "--attention", ""], "unknown attention ''"),
         ("t5", ["-g", 2, "--attention", "cross,cross"], "names an attention twice"),
-        ("whisper", ["-g", 2, "--grouping", "similarity"], "does not support encoder–decoders yet"),
+        ("t5", ["-g", 2, "--grouping", "similarity"], "cannot renumber the heads of T5's decoder self-attention"),
     ],
 )
 def test_refusals(name, argv, expected, sources, capsys, tmp_path):

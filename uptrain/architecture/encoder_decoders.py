@@ -54,6 +54,7 @@ T5 = Architecture(
     init_std_key="initializer_factor",
     init_std_width_key="d_model",
     rotary=None,
+    position_bias_shared=True,  # block 0's relative_attention_bias, handed on to every block
     notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
     "(one column per query head) stays with the query heads",
 )
@@ -108,6 +109,7 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         model_type="umt5",
         name="UMT5",
         modeling=dataclasses.replace(_seq2seq_modeling("umt5", "UMT5"), siblings=("t5_family",)),
+        position_bias_shared=False,
         notes="as T5; every self-attention layer has its own relative_attention_bias (one column per "
         "query head), which stays with the query heads",
     ),

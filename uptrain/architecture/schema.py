@@ -58,8 +58,11 @@ class AttentionLayout:
     # GPT-2's Conv1D `c_proj`: the output projection's weight stored [in = h·d, out], so its
     # per-head columns are rows (whole-layer merges fold per-head maps into them).
     o_proj_transposed: bool = False
-    # Tensors of the attention module indexed by query head, which a whole-layer merge leaves as
-    # they are (T5's relative_attention_bias: one column per query head, added to the scores).
+    # Tensors of the attention module indexed by query head along their last axis (T5's
+    # relative_attention_bias: one column per query head, added to the scores). A merge leaves
+    # them as they are; renumbering heads (similarity grouping) permutes their columns with the
+    # layer's query heads, unless the architecture shares them across layers
+    # (`Architecture.position_bias_shared`).
     query_head_tensors: tuple[str, ...] = ()
     # Other spellings of `attn_prefix` found in published checkpoints (GPT-2 and BLOOM were
     # saved without the base model's "transformer." prefix; BartModel without the task model's
@@ -257,6 +260,11 @@ class Architecture:
     # true (Falcon's `alibi`; absent, false). ALiBi that depends on the distance to each key
     # alone (MPT's) takes the document mask and is not this quirk.
     alibi: bool | str = False
+    # The `query_head_tensors` of a stack's first layer serve every layer of it (T5 computes its
+    # relative position bias in block 0 and hands it on): renumbering each layer's heads
+    # differently, as similarity grouping does, would need a bias per layer the modeling does not
+    # have. False where each layer holding them reads its own (UMT5).
+    position_bias_shared: bool = False
     # The forward builds its attention mask without `position_ids` (OPT): transformers finds no
     # packed documents there, so flash and flex attention would attend across them.
     mask_ignores_positions: bool = False

@@ -387,14 +387,18 @@ def similarity_order(sim: torch.Tensor, groups: int) -> list[int]:
     return [s for group in chosen for s in group]
 
 
+def query_order(order: list[int], n_rep: int) -> list[int]:
+    """The query heads in their new order when the KV heads are renumbered to `order`: each KV
+    head's n_rep query heads move with it."""
+    return [s * n_rep + k for s in order for k in range(n_rep)]
+
+
 def permute_kv_heads(layer: LayerAttention, order: list[int]) -> LayerAttention:
     """Renumber KV heads (and the query heads that read them) — exact: Q rows, K/V rows and
     O columns move together, so the layer computes the same function."""
     d, n_rep = layer.head_dim, layer.n_rep
     kv_rows = torch.tensor([s * d + i for s in order for i in range(d)], device=layer.k_w.device)
-    q_rows = torch.tensor(
-        [(s * n_rep + k) * d + i for s in order for k in range(n_rep) for i in range(d)], device=layer.q_w.device
-    )
+    q_rows = torch.tensor([q * d + i for q in query_order(order, n_rep) for i in range(d)], device=layer.q_w.device)
 
     def rows(t, index):
         return None if t is None else t[index]

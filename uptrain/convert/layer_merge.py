@@ -29,6 +29,7 @@ from uptrain.convert.calibrated import (
     head_similarity,
     input_moment,
     permute_kv_heads,
+    query_order,
     similarity_order,
 )
 from uptrain.convert.layer_tensors import (
@@ -117,7 +118,12 @@ def whole_layer_shapes(
     }
     check_whole_layer_support(layout, strategy, grouping, geometry.model_type, extra, geometry.head_dim, prefix)
     present = {rel: tuple(tensors[prefix + rel].shape) for rel in names if prefix + rel in tensors}
-    return {prefix + rel: shape for rel, shape in merged_shapes(present, layout, geometry, g, prefix).items()}
+    shapes = {prefix + rel: shape for rel, shape in merged_shapes(present, layout, geometry, g, prefix).items()}
+    if grouping == "similarity":  # renumbered heads take their query-head tensors (UMT5's bias) along
+        for rel in layout.query_head_tensors:
+            if prefix + rel in tensors:
+                shapes[prefix + rel] = tuple(tensors[prefix + rel].shape)
+    return shapes
 
 
 @dataclass
@@ -231,9 +237,11 @@ class LayerMerger:
         solution = self.solutions.pop(layer, None)
         if solution is None:
             solution = self._solve(attention, self._second_moment(layer))
+        renumbered = {}
         if solution.order is not None:
             attention = permute_kv_heads(attention, solution.order)
             self.kv_orders[layer] = solution.order
+            renumbered = self._query_head_tensors(prefix, query_order(solution.order, attention.n_rep))
 
         def context(field: str) -> PoolingContext:
             # Row pooling of a whole layer (similarity grouping): each K/V field seeded by its name.
@@ -242,10 +250,20 @@ class LayerMerger:
 
         attention = self.strategy.pool_layer(attention, self.num_kv_heads, solution.merge, context)
         fields = {f: getattr(attention, f) for f in FIELDS}
-        return {
+        return renumbered | {
             prefix + rel: t.to(dtypes[rel]).contiguous()
             for rel, t in written_tensors(fields, self.layout, self.geometry.head_dim).items()
         }
+
+    def _query_head_tensors(self, prefix: str, queries: list[int]) -> dict[str, torch.Tensor]:
+        """The layer's tensors indexed by query head (`AttentionLayout.query_head_tensors`, along
+        their last axis), their columns in the renumbered heads' order: bits moved, none changed."""
+        out = {}
+        for rel in self.layout.query_head_tensors:
+            if prefix + rel in self.source.tensors:
+                t = self.source.read_tensor(prefix + rel)
+                out[prefix + rel] = t[..., torch.tensor(queries)].contiguous()
+        return out
 
 
 class SiteMergers:
@@ -254,7 +272,11 @@ class SiteMergers:
 
     def __init__(self, mergers: dict[str, LayerMerger]):
         self.mergers = mergers
-        self.kv_orders: dict[int, list[int]] = {}  # similarity grouping: decoder-only models only
+
+    @property
+    def kv_orders(self) -> dict[str, dict[int, list[int]]]:
+        """Similarity grouping: per attention renumbered, layer → its source KV heads in their new order."""
+        return {name: merger.kv_orders for name, merger in self.mergers.items() if merger.kv_orders}
 
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         for merger in self.mergers.values():

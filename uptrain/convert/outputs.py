@@ -22,6 +22,7 @@ from uptrain.checkpoint.source import ResolvedSource, portable
 from uptrain.convert.grouping import kv_groups, query_to_kv
 from uptrain.convert.plan import ATTENTION_NAMES, ConversionPlan
 from uptrain.convert.pooling import Strategy
+from uptrain.model_info import AttentionGeometry
 
 # Files besides the weights that make the output a usable checkpoint, and the licence terms
 # the source was published under (they bind the converted model too).
@@ -91,13 +92,19 @@ def provenance(
     plan: ConversionPlan,
     dtype: str | None,
     grouping: str = "contiguous",
-    kv_orders: dict[int, list[int]] | None = None,
+    kv_orders: dict | None = None,
     calibration: dict | None = None,
 ) -> dict:
     """The `uptrain.json` record of a conversion: where from (with the Hub commit), how, and the
     groups actually merged. The source is named portably (`ResolvedSource.name`: its Hub id, else
-    its folder's name), with `base_model` the Hub id it derives from where one is known."""
+    its folder's name), with `base_model` the Hub id it derives from where one is known.
+
+    `kv_orders` (similarity grouping): layer → source KV heads in their new order; an
+    encoder–decoder's per attention renumbered (`SiteMergers.kv_orders`)."""
     geo = plan.geometry
+    site_orders: dict[str, dict[int, list[int]]] = {}
+    if plan.encoder_decoder:  # the top-level fields are the decoder self-attention's
+        site_orders, kv_orders = kv_orders or {}, (kv_orders or {}).get(DECODER_SELF)
     record = {
         "uptrain_version": uptrain.__version__,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -123,20 +130,12 @@ def provenance(
         after = plan.kv_heads_after()
         record.update(
             num_attention_heads=geo.num_heads,
-            num_key_value_heads=after["decoder-self"],
-            kv_groups=kv_groups(geo.num_kv_heads, after["decoder-self"]),
-            query_to_kv=query_to_kv(geo.num_heads, after["decoder-self"]),
+            num_key_value_heads=after[DECODER_SELF],
+            kv_groups=groups_used(geo.num_kv_heads, after[DECODER_SELF], kv_orders),
+            query_to_kv=query_to_kv(geo.num_heads, after[DECODER_SELF]),
             attention=list(plan.attention),
             attentions={
-                name: {
-                    "num_layers": stack.geometry.num_layers,
-                    "num_attention_heads": stack.geometry.num_heads,
-                    "head_dim": stack.geometry.head_dim,
-                    "source_num_key_value_heads": stack.geometry.num_kv_heads,
-                    "num_key_value_heads": after[name],
-                    "kv_groups": kv_groups(stack.geometry.num_kv_heads, after[name]),
-                    "query_to_kv": query_to_kv(stack.geometry.num_heads, after[name]),
-                }
+                name: _attention_record(stack.geometry, after[name], site_orders.get(name))
                 for name, stack in plan.stacks.items()
             },
         )
@@ -147,6 +146,22 @@ def provenance(
         data = calibration.get("data")
         named = ", ".join(portable(part) for part in data.split(", ")) if isinstance(data, str) else data
         record["calibration"] = {**calibration, "data": named}
+    return record
+
+
+def _attention_record(geo: AttentionGeometry, kv_heads: int, kv_orders: dict[int, list[int]] | None) -> dict:
+    """One attention's heads and groups in an encoder–decoder's record (`kv_orders`: as `groups_used`'s)."""
+    record = {
+        "num_layers": geo.num_layers,
+        "num_attention_heads": geo.num_heads,
+        "head_dim": geo.head_dim,
+        "source_num_key_value_heads": geo.num_kv_heads,
+        "num_key_value_heads": kv_heads,
+        "kv_groups": groups_used(geo.num_kv_heads, kv_heads, kv_orders),
+        "query_to_kv": query_to_kv(geo.num_heads, kv_heads),
+    }
+    if kv_orders:
+        record["kv_head_order"] = {str(k): v for k, v in sorted(kv_orders.items())}
     return record
 
 
@@ -238,6 +253,7 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
     """What a conversion did to each attention of an encoder–decoder, naming its tensors."""
     cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
     attentions, chosen = p["attentions"], p["attention"]
+    renumbered = p.get("grouping") == "similarity"
     g = p["num_key_value_heads"] if "decoder-self" in chosen else attentions[chosen[0]]["num_key_value_heads"]
     lines = []
     for name in chosen:
@@ -245,10 +261,16 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
         h, kv, new = a["num_attention_heads"], a["source_num_key_value_heads"], a["num_key_value_heads"]
         site = arch.site(name).layout
         modules = ",".join(site.kv_modules)
+        groups = (
+            f"in each layer its heads were renumbered so that KV heads reading similar input directions share "
+            f"a group, then each group of {kv // new} source KV heads became one (groups per layer: "
+            f"`attentions.{name}.kv_groups` in `uptrain.json`); after renumbering"
+            if renumbered
+            else f"each contiguous group of {kv // new} source KV heads became one (groups: {a['kv_groups']});"
+        )
         lines.append(
             f"- {ATTENTION_NAMES[name]} ({a['num_layers']} layers, {h} query heads, head_dim {a['head_dim']}): "
-            f"{kv} → {new} KV heads; each contiguous group of {kv // new} source KV heads became one "
-            f"(groups: {a['kv_groups']}); query head i reads KV head i // {h // new}. Rewritten: "
+            f"{kv} → {new} KV heads; {groups} query head i reads KV head i // {h // new}. Rewritten: "
             f"`{site.attn_prefix.format(layer='{i}')}.{{{modules}}}`."
         )
     kept = [n for n in attentions if n not in chosen]
@@ -258,6 +280,14 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
             f"(`uptrain convert --attention` chooses which attentions are pooled)."
         )
     site = arch.site(chosen[0]).layout
+    # Renumbering moves whole query heads: q and o rows/columns, and a per-layer position bias's columns.
+    moved = (
+        f" except for the renumbering of heads (`{site.q_proj}` rows, `{site.o_proj}` columns"
+        + (", the columns of a layer's own relative position bias where it has one" if site.query_head_tensors else "")
+        + ")"
+        if renumbered
+        else ""
+    )
     parts = "weights and biases" if any(rel.endswith(".bias") for rel in site.kv_rows) else "weights"
     how = {
         "mean": f"each group's K and V heads ({parts}) are averaged",
@@ -271,7 +301,7 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
         + ":\n\n"
         + "\n".join(lines)
         + f"\n\n`{p['pooling']}` pooling: {how}. `{site.q_proj}`, `{site.o_proj}` and every other tensor are "
-        f"copied unchanged{cast}. Layout: {arch.notes}."
+        f"copied unchanged{moved}{cast}. Layout: {arch.notes}."
     )
 
 

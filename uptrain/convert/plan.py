@@ -13,7 +13,7 @@ from uptrain.architecture import DECODER_SELF, Architecture, AttentionLayout, At
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry
 from uptrain.convert.grouping import check_num_kv_heads, kv_groups
-from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_option, whole_layer_shapes
+from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_shapes
 from uptrain.convert.pooling import Role, Strategy
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import AttentionGeometry
@@ -135,12 +135,9 @@ def plan_conversion(
         return cast if cast is not None and dtype.is_floating_point else dtype
 
     by_layer = merges_whole_layers(strategy, grouping)
-    if by_layer and len(stacks) > 1 and grouping != "contiguous":
-        # Renumbering heads would have to carry T5's relative position bias, one column per query
-        # head and shared by every layer, and record an order per attention.
-        raise UptrainError(
-            f"{whole_layer_option(strategy, grouping)} does not support encoder–decoders yet; use contiguous grouping"
-        )
+    if grouping == "similarity":
+        for name in attention:
+            _check_renumberable(tensors, arch, stacks[name], name)
     kv_prefixes = []
     for name in attention:
         stack = stacks[name]
@@ -164,6 +161,23 @@ def plan_conversion(
                 PlannedTensor(OutputEntry(arch.output_name(info.name), dtype, info.shape), [info.name], kind)
             )
     return plan
+
+
+def _check_renumberable(tensors: dict, arch: Architecture, stack: AttentionStack, name: str) -> None:
+    """Refuse renumbering the heads of an attention whose query-head tensors (a position bias)
+    serve every layer of its stack: each layer's heads would need the bias in its own order."""
+    if not arch.position_bias_shared:
+        return
+    layout = stack.layout
+    prefix = layout.attn_prefix_in(tensors)
+    for layer in range(stack.geometry.num_layers):
+        for rel in layout.query_head_tensors:
+            if f"{prefix.format(layer=layer)}.{rel}" in tensors:
+                raise UptrainError(
+                    f"--grouping similarity cannot renumber the heads of {arch.name}'s {ATTENTION_NAMES[name]}: "
+                    f"its {rel.split('.')[0]} (one column per query head, in layer {layer}) serves every layer, "
+                    "whose heads similarity orders differently; use contiguous grouping, or leave it out of --attention"
+                )
 
 
 def _plan_stack(

@@ -162,6 +162,27 @@ def test_provenance_names_the_calibration(tmp_path):
     assert record["pooling"] == "calibrated"
 
 
+def test_card_says_what_the_merge_rewrote_and_it_did(tmp_path):
+    """The card of a calibrated encoder–decoder names q and o as rewritten, and they are; the
+    tensors it calls unchanged are."""
+    from safetensors.torch import load_file
+
+    model = build("bart")
+    model.save_pretrained(tmp_path / "src")
+    out = calibrated(model, "bart", tmp_path / "src", tmp_path / "out", 2)
+    card = (out / "README.md").read_text()
+    assert "`calibrated` merge" in card and "own inputs" in card and "per-head d×d map folded" in card
+    assert "`q_proj` and the K and V projections (weights and biases) and the `out_proj` weights" in card
+    assert "`q_proj`, `out_proj` and every other tensor are copied unchanged" not in card
+    before, after = load_file(tmp_path / "src" / "model.safetensors"), load_file(out / "model.safetensors")
+    for name, tensor in before.items():
+        attention = ".self_attn." in name or ".encoder_attn." in name
+        rewritten = attention and (
+            any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj")) or ".out_proj.weight" in name
+        )
+        assert rewritten != torch.equal(tensor, after[name]), name
+
+
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
 def test_in_memory_merge_equals_the_checkpoint(name, tmp_path):
     """`convert_model` merges each attention from its own moments exactly as the checkpoint path."""

@@ -197,17 +197,11 @@ def _pooling_text(p: dict, arch: Architecture) -> str:
     moved = " except for the renumbering of heads" if renumbered else ""
     q, o = layout.q_proj, layout.o_proj
     if p["pooling"] == "calibrated":
-        calibration = p.get("calibration") or {}
-        data = (
-            f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
-            if calibration.get("tokens")
-            else "calibration text"
-        )
         return (
-            f"`calibrated` merge: the source model was run over {data} and the second "
+            f"`calibrated` merge: the source model was run over {_calibration_data_text(p)} and the second "
             "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
             f"with a per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
-            f"with a per-head scale for each RoPE frequency pair folded into that head's `{q}` rows. So "
+            f"{_key_maps_text(arch, q)}. So "
             f"{_names([q, *layout.kv_modules, o])} (weights and biases) of every layer are rewritten; "
             f"every other tensor is copied unchanged{cast}."
         )
@@ -229,6 +223,24 @@ def _pooling_text(p: dict, arch: Architecture) -> str:
             "copied unchanged"
         )
     return f"`{p['pooling']}` pooling: {how}. {where}{moved}{cast}."
+
+
+def _calibration_data_text(p: dict) -> str:
+    calibration = p.get("calibration") or {}
+    if calibration.get("tokens"):
+        return f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
+    return "calibration text"
+
+
+def _key_maps_text(arch: Architecture, q: str) -> str:
+    """The per-head key maps the calibrated merge folds into the queries: what rotary positions
+    leave free (a scale per frequency pair on rotated dims, any d×d map elsewhere)."""
+    if arch.rotary is None:
+        return f"with a per-head d×d map folded into that head's `{q}` rows"
+    return (
+        f"with a per-head scale for each RoPE frequency pair (and a map of the dims a partial rotary "
+        f"embedding leaves unrotated) folded into that head's `{q}` rows"
+    )
 
 
 def _renames_text(arch: Architecture) -> str:
@@ -295,13 +307,23 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
         "random": f"the K and V heads are freshly initialised (normal(0, {_random_init_text(arch)}) weights"
         + (", zero biases)" if parts != "weights" else ")"),
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
+    q, o = site.q_proj, site.o_proj
+    done = f"`{p['pooling']}` pooling: {how}. `{q}`, `{o}` and every other tensor are copied unchanged{moved}{cast}."
+    if p["pooling"] == "calibrated":
+        done = (
+            f"`calibrated` merge: the source model was run over {_calibration_data_text(p)} and the second moment "
+            "of each pooled attention's own inputs was kept (cross-attention: its queries' the decoder's states, its "
+            f"keys' and values' the encoder's output). From it, each group got one shared V projection, with a "
+            f"per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
+            f"{_key_maps_text(arch, q)}. So `{q}` and the K and V projections ({parts}) and the `{o}` weights of each "
+            f"pooled attention are rewritten; every other tensor is copied unchanged{cast}."
+        )
     return (
         f"Grouped-query attention with {g} KV heads in the "
         + " and the ".join(ATTENTION_NAMES[n] for n in chosen)
         + ":\n\n"
         + "\n".join(lines)
-        + f"\n\n`{p['pooling']}` pooling: {how}. `{site.q_proj}`, `{site.o_proj}` and every other tensor are "
-        f"copied unchanged{moved}{cast}. Layout: {arch.notes}."
+        + f"\n\n{done} Layout: {arch.notes}."
     )
 
 

@@ -25,13 +25,26 @@ from uptrain.convert import convert_checkpoint
 def test_without_vllm_one_line_says_how_to_install_it(tmp_path):
     tiny_llama(tmp_path / "llama")
     result = subprocess.run(
-        [sys.executable, "-m", "uptrain", "speed", "--engine", "vllm", str(tmp_path / "llama")],
+        [sys.executable, "-m", "uptrain", "speed", "--engine", "vllm", str(tmp_path / "llama"), "--context", "16"],
         capture_output=True,
         text=True,
     )
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "pip install 'uptrain[vllm]'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_context_beyond_the_positions_is_refused_before_vllm_is_needed(tmp_path):
+    tiny_llama(tmp_path / "llama")
+    positions = json.loads((tmp_path / "llama" / "config.json").read_text())["max_position_embeddings"]
+    result = subprocess.run(
+        [sys.executable, "-m", "uptrain", "speed", "--engine", "vllm", str(tmp_path / "llama")]
+        + ["--context", str(positions - 1), "--new-tokens", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"is beyond the model's {positions} positions" in result.stderr
 
 
 @pytest.mark.slow

@@ -72,6 +72,11 @@ class ModelShape:
         return DEFAULT_CONTEXT if context is None else context
 
     def check(self, context: int, new_tokens: int, batch: int, dtype: str, device) -> None:
+        self.check_positions(context, new_tokens)
+        self.check_cache_fits(batch, context, new_tokens, dtype, device)
+
+    def check_positions(self, context: int, new_tokens: int) -> None:
+        """Refuse a context the model's position tables do not reach."""
         if self.cross is None and self.max_positions is not None and context + new_tokens > self.max_positions:
             raise UptrainError(
                 f"{self.label}: context {context} + new tokens {new_tokens} = {context + new_tokens} "
@@ -87,7 +92,6 @@ class ModelShape:
                 raise UptrainError(
                     f"{self.label}: {new_tokens} new tokens are beyond the decoder's {self.max_positions} positions"
                 )
-        self.check_cache_fits(batch, context, new_tokens, dtype, device)
 
     def cache_bytes(self, batch: int, context: int, new_tokens: int, dtype: str) -> int:
         """The KV cache a sample fills: decoder-only, N + M positions; an encoder–decoder, M

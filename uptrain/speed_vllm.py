@@ -79,6 +79,7 @@ def measure_vllm_speed(
                 f"{shape.label}: --engine vllm measures decoder-only models (vLLM's transformers "
                 "backend does not serve encoder–decoders); drop --engine for it"
             )
+        shape.check_positions(context or DEFAULT_CONTEXT, new_tokens)  # before vLLM loads anything
     vllm = import_vllm()
     import torch
 
@@ -130,7 +131,8 @@ def _measure_one(vllm, folder, context: int, new_tokens: int, batch: int, repeat
             **engine,
         )
     except Exception as error:  # noqa: BLE001  vLLM's refusal, in one line
-        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        # The last line that says something (pydantic's errors end with a link to its docs).
+        lines = [line for line in str(error).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
         raise UptrainError(f"{folder}: vLLM cannot serve it: {lines[-1] if lines else type(error).__name__}") from None
     start_s = time.monotonic() - started
     cache = llm.llm_engine.vllm_config.cache_config

@@ -243,3 +243,18 @@ def test_a_base_model_checkpoint_calibrates_and_merges_as_the_task_model(tokeniz
     merged = [state(calibrated(src, tmp_path / f"{src.name}-out", 2, calibration_text)) for src in (full, base)]
     for name, tensor in merged[1].items():
         torch.testing.assert_close(merged[0][f"transformer.{name}"], tensor, rtol=0, atol=0)
+
+
+def test_the_card_names_what_the_merge_rewrote_and_it_did(tokenizer, calibration_text, tmp_path):
+    """OPT (no rotary, biases everywhere): q, k and v with their biases and the out_proj weights are
+    rewritten, out_proj's bias and every other tensor kept; the key maps are full d×d maps."""
+    model = build("opt", tokenizer)
+    src = save(model, tokenizer, tmp_path / "src")
+    out = calibrated(src, tmp_path / "out", 2, calibration_text)
+    card = (out / "README.md").read_text()
+    assert "a per-head d×d map folded into that head's `q_proj` rows" in card and "RoPE frequency" not in card
+    assert "`q_proj`, `k_proj` and `v_proj` (weights and biases) and the `out_proj` weights" in card
+    before, after = state(src), state(out)
+    for name, tensor in before.items():
+        projection = ".self_attn." in name and not name.endswith("out_proj.bias")
+        assert projection != torch.equal(tensor, after[name]), name

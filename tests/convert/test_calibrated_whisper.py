@@ -154,6 +154,7 @@ def test_wrong_calibration_data_is_one_line_and_writes_nothing(speech, tmp_path,
         ([str(src), "OUT", *base, str(speech)], "names no language: set `language`"),
         ([str(t5), "OUT", *base, str(speech)], "holds speech pairs (`audio`); T5's encoder reads text"),
         ([str(t5), "OUT", *base, str(text), "--language", "en"], "--language applies to Whisper's calibration"),
+        ([str(src), "OUT", "-g", "2", "--speech-task", "translate"], "--speech-task choose the prompt"),
     ]
     for i, (argv, message) in enumerate(cases):
         out = tmp_path / f"out{i}"

@@ -125,7 +125,7 @@ def test_calibrated_similarity_card_says_q_and_o_are_rewritten_and_they_are(src,
     assert record["calibration"] == {"data": "calibration.jsonl, text.txt", "tokens": 4096}
     text = (out / "README.md").read_text()
     assert "contiguous" not in text and "`q_proj`, `o_proj` and every other tensor" not in text
-    assert "`q_proj`, `k_proj`, `v_proj` and `o_proj` (weights and biases) of every layer are rewritten" in text
+    assert "`q_proj`, `k_proj` and `v_proj` (weights and biases) and the `o_proj` weights of every layer" in text
     assert "run over 4,096 tokens of `calibration.jsonl, text.txt`" in text and "renumbered" in text
     before, after = state(src), state(out)
     for layer in range(2):

@@ -202,7 +202,8 @@ def _pooling_text(p: dict, arch: Architecture) -> str:
             "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
             f"with a per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
             f"{_key_maps_text(arch, q)}. So "
-            f"{_names([q, *layout.kv_modules, o])} (weights and biases) of every layer are rewritten; "
+            f"{_names([q, *layout.kv_modules])} (weights and biases) and the `{o}` weights of every layer are "
+            "rewritten; "
             f"every other tensor is copied unchanged{cast}."
         )
     how = {

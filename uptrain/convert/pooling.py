@@ -162,8 +162,8 @@ class CalibratedMerge(WholeLayerStrategy):
 
     name = "calibrated"
     reference = (
-        "closed-form K/V merge on calibration data, per-head corrections folded into q_proj "
-        "rows (RoPE-safe complex scales) and o_proj columns"
+        "closed-form K/V merge on calibration data, per-head maps folded into the query rows "
+        "(complex scales on rotary pairs) and the output projection's columns"
     )
 
     def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor | CrossMoments):

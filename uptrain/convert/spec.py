@@ -212,6 +212,17 @@ class ConvertCommand(ConversionSpec):
     out: str = option(positional=True, help="output folder; written to a temporary sibling and renamed when complete")
     overwrite: bool = option(False, help="replace OUT if it exists")
 
+    def problems(self) -> list[str]:
+        found = super().problems()
+        calibrates = self.pooling == "calibrated" or (self.grouping == "similarity" and self.calibration_data)
+        given = [f"--{k.replace('_', '-')}" for k in ("language", "speech_task") if getattr(self, k) is not None]
+        if given and not calibrates:  # `uptrain train` frames its targets with them; a conversion only calibration
+            found.append(
+                f"{' and '.join(given)} choose the prompt of Whisper's calibration targets, and this conversion "
+                "calibrates nothing (--pooling calibrated, or --grouping similarity with --calibration-data)"
+            )
+        return found
+
     def spec(self) -> ConversionSpec:
         """The conversion alone."""
         return ConversionSpec(**{k: v for k, v in vars(self).items() if k not in ("out", "overwrite")})

@@ -66,7 +66,8 @@ def measure_vllm_speed(
     output_tokens_per_s (batch · new_tokens / time per sample), with their spread (min, max).
     `compile`: vLLM's torch.compile'd model, its default when serving (minutes per engine on a
     CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start."""
-    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=context or DEFAULT_CONTEXT)
+    length = context or DEFAULT_CONTEXT
+    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=length)
     if kv_cache_gib <= 0:
         raise UptrainError(f"--kv-cache-gib {kv_cache_gib}: give a positive size")
     if not models:
@@ -79,7 +80,7 @@ def measure_vllm_speed(
                 f"{shape.label}: --engine vllm measures decoder-only models (vLLM's transformers "
                 "backend does not serve encoder–decoders); drop --engine for it"
             )
-        shape.check_positions(context or DEFAULT_CONTEXT, new_tokens)  # before vLLM loads anything
+        shape.check_positions(length, new_tokens)  # before vLLM loads anything
     vllm = import_vllm()
     import torch
 
@@ -87,7 +88,6 @@ def measure_vllm_speed(
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise UptrainError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    length = context or DEFAULT_CONTEXT
     results = []
     for source, shape in zip(sources, shapes):
         engine = {"dtype": dtype, "kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "enforce_eager": not compile}

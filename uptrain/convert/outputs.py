@@ -199,9 +199,7 @@ def _pooling_text(p: dict, arch: Architecture) -> str:
     if p["pooling"] == "calibrated":
         return (
             f"`calibrated` merge: the source model was run over {_calibration_data_text(p)} and the second "
-            "moment of each layer's attention input was kept. From it, each group got one shared V projection, "
-            f"with a per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
-            f"{_key_maps_text(arch, q)}. So "
+            f"moment of each layer's attention input was kept. From it, {_merge_maps_text(arch, q, o)}. So "
             f"{_names([q, *layout.kv_modules])} (weights and biases) and the `{o}` weights of every layer are "
             "rewritten; "
             f"every other tensor is copied unchanged{cast}."
@@ -233,14 +231,20 @@ def _calibration_data_text(p: dict) -> str:
     return "calibration text"
 
 
-def _key_maps_text(arch: Architecture, q: str) -> str:
-    """The per-head key maps the calibrated merge folds into the queries: what rotary positions
-    leave free (a scale per frequency pair on rotated dims, any d×d map elsewhere)."""
+def _merge_maps_text(arch: Architecture, q: str, o: str) -> str:
+    """What the calibrated merge gives each group: shared V and K projections, with per-head maps
+    folded into `o` and `q`; the key maps are what rotary positions leave free (a scale per
+    frequency pair on rotated dims, any d×d map elsewhere)."""
     if arch.rotary is None:
-        return f"with a per-head d×d map folded into that head's `{q}` rows"
+        key_maps = f"with a per-head d×d map folded into that head's `{q}` rows"
+    else:
+        key_maps = (
+            f"with a per-head scale for each RoPE frequency pair (and a map of the dims a partial rotary "
+            f"embedding leaves unrotated) folded into that head's `{q}` rows"
+        )
     return (
-        f"with a per-head scale for each RoPE frequency pair (and a map of the dims a partial rotary "
-        f"embedding leaves unrotated) folded into that head's `{q}` rows"
+        f"each group got one shared V projection, with a per-head d×d map folded into that head's `{o}` "
+        f"columns, and one shared K projection, {key_maps}"
     )
 
 
@@ -314,9 +318,8 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
         done = (
             f"`calibrated` merge: the source model was run over {_calibration_data_text(p)} and the second moment "
             "of each pooled attention's own inputs was kept (cross-attention: its queries' the decoder's states, its "
-            f"keys' and values' the encoder's output). From it, each group got one shared V projection, with a "
-            f"per-head d×d map folded into that head's `{o}` columns, and one shared K projection, "
-            f"{_key_maps_text(arch, q)}. So `{q}` and the K and V projections ({parts}) and the `{o}` weights of each "
+            f"keys' and values' the encoder's output). From it, {_merge_maps_text(arch, q, o)}. "
+            f"So `{q}` and the K and V projections ({parts}) and the `{o}` weights of each "
             f"pooled attention are rewritten; every other tensor is copied unchanged{cast}."
         )
     return (

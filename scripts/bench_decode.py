@@ -11,7 +11,7 @@ sample times the prompt's pass (prefill) and every decode step on its own.
 KV-cache bytes are summed from the real cache tensors (`cache.layers[i].keys/values`) after a
 sample; their ratio must be exactly G/h (asserted). Decode reads the whole cache for every
 new token, so it is bound by memory bandwidth once the cache outgrows the weights: that is
-where GQA is faster (docs/DOMAIN.md §2). At short contexts the weights dominate each step and
+where GQA is faster (docs/concepts/kv_cache.md). At short contexts the weights dominate each step and
 both models decode at about the same speed; prefill costs the same attention FLOPs for both.
 No decode step can beat the bytes it reads, so each setting also reports its bound: h/G once
 the cache dominates, (weights + MHA cache) / (weights + GQA cache) in general, and the measured

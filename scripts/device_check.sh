@@ -20,7 +20,7 @@
 #   uptrain   `uptrain train --source` on a synthetic ~1B MHA Llama: convert to 4 KV heads, train
 #             20 steps in bf16 on the shipped corpus, write final/
 #
-# On the lent GPU machine (docs/DOMAIN.md §10), which has no datasets or blake3 and
+# On the lent GPU machine (Python 3.12, the device tool's), which has no datasets or blake3 and
 # reaches no registry: first `bash scripts/device_wheels.sh` here (it fills the git-ignored
 # .whl/), then carry .whl; this script installs those wheels into its work folder
 # (pip --no-index --no-deps --target) and puts them on PYTHONPATH before anything runs.

@@ -2,7 +2,7 @@
 # bash scripts/device_wheels.sh            # wheels for the lent GPU machine (Python 3.12) into .whl/
 # PYTHON_VERSION=3.11 WHEEL_DIR=/tmp/w bash scripts/device_wheels.sh   # the same pins for a 3.11 dry run
 #
-# The lent GPU machine (docs/DOMAIN.md §10; the device tool's KINDS.md) has Python 3.12, torch,
+# The lent GPU machine (the device tool's KINDS.md) has Python 3.12, torch,
 # transformers, accelerate, safetensors, tokenizers, numpy, pyarrow, pandas, pyyaml, tqdm, requests,
 # fsspec, xxhash, huggingface_hub … but no datasets or blake3, and it cannot reach a
 # package registry. This script, run where pip reaches one, downloads exactly the wheels it lacks,

@@ -3,7 +3,7 @@
 The GQA paper's speed metric is time per sample: the prompt, then greedy new tokens with the
 KV cache (Table 1, Fig. 3 and 6). Decoding reads the whole cache at every step, so the gain of
 fewer KV heads appears once the cache, not the weights, dominates the bytes read per step:
-long contexts and large batches (docs/DOMAIN.md §2). Prefill alone costs MHA and GQA the same
+long contexts and large batches (docs/concepts/kv_cache.md). Prefill alone costs MHA and GQA the same
 attention FLOPs, so it is timed apart.
 
 Every figure is measured on the real run: the cache's bytes are summed from its tensors after

@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def launch_two_processes(args: list[str], home: Path) -> subprocess.CompletedProcess:
-    """The launch recipe of DOMAIN.md §6, as a user would type it, by a user who never set up wandb:
+    """The 2-CPU-process launch of docs/commands/train.md, as a user would type it, by a user who never set up wandb:
     no WANDB_MODE, no key, no ~/.netrc, and no terminal to answer a prompt."""
     cmd = [
         str(Path(sys.executable).parent / "accelerate"),

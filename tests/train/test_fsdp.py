@@ -80,7 +80,7 @@ def free_port() -> int:
 def launch(
     launch_args: list[str], args: list[str], home: Path, mixed_precision: str = "no", **env
 ) -> subprocess.CompletedProcess:
-    """`accelerate launch` on 2 CPU processes (DOMAIN.md §6) with extra launcher flags."""
+    """`accelerate launch` on 2 CPU processes (as docs/commands/train.md shows) with extra launcher flags."""
     cmd = [
         str(Path(sys.executable).parent / "accelerate"),
         "launch",

@@ -30,7 +30,7 @@ from uptrain.train.config import (
 SPEED = "speed (measured once per G after the runs, with `uptrain speed`'s method)"
 # The reference model's 512 positions as a 480-token prompt + 32 new tokens, at batch 8: MHA's cache
 # (50 MB) then outweighs the weights (28 MB), so decoding reads mostly cache, where fewer KV heads
-# pay (docs/DOMAIN.md §2); 32 new tokens keep the measurement a small share of the demo's time
+# pay (docs/concepts/kv_cache.md); 32 new tokens keep the measurement a small share of the demo's time
 # (measured figures: the README's demo table and BENCHMARKS.md).
 SPEED_CONTEXT, SPEED_NEW_TOKENS = 480, 32
 TASKS = "task metrics (each run's final/ scored with `uptrain evaluate` after the runs)"

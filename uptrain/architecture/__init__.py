@@ -69,7 +69,7 @@ from uptrain.architecture.schema import (
     StandardKeys,
     TargetPrompt,
 )
-from uptrain.model_info import AttentionGeometry, attention_geometry
+from uptrain.model_info import AttentionGeometry, attention_geometry, config_positions
 
 __all__ = [
     "ATTENTIONS",
@@ -88,6 +88,7 @@ __all__ = [
     "TargetPrompt",
     "architecture",
     "auto_class_name",
+    "block_positions",
     "config_geometry",
     "converted_architectures",
     "find_architecture",
@@ -122,6 +123,24 @@ def source_model_type(model_type: str | None) -> str | None:
 def find_architecture(model_type: str | None) -> Architecture | None:
     """The record of a model_type, source or converted (gpt2_gqa reads as gpt2); None if unknown."""
     return REGISTRY.get(source_model_type(model_type))
+
+
+# A model uptrain trains or measures but has no record of: its positions under the names
+# transformers' configs use.
+STANDARD_POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def block_positions(config: dict, label: str) -> tuple[int | None, str | None]:
+    """(the positions a block of `seq_len` tokens fills, the config key holding them): a
+    decoder-only model's, an encoder–decoder's text source's (None: no limit — T5's relative
+    positions, Whisper's audio), as the model's record names them; without a record, the first
+    of `STANDARD_POSITIONS` the config sets."""
+    arch = find_architecture(config.get("model_type"))
+    if arch is None:
+        key = next((k for k in STANDARD_POSITIONS if k in config), None)
+    else:
+        key = arch.source_text_positions_key if arch.encoder_decoder else arch.target_positions_key
+    return config_positions(config, key, label), key
 
 
 def supported_model_types() -> list[str]:

@@ -252,7 +252,8 @@ def _load_feature_extractor(model_path: str):
     from transformers import AutoFeatureExtractor
 
     try:
-        extractor = AutoFeatureExtractor.from_pretrained(model_path)
+        # Never the folder's own code, nor a prompt asking for it (`uptrain.loading`).
+        extractor = AutoFeatureExtractor.from_pretrained(model_path, trust_remote_code=False)
     except Exception as err:
         raise UptrainError(
             "objective speech_pairs needs the feature extractor of "

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BartConfig, BartForCo
 from tests.modeling.classic_models import CONFIGS, SHARED
 from tests.train.test_seq2seq import WORDS, build_tokenizer
 from tests.train.train_helpers import make_text
+from uptrain.architecture import REGISTRY
 from uptrain.cli import main
 
 
@@ -86,3 +87,14 @@ def test_tokenize_refuses_blocks_beyond_the_positions(gpt2, text, capsys, tmp_pa
     assert len(err.splitlines()) == 1 and "128 positions" in err and "n_positions" in err, err
     assert not out.exists() and list(tmp_path.iterdir()) == []
     assert main(["tokenize", str(text), str(out), "--tokenizer", str(gpt2), "--seq-len", "128"]) == 0
+
+
+@pytest.mark.parametrize("model_type", sorted(REGISTRY))
+def test_every_positions_key_is_a_field_the_config_saves(model_type):
+    """Each record's positions keys are fields its transformers config writes to config.json
+    (a misspelt key would read as "no limit")."""
+    arch = REGISTRY[model_type]
+    saved = AutoConfig.for_model(model_type).to_dict()
+    for key in (arch.target_positions_key, arch.source_text_positions_key, arch.source_positions_key):
+        if key is not None:
+            assert isinstance(saved.get(key), int), (model_type, key)

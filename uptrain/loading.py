@@ -5,6 +5,12 @@ Imports nothing of uptrain's but the error type, so that every layer may load a 
 GQA architectures uptrain writes (`gpt2_gqa`, …) load once `uptrain.modeling` is imported: the
 callers that may meet one import it first (it registers them with the Auto classes; this module
 cannot, being below it).
+
+Never trusts a folder's own code (`trust_remote_code=False`, passed to every transformers
+loader): a converted folder names its modeling files in `auto_map`, and transformers asks on the
+terminal ("Do you wish to run the custom code? [y/N]") whenever trust is not given either way —
+a prompt on stdout that breaks `--json` and waits for a person. Unregistered, such a folder is
+one line instead; its tokenizer needs no model code and loads either way.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ def load_tokenizer(path: str | Path, what: str):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as err:  # transformers raises many types; the user needs the one line
         raise UptrainError(f"{what} {path} has no usable tokenizer: {exception_line(err)}") from None
     if tokenizer.eos_token_id is None:
@@ -47,10 +53,10 @@ def load_model(
         if not weights:
             from accelerate import init_empty_weights
 
-            config = transformers.AutoConfig.from_pretrained(path)
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
             with init_empty_weights():
                 return auto.from_config(config, dtype=dtype)
         placed = {} if device_map is None else {"device_map": device_map}
-        return auto.from_pretrained(path, dtype=dtype, **placed)
+        return auto.from_pretrained(path, dtype=dtype, trust_remote_code=False, **placed)
     except Exception as err:  # a missing or damaged file, an unknown model_type: one line for the user
         raise UptrainError(f"cannot load {what} {path} with {auto_class}: {exception_line(err)}") from None

@@ -87,6 +87,15 @@ def read_config(folder: str | Path) -> dict:
     return config
 
 
+def config_positions(config: dict, key: str | None, label: str) -> int | None:
+    """`config[key]`, the number of positions a model has, checked to be a whole number; None
+    where `key` is None or the config does not set it (no position table: no limit)."""
+    limit = config.get(key) if key is not None else None
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise UptrainError(f"{label}: config.json's {key} is {show(limit)}, not a whole number of positions")
+    return limit
+
+
 def show(value, limit: int = 60) -> str:
     """A value from a user's file for a one-line message: its repr, cut short."""
     text = repr(value)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, architecture, find_architecture
+from uptrain.architecture import DECODER_SELF, architecture, block_positions, find_architecture
 from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, attention_geometry, read_config
 
 DEFAULT_CONTEXT = 1024  # `uptrain speed --context`'s default: a decoder-only prompt's, a text source's length
@@ -128,24 +128,17 @@ def model_shape(folder: Path, label: str) -> ModelShape:
     if "cross" not in stacks:
         # No record: transformers' standard names, as `config_geometry` reads them.
         geometry = attention_geometry(config) if arch is None else stacks[DECODER_SELF].geometry
-        return ModelShape(label, geometry, _positions(config, ("max_position_embeddings", "n_positions"), label))
+        return ModelShape(label, geometry, block_positions(config, label)[0])
+    # Positions as the record names them (GPT-2's n_positions, Whisper's max_target_positions).
     return ModelShape(
         label,
         stacks[DECODER_SELF].geometry,
-        _positions(config, ("max_target_positions", "max_position_embeddings"), label),
+        arch.target_positions(config, label),
         cross=stacks["cross"].geometry,
-        source_positions=_positions(config, ("max_source_positions", "max_position_embeddings"), label),
+        source_positions=arch.source_positions(config, label),
         # Whisper: input features of a fixed length, the positions each cross-attention caches whole.
         fixed_source=arch.source_positions_key is not None,
     )
-
-
-def _positions(config: dict, keys: tuple[str, ...], label: str) -> int | None:
-    """The first of `keys` the config sets, checked to be a whole number; None if none is set."""
-    limit = next((config[k] for k in keys if config.get(k) is not None), None)
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise UptrainError(f"{label}: config.json's number of positions is {limit!r}, not a whole number")
-    return limit
 
 
 def free_memory_bytes(device) -> int | None:

@@ -21,6 +21,11 @@ A record (`Architecture`) holds:
   each with its reason, refused wherever the geometry is read), and an encoder–decoder's
   `source_positions_key` / `source_unit`, and what its targets begin with (`target_prompt`:
   Whisper's language and task tokens, mBART's and NLLB's language codes);
+- its positions, as config fields: `target_positions_key` (a decoder-only model's, or an
+  encoder–decoder decoder's: GPT-2's n_positions, MPT's max_seq_len, None for none) and
+  `source_text_positions_key` (a text encoder's); every length uptrain chooses (calibration
+  blocks, evaluate's and speed's defaults) is clamped to them and a longer one asked for refused
+  (`block_positions`, `Architecture.target_positions` / `source_positions`);
 - what whole-layer merges (`calibrated`) must commute with: its rotary embedding (`rotary`, a
   `Rotary`: which dims rotate and how they pair; None where positions never touch q and k, so
   any per-head key map folds into the queries) and where its config keeps a clamp of q, k and v
@@ -40,7 +45,9 @@ To add an architecture:
    (a decoder-only record: `decoders.uptrain_modeled(model_type, name, class_prefix, layout, ...)`,
    its classes under a causal LM's usual names). `uptrain.modeling` imports that module
    and registers the classes from the record: no edit there. Otherwise leave `modeling` None.
-3. Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
+3. Name its positions' config field where it is not max_position_embeddings
+   (`target_positions_key`; an encoder–decoder's text source: `source_text_positions_key`).
+   Set the quirks and refusals that hold (ALiBi, a mask built without position ids, layers
    that pass none to attention, settings the modeling does not compute, its rotary embedding),
    and `default_objective` / `auto_class` / `pipeline_tag` for an encoder–decoder. Tests: a tiny
    model from its config, converted exactly (tests/convert).
@@ -69,7 +76,7 @@ from uptrain.architecture.schema import (
     StandardKeys,
     TargetPrompt,
 )
-from uptrain.model_info import AttentionGeometry, attention_geometry
+from uptrain.model_info import AttentionGeometry, attention_geometry, config_positions
 
 __all__ = [
     "ATTENTIONS",
@@ -88,6 +95,7 @@ __all__ = [
     "TargetPrompt",
     "architecture",
     "auto_class_name",
+    "block_positions",
     "config_geometry",
     "converted_architectures",
     "find_architecture",
@@ -122,6 +130,24 @@ def source_model_type(model_type: str | None) -> str | None:
 def find_architecture(model_type: str | None) -> Architecture | None:
     """The record of a model_type, source or converted (gpt2_gqa reads as gpt2); None if unknown."""
     return REGISTRY.get(source_model_type(model_type))
+
+
+# A model uptrain trains or measures but has no record of: its positions under the names
+# transformers' configs use.
+STANDARD_POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def block_positions(config: dict, label: str) -> tuple[int | None, str | None]:
+    """(the positions a block of `seq_len` tokens fills, the config key holding them): a
+    decoder-only model's, an encoder–decoder's text source's (None: no limit — T5's relative
+    positions, Whisper's audio), as the model's record names them; without a record, the first
+    of `STANDARD_POSITIONS` the config sets."""
+    arch = find_architecture(config.get("model_type"))
+    if arch is None:
+        key = next((k for k in STANDARD_POSITIONS if k in config), None)
+    else:
+        key = arch.source_text_positions_key if arch.encoder_decoder else arch.target_positions_key
+    return config_positions(config, key, label), key
 
 
 def supported_model_types() -> list[str]:

@@ -124,6 +124,7 @@ UPTRAIN_MODELING = (
             o_proj_transposed=True,
         ),
         rotary=None,
+        target_positions_key="n_positions",
         notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
     ),
     uptrain_modeled(
@@ -155,6 +156,7 @@ UPTRAIN_MODELING = (
         "GPTJ",
         AttentionLayout(attn_prefix="transformer.h.{layer}.attn", o_proj="out_proj"),
         rotary=Rotary(pairs="adjacent", dims_key="rotary_dim"),
+        target_positions_key="n_positions",
         notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
     ),
     uptrain_modeled(
@@ -168,6 +170,7 @@ UPTRAIN_MODELING = (
         ),
         alibi=True,
         rotary=None,
+        target_positions_key=None,  # ALiBi: no position table
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
     ),
     uptrain_modeled(
@@ -210,6 +213,7 @@ UPTRAIN_MODELING = (
         ),
         rotary=None,
         clip_qkv_key="attn_config.clip_qkv",
+        target_positions_key="max_seq_len",  # its ALiBi biases are built for this many positions
         # Its ALiBi depends on the distance to each key alone (not on the padding mask): packed
         # documents take the document mask, so not the `alibi` quirk.
         notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",

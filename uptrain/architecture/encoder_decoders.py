@@ -54,6 +54,7 @@ T5 = Architecture(
     init_std_key="initializer_factor",
     init_std_width_key="d_model",
     rotary=None,
+    target_positions_key=None,  # relative positions: no table, no limit
     position_bias_shared=True,  # block 0's relative_attention_bias, handed on to every block
     notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
     "(one column per query head) stays with the query heads",
@@ -87,6 +88,7 @@ def bart_family(model_type: str, name: str, modeling: GQAModeling, **fields) -> 
         "pipeline_tag": "text2text-generation",
         "init_std_key": "init_std",
         "target_positions_key": "max_position_embeddings",
+        "source_text_positions_key": "max_position_embeddings",
         "rotary": None,
         "notes": "q/k/v biases; head_dim = d_model // heads",
         **fields,
@@ -132,6 +134,7 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         pipeline_tag="automatic-speech-recognition",
         source_positions_key="max_source_positions",
         source_unit="audio frame",
+        source_text_positions_key=None,  # its source is audio
         target_positions_key="max_target_positions",
         target_prompt=TargetPrompt.SPEECH_TASK,
         notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",

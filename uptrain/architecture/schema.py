@@ -7,7 +7,14 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from uptrain import UptrainError
-from uptrain.model_info import AttentionGeometry, attention_geometry, rotary_dim, show, stack_geometry
+from uptrain.model_info import (
+    AttentionGeometry,
+    attention_geometry,
+    config_positions,
+    rotary_dim,
+    show,
+    stack_geometry,
+)
 
 # The attentions of a model, in model order, as `uptrain convert --attention` names them → the
 # config.json key of each one's KV heads in an encoder–decoder uptrain converted (the same table
@@ -283,9 +290,15 @@ class Architecture:
     # frames, 30 s); None where the source length is the input's (text).
     source_positions_key: str | None = None
     source_unit: str = "source token"
-    # The config field of the decoder's positions, the most tokens it generates (Whisper's
-    # max_target_positions, 448); None where it has no position table (T5's relative positions).
-    target_positions_key: str | None = None
+    # The config field of the decoder's positions: the longest sequence a decoder-only model
+    # reads (GPT-2's n_positions), the most tokens an encoder–decoder generates (Whisper's
+    # max_target_positions, 448); None where it has no position table (T5's relative positions,
+    # BLOOM's ALiBi). Every length uptrain chooses is clamped to it, and one asked for refused.
+    target_positions_key: str | None = "max_position_embeddings"
+    # The config field of the positions a text source fills (BART's max_position_embeddings, its
+    # decoder's too); None where the encoder has no position table (T5) or reads a fixed number
+    # of audio frames (Whisper: `source_positions_key`), and for a decoder-only model.
+    source_text_positions_key: str | None = None
     # What its targets begin with beyond the decoder start (Whisper's language and task tokens,
     # mBART's and NLLB's language codes); None: the tokenizer's targets as they are.
     target_prompt: TargetPrompt | None = None
@@ -309,6 +322,15 @@ class Architecture:
         for part in self.clip_qkv_key.split("."):
             found = found.get(part) if isinstance(found, dict) else None
         return found
+
+    def target_positions(self, config: dict, label: str) -> int | None:
+        """The decoder's positions in `config` (`target_positions_key`), or None where it has none."""
+        return config_positions(config, self.target_positions_key, label)
+
+    def source_positions(self, config: dict, label: str) -> int | None:
+        """The positions an encoder–decoder's source fills (`source_positions_key`: fixed audio
+        frames; `source_text_positions_key`: at most this many tokens), or None where it has none."""
+        return config_positions(config, self.source_positions_key or self.source_text_positions_key, label)
 
     def site(self, attention: str) -> AttentionSite:
         return next(s for s in self.sites if s.attention == attention)

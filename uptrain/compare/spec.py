@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, kv_heads_option, seed_option
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, kv_heads_option, seed_option
 from uptrain.data.corpus import split_path
 from uptrain.evaluation.tasks import HARNESS_PREFIX, task_problem
 from uptrain.options import REQUIRED, InvalidOptions, names_of, option, option_like, validated_values
@@ -25,6 +25,7 @@ from uptrain.train.config import (
     Timeouts,
     TrainConfig,
     TrainData,
+    training_conversion,
 )
 
 SPEED = "speed (measured once per G after the runs, with `uptrain speed`'s method)"
@@ -143,18 +144,7 @@ class CompareSpec(
 
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
         """The conversion of one run (calibrated on the training data, as `uptrain train` does)."""
-        shared = {name: getattr(self, name) for name in names_of(ConversionOptions) if name != "pooling"}
-        return conversion_spec(
-            source=self.model,
-            num_kv_heads=num_kv_heads,
-            pooling=pooling,
-            seed=self.seed,
-            calibration_data=self.train_data,
-            calibration_seq_len=self.seq_len,
-            language=self.language,  # Whisper's calibration targets: the prompt its runs train on
-            speech_task=self.speech_task,
-            **shared,
-        )
+        return training_conversion(self, source=self.model, num_kv_heads=num_kv_heads, pooling=pooling)
 
     def train_config(self, model: str | Path, output_dir: str | Path, run: str, group: str | None = None):
         """The `uptrain train` config (`TrainConfig`) of the run named `run`: the keys of

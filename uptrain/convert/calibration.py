@@ -250,8 +250,11 @@ def collect_attention_moments(
     model_dir = resolve_source(src).folder
     config = read_config(model_dir)
     # A decoder-only model's one attention (encoder–decoders: calibration_seq2seq.py).
-    layout = architecture(config.get("model_type")).site(DECODER_SELF).layout
-    seq_len = min(settings.calibration_seq_len, config.get("max_position_embeddings") or settings.calibration_seq_len)
+    arch = architecture(config.get("model_type"))
+    layout = arch.site(DECODER_SELF).layout
+    # The block length is calibration's own choice: at most the model's positions.
+    positions = arch.target_positions(config, f"calibration's source {model_dir}")
+    seq_len = min(settings.calibration_seq_len, positions or settings.calibration_seq_len)
     settings = replace(settings, calibration_seq_len=seq_len)
     run_device, run_dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
     tokenizer = load_calibration_tokenizer(model_dir)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -197,8 +198,8 @@ def _speech_batches(
 
     config = read_config(model_dir)
     framing = target_framing(arch, objective, keys, tokenizer, str(model_dir), config)
-    positions = config.get("max_target_positions")
-    target_len = min(seq_len, positions) if isinstance(positions, int) else seq_len
+    positions = arch.target_positions(config, f"calibration's source {model_dir}")
+    target_len = seq_len if positions is None else min(seq_len, positions)
     examples = load_pairs(
         data, "calibration_data", objective, tokenizer, str(model_dir), config, seq_len, target_len, framing
     )
@@ -223,6 +224,7 @@ def calibration_batches(
     first `settings.wanted_blocks` examples) and their description for provenance. `keys`: the
     prompt of Whisper's targets (the checkpoint's defaults where None)."""
     from uptrain.convert.calibration import first_calibration_blocks, load_calibration_tokenizer
+    from uptrain.model_info import read_config
     from uptrain.objectives import IGNORE_INDEX, special_tokens_for
     from uptrain.objectives.corruption import evaluation_generator
 
@@ -234,6 +236,14 @@ def calibration_batches(
     if objective.reads == "speech_pairs":
         return _speech_batches(model_dir, arch, objective, tokenizer, data, wanted, seq_len, batch_size, keys)
     _refuse_speech_pairs(data, arch)
+    # The block length is calibration's own choice: at most the positions of the encoder and of the
+    # decoder (a text block is both the corrupted source and the target; a pair is cut at it on
+    # either side).
+    config, where = read_config(model_dir), f"calibration's source {model_dir}"
+    limits = [n for n in (arch.source_positions(config, where), arch.target_positions(config, where)) if n]
+    seq_len = min([seq_len, *limits])
+    settings = replace(settings, calibration_seq_len=seq_len)
+    wanted = settings.wanted_blocks
     if objective.reads == "text_pairs":
         files = [data] if isinstance(data, str) else list(data)
         pairs = [p for f in files for p in _text_pairs(f, objective.fields, wanted)][:wanted]

@@ -21,7 +21,7 @@ from uptrain.checkpoint.card import front_matter
 from uptrain.checkpoint.source import ResolvedSource, portable
 from uptrain.convert.grouping import kv_groups, query_to_kv
 from uptrain.convert.plan import ATTENTION_NAMES, ConversionPlan
-from uptrain.convert.pooling import Strategy
+from uptrain.convert.pooling import STRATEGIES, MergeCard, Strategy, WholeLayerStrategy
 from uptrain.model_info import AttentionGeometry
 
 # Files besides the weights that make the output a usable checkpoint, and the licence terms
@@ -196,14 +196,12 @@ def _pooling_text(p: dict, arch: Architecture) -> str:
     renumbered = p.get("grouping") == "similarity"
     moved = " except for the renumbering of heads" if renumbered else ""
     q, o = layout.q_proj, layout.o_proj
-    if p["pooling"] == "calibrated":
-        return (
-            f"`calibrated` merge: the source model was run over {_calibration_data_text(p)} and the second "
-            f"moment of each layer's attention input was kept. From it, {_merge_maps_text(arch, q, o)}. So "
-            f"{_names([q, *layout.kv_modules])} (weights and biases) and the `{o}` weights of every layer are "
-            "rewritten; "
-            f"every other tensor is copied unchanged{cast}."
-        )
+    merge = _merge_strategy(p)
+    if merge is not None:
+        rewritten = f"{_names([q, *layout.kv_modules])} (weights and biases)"
+        data = _calibration_data_text(p)
+        moments = "the second moment of each layer's attention input was kept"
+        return merge.card_text(MergeCard(arch, q, o, rewritten, data, moments, "every layer", cast))
     how = {
         "mean": "each group's K and V heads (weights, biases and per-head key norms) are averaged",
         "first": "each group keeps the K and V heads (weights, biases and key norms) of its first head",
@@ -224,28 +222,17 @@ def _pooling_text(p: dict, arch: Architecture) -> str:
     return f"`{p['pooling']}` pooling: {how}. {where}{moved}{cast}."
 
 
+def _merge_strategy(p: dict) -> WholeLayerStrategy | None:
+    """The whole-layer strategy of a conversion (it says what it rewrote), or None for row pooling."""
+    strategy = STRATEGIES.get(p["pooling"])
+    return strategy if isinstance(strategy, WholeLayerStrategy) else None
+
+
 def _calibration_data_text(p: dict) -> str:
     calibration = p.get("calibration") or {}
     if calibration.get("tokens"):
         return f"{calibration['tokens']:,} tokens of `{calibration.get('data')}`"
     return "calibration text"
-
-
-def _merge_maps_text(arch: Architecture, q: str, o: str) -> str:
-    """What the calibrated merge gives each group: shared V and K projections, with per-head maps
-    folded into `o` and `q`; the key maps are what rotary positions leave free (a scale per
-    frequency pair on rotated dims, any d×d map elsewhere)."""
-    if arch.rotary is None:
-        key_maps = f"with a per-head d×d map folded into that head's `{q}` rows"
-    else:
-        key_maps = (
-            f"with a per-head scale for each RoPE frequency pair (and a map of the dims a partial rotary "
-            f"embedding leaves unrotated) folded into that head's `{q}` rows"
-        )
-    return (
-        f"each group got one shared V projection, with a per-head d×d map folded into that head's `{o}` "
-        f"columns, and one shared K projection, {key_maps}"
-    )
 
 
 def _renames_text(arch: Architecture) -> str:
@@ -314,14 +301,15 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
     }.get(p["pooling"], f"K and V heads are pooled by `{p['pooling']}`")
     q, o = site.q_proj, site.o_proj
     done = f"`{p['pooling']}` pooling: {how}. `{q}`, `{o}` and every other tensor are copied unchanged{moved}{cast}."
-    if p["pooling"] == "calibrated":
-        done = (
-            f"`calibrated` merge: the source model was run over {_calibration_data_text(p)} and the second moment "
-            "of each pooled attention's own inputs was kept (cross-attention: its queries' the decoder's states, its "
-            f"keys' and values' the encoder's output). From it, {_merge_maps_text(arch, q, o)}. "
-            f"So `{q}` and the K and V projections ({parts}) and the `{o}` weights of each "
-            f"pooled attention are rewritten; every other tensor is copied unchanged{cast}."
+    merge = _merge_strategy(p)
+    if merge is not None:
+        moments = (
+            "the second moment of each pooled attention's own inputs was kept (cross-attention: its queries' the "
+            "decoder's states, its keys' and values' the encoder's output)"
         )
+        rewritten = f"`{q}` and the K and V projections ({parts})"
+        data = _calibration_data_text(p)
+        done = merge.card_text(MergeCard(arch, q, o, rewritten, data, moments, "each pooled attention", cast))
     return (
         f"Grouped-query attention with {g} KV heads in the "
         + " and the ".join(ATTENTION_NAMES[n] for n in chosen)

@@ -75,15 +75,36 @@ class RowPooling:
         return replace(attention, **pooled)
 
 
+@dataclass(frozen=True)
+class MergeCard:
+    """What the model card knows of a whole-layer merge, for the strategy to say what it did
+    (`WholeLayerStrategy.card_text`): the model's record, the names of the layer's projections
+    (`q`, `o`; `rewritten`: the query, key and value projections the merge rewrites, named for the
+    card), what calibration read, what it kept of the forward passes, which attentions were merged, and the
+    output dtype's note."""
+
+    arch: Architecture
+    q: str
+    o: str
+    rewritten: str  # "`q_proj`, `k_proj` and `v_proj` (weights and biases)"
+    calibration: str  # "32,768 tokens of `text.txt`"
+    moments: str  # "the second moment of each layer's attention input was kept"
+    merged: str  # "every layer", "each pooled attention"
+    cast: str  # " (cast to bfloat16)", or ""
+
+
 class WholeLayerStrategy:
     """A strategy that merges one layer's Q, K, V and O together.
 
     Subclasses set `name` and `reference` and implement `solve` (what the merge takes from a
-    layer's moment C) and `apply` (the merged layer from its weights and that solution)."""
+    layer's moment C), `apply` (the merged layer from its weights and that solution) and
+    `card_text` (what the merge rewrote, for the model card)."""
 
     name: str
     reference: str
-    needs_calibration = True  # the merge is solved from each layer's calibration moment
+    # The merge is solved from each layer's calibration moment: it needs calibration data, read
+    # through the family's objective (Whisper's targets framed by --language / --speech-task).
+    needs_calibration = True
     merges_layers = True
     folds_into_queries = True  # per-head maps land in q_proj rows and o_proj columns
 
@@ -105,6 +126,10 @@ class WholeLayerStrategy:
         raise NotImplementedError
 
     def apply(self, attention: LayerAttention, groups: int, solution: Any) -> LayerAttention:
+        raise NotImplementedError
+
+    def card_text(self, card: MergeCard) -> str:
+        """The model card's paragraph on what the merge did and which tensors it rewrote."""
         raise NotImplementedError
 
     def pool_layer(
@@ -173,6 +198,31 @@ class CalibratedMerge(WholeLayerStrategy):
 
     def apply(self, attention: LayerAttention, groups: int, solution) -> LayerAttention:
         return apply_calibrated(attention, groups, solution)
+
+    def card_text(self, card: MergeCard) -> str:
+        maps = _merge_maps_text(card.arch, card.q, card.o)
+        return (
+            f"`{self.name}` merge: the source model was run over {card.calibration} and {card.moments}. From it, "
+            f"{maps}. So {card.rewritten} and the `{card.o}` weights of {card.merged} are rewritten; every other "
+            f"tensor is copied unchanged{card.cast}."
+        )
+
+
+def _merge_maps_text(arch: Architecture, q: str, o: str) -> str:
+    """What the calibrated merge gives each group: shared V and K projections, with per-head maps
+    folded into `o` and `q`; the key maps are what rotary positions leave free (a scale per
+    frequency pair on rotated dims, any d×d map elsewhere)."""
+    if arch.rotary is None:
+        key_maps = f"with a per-head d×d map folded into that head's `{q}` rows"
+    else:
+        key_maps = (
+            f"with a per-head scale for each RoPE frequency pair (and a map of the dims a partial rotary "
+            f"embedding leaves unrotated) folded into that head's `{q}` rows"
+        )
+    return (
+        f"each group got one shared V projection, with a per-head d×d map folded into that head's `{o}` "
+        f"columns, and one shared K projection, {key_maps}"
+    )
 
 
 register(CalibratedMerge())

@@ -104,6 +104,14 @@ GROUPING_HELP = (
 )
 
 
+def calibrating_strategies() -> list[str]:
+    """The registered strategies that read calibration data, as each says (`needs_calibration`;
+    imports torch, as `strategies`)."""
+    from uptrain.convert.pooling import STRATEGIES
+
+    return [s.name for s in STRATEGIES.values() if s.needs_calibration]
+
+
 @dataclass(kw_only=True)
 class ConversionOptions(Schema):
     """How K/V heads are pooled: the keys every entry point shares (each also a `uptrain train` key)."""
@@ -214,12 +222,15 @@ class ConvertCommand(ConversionSpec):
 
     def problems(self) -> list[str]:
         found = super().problems()
-        calibrates = self.pooling == "calibrated" or (self.grouping == "similarity" and self.calibration_data)
+        calibrates = self.pooling in calibrating_strategies() or (
+            self.grouping == "similarity" and self.calibration_data
+        )
         given = [f"--{k.replace('_', '-')}" for k in ("language", "speech_task") if getattr(self, k) is not None]
         if given and not calibrates:  # `uptrain train` frames its targets with them; a conversion only calibration
             found.append(
                 f"{' and '.join(given)} choose the prompt of Whisper's calibration targets, and this conversion "
-                "calibrates nothing (--pooling calibrated, or --grouping similarity with --calibration-data)"
+                f"calibrates nothing ({', '.join(f'--pooling {n}' for n in calibrating_strategies())}, or --grouping "
+                "similarity with --calibration-data)"
             )
         return found
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from uptrain import UptrainError, exception_line
+from uptrain.architecture import find_architecture
 from uptrain.data.blocks import check_indices
 from uptrain.data.text import resolve_data
 from uptrain.objectives import IGNORE_INDEX, Objective
@@ -209,8 +210,9 @@ def load_pairs(
     records = _records(spec, key, objective)
     if not records:
         raise UptrainError(f"`{key}` holds no examples")
-    positions = model_config.get("max_target_positions") or model_config.get("max_position_embeddings")
-    if isinstance(positions, int) and target_len > positions:
+    arch = find_architecture(model_config.get("model_type"))
+    positions = arch.target_positions(model_config, model_path) if arch is not None else None
+    if positions is not None and target_len > positions:
         raise UptrainError(
             f"target_len {target_len} is beyond the decoder's {positions} positions ({model_path}); set `target_len`"
         )
@@ -250,7 +252,8 @@ def _load_feature_extractor(model_path: str):
     from transformers import AutoFeatureExtractor
 
     try:
-        extractor = AutoFeatureExtractor.from_pretrained(model_path)
+        # Never the folder's own code, nor a prompt asking for it (`uptrain.loading`).
+        extractor = AutoFeatureExtractor.from_pretrained(model_path, trust_remote_code=False)
     except Exception as err:
         raise UptrainError(
             "objective speech_pairs needs the feature extractor of "

@@ -86,6 +86,22 @@ def _rows(source, text_field: str, sample_by: str) -> Iterator[dict]:
     return itertools.chain([first], rows)
 
 
+def _check_positions(model: str, seq_len: int) -> None:
+    """Blocks longer than the model's positions could never be trained on (`uptrain train`
+    refuses them): refused before any text is read, where MODEL is a folder with a config."""
+    from uptrain.architecture import block_positions
+    from uptrain.model_info import read_config
+
+    if not (Path(model).expanduser() / "config.json").is_file():
+        return  # a tokenizer alone (or a Hub id): the positions are train's to check
+    positions, key = block_positions(read_config(Path(model).expanduser()), f"--tokenizer {model}")
+    if positions is not None and seq_len > positions:
+        raise UptrainError(
+            f"--seq-len {seq_len} is beyond the {positions} positions of --tokenizer {model} ({key}): "
+            f"give --seq-len {positions} or less"
+        )
+
+
 def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook | None = None) -> Path:
     """Write OUT (see the module's docstring). Every check runs before anything is written."""
     from uptrain.checkpoint.atomic import (
@@ -112,6 +128,7 @@ def tokenize(options: TokenizeOptions, progress: bool = True, on_step: StepHook 
     inputs = [Path(p).expanduser() for p in [*given, *source.files]]  # a DATA folder holding OUT, too
     check_apart(out, [("DATA", p) for p in inputs] + [("tokenizer", Path(options.tokenizer))], "OUT")
     tokenizer = load_tokenizer(options.tokenizer, "--tokenizer")
+    _check_positions(options.tokenizer, options.seq_len)
     check_output_path(out, options.overwrite)  # OUT that exists, cannot be made, or another run writes
     rows = _rows(source, options.text_field, options.sample_by)
     record = _record(options, tokenizer, source)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, kv_heads_option, seed_option
+from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, kv_heads_option, seed_option
 from uptrain.options import (
     MAX_CONFIG_BYTES,
     Schema,
@@ -352,21 +352,7 @@ class TrainConfig(
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        shared = {name: getattr(self, name) for name in names_of(ConversionOptions)}
-        return ConversionSpec(
-            source=self.source,
-            num_kv_heads=self.num_kv_heads,
-            seed=self.seed,
-            calibration_data=self.train_data,
-            calibration_dataset_config=self.dataset_config,
-            calibration_split=self.train_split,
-            calibration_seq_len=self.seq_len,
-            text_field=self.text_field,
-            sample_by=self.sample_by,
-            language=self.language,
-            speech_task=self.speech_task,
-            **shared,
-        )
+        return training_conversion(self, source=self.source, num_kv_heads=self.num_kv_heads)
 
     @property
     def trackers(self) -> list[str]:
@@ -385,6 +371,31 @@ class TrainConfig(
             return self.max_steps
         tokens = self.max_tokens if self.max_tokens is not None else self.uptrain_fraction * self.pretrain_tokens
         return max(1, math.ceil(tokens / self.tokens_per_step(num_processes)))
+
+
+# The conversion's keys → the training keys each takes its value from: calibration reads the
+# text the run trains on, as the run reads it, in blocks of its length, with Whisper's targets
+# framed as it frames them. `uptrain train` and `uptrain compare` both convert through it.
+CALIBRATED_AS_TRAINED = {
+    "seed": "seed",
+    "calibration_data": "train_data",
+    "calibration_dataset_config": "dataset_config",
+    "calibration_split": "train_split",
+    "calibration_seq_len": "seq_len",
+    "text_field": "text_field",
+    "sample_by": "sample_by",
+    "language": "language",
+    "speech_task": "speech_task",
+}
+
+
+def training_conversion(run, *, source: str, num_kv_heads: int, **chosen) -> ConversionSpec:
+    """The conversion a run with `run`'s keys (`TrainData`, `StepShape`, `ConversionOptions` and a
+    seed: a `TrainConfig` or a `CompareSpec`) starts with: its conversion keys, calibrated on its
+    training text (`CALIBRATED_AS_TRAINED`); `chosen` overrides any key (compare's pooling per run)."""
+    values = {name: getattr(run, name) for name in names_of(ConversionOptions)}
+    values.update({key: getattr(run, trained) for key, trained in CALIBRATED_AS_TRAINED.items()})
+    return conversion_spec(**{**values, "source": source, "num_kv_heads": num_kv_heads, **chosen})
 
 
 # Keys that change bookkeeping but not the loss curve: a resumed run may change them freely.

@@ -17,7 +17,7 @@ import torch
 import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
-from uptrain.architecture import auto_class_name, config_geometry, find_architecture
+from uptrain.architecture import auto_class_name, block_positions, config_geometry, find_architecture
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
@@ -313,11 +313,10 @@ def _fill_known_budget(config: TrainConfig) -> None:
 def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None):
     """Positions, tokenizer and teacher compatibility. Returns (tokenizer, model config, teacher config)."""
     model_config = read_config(model_path)
-    positions = _model_positions(model_config)
+    positions, key = block_positions(model_config, model_path)
     if positions is not None and config.seq_len > positions:
         raise UptrainError(
-            f"seq_len {config.seq_len} is beyond the model's {positions} positions "
-            f"(max_position_embeddings of {model_path})"
+            f"seq_len {config.seq_len} is beyond the model's {positions} positions ({key} of {model_path})"
         )
     tokenizer = load_tokenizer(model_path, "model")
     if config.document_mask:
@@ -332,13 +331,6 @@ def _check_models(config: TrainConfig, model_path: str, teacher_path: str | None
                 f"model {model_config.get('vocab_size')}: their logits cannot be compared"
             )
     return tokenizer, model_config, teacher_config
-
-
-def _model_positions(config: dict) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
 
 
 def _check_same_tokenizer(student, teacher, teacher_path: str) -> None:

@@ -1,0 +1,74 @@
+"""`uptrain compare` converts each run as `uptrain train` converts its `source`: one mapping
+from the training keys to the conversion's (`train.config.training_conversion`), so that
+calibration reads the text the runs train on, as they read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from uptrain.compare.spec import CompareSpec
+from uptrain.convert.spec import ConversionSpec
+from uptrain.options import keys_of
+from uptrain.train.config import TrainConfig
+
+# Every key of a run that can decide how its conversion calibrates, with a value other than its default.
+TRAINED = dict(
+    train_data=["a.jsonl", "b.jsonl"],
+    dataset_config="sample-10BT",
+    train_split="held-out",
+    seq_len=64,
+    text_field="body",
+    sample_by="line",
+    language="fr",
+    speech_task="translate",
+    seed=7,
+    grouping="similarity",
+    attention="encoder,cross",
+    calibration_tokens=1000,
+    calibration_device="cpu",
+    calibration_dtype="bfloat16",
+    source_hash="sha256",
+)
+# ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),
+# and those each run sets itself.
+CONVERT_ONLY = {"dtype", "max_shard_size", "allow_pickle"}
+PER_RUN = {"source", "num_kv_heads", "pooling"}
+
+
+def both(values: dict, tmp_path) -> tuple[ConversionSpec, ConversionSpec]:
+    """The conversion `uptrain train` and `uptrain compare` make of the same keys."""
+    train = TrainConfig(
+        source="src",
+        num_kv_heads=2,
+        pooling="calibrated",
+        eval_data="eval.jsonl",
+        output_dir=str(tmp_path / "run"),
+        # compare's defaults of the keys train requires
+        **{"train_data": "train.jsonl", "seq_len": 256, "batch_size": 8, "lr": 1e-3, "max_steps": 3, **values},
+    )
+    compare = CompareSpec(model="src", num_kv_heads=[2], output_dir=str(tmp_path / "cmp"), max_steps=3, **values)
+    return train.conversion_spec(), compare.conversion_spec(2, "calibrated")
+
+
+@settings(max_examples=40, deadline=None)
+@given(chosen=st.sets(st.sampled_from(sorted(TRAINED))))
+def test_train_and_compare_convert_alike(chosen, tmp_path_factory):
+    values = {key: TRAINED[key] for key in chosen}
+    if "train_data" not in values:
+        values["train_data"] = "train.jsonl"  # compare's default is the shipped corpus, train has none
+    from_train, from_compare = both(values, tmp_path_factory.mktemp("runs"))
+    assert from_train == from_compare
+
+
+def test_every_calibration_key_comes_from_the_run(tmp_path):
+    """With every run key off its default, no key of the conversion is left at its own default:
+    none is forgotten by the mapping (text_field, sample_by, dataset_config and train_split were)."""
+    from_train, from_compare = both(TRAINED, tmp_path)
+    assert from_train == from_compare
+    defaults = {key.name: key.default for key in keys_of(ConversionSpec)}
+    for field in dataclasses.fields(ConversionSpec):
+        if field.name not in CONVERT_ONLY | PER_RUN:
+            assert getattr(from_compare, field.name) != defaults[field.name], field.name

@@ -34,16 +34,14 @@ def harness_task(task: str) -> tuple[str, Path | None]:
 
 
 def _yaml_task_name(path: Path) -> str:
-    import yaml
+    from uptrain.options import read_yaml
 
-    class _Loader(yaml.SafeLoader):  # lm-eval's tags (`!function utils.process`) matter to lm-eval only
-        pass
-
-    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
     try:
-        config = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 (a SafeLoader)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise UptrainError(f"cannot read the task YAML {path}: {exception_line(err)}") from None
+        # uptrain's bounded loader, before lm-eval's own reads it: an alias bomb would run lm-eval's
+        # without bound. lm-eval's tags (`!function utils.process`) matter to lm-eval only.
+        config = read_yaml(path, ignore_tags=True)
+    except UptrainError as err:
+        raise UptrainError(f"cannot read the task YAML {path}: {err}") from None
     name = config.get("task") if isinstance(config, dict) else None
     if not isinstance(name, str) or not name:
         raise UptrainError(f"the task YAML {path} has no `task:` name")

@@ -329,7 +329,7 @@ class Architecture:
         and its key apart)."""
         for setting in self.refused_settings:
             setting.check(config)
-        for alias, key in self.key_aliases:
+        for alias, key in self.aliases_in(config):
             if config.get(alias) is not None and config.get(key) is not None and config[alias] != config[key]:
                 raise UptrainError(
                     f"{config.get('model_type')} config sets {alias}: {show(config[alias])} and {key}: "
@@ -337,6 +337,12 @@ class Architecture:
                     "or make them agree"
                 )
         return {s.attention: AttentionStack(s.attention, s.layout, s.geometry.read(config)) for s in self.sites}
+
+    def aliases_in(self, config: dict) -> tuple[tuple[str, str], ...]:
+        """The `key_aliases` of the config class that reads `config`: a converted checkpoint's
+        num_key_value_heads is its GQA config's own field (Whisper's names the encoder's heads)."""
+        converted = self.modeling is not None and config.get("model_type") == self.modeling.model_type
+        return tuple((a, k) for a, k in self.key_aliases if not (converted and a == "num_key_value_heads"))
 
     def output_name(self, name: str) -> str:
         """A tensor's name in the converted checkpoint (`renames`)."""

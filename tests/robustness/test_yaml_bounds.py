@@ -101,6 +101,10 @@ def test_an_lm_eval_task_yaml_that_is_an_alias_bomb_is_one_line(tmp_path):
     assert message.startswith(f"cannot read the task YAML {path}") and "aliases expand" in message
     path.write_text("task: fine\nprocess_results: !function utils.process\nx: &x [1]\ny: *x\n")
     assert harness_task(f"lm-eval:{path}") == ("fine", tmp_path)
+    # lm-eval indexes every task YAML in the folder: one beside the task is read first too.
+    (tmp_path / "group").mkdir()
+    (tmp_path / "group" / "other.yaml").write_text(f"task: other\nfewshot: {BOMB}\n")
+    assert str(tmp_path / "group" / "other.yaml") in refused_fast(harness_task, f"lm-eval:{path}")
 
 
 def test_a_model_card_whose_front_matter_is_an_alias_bomb_carries_nothing(tmp_path):

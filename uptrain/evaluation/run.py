@@ -70,7 +70,8 @@ class EvaluateOptions(Schema):
         None,
         at_least=1,
         help=f"most tokens generated per example, greedily with the KV cache (default: {DEFAULT_NEW_TOKENS}, or fewer "
-        "where the decoder's positions end; a decoder-only model's: at most half its positions)",
+        "where the decoder's positions end after its start and the family's prompt; a decoder-only model's: at most "
+        "half its positions)",
     )
     seq_len: int | None = option(
         None,

@@ -146,3 +146,35 @@ def test_alibi_may_depend_on_a_config_key():
     assert architecture("falcon").has_alibi({"alibi": True}) and architecture("falcon_gqa").has_alibi({"alibi": True})
     assert not architecture("falcon").has_alibi({"alibi": False}) and not architecture("falcon").has_alibi({})
     assert not architecture("mpt").has_alibi({}) and not architecture("llama").has_alibi({"alibi": True})
+
+
+def test_key_aliases_are_transformers_own():
+    """Each record's key_aliases are its config class's attribute_map (the names transformers
+    reads as the record's keys), so that a config setting both apart is refused (issue #34)."""
+    from transformers import CONFIG_MAPPING
+
+    import uptrain.modeling  # noqa: F401  registers the *_gqa config classes
+
+    for model_type in supported_model_types():
+        aliases = architecture(model_type).aliases_in({"model_type": model_type})
+        assert dict(aliases) == CONFIG_MAPPING[model_type].attribute_map, model_type
+
+
+@pytest.mark.parametrize(
+    "config, alias",
+    [
+        (
+            {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "num_attention_heads": 2},
+            "num_attention_heads",
+        ),
+        (
+            {"model_type": "gpt_neo", "num_layers": 2, "num_heads": 4, "hidden_size": 32, "num_hidden_layers": 3},
+            "num_hidden_layers",
+        ),
+    ],
+)
+def test_an_alias_apart_from_its_key_is_one_line_where_the_geometry_is_read(config, alias):
+    with pytest.raises(UptrainError, match=f"sets {alias}: "):
+        architecture(config["model_type"]).stacks(config)
+    agreeing = dict(config, **{alias: config[dict(architecture(config["model_type"]).key_aliases)[alias]]})
+    architecture(config["model_type"]).stacks(agreeing)

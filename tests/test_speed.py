@@ -5,6 +5,7 @@ No timing assertions: speed is for the benchmarks (BENCHMARKS.md), not for tests
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -400,11 +401,47 @@ def test_encoder_decoder_refusals(model_type, options, pattern, seq2seq):
 
 
 def test_encoder_decoder_cache_beyond_free_memory(seq2seq):
-    # T5 has relative positions (no limit): only the cache's size stops a huge source.
+    # T5 has relative positions (no limit): memory alone stops a huge source or batch.
     assert_one_line_refusal(
-        lambda: measure_speed([seq2seq["t5"]], context=10**8, new_tokens=2, batch=10**4),
-        r"the KV cache of batch 10000 × 100000002 positions needs .* GiB",
+        lambda: measure_speed([seq2seq["t5"]], context=10, new_tokens=2, batch=10**12),
+        r"the KV cache of batch 1000000000000 × 12 positions needs .* GiB",
     )
+
+
+@pytest.mark.parametrize("model_type", ["t5", "umt5"])
+def test_a_t5_source_whose_attention_cannot_fit_is_refused(model_type, seq2seq):
+    """T5's relative position bias is heads × N × N (from N × N int64 buckets) under every
+    attention kernel: --context 100000 asked for ~400 GB, a cache of a few MB beside it. It was
+    allocated, and ended in a traceback (issue #34)."""
+    assert_one_line_refusal(
+        lambda: measure_speed([seq2seq[model_type]], context=100_000, new_tokens=2),
+        r"attention over a prompt of 100000 tokens \(batch 1\) needs .* GiB, which grows with the square of "
+        r"--context, and the KV cache .* GiB more: more than the .* GiB free on cpu; lower --context",
+    )
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bart", "whisper", "t5"])
+def test_eager_attention_counts_its_scores(model_type, seq2seq, tmp_path):
+    """Eager attention holds batch × heads × N × N scores and their softmax while the prompt is
+    read (a decoder-only model its N × N mask too); the fused kernels none. Checked with the
+    implementation the loaded model reports, before its first forward."""
+    from uptrain.speed_checks import model_shape
+
+    folder = llama_with_positions(tmp_path / "long", 2**40) if model_type == "llama" else seq2seq[model_type]
+    shape = model_shape(folder, model_type)
+    heads = (shape.encoder or shape.geometry).num_heads
+    n, batch, size = 1000, 3, 4
+    scores = batch * n * n * size * (2 * heads + (1 if shape.cross is None else 0))
+    bias = heads * n * n * size + 4 * n * n * 8 if model_type == "t5" else 0
+    assert shape.attention_bytes(batch, n, "float32", "eager") == scores + bias
+    assert shape.attention_bytes(batch, n, "float32", "sdpa") == bias
+    cpu = torch.device("cpu")
+    context = 30_000_000 if model_type == "llama" else 100_000
+    shape = dataclasses.replace(shape, source_positions=None, fixed_source=False)  # no position limit in the way
+    shape.check_cache_fits(1, 200, 2, "float32", cpu, "eager")  # small: fits
+    with pytest.raises(UptrainError, match=r"attention over a prompt of .* lower --context") as err:
+        shape.check_cache_fits(1, context, 2, "float32", cpu, "eager")
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("model_type", list(SEQ2SEQ_CONFIGS))

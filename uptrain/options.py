@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import re
 import types
 import typing
@@ -202,7 +203,7 @@ def _fits(annotation: Any, value: Any) -> tuple[bool, Any]:
         if m is int and isinstance(value, int) and not isinstance(value, bool):
             return True, value
         if m is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
+            return True, _as_float(value)
         if m is str and isinstance(value, str):
             return True, value
         if origin is Literal and any(value == a and type(value) is type(a) for a in typing.get_args(m)):
@@ -214,6 +215,14 @@ def _fits(annotation: Any, value: Any) -> tuple[bool, Any]:
     if float in _members(annotation) and isinstance(value, str) and len(value) < 100 and _NUMBER.fullmatch(value):
         return True, float(value.replace("_", ""))
     return False, value
+
+
+def _as_float(value: int | float) -> float:
+    # An integer past float's range (a 400-digit one) is as unbounded as inf, and refused as it is.
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _bound(limit: float) -> str:
@@ -237,6 +246,10 @@ def key_problem(key: Key, value: Any) -> tuple[str | None, Any]:
         allowed = choices_of(o)
         if allowed is not None and item not in allowed:
             return f"unknown {key.name} {item!r}; choose from {', '.join(sorted(allowed))}", value
+        if isinstance(item, float) and not math.isfinite(item):
+            # NaN passes every bound (each comparison is false) and ±inf makes no key's sense: a
+            # learning rate, a timeout, a fraction. Refused here, before anything is written.
+            return f"must be a finite number (got {item!r})", value
         if isinstance(item, (int, float)):
             if o.at_least is not None and item < o.at_least:
                 return f"must be at least {_bound(o.at_least)} (got {item!r})", value
@@ -282,17 +295,23 @@ def validated(schema: type[Schema], command: str | None = None, **values: Any) -
     return validated_values(schema, values, command)
 
 
-# Config files: YAML mappings of keys (`uptrain train --config FILE`).
+# Config files: YAML mappings of keys (`uptrain train --config FILE`), and every other YAML a
+# command reads (lm-eval task files, model-card front matter, a run's run_config.yaml): all of
+# them through `read_yaml`/`parse_yaml`, the one loader.
 
 # What PyYAML's constructors raise, beside YAMLError, on values its own resolver let through.
 YAML_CONSTRUCTION_ERRORS = (ValueError, TypeError, AttributeError, LookupError, ArithmeticError)
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of keys; anything larger is not one, and parsing it costs
+# A document's size with every alias written out (a node each, and each scalar's characters):
+# what a file of MAX_CONFIG_BYTES could hold without aliases. Aliases alone cost nothing to
+# parse, but a "billion laughs" of nested ones is 10^9 values to whatever walks or writes them.
+MAX_EXPANDED_YAML = MAX_CONFIG_BYTES
 
 
-def read_yaml(path: Path) -> Any:
-    """The YAML document in `path`; anything that is not a config file is one UptrainError."""
-    import yaml
-
+def read_yaml(path: Path, *, ignore_tags: bool = False) -> Any:
+    """The YAML document in `path`; anything that is not a config file is one UptrainError.
+    `ignore_tags`: a tag (`!function utils.process`) reads as null rather than being refused
+    (lm-eval's task files use them; they matter to lm-eval only)."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)  # read no more than the bound, whatever the file holds
@@ -304,16 +323,89 @@ def read_yaml(path: Path) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise UptrainError(f"{path} is not UTF-8 text (byte {err.start})") from None
+    return parse_yaml(text, path, ignore_tags=ignore_tags)
+
+
+def parse_yaml(text: str, where: str | Path, *, ignore_tags: bool = False) -> Any:
+    """The YAML document `text` (from `where`, for messages), with its aliases expanding to no
+    more than MAX_EXPANDED_YAML and none referring to itself; else one UptrainError."""
+    import yaml
+
+    loader = None
     try:
-        return yaml.safe_load(text)
+        loader = _loader(ignore_tags)(text)  # its reader refuses control characters at once
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if problem := _expansion_problem(node):
+            raise UptrainError(f"{where}: {problem}")
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
-        raise UptrainError(f"{path} is not valid YAML: {_first_line(err)}") from None
+        raise UptrainError(f"{where} is not valid YAML: {_first_line(err)}") from None
     except YAML_CONSTRUCTION_ERRORS as err:  # past Python's 4300 digits; 2024-13-01; `!!int` on nothing
         if too_many_digits(err):
-            raise UptrainError(f"{path}: {too_many_digits(err)}") from None
-        raise UptrainError(f"{path} is not valid YAML: {_first_line(err)}") from None
+            raise UptrainError(f"{where}: {too_many_digits(err)}") from None
+        raise UptrainError(f"{where} is not valid YAML: {_first_line(err)}") from None
     except RecursionError:
-        raise UptrainError(f"{path} is not valid YAML (nested too deeply)") from None
+        raise UptrainError(f"{where} is not valid YAML (nested too deeply)") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+@functools.cache
+def _loader(ignore_tags: bool) -> type:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    if ignore_tags:
+        Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    return Loader
+
+
+def _expansion_problem(root: Any) -> str | None:
+    """What is wrong with the composed YAML graph `root` once its aliases are written out: a
+    size past MAX_EXPANDED_YAML, or an alias inside its own anchor (an endless value). A
+    post-order walk that sizes each node once, however many aliases share it."""
+    sizes: dict[int, int] = {}  # id(node) -> its size written out
+    open_nodes: set[int] = set()  # the nodes whose walk is under way: the path from the root
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = _yaml_children(node)
+        if children_done:
+            open_nodes.discard(id(node))
+            size = sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children) + _scalar_size(node)
+            if size > MAX_EXPANDED_YAML:
+                return (
+                    f"its aliases expand to more than a config can hold ({MAX_EXPANDED_YAML} values and "
+                    "characters written out); write the values out or use fewer aliases"
+                )
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_nodes:
+            return "an alias refers to the value it is inside of (an endless value)"
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return None
+
+
+def _yaml_children(node: Any) -> list:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _scalar_size(node: Any) -> int:
+    import yaml
+
+    return len(node.value) if isinstance(node, yaml.ScalarNode) else 0
 
 
 def _first_line(err: Exception) -> str:
@@ -364,13 +456,11 @@ def _help(key: Key) -> str:
 def _parse_flag_value(text: str) -> Any:
     # YAML scalars, so that `--lr 3e-4`, `--max_grad_norm null` and `--resume true` mean on the
     # command line what they mean in a config file.
-    import yaml
-
     try:
-        return yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError, TypeError, AttributeError, LookupError, ArithmeticError, RecursionError):
-        # Not a YAML scalar (or past Python's 4300 digits, or nested too deeply): the text itself,
-        # which the schema then refuses in one line naming the key.
+        return parse_yaml(text, "the flag's value")
+    except UptrainError:
+        # Not a YAML scalar (or past Python's 4300 digits, nested too deeply, or aliases past the
+        # bound): the text itself, which the schema then refuses in one line naming the key.
         return text
 
 

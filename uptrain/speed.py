@@ -143,8 +143,9 @@ def measure_speed(
         compile=compile,
     )
     loaded = {s.label: load_model(s.folder, dtype, torch_device) for s in sources}
-    for shape in shapes:  # again, now that the weights hold their share of the memory
-        shape.check_cache_fits(batch, contexts[shape.label], new_tokens, dtype, torch_device)
+    for shape in shapes:  # again, now that the weights hold their share, with the attention they load with
+        implementation = loaded[shape.label].config._attn_implementation
+        shape.check_cache_fits(batch, contexts[shape.label], new_tokens, dtype, torch_device, implementation)
     measured = measure_models(
         loaded,
         context=contexts,

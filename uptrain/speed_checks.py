@@ -59,6 +59,13 @@ class ModelShape:
     cross: AttentionGeometry | None = None  # None: a decoder-only model
     source_positions: int | None = None
     fixed_source: bool = False
+    encoder: AttentionGeometry | None = None  # an encoder–decoder's encoder self-attention
+    # T5's relative position bias: a [heads, q, k] table built from [q, k] int64 buckets, under
+    # every attention implementation (`relative_attention_bias`, a query-head tensor).
+    relative_bias: bool = False
+    # What config.json asks of transformers (`attn_implementation`); None: its default, SDPA for
+    # every family speed measures.
+    attn_implementation: str | None = None
 
     def source_length(self, context: int | None) -> int:
         """The prompt (source) length to measure at, given the --context asked for (None: the default)."""
@@ -73,7 +80,7 @@ class ModelShape:
 
     def check(self, context: int, new_tokens: int, batch: int, dtype: str, device) -> None:
         self.check_positions(context, new_tokens)
-        self.check_cache_fits(batch, context, new_tokens, dtype, device)
+        self.check_cache_fits(batch, context, new_tokens, dtype, device, self.attn_implementation)
 
     def check_positions(self, context: int, new_tokens: int) -> None:
         """Refuse a context the model's position tables do not reach."""
@@ -102,17 +109,47 @@ class ModelShape:
         decoder = self.geometry.kv_cache_bytes_per_token(size) * new_tokens
         return batch * (decoder + self.cross.kv_cache_bytes_per_token(size) * context)
 
-    def check_cache_fits(self, batch: int, context: int, new_tokens: int, dtype: str, device) -> None:
-        """Refuse a cache that cannot fit: its size follows from the geometry, so it is known
-        before a byte is allocated (and an out-of-memory kill mid-run tells the user nothing)."""
-        need = self.cache_bytes(batch, context, new_tokens, dtype)
+    def attention_bytes(self, batch: int, context: int, dtype: str, implementation: str | None) -> int:
+        """The most one attention layer holds at once while the prompt (an encoder–decoder's
+        source) is read, all N queries against N keys; the decode steps' one query is small beside
+        it. Eager attention materialises the scores and their softmax, batch × heads × N × N
+        each, and a decoder-only model's additive mask, batch × N × N; the fused kernels (SDPA,
+        flash) keep none of them. T5's relative position bias is heads × N × N whatever the
+        kernel, built from N × N int64 tables (positions, distances, buckets: four at a time).
+        Measured on the shipped reference T5 at N = 4096: a peak of 1.05 GiB, this 0.98 GiB."""
+        size = DTYPE_BYTES[dtype]
+        heads = (self.encoder or self.geometry).num_heads
+        square = context * context
+        need = 0
+        if implementation == "eager":
+            need += batch * square * size * (2 * heads + (1 if self.cross is None else 0))
+        if self.relative_bias:
+            need += heads * square * size + 4 * square * 8
+        return need
+
+    def check_cache_fits(
+        self, batch: int, context: int, new_tokens: int, dtype: str, device, implementation: str | None = None
+    ) -> None:
+        """Refuse a run whose KV cache, with attention's working memory while the prompt is read
+        (`attention_bytes`, for the attention `implementation` in use), cannot fit: both follow
+        from the geometry, so they are known before a byte is allocated (and an out-of-memory
+        kill mid-run tells the user nothing)."""
+        cache = self.cache_bytes(batch, context, new_tokens, dtype)
+        attention = self.attention_bytes(batch, context, dtype, implementation)
         free = free_memory_bytes(device)
-        if free is not None and need > free:
+        if free is None or cache + attention <= free:
+            return
+        if attention > cache:
             raise UptrainError(
-                f"{self.label}: the KV cache of batch {batch} × {context + new_tokens} positions needs "
-                f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; "
-                f"lower --batch or --context"
+                f"{self.label}: attention over a prompt of {context} tokens (batch {batch}) needs "
+                f"{attention / 2**30:.2f} GiB, which grows with the square of --context, and the KV cache "
+                f"{cache / 2**30:.2f} GiB more: more than the {free / 2**30:.2f} GiB free on {device}; lower --context"
             )
+        raise UptrainError(
+            f"{self.label}: the KV cache of batch {batch} × {context + new_tokens} positions needs "
+            f"{cache / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; "
+            f"lower --batch or --context"
+        )
 
 
 def model_shape(folder: Path, label: str) -> ModelShape:
@@ -125,10 +162,12 @@ def model_shape(folder: Path, label: str) -> ModelShape:
     if arch is None and config.get("is_encoder_decoder"):
         arch = architecture(config.get("model_type"))  # one line: the encoder–decoders uptrain reads
     stacks = {} if arch is None else arch.stacks(config)  # every attention's geometry, read once
+    implementation = config.get("attn_implementation") or config.get("_attn_implementation")
+    implementation = implementation if isinstance(implementation, str) else None
     if "cross" not in stacks:
         # No record: transformers' standard names, as `config_geometry` reads them.
         geometry = attention_geometry(config) if arch is None else stacks[DECODER_SELF].geometry
-        return ModelShape(label, geometry, block_positions(config, label)[0])
+        return ModelShape(label, geometry, block_positions(config, label)[0], attn_implementation=implementation)
     # Positions as the record names them (GPT-2's n_positions, Whisper's max_target_positions).
     return ModelShape(
         label,
@@ -138,6 +177,9 @@ def model_shape(folder: Path, label: str) -> ModelShape:
         source_positions=arch.source_positions(config, label),
         # Whisper: input features of a fixed length, the positions each cross-attention caches whole.
         fixed_source=arch.source_positions_key is not None,
+        encoder=stacks["encoder"].geometry,
+        relative_bias=any(site.layout.query_head_tensors for site in arch.sites),
+        attn_implementation=implementation,
     )
 
 

@@ -356,6 +356,28 @@ def test_refusals(name, argv, expected, sources, capsys, tmp_path):
     fails(capsys, [src, *argv], expected, tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    "name,alias,key",
+    [("bart", "num_attention_heads", "encoder_attention_heads"), ("t5", "num_attention_heads", "num_heads")],
+)
+def test_a_config_whose_head_counts_conflict_is_refused(name, alias, key, sources, capsys, tmp_path):
+    """config.json with transformers' standard name beside the family's own key, disagreeing
+    (BART's num_attention_heads is its encoder_attention_heads, T5's its num_heads): uptrain read
+    one, transformers loaded the other, and the conversion did not load (issue #34)."""
+    import shutil
+
+    _, src = sources(name)
+    conflicting = tmp_path / "src"
+    shutil.copytree(src, conflicting)
+    config = json.loads((conflicting / "config.json").read_text())
+    config[alias] = 2  # the sources have 4 (BART's encoder) and 8 (T5) heads
+    (conflicting / "config.json").write_text(json.dumps(config))
+    fails(capsys, [conflicting, "-g", 2], f"sets {alias}: 2 and {key}: {config[key]}", tmp_path / "out")
+    config[alias] = config[key]  # agreeing, both are fine
+    (conflicting / "config.json").write_text(json.dumps(config))
+    assert main(["convert", str(conflicting), str(tmp_path / "out"), "-g", "2"]) == 0, capsys.readouterr().err
+
+
 def test_calibrated_from_the_command_line(capsys, tmp_path):
     """The shipped reference T5 calibrated on text through its objective (span corruption), every
     attention moment from its own input: G KV heads in the decoder's self- and cross-attention."""

@@ -114,3 +114,46 @@ def test_refusals_are_one_line(built, capsys, args, message):
 def test_refuses_a_model_the_task_cannot_run_on(built, capsys):
     assert main(["evaluate", str(built["whisper"]), "--task", "qa", "--data", str(built["qa"])]) == 2
     assert "--task qa needs a text model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("positions", [8, 64])
+def test_a_whisper_with_few_decoder_positions_gets_new_tokens_that_fit(built, tmp_path, positions):
+    """The decoder holds its start and Whisper's prompt before the tokens generated: the default
+    --max-new-tokens is clamped to what is left, and an asked number that does not fit is refused
+    naming --max-new-tokens and the numbers (it named `target_len`, which evaluate has no flag
+    for; issue #34). Through evaluate's own steps: the asr metric's library is not installed here."""
+    import shutil
+
+    from uptrain import UptrainError, loading
+    from uptrain.evaluation import run
+    from uptrain.evaluation.tasks import get_task
+    from uptrain.model_info import read_config
+    from uptrain.options import validated
+    from uptrain.speed_checks import model_shape
+
+    folder = tmp_path / "whisper"
+    shutil.copytree(built["whisper"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_target_positions": positions}))
+    task, config = get_task("asr"), read_config(folder)
+    shape, tokenizer = model_shape(folder, "whisper"), loading.load_tokenizer(folder, "model")
+
+    def steps(**asked):
+        options = validated(
+            run.EvaluateOptions, "evaluate", model=str(folder), task="asr", data=str(built["speech"]), **asked
+        )
+        framing = run._framing(options, task, tokenizer, folder, config)
+        new = run._new_tokens(options, shape, framing)
+        seq_len = run._source_length(options, shape, new)
+        return new, run._read_examples(options, task, tokenizer, folder, config, seq_len, new, framing)
+
+    ahead = 1  # the decoder start; this tokenizer's Whisper prompt adds no tokens
+    new, examples = steps()
+    assert new == min(run.DEFAULT_NEW_TOKENS, positions - ahead) and len(examples.targets) == 3  # the three tones
+    assert steps(max_new_tokens=positions - ahead)[0] == positions - ahead
+    with pytest.raises(UptrainError) as err:
+        steps(max_new_tokens=positions)
+    assert str(err.value) == (
+        f"whisper: --max-new-tokens {positions} + the prompt <s> (1 token) = {positions + 1} is beyond the "
+        f"decoder's {positions} positions; use --max-new-tokens {positions - 1} or fewer"
+    )

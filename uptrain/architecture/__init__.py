@@ -18,7 +18,9 @@ A record (`Architecture`) holds:
 - quirks the code acts on (`alibi`, always or where a config key turns it on;
   `mask_ignores_positions`, `attention_ignores_positions`) and what it refuses
   (`refused_settings`: config settings outside what the record describes,
-  each with its reason, refused wherever the geometry is read), and an encoder–decoder's
+  each with its reason, refused wherever the geometry is read; `key_aliases`: the standard
+  names its transformers config class reads as its own keys, its `attribute_map`, refused
+  where a config sets one apart from its key), and an encoder–decoder's
   `source_positions_key` / `source_unit`, and what its targets begin with (`target_prompt`:
   Whisper's language and task tokens, mBART's and NLLB's language codes);
 - its positions, as config fields: `target_positions_key` (a decoder-only model's, or an

@@ -106,6 +106,15 @@ NATIVE_GQA = (
 
 # Architectures whose transformers modeling has no num_key_value_heads: converted to uptrain's
 # own (`uptrain_modeled`), which reads the same layout with G heads.
+#
+# transformers' attribute_map of GPT-2's and GPT-J's config classes (`Architecture.key_aliases`).
+GPT2_ALIASES = (
+    ("hidden_size", "n_embd"),
+    ("max_position_embeddings", "n_positions"),
+    ("num_attention_heads", "n_head"),
+    ("num_hidden_layers", "n_layer"),
+)
+
 UPTRAIN_MODELING = (
     uptrain_modeled(
         "gpt2",
@@ -126,6 +135,7 @@ UPTRAIN_MODELING = (
         rotary=None,
         target_positions_key="n_positions",
         notes="Conv1D c_attn, weight [in, out], columns [Q | K | V]",
+        key_aliases=GPT2_ALIASES,
     ),
     uptrain_modeled(
         "gpt_neox",
@@ -158,6 +168,7 @@ UPTRAIN_MODELING = (
         rotary=Rotary(pairs="adjacent", dims_key="rotary_dim"),
         target_positions_key="n_positions",
         notes="separate projections, no biases; rotary on the first rotary_dim dims, adjacent pairs",
+        key_aliases=GPT2_ALIASES,
     ),
     uptrain_modeled(
         "bloom",
@@ -172,6 +183,7 @@ UPTRAIN_MODELING = (
         rotary=None,
         target_positions_key=None,  # ALiBi: no position table
         notes="query_key_value rows [h, 3, d] interleaved per head; ALiBi slopes stay with the query heads",
+        key_aliases=(("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head")),
     ),
     uptrain_modeled(
         "gpt_neo",
@@ -189,6 +201,7 @@ UPTRAIN_MODELING = (
         attention_ignores_positions=True,
         rotary=None,
         notes="separate projections, no biases (out_proj has one); no RoPE, no 1/√d; global and local layers",
+        key_aliases=(("num_attention_heads", "num_heads"), ("num_hidden_layers", "num_layers")),
     ),
     uptrain_modeled(
         "mpt",
@@ -217,6 +230,7 @@ UPTRAIN_MODELING = (
         # Its ALiBi depends on the distance to each key alone (not on the padding mask): packed
         # documents take the document mask, so not the `alibi` quirk.
         notes="Wqkv rows [Q | K | V], no biases; ALiBi slopes stay with the query heads; clip_qkv clamps Wqkv's output",
+        key_aliases=(("num_attention_heads", "n_heads"), ("hidden_size", "d_model"), ("num_hidden_layers", "n_layers")),
     ),
     uptrain_modeled(
         "falcon",

@@ -38,6 +38,19 @@ def _t5_site(attention: str, prefix: str, layers_key: str, layers_fallback_key: 
     return AttentionSite(attention, layout, keys)
 
 
+# transformers' attribute_map of each family's config class (`Architecture.key_aliases`).
+T5_ALIASES = (
+    ("hidden_size", "d_model"),
+    ("num_attention_heads", "num_heads"),
+    ("num_hidden_layers", "num_layers"),
+    ("head_dim", "d_kv"),
+)
+BART_ALIASES = (
+    ("num_attention_heads", "encoder_attention_heads"),
+    ("hidden_size", "d_model"),
+    ("num_hidden_layers", "encoder_layers"),
+)
+
 T5 = Architecture(
     "t5",  # also T5 v1.1 and Flan-T5 (gated-GELU feed-forward): the same attention
     "T5",
@@ -56,6 +69,7 @@ T5 = Architecture(
     rotary=None,
     target_positions_key=None,  # relative positions: no table, no limit
     position_bias_shared=True,  # block 0's relative_attention_bias, handed on to every block
+    key_aliases=T5_ALIASES,
     notes="no biases; d_kv independent of d_model / num_heads; the relative_attention_bias of block 0 "
     "(one column per query head) stays with the query heads",
 )
@@ -90,6 +104,7 @@ def bart_family(model_type: str, name: str, modeling: GQAModeling, **fields) -> 
         "target_positions_key": "max_position_embeddings",
         "source_text_positions_key": "max_position_embeddings",
         "rotary": None,
+        "key_aliases": BART_ALIASES,
         "notes": "q/k/v biases; head_dim = d_model // heads",
         **fields,
     }
@@ -137,6 +152,7 @@ ENCODER_DECODERS: tuple[Architecture, ...] = (
         source_text_positions_key=None,  # its source is audio
         target_positions_key="max_target_positions",
         target_prompt=TargetPrompt.SPEECH_TASK,
+        key_aliases=(("num_key_value_heads", "encoder_attention_heads"), *BART_ALIASES),
         notes="k_proj has no bias; the encoder sees max_source_positions (1500) audio frames",
     ),
     # M2M100 (also NLLB-200's dense models, which are M2M100 checkpoints): translation.

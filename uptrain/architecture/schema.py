@@ -262,6 +262,12 @@ class Architecture:
     # (Falcon's multi_query: one KV head, not `num_attention_heads`), each with its reason:
     # refused wherever the geometry is read (`stacks`), before anything is converted.
     refused_settings: tuple[RefusedSetting, ...] = ()
+    # (alias, key): the standard names transformers' config class reads as the record's own keys
+    # (its `attribute_map`: BART's num_attention_heads is encoder_attention_heads, T5's is
+    # num_heads). A config.json setting both to different values is refused wherever the
+    # geometry is read: uptrain would read one and transformers load the other, an output that
+    # does not load.
+    key_aliases: tuple[tuple[str, str], ...] = ()
     # Quirks the code acts on. ALiBi: position biases built from the 2D padding mask (BLOOM), so
     # no per-document mask can replace it. True: always; a config key: where the config sets it
     # true (Falcon's `alibi`; absent, false). ALiBi that depends on the distance to each key
@@ -341,10 +347,24 @@ class Architecture:
 
     def stacks(self, config: dict) -> dict[str, AttentionStack]:
         """Every attention of the model, in model order, with its geometry read from `config`
-        (one line if `config` has one of the `refused_settings`)."""
+        (one line if `config` has one of the `refused_settings`, or sets one of `key_aliases`
+        and its key apart)."""
         for setting in self.refused_settings:
             setting.check(config)
+        for alias, key in self.aliases_in(config):
+            if config.get(alias) is not None and config.get(key) is not None and config[alias] != config[key]:
+                raise UptrainError(
+                    f"{config.get('model_type')} config sets {alias}: {show(config[alias])} and {key}: "
+                    f"{show(config[key])}, which transformers reads as one setting ({key}); remove {alias} "
+                    "or make them agree"
+                )
         return {s.attention: AttentionStack(s.attention, s.layout, s.geometry.read(config)) for s in self.sites}
+
+    def aliases_in(self, config: dict) -> tuple[tuple[str, str], ...]:
+        """The `key_aliases` of the config class that reads `config`: a converted checkpoint's
+        num_key_value_heads is its GQA config's own field (Whisper's names the encoder's heads)."""
+        converted = self.modeling is not None and config.get("model_type") == self.modeling.model_type
+        return tuple((a, k) for a, k in self.key_aliases if not (converted and a == "num_key_value_heads"))
 
     def output_name(self, name: str) -> str:
         """A tensor's name in the converted checkpoint (`renames`)."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
+from uptrain import UptrainError
 from uptrain.checkpoint.provenance import conversion_record
+from uptrain.options import parse_yaml
 
 CARD = "README.md"
 # Card metadata that follows the weights from source to output: the licence terms.
@@ -14,17 +17,24 @@ CARRIED_CARD_KEYS = ("license", "license_name", "license_link")
 CARD_TAGS = ["uptrain", "grouped-query-attention", "gqa"]
 
 
+# A card's YAML front matter: a `---` line opening the file, then the YAML, then a `---` line.
+_FRONT_MATTER = re.compile(r"\A\s*---[ \t]*\r?\n(.*?)^---[ \t]*\r?$", re.DOTALL | re.MULTILINE)
+
+
 def card_metadata(folder: str | Path) -> dict:
-    """The YAML front matter of a checkpoint's model card ({} without a card or front matter)."""
+    """The YAML front matter of a checkpoint's model card ({} without a card or front matter,
+    or with one that is not a mapping uptrain's one YAML loader reads: a card we cannot parse
+    carries nothing, and the weights are still worth converting)."""
     path = Path(folder) / CARD
     if not path.is_file():
         return {}
     try:
-        from huggingface_hub import metadata_load
-
-        meta = metadata_load(path) or {}
-    except (ValueError, yaml.YAMLError, UnicodeDecodeError, RecursionError):
-        return {}  # a card we cannot parse carries nothing; the weights are still worth converting
+        found = _FRONT_MATTER.match(path.read_text(encoding="utf-8-sig"))
+        # The bounded loader: licence keys are written into the output's card, and an alias bomb
+        # there would be written out in full.
+        meta = parse_yaml(found.group(1), path) if found else {}
+    except (OSError, UnicodeDecodeError, UptrainError):
+        return {}
     return meta if isinstance(meta, dict) else {}
 
 

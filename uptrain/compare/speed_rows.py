@@ -57,7 +57,7 @@ def speed_setting(spec: CompareSpec) -> dict | None:
     device = parse_device(spec.speed_device)
     dtype = _dtype(device)
     # The MHA cache is the largest of the comparison: if it fits, every G's does.
-    shape.check_cache_fits(spec.speed_batch, context, new_tokens, dtype, device)
+    shape.check_cache_fits(spec.speed_batch, context, new_tokens, dtype, device, shape.attn_implementation)
     return _measurement(spec, context, new_tokens, device)
 
 

@@ -194,13 +194,13 @@ def _as_recorded(model: Path, train_dir: Path) -> Path:
     """`model` as the run's run_config.yaml names it, where that is the same folder: a resumed run
     refuses another `model`, and the compare's output_dir may be spelled otherwise now (`cmp`,
     `cmp/`, an absolute path) than when the run started."""
-    import yaml
+    from uptrain.options import read_yaml
 
     try:
-        recorded = Path(yaml.safe_load((train_dir / "run_config.yaml").read_text())["model"])
+        recorded = Path(read_yaml(train_dir / "run_config.yaml")["model"])
         if os.path.samefile(recorded, model):
             return recorded
-    except (OSError, ValueError, RecursionError, yaml.YAMLError, TypeError, KeyError):
+    except (UptrainError, OSError, ValueError, TypeError, KeyError):
         pass  # no run yet, or a damaged record: the run itself says so
     return model
 

@@ -19,6 +19,7 @@ import bz2
 import gzip
 import lzma
 import wave
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,39 @@ class PairExamples:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+# Characters per token a long text's first prefix allows for: English runs about 4 to a token,
+# so the first prefix is usually enough; a text of longer tokens takes a doubling or more.
+PREFIX_CHARS_PER_TOKEN = 8
+
+
+def cut_tokenized(encode: Callable[[list[str]], list[list[int]]], texts: list[str], max_tokens: int) -> list[list[int]]:
+    """`encode(texts)` (a tokenizer call that truncates at about `max_tokens`), without tokenizing
+    more of a long text than its first tokens need: a fast tokenizer tokenizes a text whole before
+    it truncates (8 GB and over a minute for one 50 MB source). A text longer than twice
+    PREFIX_CHARS_PER_TOKEN × `max_tokens` characters is tokenized from a prefix instead, doubled
+    until the prefix gives all `max_tokens` ids and the prefix twice as long the same ones, or
+    until the whole text is reached. A cut changes the tokens of the word it splits, which then
+    lies past the ids kept: they are the whole text's (a single word longer than the prefix whose
+    first tokens depend on its far end is the one case this cannot see)."""
+    start = PREFIX_CHARS_PER_TOKEN * max_tokens + 64  # a few characters more for special tokens
+    out = encode([t[: 2 * start] for t in texts])  # short texts (almost all): one call, whole
+    for i, text in enumerate(texts):
+        if len(text) > 2 * start:
+            out[i] = _settled_prefix_ids(encode, text, start, max_tokens)
+    return out
+
+
+def _settled_prefix_ids(encode, text: str, chars: int, max_tokens: int) -> list[int]:
+    while 2 * chars < len(text):
+        cut, twice = encode([text[:chars], text[: 2 * chars]])
+        # Settled: the prefix fills every place (a longer one cannot add a token), and doubling
+        # it changes none (the cut fell past the tokens kept, not inside the last of them).
+        if len(cut) >= max_tokens and cut == twice:
+            return cut
+        chars *= 2
+    return encode([text])[0]  # no shorter prefix settled: the whole text
+
+
 def _target_ids(tokenizer, texts: list[str], target_len: int, decoder_start: int | None) -> list[list[int]]:
     """Label ids as the tokenizer makes targets (`text_target`: Marian has a target vocabulary; mBART
     and NLLB write their language codes), cut at `target_len` before the tokenizer's closing special
@@ -183,7 +217,8 @@ def _target_ids(tokenizer, texts: list[str], target_len: int, decoder_start: int
     eos = tokenizer.eos_token_id
     closing_ids = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # an unknown word is text
     out = []
-    for ids in tokenizer(text_target=texts, truncation=True, max_length=target_len + 1)["input_ids"]:
+    encode = lambda part: tokenizer(text_target=part, truncation=True, max_length=target_len + 1)["input_ids"]  # noqa: E731
+    for ids in cut_tokenized(encode, texts, target_len + 1):
         if ids and decoder_start is not None and ids[0] == decoder_start:
             ids = ids[1:]
         body = len(ids)
@@ -227,7 +262,9 @@ def load_pairs(
         # tokens require (`special_tokens_for` refused a tokenizer without one).
         prefix = framing.source_prefix if framing is not None else ""
         texts = [prefix + _text(r, source_name, where, key) for where, r in records]
-        sources = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
+        sources = cut_tokenized(
+            lambda part: tokenizer(part, truncation=True, max_length=seq_len)["input_ids"], texts, seq_len
+        )
         return PairExamples(sources, label_ids, tokenizer.pad_token_id, records=records)
     feature_extractor = _load_feature_extractor(model_path)
     sources, seconds = [], []

@@ -30,21 +30,27 @@ def harness_task(task: str) -> tuple[str, Path | None]:
         return name, None
     if not path.is_file():
         raise UptrainError(f"--task {task}: no task YAML at {path}")
-    return _yaml_task_name(path), path.resolve().parent
+    name, folder = _yaml_task_name(path), path.resolve().parent
+    # lm-eval indexes every task YAML under the folder with its own loader: each is read here
+    # first, so that an alias bomb beside the task is refused rather than run without bound.
+    for other in sorted(folder.rglob("*.y*ml")):
+        if other.suffix in (".yaml", ".yml") and other.is_file() and other.resolve() != path.resolve():
+            _yaml_task_name(other, named=False)
+    return name, folder
 
 
-def _yaml_task_name(path: Path) -> str:
-    import yaml
+def _yaml_task_name(path: Path, named: bool = True) -> str | None:
+    from uptrain.options import read_yaml
 
-    class _Loader(yaml.SafeLoader):  # lm-eval's tags (`!function utils.process`) matter to lm-eval only
-        pass
-
-    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
     try:
-        config = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 (a SafeLoader)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise UptrainError(f"cannot read the task YAML {path}: {exception_line(err)}") from None
+        # uptrain's bounded loader, before lm-eval's own reads it: an alias bomb would run lm-eval's
+        # without bound. lm-eval's tags (`!function utils.process`) matter to lm-eval only.
+        config = read_yaml(path, ignore_tags=True)
+    except UptrainError as err:
+        raise UptrainError(f"cannot read the task YAML {path}: {err}") from None
     name = config.get("task") if isinstance(config, dict) else None
+    if not named:
+        return None
     if not isinstance(name, str) or not name:
         raise UptrainError(f"the task YAML {path} has no `task:` name")
     return name

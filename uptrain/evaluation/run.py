@@ -70,7 +70,8 @@ class EvaluateOptions(Schema):
         None,
         at_least=1,
         help=f"most tokens generated per example, greedily with the KV cache (default: {DEFAULT_NEW_TOKENS}, or fewer "
-        "where the decoder's positions end; a decoder-only model's: at most half its positions)",
+        "where the decoder's positions end after its start and the family's prompt; a decoder-only model's: at most "
+        "half its positions)",
     )
     seq_len: int | None = option(
         None,
@@ -168,9 +169,9 @@ def _run_harness(model, tokenizer, task: harness.HarnessTask, options: EvaluateO
 
 def _run_generation(options: EvaluateOptions, task: Task, tokenizer, folder, config, shape, dtype, device) -> dict:
     """Read the examples (every one checked), load the model, generate and score."""
-    new_tokens = _new_tokens(options, shape)
-    seq_len = _source_length(options, shape, new_tokens)
     framing = _framing(options, task, tokenizer, folder, config)
+    new_tokens = _new_tokens(options, shape, framing)
+    seq_len = _source_length(options, shape, new_tokens)
     examples = _read_examples(options, task, tokenizer, folder, config, seq_len, new_tokens, framing)
     model = load_model(folder, dtype, device)
     predictions, seconds = generate_predictions(
@@ -207,13 +208,31 @@ def _check_model_fits_task(name: str, task: Task | None, config: dict, shape: Mo
         raise UptrainError(f"--task {name} needs {needs}; {label} is {'one of speech' if speech else 'not one'}")
 
 
-def _new_tokens(options: EvaluateOptions, shape: ModelShape) -> int:
-    """The most tokens generated per example: as asked, else the default within the positions."""
+def _new_tokens(options: EvaluateOptions, shape: ModelShape, framing=None) -> int:
+    """The most tokens generated per example: as asked, else the default within the positions.
+    An encoder–decoder's decoder holds its start and the family's prompt (`framing`: Whisper's
+    language and task tokens) before them; an asked number that leaves them no room is refused."""
+    ahead = 0 if framing is None or framing.label_prefix is None else len(framing.label_prefix) + 1
+    tokens = f"{ahead} token{'s' if ahead != 1 else ''}"
+    if shape.cross is not None and shape.max_positions is not None and ahead:
+        room = shape.max_positions - ahead
+        if room < 1:
+            raise UptrainError(
+                f"{shape.label}: the prompt {framing.shown} ({tokens}) fills the decoder's "
+                f"{shape.max_positions} positions; no token can be generated after it"
+            )
+        asked = options.max_new_tokens
+        if asked is not None and asked > room:
+            raise UptrainError(
+                f"{shape.label}: --max-new-tokens {asked} + the prompt {framing.shown} ({tokens}) = "
+                f"{asked + ahead} is beyond the decoder's {shape.max_positions} positions; use --max-new-tokens "
+                f"{room} or fewer"
+            )
     if options.max_new_tokens is not None:
         return options.max_new_tokens
     if shape.max_positions is None:
         return DEFAULT_NEW_TOKENS
-    room = shape.max_positions if shape.cross is not None else shape.max_positions // 2
+    room = shape.max_positions - ahead if shape.cross is not None else shape.max_positions // 2
     return max(1, min(DEFAULT_NEW_TOKENS, room))
 
 

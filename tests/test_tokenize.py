@@ -24,6 +24,7 @@ from uptrain.data.text import MAP_BATCH, TokenBlocks, load_blocks
 from uptrain.data.tokenize import tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("shard_records")  # training reads the folders: shard checks recorded privately
 # 3 shards of the .jsonl corpus (3 packing batches of 1809, 1808 and 902 blocks): the second
 # shard starts inside the first batch, the third inside the second.
 SHARD_TOKENS = 16 * 1700

@@ -159,9 +159,9 @@ def make_folder(root: Path, kind: str, change: dict) -> tuple[Path, np.ndarray]:
         data = shard_path.read_bytes()
         delta = change["delta"]
         shard_path.write_bytes(data[:delta] if delta < 0 else data + bytes(delta))
-    elif kind == "link out":
+    elif kind == "link out":  # to the decoy, to the reference folder's own shard, or a loop
         shard_path.unlink()
-        shard_path.symlink_to(decoy if change["shard"] == 0 else REFERENCE / entry["name"])
+        shard_path.symlink_to([decoy, REFERENCE / entry["name"], shard_path][change["shard"]])
     elif kind == "swap files":
         other = folder / index["shards"][(change["shard"] + 1) % 3]["name"]
         tmp = folder / "swap"
@@ -227,7 +227,8 @@ def test_what_each_damage_gives(tokenizer, shard_records, tmp_path):
             {"shard": 1, "key": "name", "value": "../decoy.bin"},
             "shard 1 is named '../decoy.bin', not 'shard-00001.bin'",
         ),
-        ("link out", {"shard": 0}, "outside"),
+        ("link out", {"shard": 0}, "decoy.bin, outside"),
+        ("link out", {"shard": 2}, "shard-00002.bin is a link to itself, outside"),
         ("swap files", {"shard": 0}, "is not the shard `uptrain tokenize` wrote"),
     ]
     for i, (kind, change, message) in enumerate(cases):

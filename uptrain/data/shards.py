@@ -161,9 +161,13 @@ class TokenShards:
         the size the index says."""
         root = self.folder.resolve()
         for shard in self.shards:
-            if shard.path.resolve().parent != root:
+            try:
+                target = shard.path.resolve()
+            except (OSError, RuntimeError):  # a link loop
+                target = None
+            if target is None or target.parent != root:
                 raise UptrainError(
-                    f"{shard.path} is a link to {shard.path.resolve()}, outside {self.folder}: a tokenized folder "
+                    f"{shard.path} is a link to {target or 'itself'}, outside {self.folder}: a tokenized folder "
                     "holds its own shards; copy them in or tokenize the data again"
                 )
             expected = shard.blocks * self.seq_len * self.dtype.itemsize

@@ -270,12 +270,18 @@ def test_an_interrupted_run_with_other_settings_is_refused_unless_overwrite(corp
     assert json.loads((out / INDEX).read_text())["seq_len"] == 8
 
 
+@pytest.fixture(scope="module")
+def txt_reference(corpus, tmp_path_factory) -> Path:
+    """The .txt corpus tokenized with the default options, uninterrupted."""
+    return tokenize(options(corpus["txt"], tmp_path_factory.mktemp("txt") / "tokens", corpus["model"]), False)
+
+
 @pytest.mark.parametrize("damage", ["digits", "shards", "next", "not utf-8"])
-def test_a_damaged_progress_record_starts_over(corpus, tmp_path, damage):
+def test_a_damaged_progress_record_starts_over(corpus, txt_reference, tmp_path, damage):
     """A progress.json a hand or a disk damaged (a number past Python's 4,300 digits, shards or the
     resume point of the wrong type, bytes that are not UTF-8) is not resumed from: the run starts
     over and writes the same folder."""
-    reference = tokenize(options(corpus["txt"], tmp_path / "reference", corpus["model"]), progress=False)
+    reference = txt_reference
     out = tmp_path / "tokens"
     partial = tmp_path / ".tokens.uptrain-partial"
     partial.mkdir()

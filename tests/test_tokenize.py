@@ -24,6 +24,7 @@ from uptrain.data.text import MAP_BATCH, TokenBlocks, load_blocks
 from uptrain.data.tokenize import tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("shard_records")  # training reads the folders: shard checks recorded privately
 # 3 shards of the .jsonl corpus (3 packing batches of 1809, 1808 and 902 blocks): the second
 # shard starts inside the first batch, the third inside the second.
 SHARD_TOKENS = 16 * 1700
@@ -267,3 +268,31 @@ def test_an_interrupted_run_with_other_settings_is_refused_unless_overwrite(corp
     assert "its settings changed (seq_len: 16 → 8; blocks_per_shard: " in err
     assert main(["tokenize", *argv, "--overwrite"]) == 0
     assert json.loads((out / INDEX).read_text())["seq_len"] == 8
+
+
+@pytest.fixture(scope="module")
+def txt_reference(corpus, tmp_path_factory) -> Path:
+    """The .txt corpus tokenized with the default options, uninterrupted."""
+    return tokenize(options(corpus["txt"], tmp_path_factory.mktemp("txt") / "tokens", corpus["model"]), False)
+
+
+@pytest.mark.parametrize("damage", ["digits", "shards", "next", "not utf-8"])
+def test_a_damaged_progress_record_starts_over(corpus, txt_reference, tmp_path, damage):
+    """A progress.json a hand or a disk damaged (a number past Python's 4,300 digits, shards or the
+    resume point of the wrong type, bytes that are not UTF-8) is not resumed from: the run starts
+    over and writes the same folder."""
+    reference = txt_reference
+    out = tmp_path / "tokens"
+    partial = tmp_path / ".tokens.uptrain-partial"
+    partial.mkdir()
+    state = json.loads((reference / INDEX).read_text())
+    state["next"] = {"batch": 0, "block": 0}
+    raw = {
+        "digits": json.dumps({**state, "seq_len": 0}).replace('"seq_len": 0', '"seq_len": 1' + "0" * 4400).encode(),
+        "shards": json.dumps({**state, "shards": 5}).encode(),
+        "next": json.dumps({**state, "next": {"batch": "x"}}).encode(),
+        "not utf-8": b'{"seq_len": "\xff"}',
+    }[damage]
+    (partial / "progress.json").write_bytes(raw)
+    tokenize(options(corpus["txt"], out, corpus["model"]), progress=False)
+    assert folder_bytes(out) == folder_bytes(reference) and not partial.exists()

@@ -11,9 +11,13 @@ import json
 import math
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tests.compare.test_study import compare, setup  # noqa: F401  (the fixture)
 from tests.train.test_seq2seq import write_jsonl
 from tests.train.test_tracking import leet
+from tests.train.train_helpers import make_text
 
 
 def qa_data(root):
@@ -84,6 +88,64 @@ def test_task_refusals_come_before_any_work(setup, tmp_path, capsys):  # noqa: F
     inside.write_text(Path(data).read_text())
     assert compare(setup, out, "--task", "qa", "--task-data", str(inside), "--overwrite") == 2
     assert "overlaps the `task_data`" in capsys.readouterr().err and inside.is_file()
+
+
+BAD_LINES = {
+    "not JSON": b'{"source": "who sees the king ?", "target": ',
+    "not UTF-8": b'{"source": "who sees the \xff king ?", "target": "king"}',
+    "too many digits": b'{"source": "who", "target": "king", "id": ' + b"7" * 5000 + b"}",
+    "no target": json.dumps({"source": "who sees the king ?"}).encode(),
+    "empty target": json.dumps({"source": "who sees the king ?", "target": " "}).encode(),
+    "not an object": b'["who sees the king ?", "king"]',
+    "answers not texts": json.dumps({"source": "who ?", "target": "king", "answers": [1]}).encode(),
+}
+
+
+@settings(
+    max_examples=6,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.sampled_from(sorted(BAD_LINES)), st.integers(0, 3))
+def test_a_bad_line_of_task_data_is_refused_before_any_run(setup, tmp_path_factory, capsys, kind, place):  # noqa: F811
+    """A bad line anywhere in the task data is refused in one line, naming it, before anything is
+    converted or trained (the scoring would refuse it only once every run had trained)."""
+    root = tmp_path_factory.mktemp("bad-line")
+    good = [json.dumps({"source": f"who sees {w} ?", "target": w}).encode() for w in ("king", "queen", "sailor")]
+    data = root / "qa.jsonl"
+    data.write_bytes(b"\n".join(good[:place] + [BAD_LINES[kind]] + good[place:]) + b"\n")
+    out = root / "cmp"
+    assert compare(setup, out, "--task", "qa", "--task-data", str(data), *TASK_ARGS) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"qa.jsonl line {place + 1}" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_task_the_model_cannot_run_is_refused_before_any_run(setup, tmp_path, capsys):  # noqa: F811
+    """A task for another kind of model (qa on Whisper), or lengths past the model's positions,
+    are refused in one line before anything is converted or trained."""
+    from tests.train.test_seq2seq import build_model, build_tokenizer
+
+    whisper = build_model("whisper", tmp_path / "whisper", build_tokenizer(make_text(1, 20), sentinels=False))
+    data = str(qa_data(tmp_path))
+    out = tmp_path / "cmp"
+    capsys.readouterr()  # the model's build
+    speechless = ["--num-kv-heads", "2", "--pooling", "mean", "--speed-repeats", "0", "--pretrain-tokens", "20480"]
+    for model, args, message in [
+        (whisper, speechless, "--task qa needs a text model"),
+        (
+            setup / "mha",
+            [*TASK_ARGS, "--task-max-new-tokens", "80"],
+            "--max-new-tokens 80 leaves none of the model's 64",
+        ),
+    ]:
+        argv = ["--task", "qa", "--task-data", data, *args, "--model", str(model)]
+        assert compare(setup, out, *argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not out.exists()
 
 
 def test_an_lm_eval_task_in_the_report(tmp_path):

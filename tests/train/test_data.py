@@ -163,7 +163,7 @@ def ids_(batches) -> list[list[int]]:
     return [row for b in batches for row in b.tolist()]
 
 
-def test_every_source_of_blocks_gives_the_same_batch_for_the_same_indices(assets, tokenizer, tmp_path):
+def test_every_source_of_blocks_gives_the_same_batch_for_the_same_indices(assets, tokenizer, tmp_path, shard_records):
     """Text tokenized up front, the folder `uptrain tokenize` writes of it, and the head of its
     stream: each a `Blocks`, equal row for row, and refusing bad indices in the same words."""
     text = str(assets["train"])

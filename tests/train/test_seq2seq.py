@@ -493,7 +493,10 @@ def test_refuses_bad_audio(s2s, tmp_path):
     (tmp_path / "noise.wav").write_bytes(b"RIFF\x00\x00not a wav at all")
     write_wav(tmp_path / "slow.wav", 440, rate=8000)
     (tmp_path / "clip.flac").write_bytes(b"fLaC")
+    write_wav(tmp_path / "cut.wav", 440)
+    (tmp_path / "cut.wav").write_bytes((tmp_path / "cut.wav").read_bytes()[:-1])  # mid-sample: a copy cut short
     cases = [
+        ("cut.wav", "cut.wav ends inside a frame"),
         ("noise.wav", "cannot decode .*noise.wav as PCM wav"),
         ("slow.wav", "slow.wav is sampled at 8000 Hz and the feature extractor reads 16000 Hz; resample it"),
         ("missing.wav", "cannot decode .*missing.wav"),

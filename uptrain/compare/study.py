@@ -40,7 +40,7 @@ from uptrain.checkpoint.atomic import atomic_file, check_apart, remove_stale_loc
 from uptrain.checkpoint.resumable import ResumeRule, unreadable_record
 from uptrain.compare.spec import SPEED, TASKS, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
-from uptrain.compare.task_rows import task_settings, with_tasks
+from uptrain.compare.task_rows import check_task_scoring, with_tasks
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
@@ -123,7 +123,7 @@ def validate(spec: CompareSpec) -> None:
         spec.pretrain_tokens = pretrain_tokens(spec.model)
     spec.train_config(spec.model, Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     speed_setting(spec)  # the speed measurement's refusals too
-    task_settings(spec)  # and the task scoring's
+    check_task_scoring(spec)  # and the task scoring's, on the model and every line of the task data
     for _, g, pooling in run_names(spec):
         if g is not None:
             prepare(spec.conversion_spec(g, pooling)).close()

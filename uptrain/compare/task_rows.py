@@ -6,7 +6,8 @@ Each run's score on a task is kept whole in `runs/NAME/tasks/SLUG/` (evaluate's 
 with the setting it was made with, and `predictions.jsonl`, one line per example): a resumed
 compare reuses it unless the task options changed, and a new task scores every run without
 training any again. What the scoring would refuse (a missing library, a task lm-eval does not
-know, data that is not there) is refused before any run.
+know, data that is not there or has a bad line, a task the model cannot run) is refused before
+any run (`check_task_scoring`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from uptrain import UptrainError
 from uptrain.compare.spec import CompareSpec
 from uptrain.data.text import resolve_data
 from uptrain.evaluation.harness import find_harness_task
-from uptrain.evaluation.run import PROMPT_KEYS, EvaluateOptions, evaluate_model, write_result
+from uptrain.evaluation.run import PROMPT_KEYS, EvaluateOptions, evaluate_model, prepare_evaluation, write_result
 from uptrain.evaluation.tasks import HARNESS_PREFIX, get_task
 from uptrain.options import validated
 from uptrain.speed_checks import parse_device
@@ -57,6 +58,16 @@ def task_settings(spec: CompareSpec) -> list[dict]:
         evaluate_options(spec.model, setting)  # the options' own checks
         settings.append(setting)
     return settings
+
+
+def check_task_scoring(spec: CompareSpec) -> None:
+    """Refuse, in one line and before any run, what scoring a run's checkpoint would refuse once
+    it has trained: evaluate's every check that needs no model loaded (`prepare_evaluation`), on
+    compare's model, whose conversions share its family, tokenizer and positions — a task the
+    model cannot run (asr on a text model, lm-eval on an encoder–decoder), a line of task data
+    the pair reader refuses, lengths past the positions, a prompt key the family refuses."""
+    for setting in task_settings(spec):
+        prepare_evaluation(evaluate_options(spec.model, setting))
 
 
 def evaluate_options(model: str | Path, setting: dict) -> EvaluateOptions:

@@ -19,17 +19,18 @@ layer reads); `site_moments` gives one attention's view, layer → moment, as `L
 
 from __future__ import annotations
 
-import json
+import lzma
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from uptrain import UptrainError
+from uptrain import UptrainError, exception_line
 from uptrain.convert.calibrated import CrossMoments
 from uptrain.convert.spec import DEFAULT_CALIBRATION, CalibrationSettings
 from uptrain.objectives.prompts import SPEECH_KEYS, PromptKeys
+from uptrain.strict_json import parse_json
 
 CROSS_KEYS_VALUES = "cross.keys_values"
 CHECKPOINT_PROMPT = PromptKeys()  # no keys given: Whisper's prompt from the checkpoint's defaults
@@ -83,7 +84,8 @@ def check_prompt_keys(arch, keys: PromptKeys) -> None:
 
 def _refuse_speech_pairs(data, arch) -> None:
     """A text family given speech pairs (jsonl lines with `audio`) is refused in one line: its
-    text reader would otherwise calibrate on the transcripts alone."""
+    text reader would otherwise calibrate on the transcripts alone. So is a file whose first line
+    is not JSON (not UTF-8, a number past Python's digits), or that cannot be read."""
     from uptrain.data.pairs import OPENERS
     from uptrain.data.text import resolve_data
 
@@ -91,12 +93,12 @@ def _refuse_speech_pairs(data, arch) -> None:
     if source.builder != "json" or not source.is_local:
         return
     for file in source.files:
-        with OPENERS.get(Path(file).suffix, open)(file, "rt") as f:
-            first = next((line for line in f if line.strip()), "")
         try:
-            row = json.loads(first) if first else None
-        except json.JSONDecodeError:
-            continue  # the text reader says what is wrong with it
+            with OPENERS.get(Path(file).suffix, open)(file, "rb") as f:
+                number, first = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), (0, b""))
+        except (OSError, EOFError, lzma.LZMAError) as err:
+            raise UptrainError(f"calibration data: cannot read {file}: {exception_line(err)}") from None
+        row = parse_json(first, f"calibration data {file} line {number}") if first else None
         if isinstance(row, dict) and "audio" in row:
             raise UptrainError(
                 f"calibration data {file} holds speech pairs (`audio`); {arch.name}'s encoder reads text: "
@@ -170,13 +172,17 @@ def _text_pairs(path: str, fields: tuple[str, str], limit: int) -> list[tuple[st
     need = f"calibration data {path}: a jsonl file whose lines hold text fields {' and '.join(fields)}"
     if not Path(path).is_file():
         raise UptrainError(f"{need} (calibration reads pairs from local files)")
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except OSError as err:
+        raise UptrainError(f"calibration data: cannot read {path}: {err.strerror or err}") from None
     pairs = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if line.strip():
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UptrainError(f"{need}; line {number} is not JSON") from None
+                row = parse_json(line, f"line {number}")  # not UTF-8, not JSON, too many digits
+            except UptrainError as err:
+                raise UptrainError(f"{need}; {err}") from None
             if not isinstance(row, dict) or not all(isinstance(row.get(f), str) for f in fields):
                 raise UptrainError(f"{need}; line {number} lacks them")
             pairs.append((row[fields[0]], row[fields[1]]))

@@ -94,27 +94,36 @@ def _text(record: dict, name: str, where: Where, key: str) -> str:
 
 def read_wav(path: Path, sampling_rate: int, what: str) -> np.ndarray:
     """The samples of a PCM .wav file as float32 in [-1, 1], channels averaged. Refuses, in one
-    line, a file that does not decode and one recorded at another rate than `sampling_rate`."""
+    line, a file that does not decode, one recorded at another rate than `sampling_rate`, and one
+    whose data ends inside a frame: every writer writes whole frames, so such a file was cut
+    short while it was written or copied, and its clip may not be the one its text describes."""
     if path.suffix.lower() != ".wav":
         raise UptrainError(f"{what}: {path} is not a .wav file; convert it to 16-bit PCM wav (e.g. with ffmpeg)")
     try:
         with wave.open(str(path), "rb") as w:
             channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
             frames = w.readframes(w.getnframes())
-    except (OSError, EOFError, wave.Error) as err:
-        raise UptrainError(f"{what}: cannot decode {path} as PCM wav: {err}") from None
+    except Exception as err:  # the stdlib's parser of a damaged header raises many types
+        # (wave.Error, EOFError, RuntimeError from a chunk seek past its end, ...): one line says it.
+        reason = str(err) if isinstance(err, (OSError, EOFError, wave.Error)) else exception_line(err)
+        raise UptrainError(f"{what}: cannot decode {path} as PCM wav: {reason}") from None
     if rate != sampling_rate:
         raise UptrainError(
             f"{what}: {path} is sampled at {rate} Hz and the feature extractor reads {sampling_rate} Hz; resample it"
         )
     if width not in PCM_TYPES:
         raise UptrainError(f"{what}: {path} has {8 * width}-bit samples; use 8-, 16- or 32-bit PCM")
+    if len(frames) % (channels * width):
+        raise UptrainError(
+            f"{what}: {path} ends inside a frame ({len(frames)} bytes of samples, {channels} channel(s) of "
+            f"{width} bytes each): it was cut short; export it again"
+        )
     samples = np.frombuffer(frames, dtype=PCM_TYPES[width]).astype(np.float32)
     if width == 1:
         samples = (samples - 128.0) / 128.0  # 8-bit wav is unsigned
     else:
         samples /= float(2 ** (8 * width - 1))
-    samples = samples[: len(samples) - len(samples) % channels].reshape(-1, channels).mean(axis=1)
+    samples = samples.reshape(-1, channels).mean(axis=1)
     if samples.size == 0:
         raise UptrainError(f"{what}: {path} holds no samples")
     return samples

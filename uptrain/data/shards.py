@@ -12,11 +12,18 @@ training, in raw little-endian shards memory-mapped at read time:
 Training reads block i from shard i // blocks_per_shard: nothing is tokenized or copied until
 a batch asks for its rows. The tokenizer is named by a digest of what decides its tokens, so a
 run whose model tokenizes differently is refused instead of training on the wrong ids.
+
+Before a run writes anything, a folder is refused in one line when its index is damaged (the
+shards' names, counts, sizes and dtype must be the ones `uptrain tokenize` writes, every shard
+inside the folder), when a shard's bytes are not the ones its recorded blake3 digest was made of,
+or when a shard holds an id the tokenizer cannot make (`shard_digests`: each shard read once per
+version of the file, then remembered).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +33,8 @@ import torch
 
 from uptrain import UptrainError
 from uptrain.data.blocks import check_indices
+from uptrain.data.shard_digests import verified_largest_id
+from uptrain.strict_json import read_json
 
 INDEX = "tokens.json"
 FORMAT = "uptrain-tokens"
@@ -65,28 +74,65 @@ def is_token_folder(spec) -> bool:
 
 
 def read_index(folder: Path) -> dict:
-    """The folder's tokens.json, checked for the keys the reader uses. One line when it is not one."""
+    """The folder's tokens.json, checked for what the reader relies on (`_index_problem`). One
+    line when it is not one."""
     path = Path(folder) / INDEX
     try:
-        index = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UptrainError(f"{path} is not a tokens index ({type(err).__name__}); tokenize the data again") from None
+        index = read_json(path)
+    except UptrainError as err:
+        raise UptrainError(f"{err}; tokenize the data again") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise UptrainError(f"{path} is not a tokens index written by `uptrain tokenize`")
-    if index.get("format_version") != FORMAT_VERSION:
+    if type(index.get("format_version")) is not int or index["format_version"] != FORMAT_VERSION:
         raise UptrainError(
-            f"{path} has format version {index.get('format_version')!r}; this uptrain reads version "
+            f"{path} has format version {_shown(index.get('format_version'))}; this uptrain reads version "
             f"{FORMAT_VERSION}: tokenize the data again"
         )
-    try:
-        int(index["seq_len"]), int(index["blocks_per_shard"]), DTYPES[index["dtype"]]
-        [(str(s["name"]), int(s["blocks"])) for s in index["shards"]]
-        str(index["tokenizer"]["digest"])
-    except (KeyError, TypeError, ValueError):
-        raise UptrainError(
-            f"{path} is damaged (a key is missing or of the wrong type); tokenize the data again"
-        ) from None
+    if problem := _index_problem(index):
+        raise UptrainError(f"{path} is damaged ({problem}); tokenize the data again")
     return index
+
+
+def _shown(value) -> str:
+    """A value of a damaged index, short enough for one line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _counts(value, least: int = 1) -> bool:
+    return type(value) is int and value >= least
+
+
+def _index_problem(index: dict) -> str | None:
+    """What in a tokens index the reader cannot rely on, or None. Block i is read from shard
+    i // blocks_per_shard, so every shard but the last holds exactly blocks_per_shard blocks;
+    shards are named as `uptrain tokenize` names them, in order (so none lies outside the folder)."""
+    per_shard, dtype, shards = index.get("blocks_per_shard"), index.get("dtype"), index.get("shards")
+    if not _counts(index.get("seq_len")):
+        return f"seq_len {_shown(index.get('seq_len'))} is not a positive integer"
+    if not _counts(per_shard):
+        return f"blocks_per_shard {_shown(per_shard)} is not a positive integer"
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return f"dtype {_shown(dtype)} is not one of {', '.join(DTYPES)}"
+    if not isinstance(shards, list) or not shards:
+        return "`shards` is not a list of shards"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            return f"shard {i} is {_shown(shard)}, not a record of a shard"
+        if shard.get("name") != shard_name(i):
+            return f"shard {i} is named {_shown(shard.get('name'))}, not {shard_name(i)!r}"
+        blocks, last = shard.get("blocks"), i == len(shards) - 1
+        if not _counts(blocks) or blocks > per_shard or (not last and blocks != per_shard):
+            return (
+                f"{shard_name(i)} holds {_shown(blocks)} blocks, where blocks_per_shard is {per_shard} (every shard "
+                "but the last holds that many, the last 1 to that many)"
+            )
+        if not isinstance(shard.get("blake3"), str) or not re.fullmatch(r"[0-9a-f]{64}", shard["blake3"]):
+            return f"{shard_name(i)} has no blake3 digest"
+    tokenizer = index.get("tokenizer")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("digest"), str):
+        return "the tokenizer's digest is missing"
+    return None
 
 
 @dataclass
@@ -111,8 +157,19 @@ class TokenShards:
         self._maps: list[np.memmap] | None = None
 
     def check_files(self) -> None:
-        """Refuse a folder whose shards are missing or not of the size the index says."""
+        """Refuse a folder whose shards are missing, lie outside it (a link out), or are not of
+        the size the index says."""
+        root = self.folder.resolve()
         for shard in self.shards:
+            try:
+                target = shard.path.resolve()
+            except (OSError, RuntimeError):  # a link loop
+                target = None
+            if target is None or target.parent != root:
+                raise UptrainError(
+                    f"{shard.path} is a link to {target or 'itself'}, outside {self.folder}: a tokenized folder "
+                    "holds its own shards; copy them in or tokenize the data again"
+                )
             expected = shard.blocks * self.seq_len * self.dtype.itemsize
             size = shard.path.stat().st_size if shard.path.is_file() else None
             if size != expected:
@@ -148,7 +205,9 @@ class TokenShards:
 
 def open_token_folder(folder, key: str, tokenizer, seq_len: int) -> TokenShards:
     """The blocks of a tokenized folder for data key `key`, refusing in one line a folder made
-    for another seq_len or by a tokenizer other than the model's."""
+    for another seq_len or by a tokenizer other than the model's, and one whose shards are not
+    the bytes `uptrain tokenize` wrote or hold an id the tokenizer cannot make (`shard_digests`:
+    each shard read once per version of it, then remembered)."""
     folder = Path(folder).expanduser()
     index = read_index(folder)
     if int(index["seq_len"]) != seq_len:
@@ -158,9 +217,22 @@ def open_token_folder(folder, key: str, tokenizer, seq_len: int) -> TokenShards:
         )
     if index["tokenizer"]["digest"] != tokenizer_digest(tokenizer):
         raise UptrainError(
-            f"`{key}`: {folder} was tokenized with tokenizer {index['tokenizer'].get('name')!r}, which is not the "
-            "model's (their digests differ): tokenize the data again with --tokenizer MODEL"
+            f"`{key}`: {folder} was tokenized with tokenizer {_shown(index['tokenizer'].get('name'))}, which is not "
+            "the model's (their digests differ): tokenize the data again with --tokenizer MODEL"
+        )
+    vocab = len(tokenizer)
+    if index["dtype"] != token_dtype(vocab):  # the digests say nothing of how the bytes are read
+        raise UptrainError(
+            f"`{key}`: {folder / INDEX} says its tokens are {index['dtype']}; `uptrain tokenize` writes "
+            f"{token_dtype(vocab)} for a vocabulary of {vocab}: tokenize the data again"
         )
     shards = TokenShards(folder, index)
     shards.check_files()
+    for shard, record in zip(shards.shards, index["shards"]):
+        largest = verified_largest_id(shard.path, record["blake3"], shards.dtype)
+        if largest >= vocab:
+            raise UptrainError(
+                f"`{key}`: {shard.path} holds token id {largest}, beyond the tokenizer's {vocab}: tokenize the "
+                "data again"
+            )
     return shards

@@ -148,7 +148,11 @@ class Pack:
         self.eos = tokenizer.eos_token_id
 
     def __call__(self, batch: dict) -> dict:
-        texts = [t for t in batch[self.text_field] if t is not None and t != ""]
+        try:
+            values = batch[self.text_field]
+        except UnicodeDecodeError as err:  # Arrow keeps a JSON string's bytes; Python decodes them here
+            raise UptrainError(f"{self.what}: a `{self.text_field}` value is not UTF-8 ({err.reason})") from None
+        texts = [t for t in values if t is not None and t != ""]
         if bad := next((t for t in texts if not isinstance(t, str)), None):
             raise UptrainError(
                 f"{self.what}: a `{self.text_field}` value is {type(bad).__name__} ({str(bad)[:40]!r}), not text"

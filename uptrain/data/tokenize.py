@@ -201,10 +201,20 @@ def _record(options: TokenizeOptions, tokenizer, source) -> dict:
 def _read_state(path: Path) -> dict | None:
     """An interrupted run's record (progress.json, or tokens.json once it finished), or None when
     it is missing or damaged (that run then starts over)."""
+    from uptrain.data.shards import shard_name
+    from uptrain.strict_json import read_json
+
     try:
-        state = json.loads(path.read_text())
+        state = read_json(path)
         _identity(state)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        shards, resume = state["shards"], state.get("next", {"batch": 0, "block": 0})
+        whole = isinstance(shards, list) and all(
+            isinstance(s, dict) and s.get("name") == shard_name(i) and type(s.get("blocks")) is int
+            for i, s in enumerate(shards)
+        )
+        if not whole or not all(type(resume.get(k)) is int and resume[k] >= 0 for k in ("batch", "block")):
+            return None
+    except (UptrainError, KeyError, TypeError, AttributeError):
         return None
     return state
 

@@ -116,16 +116,36 @@ class EvaluateOptions(Schema):
         return PromptKeys(**{key: getattr(self, key) for key in PROMPT_KEYS})
 
 
-def evaluate_model(options: EvaluateOptions) -> dict:
-    """Score `options.model` on `options.task`. Returns the result (the --json output): model,
-    task, data, examples, scores ({metric: value}; an lm-eval task's {task: {metric: value}}),
-    primary ({metric, value, higher_is_better}: what a comparison shows; an lm-eval task's first
-    metric, named `task/metric`), time_per_sample_s (generation's seconds over the examples;
-    None for lm-eval), the settings, and predictions (one record per example: its place, source,
-    reference, prediction; QA's exact match and F1 too)."""
+@dataclass
+class _Generation:
+    """A generation task's lengths, prompt and examples, read and checked before the model loads."""
+
+    new_tokens: int
+    seq_len: int
+    framing: object  # `TargetFraming` or None
+    examples: object  # `PairExamples`
+
+
+@dataclass
+class PreparedEvaluation:
+    """What `evaluate_model` checks and reads before its model loads (`prepare_evaluation`)."""
+
+    task: Task | None  # None: an lm-eval task
+    lm_task: harness.HarnessTask | None
+    source: object  # `checkpoint.source.Source`
+    device: object  # torch.device
+    dtype: str
+    tokenizer: object
+    generation: _Generation | None
+
+
+def prepare_evaluation(options: EvaluateOptions) -> PreparedEvaluation:
+    """Every check of `evaluate_model` that needs no model loaded, in its order, and what they read:
+    the task and its library (lm-eval's task too), the output folder, the device, whether the
+    model can run the task, and a generation task's lengths, prompt and examples (every line of
+    the data read and checked). Compare runs it on its model before any run trains."""
     harness_task = options.task.startswith(HARNESS_PREFIX)
     task = None if harness_task else get_task(options.task)
-    # Before anything loads: the library (lm-eval's task too), the output folder, the device.
     lm_task = harness.find_harness_task(options.task) if task is None else None
     if task is not None:
         task.check_library()
@@ -141,11 +161,33 @@ def evaluate_model(options: EvaluateOptions) -> dict:
     shape = model_shape(source.folder, source.label)
     _check_model_fits_task(options.task, task, config, shape, source.label)
     tokenizer = loading.load_tokenizer(source.folder, "model")
-    if task is None:
-        model = load_model(source.folder, dtype, device)
-        result = _run_harness(model, tokenizer, lm_task, options)
+    generation = None
+    if task is not None:
+        framing = _framing(options, task, tokenizer, source.folder, config)
+        new_tokens = _new_tokens(options, shape, framing)
+        seq_len = _source_length(options, shape, new_tokens)
+        examples = _read_examples(options, task, tokenizer, source.folder, config, seq_len, new_tokens, framing)
+        if task.score is None:  # QA: every line's further answers, read when it is scored
+            for where, line in examples.records:
+                _further_answers(line, where)
+        generation = _Generation(new_tokens, seq_len, framing, examples)
+    return PreparedEvaluation(task, lm_task, source, device, dtype, tokenizer, generation)
+
+
+def evaluate_model(options: EvaluateOptions) -> dict:
+    """Score `options.model` on `options.task`. Returns the result (the --json output): model,
+    task, data, examples, scores ({metric: value}; an lm-eval task's {task: {metric: value}}),
+    primary ({metric, value, higher_is_better}: what a comparison shows; an lm-eval task's first
+    metric, named `task/metric`), time_per_sample_s (generation's seconds over the examples;
+    None for lm-eval), the settings, and predictions (one record per example: its place, source,
+    reference, prediction; QA's exact match and F1 too)."""
+    ready = prepare_evaluation(options)  # every refusal, before the model loads
+    source, device = ready.source, ready.device
+    model = load_model(source.folder, ready.dtype, device)
+    if ready.task is None:
+        result = _run_harness(model, ready.tokenizer, ready.lm_task, options)
     else:
-        result = _run_generation(options, task, tokenizer, source.folder, config, shape, dtype, device)
+        result = _run_generation(options, ready.task, ready.tokenizer, model, ready.generation, device)
     result = {
         "model": source.label,
         "task": options.task,
@@ -154,7 +196,7 @@ def evaluate_model(options: EvaluateOptions) -> dict:
         **result,
         "batch_size": options.batch_size,
         "device": str(device),
-        "dtype": dtype,
+        "dtype": ready.dtype,
     }
     if options.output_dir is not None:
         write_result(result, Path(options.output_dir), options.overwrite)
@@ -167,25 +209,20 @@ def _run_harness(model, tokenizer, task: harness.HarnessTask, options: EvaluateO
     return {**run, "time_per_sample_s": None}
 
 
-def _run_generation(options: EvaluateOptions, task: Task, tokenizer, folder, config, shape, dtype, device) -> dict:
-    """Read the examples (every one checked), load the model, generate and score."""
-    framing = _framing(options, task, tokenizer, folder, config)
-    new_tokens = _new_tokens(options, shape, framing)
-    seq_len = _source_length(options, shape, new_tokens)
-    examples = _read_examples(options, task, tokenizer, folder, config, seq_len, new_tokens, framing)
-    model = load_model(folder, dtype, device)
+def _run_generation(options: EvaluateOptions, task: Task, tokenizer, model, generation: _Generation, device) -> dict:
+    """Generate for the examples `prepare_evaluation` read, and score."""
     predictions, seconds = generate_predictions(
         model,
         tokenizer,
-        examples,
+        generation.examples,
         batch_size=options.batch_size,
-        max_new_tokens=new_tokens,
+        max_new_tokens=generation.new_tokens,
         device=device,
-        framing=framing,
+        framing=generation.framing,
     )
-    scored = _score_generations(task, examples, predictions, seconds)
-    prompt = None if framing is None else framing.shown
-    return {**scored, "max_new_tokens": new_tokens, "seq_len": seq_len, "prompt": prompt}
+    scored = _score_generations(task, generation.examples, predictions, seconds)
+    prompt = None if generation.framing is None else generation.framing.shown
+    return {**scored, "max_new_tokens": generation.new_tokens, "seq_len": generation.seq_len, "prompt": prompt}
 
 
 def _framing(options: EvaluateOptions, task: Task, tokenizer, folder, config: dict):
@@ -350,4 +387,13 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PROMPT_KEYS", "TASKS", "EvaluateOptions", "evaluate_model", "format_result", "write_result"]
+__all__ = [
+    "PROMPT_KEYS",
+    "TASKS",
+    "EvaluateOptions",
+    "PreparedEvaluation",
+    "evaluate_model",
+    "format_result",
+    "prepare_evaluation",
+    "write_result",
+]

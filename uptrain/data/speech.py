@@ -44,7 +44,7 @@ MAX_CLIP_S = 28.0  # a window espeak reads longer than this is skipped: the clip
 INSTALL_COMMAND = "apt-get install -y espeak-ng"
 SPLITS = {"train": "train", "heldout": "test"}  # data file → corpus split
 MANIFEST = "speech.json"
-FORMAT = 1  # of the folder; a change of the windowing or the layout bumps it
+FORMAT = 2  # of the folder: a change of the windowing, the cleaning or the layout bumps it
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,8 @@ def _clean_paragraph(paragraph: str) -> str:
     lines joined."""
     lines = [line for line in paragraph.split("\n") if re.search(r"[a-z]", line)]
     text = " ".join(line.strip() for line in lines).replace("_", "")
-    text = re.sub(r"\s*--+\s*", ", ", text)
+    text = re.sub(r"([.!?])\s*--+\s*", r"\1 ", text)  # a dash after a sentence's end is a pause
+    text = re.sub(r"[,;:]?\s*--+\s*", ", ", text)
     return re.sub(r"\s+", " ", text).strip(" ,")
 
 
@@ -252,13 +253,14 @@ def make_speech_pairs(
 ) -> Path:
     """Write (or reuse) the speech folder `out`: `train.jsonl` and `heldout.jsonl` (`audio`, `text`,
     the clip's `seconds` and the `work` it reads), the wav files under `audio/`, and `speech.json`.
-    A folder made with the same settings (and espeak-ng version and corpus) is reused as it is."""
+    A folder made with the same settings (and espeak-ng version and corpus) is reused as it is, unless
+    `overwrite`, which also replaces a folder made with other settings."""
     settings.check()
     out = Path(out).absolute()
     binary = espeak_binary()
     wanted = _wanted(settings, espeak_version(binary))
     found = read_manifest(out)
-    if found is not None and {k: found.get(k) for k in wanted} == wanted:
+    if not overwrite and found is not None and {k: found.get(k) for k in wanted} == wanted:
         log(f"reusing {out} (made with the same settings)")
         return out
     if out.exists() and not overwrite:

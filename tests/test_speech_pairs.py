@@ -83,6 +83,7 @@ def test_settings_are_checked_before_anything_runs(tmp_path):
         (SpeechSettings(train_clips=0), "at least 1"),
         (SpeechSettings(max_words=80), "inside Whisper's 30 s"),
         (SpeechSettings(voice="en; rm -rf"), "not an espeak-ng voice"),
+        (SpeechSettings(max_words=60, speed=100), "may run past 28 s"),
     ):
         with pytest.raises(UptrainError, match=message):
             make_speech_pairs(tmp_path / "out", settings)

@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 
 from uptrain import UptrainError
-from uptrain.checkpoint.atomic import atomic_directory
+from uptrain.checkpoint.atomic import atomic_directory, check_output_path
 from uptrain.data.corpus import read_documents, split_path
 
 SAMPLING_RATE = 16_000  # Whisper's feature extractor's rate
 WHISPER_WINDOW_S = 30.0
-MAX_CLIP_S = 28.0  # a window espeak reads longer than this is skipped: the clip stays inside 30 s
+MAX_CLIP_S = 28.0  # a clip longer than this is refused: every clip stays inside 30 s
 INSTALL_COMMAND = "apt-get install -y espeak-ng"
 SPLITS = {"train": "train", "heldout": "test"}  # data file → corpus split
 MANIFEST = "speech.json"
@@ -68,6 +68,11 @@ class SpeechSettings:
         if not 1 <= self.min_words <= self.max_words <= 60:
             raise UptrainError(
                 f"words per clip {self.min_words}–{self.max_words}: need 1 ≤ min ≤ max ≤ 60 (inside Whisper's 30 s)"
+            )
+        if self.max_words * 60 / self.speed > 0.85 * MAX_CLIP_S:  # espeak-ng reads ~10 % slower than asked
+            raise UptrainError(
+                f"{self.max_words} words at {self.speed} words a minute may run past {MAX_CLIP_S:g} s; "
+                "choose fewer words or a higher speed"
             )
         if not re.fullmatch(r"[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)?", self.voice):
             raise UptrainError(f"voice {self.voice!r} is not an espeak-ng voice name (e.g. en-us, en-gb)")
@@ -266,6 +271,7 @@ def make_speech_pairs(
     if out.exists() and not overwrite:
         what = "other settings" if found is not None else "no speech.json"
         raise UptrainError(f"{out} exists with {what}; choose another output folder or pass --overwrite")
+    check_output_path(out, overwrite)  # refused before the corpus is read
     start = time.perf_counter()
     chosen = choose_windows(settings)
     with atomic_directory(out, overwrite=overwrite) as tmp:

@@ -18,6 +18,7 @@ folder, other settings are refused unless `overwrite`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -198,13 +199,14 @@ def document_windows(text: str, min_words: int, max_words: int) -> list[str]:
     return windows
 
 
-def split_windows(split: str, min_words: int, max_words: int) -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=4)  # the shipped corpus does not change while a process runs
+def split_windows(split: str, min_words: int, max_words: int) -> tuple[tuple[str, str], ...]:
     """(work id, window) for every window of the corpus split `split`, in file order."""
-    return [
+    return tuple(
         (doc["id"], window)
         for doc in read_documents(split)
         for window in document_windows(doc["text"], min_words, max_words)
-    ]
+    )
 
 
 def choose_windows(settings: SpeechSettings) -> dict[str, list[tuple[str, str]]]:
@@ -213,7 +215,7 @@ def choose_windows(settings: SpeechSettings) -> dict[str, list[tuple[str, str]]]
     train = split_windows("train", settings.min_words, settings.max_words)
     test = split_windows("test", settings.min_words, settings.max_words)
     train_texts = {w for _, w in train}
-    test = [(work, w) for work, w in test if w not in train_texts]
+    test = tuple((work, w) for work, w in test if w not in train_texts)
     chosen = {}
     for name, pool, count in (("train", train, settings.train_clips), ("heldout", test, settings.heldout_clips)):
         if count > len(pool):

@@ -153,6 +153,9 @@ class CompareSpec(
             calibration_seq_len=self.seq_len,
             language=self.language,  # Whisper's calibration targets: the prompt its runs train on
             speech_task=self.speech_task,
+            source_lang=self.source_lang,
+            target_lang=self.target_lang,
+            calibration_objective=self.objective,
             **shared,
         )
 

@@ -365,6 +365,9 @@ class TrainConfig(
             sample_by=self.sample_by,
             language=self.language,
             speech_task=self.speech_task,
+            source_lang=self.source_lang,
+            target_lang=self.target_lang,
+            calibration_objective=self.objective,
             **shared,
         )
 

@@ -8,6 +8,7 @@ the uptraining loop read text the same way.
 from __future__ import annotations
 
 import bz2
+import copy
 import glob
 import gzip
 import itertools
@@ -147,6 +148,23 @@ class Pack:
         self.tokenizer, self.text_field, self.seq_len, self.what = tokenizer, text_field, seq_len, what
         self.eos = tokenizer.eos_token_id
 
+    def fingerprint(self, dataset, columns: list[str]) -> str | None:
+        """The cache key of packing `dataset` (a local dataset, tokenized up front) with this: what
+        `datasets` would hash, but for where the tokenizer was loaded from and which key it is for
+        (`what`, for messages only). The same tokenizer files in another folder give the same
+        blocks: each converted model of a compare carries its source's tokenizer, so its runs (and
+        its calibration) tokenize their common text once instead of once each. None: let
+        `datasets` key it (a dataset without a fingerprint)."""
+        from datasets.fingerprint import Hasher
+
+        if getattr(dataset, "_fingerprint", None) is None:
+            return None
+        tokenizer = copy.copy(self.tokenizer)
+        tokenizer.name_or_path = ""
+        tokenizer.init_kwargs = {**tokenizer.init_kwargs, "name_or_path": ""}
+        state = (type(self).__qualname__, tokenizer, self.text_field, self.seq_len, self.eos, MAP_BATCH, columns)
+        return Hasher.hash((dataset._fingerprint, state))
+
     def __call__(self, batch: dict) -> dict:
         texts = [t for t in batch[self.text_field] if t is not None and t != ""]
         if bad := next((t for t in texts if not isinstance(t, str)), None):
@@ -262,6 +280,12 @@ def load_blocks(
         return TextStream(ds, pack, columns), source
     # Name the removed columns explicitly (as TextStream does).
     packed = ds.map(
-        pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns, num_proc=workers, desc=f"tokenize {key}"
+        pack,
+        batched=True,
+        batch_size=MAP_BATCH,
+        remove_columns=columns,
+        num_proc=workers,
+        desc=f"tokenize {key}",
+        new_fingerprint=pack.fingerprint(ds, columns),
     )
     return TokenBlocks(packed), source

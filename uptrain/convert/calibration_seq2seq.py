@@ -3,9 +3,10 @@
 The merge of each attention reads the moment of what its keys and values read and of what its
 queries read (`calibrated.py`). In self-attention both are the layer's input; in
 cross-attention the keys and values read the encoder's output and the queries the decoder's
-states, so each is calibrated from its own input: the family's objective (`uptrain.objectives`,
-the architecture's `default_objective`) turns calibration text into what the model is trained
-on — span-corrupted blocks (T5), infilled blocks (BART, mBART), or jsonl source/target pairs
+states, so each is calibrated from its own input: the objective the model is trained with
+(`uptrain.objectives`; `uptrain train` and `uptrain compare` pass theirs, else the architecture's
+`default_objective`) turns calibration text into what the model is trained on — span-corrupted
+blocks (T5), infilled blocks (BART, mBART), or jsonl source/target pairs
 (Marian, M2M100/NLLB, Pegasus) or speech pairs (Whisper), both read by `uptrain.data.pairs`, the
 reader training uses, framed as training frames them (`uptrain.objectives.prompts`: Whisper's
 language and task tokens, M2M100's and NLLB's language codes, multilingual Marian's `>>code<<`

@@ -154,16 +154,16 @@ class Pack:
         (`what`, for messages only). The same tokenizer files in another folder give the same
         blocks: each converted model of a compare carries its source's tokenizer, so its runs (and
         its calibration) tokenize their common text once instead of once each. None: let
-        `datasets` key it (a dataset without a fingerprint)."""
+        `datasets` key it (a dataset held in memory, without cache files to name its data)."""
         from datasets.fingerprint import Hasher
 
-        if getattr(dataset, "_fingerprint", None) is None:
+        if not dataset.cache_files:  # their names follow the data files and how they were read
             return None
         tokenizer = copy.copy(self.tokenizer)
         tokenizer.name_or_path = ""
         tokenizer.init_kwargs = {**tokenizer.init_kwargs, "name_or_path": ""}
         state = (type(self).__qualname__, tokenizer, self.text_field, self.seq_len, self.eos, MAP_BATCH, columns)
-        return Hasher.hash((dataset._fingerprint, state))
+        return Hasher.hash(([f["filename"] for f in dataset.cache_files], state))
 
     def __call__(self, batch: dict) -> dict:
         texts = [t for t in batch[self.text_field] if t is not None and t != ""]

@@ -159,3 +159,88 @@ def test_inspect_clamps_an_encoder_decoders_context_to_its_decoder(capsys, tmp_p
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=40, num_layers=1, num_heads=4))
     info = run_json(capsys, save(t5, tmp_path / "t5"))
     assert info["context"] == 4096 and info["decoder_positions"] is None and not info["context_clamped"]
+
+
+def interleave_kv_heads(model, groups: int) -> None:
+    """Every layer's K/V heads s and s + groups made identical: similarity grouping renumbers the
+    heads into the groups {j, j + groups, …}, not the contiguous ones."""
+    import torch
+
+    d = model.config.hidden_size // model.config.num_attention_heads
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("k_proj.weight", "v_proj.weight")):
+                heads = p.data.view(p.shape[0] // d, d, *p.shape[1:])
+                for s in range(groups, heads.shape[0]):
+                    heads[s] = heads[s % groups]
+
+
+def test_inspect_shows_the_head_orders_of_similarity_grouping(capsys, tmp_path):
+    """A converted checkpoint shows its groups; under similarity grouping each layer's order of
+    the source KV heads (uptrain.json's `kv_head_order`), in --json and in the text."""
+    model = build_model("llama")
+    interleave_kv_heads(model, 2)
+    src = save(model, tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "sim"), "-g", "2", "--grouping", "similarity"]) == 0
+    assert main(["convert", str(src), str(tmp_path / "contiguous"), "-g", "2"]) == 0
+    record = json.loads((tmp_path / "sim" / "uptrain.json").read_text())
+    info = run_json(capsys, tmp_path / "sim")
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    assert info["conversion"] == {
+        "pooling": "mean",
+        "grouping": "similarity",
+        "source_num_key_value_heads": 8,
+        "kv_groups": record["kv_groups"],
+        "kv_head_order": record["kv_head_order"],
+    }
+    assert info["conversion"]["kv_head_order"] == {"0": order, "1": order}
+    assert main(["inspect", str(tmp_path / "sim")]) == 0
+    text = capsys.readouterr().out
+    assert "grouping      similarity (mean pooling) of 8 source KV heads" in text
+    assert "  layer 0: [0 2 4 6] [1 3 5 7]\n  layer 1: [0 2 4 6] [1 3 5 7]\n" in text
+    contiguous = run_json(capsys, tmp_path / "contiguous")["conversion"]
+    assert contiguous["grouping"] == "contiguous" and "kv_head_order" not in contiguous
+    assert main(["inspect", str(tmp_path / "contiguous")]) == 0
+    assert "  every layer: [0 1 2 3] [4 5 6 7]\n" in capsys.readouterr().out
+    assert run_json(capsys, src)["conversion"] is None  # not converted by uptrain
+
+
+def test_inspect_shows_each_attentions_head_orders_of_an_encoder_decoder(capsys, tmp_path):
+    """An encoder–decoder's similarity grouping renumbers each attention per layer:
+    `attentions.<site>.kv_head_order` of uptrain.json, shown per attention."""
+    from tests.convert.test_calibrated_encoder_decoder import build
+    from tests.convert.test_similarity_encoder_decoder import expected_order, interleave_identical_heads
+
+    model = build("bart")
+    interleave_identical_heads(model, 2)
+    src = save(model, tmp_path / "src")
+    argv = ["convert", str(src), str(tmp_path / "sim"), "-g", "2", "--grouping", "similarity"]
+    assert main([*argv, "--attention", "encoder,decoder-self,cross"]) == 0
+    record = json.loads((tmp_path / "sim" / "uptrain.json").read_text())
+    conversion = run_json(capsys, tmp_path / "sim")["conversion"]
+    assert conversion["grouping"] == "similarity" and conversion["kv_head_order"] == record["kv_head_order"]
+    assert set(conversion["attentions"]) == {"encoder", "decoder-self", "cross"}
+    for site, attention in conversion["attentions"].items():
+        heads = record["attentions"][site]["source_num_key_value_heads"]
+        assert attention == {k: record["attentions"][site][k] for k in ("kv_groups", "kv_head_order")}
+        assert set(map(tuple, attention["kv_head_order"].values())) == {tuple(expected_order(heads, 2))}
+    assert main(["inspect", str(tmp_path / "sim")]) == 0
+    text = capsys.readouterr().out
+    for site in ("encoder", "decoder-self", "cross"):
+        groups = record["attentions"][site]["kv_groups"]["0"]
+        assert f"  {site} layer 0: " + " ".join("[" + " ".join(map(str, g)) + "]" for g in groups) in text
+
+
+def test_inspect_refuses_a_damaged_head_order_in_one_line(capsys, tmp_path):
+    src = save(build_model("llama"), tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "sim"), "-g", "2", "--grouping", "similarity"]) == 0
+    path = tmp_path / "sim" / "uptrain.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "kv_head_order": {"0": "3 1 0 2"}}))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "sim")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"uptrain inspect: error: {path}: `kv_head_order` is not a mapping of layers to head orders; "
+        "it is not a record uptrain wrote"
+    )

@@ -7,6 +7,10 @@ Both are reported at every G that `uptrain convert -g G` (its default `--attenti
 decoder's two) can give; the encoder's own K/V are never cached. Its decoder generates at most
 its positions (Whisper: 448): the default context is clamped to them, and a larger `--context`
 is refused.
+
+A checkpoint converted by uptrain (or uptrained from one) also shows how its KV heads were
+grouped, from its `uptrain.json`: the groups, and under `similarity` grouping each layer's
+renumbering of the heads (`kv_head_order`), per attention for an encoder–decoder.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, Architecture, config_geometry, find_architecture
+from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, read_provenance
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config
@@ -62,6 +67,7 @@ def inspect_checkpoint(src: str, context: int | None = None, batch: int = 1, dty
         weights.close()
     except UptrainError:  # pickle-only or weightless folders: the layout is still worth showing
         parameters = None
+    grouping = conversion_grouping(folder)
     if arch is not None and arch.encoder_decoder:
         given, (context, limit) = context, _decoder_context(config, arch, context, label)
         report = _encoder_decoder_report(config, arch, dtype_bytes, context, batch)
@@ -74,6 +80,7 @@ def inspect_checkpoint(src: str, context: int | None = None, batch: int = 1, dty
             **run,
             "decoder_positions": limit,
             "context_clamped": clamped,  # the default context, cut to the decoder's positions
+            "conversion": grouping,
         }
     context = DEFAULT_CONTEXT if context is None else context
     current = geo.kv_cache_bytes_per_token(dtype_bytes)
@@ -107,7 +114,55 @@ def inspect_checkpoint(src: str, context: int | None = None, batch: int = 1, dty
         "kv_cache_bytes_per_token": current,
         "kv_cache_bytes": current * context * batch,
         "options": options,
+        "conversion": grouping,
     }
+
+
+def conversion_grouping(folder) -> dict | None:
+    """How uptrain grouped the KV heads of the checkpoint in `folder` (of the conversion its chain
+    starts from), from its `uptrain.json`; None for a checkpoint uptrain did not convert.
+
+    `kv_groups`: the source KV heads merged into each new one (per layer under `similarity`
+    grouping); `kv_head_order`: layer → source KV heads in their new order (similarity only). An
+    encoder–decoder's are per attention, under `attentions`. A value of another shape is one
+    UptrainError: the file is not one uptrain wrote."""
+    record = conversion_record(read_provenance(folder))
+    if record is None:
+        return None
+    where = f"{folder}/{PROVENANCE}"
+    out = {
+        "pooling": record["pooling"],
+        "grouping": record.get("grouping", "contiguous"),
+        "source_num_key_value_heads": record["source_num_key_value_heads"],
+        **_groups(record, where),
+    }
+    attentions = record.get("attentions")
+    if attentions is not None:
+        if not isinstance(attentions, dict) or not all(isinstance(a, dict) for a in attentions.values()):
+            raise UptrainError(
+                f"{where}: `attentions` is not a mapping of attentions; it is not a record uptrain wrote"
+            )
+        out["attentions"] = {name: _groups(a, f"{where}: attentions.{name}") for name, a in attentions.items()}
+    return out
+
+
+def _groups(record: dict, where: str) -> dict:
+    """`kv_groups` and, where there is one, `kv_head_order` of one attention's record, checked."""
+
+    def heads(value) -> bool:
+        return isinstance(value, list) and all(isinstance(h, int) and not isinstance(h, bool) for h in value)
+
+    groups, order = record.get("kv_groups"), record.get("kv_head_order")
+    per_layer = isinstance(groups, dict) and all(
+        isinstance(v, list) and all(heads(g) for g in v) for v in groups.values()
+    )
+    if not (per_layer or (isinstance(groups, list) and all(heads(g) for g in groups))):
+        raise UptrainError(f"{where}: `kv_groups` is not a list of KV head groups; it is not a record uptrain wrote")
+    if order is not None and not (isinstance(order, dict) and all(heads(v) for v in order.values())):
+        raise UptrainError(
+            f"{where}: `kv_head_order` is not a mapping of layers to head orders; it is not a record uptrain wrote"
+        )
+    return {"kv_groups": groups} | ({} if order is None else {"kv_head_order": order})
 
 
 def _decoder_context(config: dict, arch: Architecture, context: int | None, label: str) -> tuple[int, int | None]:
@@ -200,6 +255,7 @@ def format_report(info: dict) -> str:
         f"layers        {info['num_layers']}",
         f"heads         {info['num_attention_heads']} query, {info['num_key_value_heads']} KV, "
         f"head_dim {info['head_dim']}",
+        *_grouping_lines(info["conversion"]),
         f"parameters    {params}",
         f"KV cache      {human_bytes(info['kv_cache_bytes_per_token'])} per token, "
         f"{human_bytes(info['kv_cache_bytes'])} for {info['context']} tokens × batch {info['batch']} ({info['dtype']})",
@@ -213,6 +269,32 @@ def format_report(info: dict) -> str:
             f"{human_bytes(o['kv_cache_bytes']):>11} {o['saving']:>7.1%}  {tp}"
         )
     return "\n".join(lines)
+
+
+def _grouping_lines(conversion: dict | None) -> list[str]:
+    """How uptrain grouped the KV heads: the groups, one line per layer where they differ per
+    layer (similarity grouping: each layer's source KV heads in their new order, bracketed by the
+    new KV head they became); an encoder–decoder's per attention."""
+    if conversion is None:
+        return []
+    sites = conversion.get("attentions") or {"": conversion}
+    lines = [
+        f"grouping      {conversion['grouping']} ({conversion['pooling']} pooling) of "
+        f"{conversion['source_num_key_value_heads']} source KV heads; [ ] one new KV head"
+        + (", source heads in their new order" if conversion["grouping"] == "similarity" else "")
+    ]
+    for site, record in sites.items():
+        name = f"{site} " if site else ""
+        groups = record["kv_groups"]
+        if isinstance(groups, list):  # the same in every layer
+            lines.append(f"  {name}every layer: {_bracketed(groups)}")
+            continue
+        lines += [f"  {name}layer {layer}: {_bracketed(g)}" for layer, g in groups.items()]
+    return lines
+
+
+def _bracketed(groups: list[list[int]]) -> str:
+    return " ".join("[" + " ".join(map(str, g)) + "]" for g in groups)
 
 
 def _at_most(info: dict) -> str:
@@ -232,6 +314,7 @@ def _format_encoder_decoder(info: dict) -> str:
         f"source        {info['source']}",
         f"architecture  {info['model_type']} (encoder–decoder)",
         *(f"{'heads' if i == 0 else '':<14}{line}" for i, line in enumerate(attentions)),
+        *_grouping_lines(info["conversion"]),
         f"parameters    {params}",
         f"KV cache      {human_bytes(info['kv_cache_bytes_per_token'])} per generated token (decoder self-attention) "
         f"+ {human_bytes(info['cross_kv_cache_bytes_per_source_token'])} per {unit} (cross-attention); "

@@ -57,6 +57,24 @@ def test_a_shipped_file_counts_by_its_place_in_the_package():
         assert settled(path) == path
 
 
+def test_shipped_assets_count_by_their_place_now_wherever_they_were_recorded():
+    """Asset folders (the reference models) count like shipped files, and a path recorded before
+    the assets moved (uptrain/data/ → uptrain/assets/) names the asset where it is now."""
+    assert settled(str(PACKAGE / "assets" / "reference")) == "<uptrain>/assets/reference"
+    for old, now in (
+        ("data/reference", "assets/reference"),
+        ("data/reference_t5/", "assets/reference_t5"),
+        ("data/corpus/validation.jsonl.gz", "assets/corpus/validation.jsonl.gz"),
+        ("data/tokenizer/tokenizer.json", "assets/tokenizer/tokenizer.json"),
+    ):
+        assert settled(f"{PACKAGE}/{old}") == settled(f"/a/moved/checkout/uptrain/{old}") == f"<uptrain>/{now}"
+    # What is in the package's data/ now (modules) stays there; no asset of that name: a path as it is.
+    assert settled("/a/uptrain/data/corpus.py") == "<uptrain>/data/corpus.py"
+    # Folders of the package that are not assets, and assets that never were, are paths as they are.
+    for path in ("/a/uptrain/data/reference_x", "/a/uptrain/train", "/a/uptrain/data", "/a/uptrain/assets/nothing"):
+        assert settled(path) == path
+
+
 def test_one_wording_for_every_refusal():
     one = settings_changed("the run in /r", [Change("lr", 0.003, 1.0)], "output_dir")
     assert str(one) == (

@@ -322,3 +322,44 @@ def test_the_results_run_joins_the_recorded_group(tmp_path):
     ]
     run = next(r["run"] for r in leet(write_report(results, out, spec)["wandb"]) if r["type"] == "run")
     assert run["run_group"] == group and run["display_name"] == "cmp/results"
+
+
+@pytest.mark.parametrize("checkout", ["this checkout", "a checkout elsewhere"])
+def test_a_demo_folder_made_before_the_assets_moved_resumes(checkout, tmp_path):
+    """Before commit 8b6848f the shipped corpus and reference models lay in uptrain/data/, and a
+    demo (a compare of them) recorded those paths in compare.json and in each run's
+    run_config.yaml: they name the same shipped assets, so resuming it is accepted, not refused as
+    "settings changed"; another model in the old place's name is still another model."""
+    from uptrain import UptrainError
+    from uptrain.checkpoint.resumable import PACKAGE
+    from uptrain.compare.study import hold_compare_dir, validate
+    from uptrain.demo import demo_spec
+    from uptrain.train.config import config_to_yaml
+    from uptrain.train.rundir import inspect_run_dir
+
+    package = str(PACKAGE) if checkout == "this checkout" else "/elsewhere/checkout/uptrain"
+
+    def as_before(path: str) -> str:  # where the old code's REFERENCE and split_path named the assets
+        return path.replace(f"{PACKAGE}/assets/", f"{package}/data/")
+
+    root = tmp_path / "demo-output"
+    spec = demo_spec(root)
+    validate(spec)  # what a compare records: its settings once checked (the budget filled in)
+    old = {key: as_before(spec.to_dict()[key]) for key in ("model", "train_data", "eval_data")}
+    assert old["model"] == f"{package}/data/reference" and old["train_data"] == f"{package}/data/corpus/train.jsonl.gz"
+    run = root / "runs" / "mha" / "train"
+    run.mkdir(parents=True)
+    (root / "compare.json").write_text(json.dumps({**spec.to_dict(), **old, "wandb_group": "demo-output-0a1b2c3d"}))
+    trained = spec.train_config(spec.model, run, "mha", "demo-output-0a1b2c3d")
+    (run / "run_config.yaml").write_text(config_to_yaml(trained.__class__(**{**trained.to_dict(), **old})))
+    (run / "metrics.jsonl").write_text("")
+
+    with hold_compare_dir(spec) as group:
+        assert group == "demo-output-0a1b2c3d"  # the earlier compare's, kept
+    assert inspect_run_dir(trained, trained.batch_size).fresh  # accepted: no checkpoint yet, nothing refused
+
+    other = {**old, "model": f"{package}/data/reference_t5"}
+    (root / "compare.json").write_text(json.dumps({**spec.to_dict(), **other, "wandb_group": "g"}))
+    with pytest.raises(UptrainError, match=r"settings changed \(model: "):
+        with hold_compare_dir(spec):
+            pass

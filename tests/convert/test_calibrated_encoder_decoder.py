@@ -230,7 +230,7 @@ def test_pairs_families_calibrate_on_their_pairs(tokenizer, tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv[:2], str(tmp_path / "out2"), *argv[3:], "--calibration-data", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "line 1 lacks them" in err, err
+    assert len(err.splitlines()) == 1 and "line 1: no `target` field" in err, err
     assert not (tmp_path / "out2").exists()
 
 

@@ -42,6 +42,32 @@ def test_documents_are_joined_with_eos_and_packed(tmp_path, tokenizer):
     assert blocks.take([0, 1, 2, 3]).flatten().tolist() == stream[:16]
 
 
+def test_one_text_is_tokenized_once_for_every_copy_of_one_tokenizer(assets, tmp_path):
+    """The same tokenizer files in two folders (a source and its conversion, as every run of a
+    compare has them) pack a text into the same cached blocks, for train and calibration keys
+    alike: the second `load_blocks` reads the first's cache. Another block length, another
+    tokenizer, or the text changed: packed anew."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"the cat sees a dog {i} times"}) + "\n" for i in range(50)))
+    copy = shutil.copytree(assets["gqa"], tmp_path / "converted")
+    source, converted = (AutoTokenizer.from_pretrained(p) for p in (assets["gqa"], copy))
+    other = AutoTokenizer.from_pretrained(assets["other"])
+
+    def cache(tok, key="train_data", seq_len=8) -> list[str]:
+        blocks, _ = load_blocks(str(path), key, tok, seq_len, "text", "train", None, "paragraph", None, None)
+        return [f["filename"] for f in blocks.dataset.cache_files]
+
+    first = cache(source)
+    assert first and cache(converted) == first and cache(converted, "calibration_data") == first
+    assert cache(source, seq_len=4) != first and cache(other) != first
+    path.write_text(path.read_text() + json.dumps({"text": "a small bird"}) + "\n")
+    assert cache(converted) != first
+
+
 def test_compressed_jsonl_reads_like_plain(tmp_path, tokenizer):
     import gzip
 

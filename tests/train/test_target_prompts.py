@@ -504,3 +504,92 @@ def test_a_cut_target_keeps_the_tokenizers_closing_tokens(translation, kind):
     for target, (_, text) in zip(examples.targets, PAIRS, strict=True):
         words = tok.encode(text, add_special_tokens=False)
         assert target == (words[:2] + [eos, code] if kind == "mbart" else [code] + words[:2] + [eos])
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "codes"),
+    [
+        ("nllb", {}, ("eng_Latn", "fra_Latn")),  # the tokenizer's saved codes
+        ("nllb", {"source_lang": "deu_Latn", "target_lang": "spa_Latn"}, ("deu_Latn", "spa_Latn")),
+        ("mbart50", {"target_lang": "fr_XX"}, ("en_XX", "fr_XX")),  # mBART trained on pairs calibrates on pairs
+    ],
+)
+def test_calibration_pairs_carry_the_language_codes_training_frames_them_with(translation, tmp_path, kind, keys, codes):
+    """A calibrated conversion of `source` in `uptrain train` calibrates on its training pairs as
+    training reads them: the same objective (an mBART trained on pairs, not its default infilling),
+    the source and target language codes of the run's keys, the same examples."""
+    from transformers import AutoTokenizer
+
+    from uptrain.architecture import architecture
+    from uptrain.convert.calibration_seq2seq import calibration_batches
+    from uptrain.convert.pipeline import _prompt_keys
+    from uptrain.convert.spec import CalibrationSettings
+    from uptrain.data.pairs import load_pairs
+    from uptrain.model_info import read_config
+    from uptrain.objectives import OBJECTIVES
+    from uptrain.objectives.prompts import PromptKeys, target_framing
+
+    values = translation_config(translation, kind, tmp_path, **keys)
+    folder = Path(values.pop("model"))
+    config = TrainConfig(**values, source=str(folder), num_kv_heads=2, pooling="calibrated")
+    spec = config.conversion_spec()
+    arch = architecture(read_config(folder)["model_type"])
+    batches, info = calibration_batches(
+        folder, arch, spec.calibration_data, CalibrationSettings.of(spec), 3, _prompt_keys(spec)
+    )
+    assert info["objective"] == "pairs" and info["examples"] == 2 * len(PAIRS)
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    source_code, target_code = (tokenizer.convert_tokens_to_ids(code) for code in codes)
+    for batch in batches:
+        assert all(source_code in row for row in batch["input_ids"].tolist())
+        assert all(target_code in row for row in batch["labels"].tolist())
+    # The very examples training reads (`load_pairs` with the run's framing), in order.
+    framing = target_framing(arch, OBJECTIVES["pairs"], PromptKeys(**keys), tokenizer, str(folder), read_config(folder))
+    trained = load_pairs(
+        values["train_data"],
+        "train_data",
+        OBJECTIVES["pairs"],
+        tokenizer,
+        str(folder),
+        read_config(folder),
+        32,
+        32,
+        framing,
+    )
+    expected = [trained.take(list(range(start, start + 3))) for start in (0, 3)]
+    assert len(batches) == len(expected)
+    for batch, example in zip(batches, expected, strict=True):
+        assert batch.keys() == example.keys() and all(torch.equal(batch[k], example[k]) for k in batch)
+
+
+def test_marian_calibration_pairs_carry_the_target_code_ahead_of_each_source(tmp_path):
+    """`uptrain convert --target-lang fra` on a multilingual Marian: each calibration source opens
+    with `>>fra<<`, as training writes it; a family without language codes refuses the key in one line."""
+    from tests.train.test_seq2seq import build_tokenizer as word_tokenizer
+    from uptrain.cli import main
+
+    tokenizer = word_tokenizer(" ".join(TEXT_WORDS), sentinels=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": [">>fra<<", ">>spa<<"]})
+    folder = build_model("marian", tmp_path / "marian", tokenizer)
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"source": s, "target": t} for s, t in PAIRS])
+    from uptrain.architecture import architecture
+    from uptrain.convert.calibration_seq2seq import calibration_batches
+    from uptrain.convert.spec import DEFAULT_CALIBRATION
+    from uptrain.objectives.prompts import PromptKeys
+
+    code = tokenizer.convert_tokens_to_ids(">>fra<<")
+    arch = architecture("marian")
+    [french], _ = calibration_batches(folder, arch, str(data), DEFAULT_CALIBRATION, 4, PromptKeys(target_lang="fra"))
+    [plain], _ = calibration_batches(folder, arch, str(data), DEFAULT_CALIBRATION, 4, PromptKeys())
+    assert french["input_ids"][:, 0].tolist() == [code] * len(PAIRS) and code not in plain["input_ids"]
+    argv = ["convert", str(folder), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
+    assert main([*argv, "--calibration-data", str(data), "--target-lang", "fra"]) == 0
+    assert json.loads((tmp_path / "out" / "uptrain.json").read_text())["calibration"]["prompt"] == (
+        ">>fra<< ahead of each source"
+    )
+    assert (
+        main([*argv[:2], str(tmp_path / "out2"), *argv[3:], "--calibration-data", str(data), "--source-lang", "eng"])
+        == 2
+    )
+    assert not (tmp_path / "out2").exists()

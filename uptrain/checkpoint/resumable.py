@@ -12,8 +12,9 @@ line, the same for the three commands:
     value to continue it, or pass --overwrite to start over (or use another output_dir)
 
 Nested settings count key by key (`conversion.grouping`). A path to one of uptrain's own
-shipped files (the default corpus) counts by its place in the package, so a checkout or an
-installation that moved still continues the work it recorded.
+shipped files or asset folders (the default corpus, the reference models) counts by its place in
+the package, so a checkout or an installation that moved still continues the work it recorded,
+and so does a folder made before the assets themselves moved within the package (`MOVED`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from uptrain.options import keys_of
 
 PACKAGE = Path(uptrain.__file__).resolve().parent
 SHIPPED = "<uptrain>/"  # how an identity names a path into the package
+ASSETS = "assets"  # the shipped corpus, tokenizer and reference models: files and folders alike
+# Where the shipped assets were before (old place inside the package → new): uptrain/data/ became
+# uptrain/assets/ (commit 8b6848f); compare and demo folders made before record the old paths.
+MOVED = {"data": ASSETS}
 _DIGEST = re.compile(r"[0-9a-f]{32,}")
 
 
@@ -108,17 +113,32 @@ def flatten(settings: Mapping, prefix: str = "") -> dict:
 
 def settled(value: Any) -> Any:
     """`value` as an identity compares it: lists and tuples alike (YAML and JSON give lists),
-    and a path to a file uptrain ships as `<uptrain>/` and its place in the package, wherever the
-    package was when the path was recorded (a moved checkout names the same corpus)."""
+    and a path to a file uptrain ships, or to a folder of its assets (a reference model), as
+    `<uptrain>/` and its place in the package, wherever the package was when the path was recorded
+    (a moved checkout names the same corpus), and wherever in the package the asset was then
+    (`MOVED`: a folder made before the assets moved names the same reference model)."""
     if isinstance(value, (list, tuple)):
         return [settled(v) for v in value]
     if not isinstance(value, str) or not os.path.isabs(value):
         return value
     parts = Path(value).parts
     for i in range(len(parts) - 2, -1, -1):  # the innermost folder of the package's name
-        if parts[i] == PACKAGE.name and PACKAGE.joinpath(*parts[i + 1 :]).is_file():
-            return SHIPPED + "/".join(parts[i + 1 :])
+        if parts[i] == PACKAGE.name and (place := _shipped(parts[i + 1 :])) is not None:
+            return SHIPPED + place
     return value
+
+
+def _shipped(inner: tuple[str, ...]) -> str | None:
+    """The place in the package (`assets/corpus/train.jsonl.gz`) of what `inner`, a path inside a
+    package folder, names: a file uptrain ships or a folder of its assets, now or before it moved;
+    None when it names neither."""
+    if PACKAGE.joinpath(*inner).is_file() or (inner[0] == ASSETS and PACKAGE.joinpath(*inner).is_dir()):
+        return "/".join(inner)
+    if inner[0] in MOVED and len(inner) > 1 and not PACKAGE.joinpath(*inner).exists():
+        now = (MOVED[inner[0]], *inner[1:])
+        if PACKAGE.joinpath(*now).exists():
+            return "/".join(now)
+    return None
 
 
 def _shown(value: Any) -> str:

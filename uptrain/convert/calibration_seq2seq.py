@@ -3,13 +3,15 @@
 The merge of each attention reads the moment of what its keys and values read and of what its
 queries read (`calibrated.py`). In self-attention both are the layer's input; in
 cross-attention the keys and values read the encoder's output and the queries the decoder's
-states, so each is calibrated from its own input: the family's objective (`uptrain.objectives`,
-the architecture's `default_objective`) turns calibration text into what the model is trained
-on — span-corrupted blocks (T5), infilled blocks (BART, mBART), or jsonl source/target pairs
-(Marian, M2M100, Pegasus), or jsonl speech pairs (Whisper: read by `uptrain.data.pairs`, the
-reader training uses, audio through the checkpoint's feature extractor and targets opening with
-the prompt training frames them with, so the decoder states calibrated on are those users decode
-with) — and the source model reads them whole (encoder inputs, and the targets as the decoder's
+states, so each is calibrated from its own input: the objective the model is trained with
+(`uptrain.objectives`; `uptrain train` and `uptrain compare` pass theirs, else the architecture's
+`default_objective`) turns calibration text into what the model is trained on — span-corrupted
+blocks (T5), infilled blocks (BART, mBART), or jsonl source/target pairs
+(Marian, M2M100/NLLB, Pegasus) or speech pairs (Whisper), both read by `uptrain.data.pairs`, the
+reader training uses, framed as training frames them (`uptrain.objectives.prompts`: Whisper's
+language and task tokens, M2M100's and NLLB's language codes, multilingual Marian's `>>code<<`
+ahead of each source), so the states calibrated on are those users translate or decode with —
+and the source model reads them whole (encoder inputs, and the targets as the decoder's
 inputs), forward pre-hooks folding every attention's inputs, padding left out.
 
 Moments are keyed `"{attention}.{layer}"` (the input of that attention module; for "cross" the
@@ -29,11 +31,11 @@ import torch
 from uptrain import UptrainError, exception_line
 from uptrain.convert.calibrated import CrossMoments
 from uptrain.convert.spec import DEFAULT_CALIBRATION, CalibrationSettings
-from uptrain.objectives.prompts import SPEECH_KEYS, PromptKeys
+from uptrain.objectives.prompts import APPLIES_TO, KEYS_OF, SPEECH_KEYS, PromptKeys
 from uptrain.strict_json import parse_json
 
 CROSS_KEYS_VALUES = "cross.keys_values"
-CHECKPOINT_PROMPT = PromptKeys()  # no keys given: Whisper's prompt from the checkpoint's defaults
+CHECKPOINT_PROMPT = PromptKeys()  # no keys given: the prompt from the checkpoint's defaults
 
 
 class SiteMoments(Mapping):
@@ -66,20 +68,32 @@ def site_moments(moments: Mapping, attention: str) -> SiteMoments:
     return SiteMoments(moments, attention)
 
 
-def calibration_objective(arch):
-    """The objective an encoder–decoder is calibrated with (its family's)."""
+def calibration_objective(arch, name: str | None = None):
+    """The objective an encoder–decoder is calibrated with: `name`, the one it is trained with
+    (`uptrain train` passes its own), else its family's."""
     from uptrain.objectives import get_objective
 
-    return get_objective(arch.default_objective)
+    return get_objective(name or arch.default_objective)
 
 
-def check_prompt_keys(arch, keys: PromptKeys) -> None:
-    """Refuses, in one line, `--language` / `--speech-task` for a model whose calibration reads no
-    speech (they choose Whisper's target prompt)."""
-    speech = arch.encoder_decoder and calibration_objective(arch).reads == "speech_pairs"
-    if not speech and (given := keys.given(SPEECH_KEYS)):
-        flag = "--" + given[0].replace("_", "-")
-        raise UptrainError(f"{flag} applies to Whisper's calibration (speech pairs); {arch.name} calibrates on text")
+def check_prompt_keys(arch, keys: PromptKeys, objective_name: str | None = None) -> None:
+    """Refuses, in one line, a key of the targets' prompt that the model's calibration does not
+    frame its examples with: `--language` / `--speech-task` (Whisper's prompt) where it reads no
+    speech, `--source-lang` / `--target-lang` where its family's pairs carry no language codes."""
+    objective = calibration_objective(arch, objective_name) if arch.encoder_decoder else None
+    reads = objective.reads if objective is not None else "text"
+    takes = KEYS_OF.get(arch.target_prompt, ()) if objective is not None and objective.reads_examples else ()
+    if stray := [k for k in keys.given() if k not in takes]:
+        flag = "--" + stray[0].replace("_", "-")
+        if stray[0] in SPEECH_KEYS:
+            raise UptrainError(
+                f"{flag} applies to Whisper's calibration (speech pairs); {arch.name} calibrates on text"
+            )
+        taken = " and ".join("--" + k.replace("_", "-") for k in takes if k not in SPEECH_KEYS) or "none of them"
+        raise UptrainError(
+            f"{flag} applies to the calibration pairs of {APPLIES_TO[stray[0]].removeprefix('objective pairs of ')}; "
+            f"{arch.name}'s calibration ({reads.replace('_', ' ')}) takes {taken}"
+        )
 
 
 def _refuse_speech_pairs(data, arch) -> None:
@@ -167,37 +181,14 @@ def seq2seq_moments(model, arch, batches, progress: bool | None = None) -> dict[
     return {key: m / max(counts[key], 1) for key, m in moments.items()}
 
 
-def _text_pairs(path: str, fields: tuple[str, str], limit: int) -> list[tuple[str, str]]:
-    """The first `limit` (source, target) pairs of a local jsonl file; one line for anything else."""
-    need = f"calibration data {path}: a jsonl file whose lines hold text fields {' and '.join(fields)}"
-    if not Path(path).is_file():
-        raise UptrainError(f"{need} (calibration reads pairs from local files)")
-    try:
-        lines = Path(path).read_bytes().splitlines()
-    except OSError as err:
-        raise UptrainError(f"calibration data: cannot read {path}: {err.strerror or err}") from None
-    pairs = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row = parse_json(line, f"line {number}")  # not UTF-8, not JSON, too many digits
-            except UptrainError as err:
-                raise UptrainError(f"{need}; {err}") from None
-            if not isinstance(row, dict) or not all(isinstance(row.get(f), str) for f in fields):
-                raise UptrainError(f"{need}; line {number} lacks them")
-            pairs.append((row[fields[0]], row[fields[1]]))
-        if len(pairs) >= limit:
-            break
-    return pairs
-
-
-def _speech_batches(
+def _pair_batches(
     model_dir: Path, arch, objective, tokenizer, data, wanted: int, seq_len: int, batch_size: int, keys: PromptKeys
 ) -> tuple[list[dict], dict]:
-    """Whisper's calibration batches: the first `wanted` speech pairs of `data` as training reads
-    them (`load_pairs`: every line checked, audio through the feature extractor), the targets
-    framed with the prompt `generate(language=…, task=…)` forces, cut at `seq_len` tokens (at
-    most the decoder's positions)."""
+    """The calibration batches of a family that trains on pairs: the first `wanted` examples of
+    `data` as training reads them (`load_pairs`: every line checked; speech through the
+    feature extractor), framed with the prompt training frames them with (`target_framing`:
+    Whisper's language and task, M2M100's/NLLB's language codes, Marian's `>>code<<`), sources
+    cut at `seq_len` tokens and targets at `seq_len` (at most the decoder's positions)."""
     from uptrain.data.pairs import load_pairs
     from uptrain.model_info import read_config
     from uptrain.objectives.prompts import target_framing
@@ -212,7 +203,8 @@ def _speech_batches(
     count = min(wanted, len(examples))
     starts = range(0, count, batch_size)
     batches = [examples.take(list(range(start, min(start + batch_size, count)))) for start in starts]
-    info = {"data": str(data), "objective": objective.name, "examples": count, "target_len": target_len}
+    info = {"data": str(data), "objective": objective.name, "examples": count}
+    info |= {"target_len": target_len} if objective.reads == "speech_pairs" else {"seq_len": seq_len}
     if framing is not None:
         info["prompt"] = framing.shown
     return batches, info
@@ -226,21 +218,21 @@ def calibration_batches(
     batch_size: int,
     keys: PromptKeys = CHECKPOINT_PROMPT,
 ) -> tuple[list[dict], dict]:
-    """The batches an encoder–decoder is calibrated on (its family's objective over `data`, the
+    """The batches an encoder–decoder is calibrated on (the objective it is trained with over `data`, the
     first `settings.wanted_blocks` examples) and their description for provenance. `keys`: the
-    prompt of Whisper's targets (the checkpoint's defaults where None)."""
+    prompt of the targets of a family that trains on pairs (`--language`, `--target-lang`, …; the
+    checkpoint's defaults where None), as training frames them."""
     from uptrain.convert.calibration import first_calibration_blocks, load_calibration_tokenizer
     from uptrain.model_info import read_config
-    from uptrain.objectives import IGNORE_INDEX, special_tokens_for
+    from uptrain.objectives import special_tokens_for
     from uptrain.objectives.corruption import evaluation_generator
 
-    objective = calibration_objective(arch)
+    objective = calibration_objective(arch, settings.calibration_objective)
     tokenizer = load_calibration_tokenizer(model_dir)
     wanted, seq_len = settings.wanted_blocks, settings.calibration_seq_len
-    label = str(data)
-    check_prompt_keys(arch, keys)
+    check_prompt_keys(arch, keys, settings.calibration_objective)
     if objective.reads == "speech_pairs":
-        return _speech_batches(model_dir, arch, objective, tokenizer, data, wanted, seq_len, batch_size, keys)
+        return _pair_batches(model_dir, arch, objective, tokenizer, data, wanted, seq_len, batch_size, keys)
     _refuse_speech_pairs(data, arch)
     # The block length is calibration's own choice: at most the positions of the encoder and of the
     # decoder (a text block is both the corrupted source and the target; a pair is cut at it on
@@ -251,33 +243,15 @@ def calibration_batches(
     settings = replace(settings, calibration_seq_len=seq_len)
     wanted = settings.wanted_blocks
     if objective.reads == "text_pairs":
-        files = [data] if isinstance(data, str) else list(data)
-        pairs = [p for f in files for p in _text_pairs(f, objective.fields, wanted)][:wanted]
-        if not pairs:
-            raise UptrainError(f"calibration data {label} holds no {'/'.join(objective.fields)} pairs")
-        examples = []
-        for start in range(0, len(pairs), batch_size):
-            chunk = pairs[start : start + batch_size]
-            enc = tokenizer(
-                [s for s, _ in chunk],
-                text_target=[t for _, t in chunk],
-                max_length=seq_len,
-                truncation=True,
-                padding=True,
-                return_tensors="pt",
-            )
-            labels = enc["labels"].masked_fill(enc["labels"] == tokenizer.pad_token_id, IGNORE_INDEX)
-            examples.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels})
-        count = len(pairs)
-    else:
-        rows, source = first_calibration_blocks(tokenizer, data, settings, objective.block_length(seq_len))
-        label, count = source.label, len(rows)
-        tokens = special_tokens_for(objective, tokenizer, "calibration's source")
-        corrupted = [objective.corrupt(row, tokens, evaluation_generator(0, row)) for row in rows]
-        examples = [
-            {k: torch.cat([c[k] for c in corrupted[start : start + batch_size]]) for k in corrupted[0]}
-            for start in range(0, count, batch_size)
-        ]
+        return _pair_batches(model_dir, arch, objective, tokenizer, data, wanted, seq_len, batch_size, keys)
+    rows, source = first_calibration_blocks(tokenizer, data, settings, objective.block_length(seq_len))
+    label, count = source.label, len(rows)
+    tokens = special_tokens_for(objective, tokenizer, "calibration's source")
+    corrupted = [objective.corrupt(row, tokens, evaluation_generator(0, row)) for row in rows]
+    examples = [
+        {k: torch.cat([c[k] for c in corrupted[start : start + batch_size]]) for k in corrupted[0]}
+        for start in range(0, count, batch_size)
+    ]
     info = {"data": label, "objective": objective.name, "examples": count, "seq_len": seq_len}
     return examples, info
 

@@ -117,17 +117,22 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     from uptrain.convert.calibration_seq2seq import check_prompt_keys
     from uptrain.data.text import resolve_data
 
-    check_prompt_keys(prepared.conversion.arch, _prompt_keys(prepared.spec))
+    check_prompt_keys(prepared.conversion.arch, _prompt_keys(prepared.spec), prepared.spec.calibration_objective)
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
 
 
 def _prompt_keys(spec: ConversionSpec):
-    """The keys that choose Whisper's calibration prompt."""
+    """The keys that choose the prompt of the calibration pairs' targets (as training frames them)."""
     from uptrain.objectives.prompts import PromptKeys
 
-    return PromptKeys(language=spec.language, speech_task=spec.speech_task)
+    return PromptKeys(
+        language=spec.language,
+        speech_task=spec.speech_task,
+        source_lang=spec.source_lang,
+        target_lang=spec.target_lang,
+    )
 
 
 def _solved_for(prepared: PreparedConversion) -> tuple:

@@ -174,12 +174,28 @@ class ConversionSpec(ConversionOptions):
     speech_task: Literal["transcribe", "translate"] | None = option(
         None, help="Whisper calibration (speech pairs): the task token after the language (default: the checkpoint's)"
     )
+    # M2M100/NLLB's and multilingual Marian's calibration pairs carry the language codes training frames them with.
+    source_lang: str | None = option(
+        None,
+        help="M2M100/NLLB calibration (pairs): the tokenizer's src_lang, the code its sources carry (eng_Latn; "
+        "default: the tokenizer's saved one)",
+    )
+    target_lang: str | None = option(
+        None,
+        help="M2M100/NLLB calibration (pairs): the tokenizer's tgt_lang, the code each target starts with (default: "
+        "the tokenizer's saved one); multilingual Marian: the `>>code<<` token written ahead of each source",
+    )
     max_shard_size: int | str = option("5GB", check=_size_problem, help="largest output shard, e.g. 5GB or 500MiB")
     allow_pickle: bool = option(False, help="read pytorch_model*.bin checkpoints (with torch.load(weights_only=True))")
     # How calibration text is read: `uptrain train` and `uptrain compare` pass their data keys.
     calibration_dataset_config: str | None = option(None, flag=False, help="configuration of a Hub calibration dataset")
     calibration_split: str = option("train", flag=False, help="split of a Hub calibration dataset (streamed)")
     calibration_seq_len: int = option(256, at_least=2, flag=False, help="tokens per calibration block")
+    # An encoder–decoder is calibrated on examples of the objective it is trained with: `uptrain
+    # train` and `uptrain compare` pass theirs (an mBART trained on pairs calibrates on pairs).
+    calibration_objective: str | None = option(
+        None, flag=False, help="objective whose examples calibrate an encoder–decoder (default: the family's)"
+    )
     text_field: str = option("text", flag=False, help="column holding the text in jsonl/parquet/Hub data")
     sample_by: Literal["line", "paragraph", "document"] = option("paragraph", flag=False, help="one document in .txt")
 
@@ -198,6 +214,7 @@ class CalibrationSettings:
     calibration_dtype: str = "float32"  # of the forward pass; moments are float64
     calibration_dataset_config: str | None = None  # a Hub dataset's configuration
     calibration_split: str = "train"  # a Hub dataset's split (streamed: only its first blocks are read)
+    calibration_objective: str | None = None  # an encoder–decoder's examples (default: its family's objective)
 
     @classmethod
     def of(cls, spec) -> CalibrationSettings:
@@ -225,10 +242,11 @@ class ConvertCommand(ConversionSpec):
         calibrates = self.pooling in calibrating_strategies() or (
             self.grouping == "similarity" and self.calibration_data
         )
-        given = [f"--{k.replace('_', '-')}" for k in ("language", "speech_task") if getattr(self, k) is not None]
+        keys = ("language", "speech_task", "source_lang", "target_lang")
+        given = [f"--{k.replace('_', '-')}" for k in keys if getattr(self, k) is not None]
         if given and not calibrates:  # `uptrain train` frames its targets with them; a conversion only calibration
             found.append(
-                f"{' and '.join(given)} choose the prompt of Whisper's calibration targets, and this conversion "
+                f"{' and '.join(given)} choose the prompt of the calibration pairs' targets, and this conversion "
                 f"calibrates nothing ({', '.join(f'--pooling {n}' for n in calibrating_strategies())}, or --grouping "
                 "similarity with --calibration-data)"
             )

@@ -8,6 +8,7 @@ the uptraining loop read text the same way.
 from __future__ import annotations
 
 import bz2
+import copy
 import glob
 import gzip
 import itertools
@@ -147,6 +148,23 @@ class Pack:
         self.tokenizer, self.text_field, self.seq_len, self.what = tokenizer, text_field, seq_len, what
         self.eos = tokenizer.eos_token_id
 
+    def fingerprint(self, dataset, columns: list[str]) -> str | None:
+        """The cache key of packing `dataset` (a local dataset, tokenized up front) with this: what
+        `datasets` would hash, but for where the tokenizer was loaded from and which key it is for
+        (`what`, for messages only). The same tokenizer files in another folder give the same
+        blocks: each converted model of a compare carries its source's tokenizer, so its runs (and
+        its calibration) tokenize their common text once instead of once each. None: let
+        `datasets` key it (a dataset held in memory, without cache files to name its data)."""
+        from datasets.fingerprint import Hasher
+
+        if not dataset.cache_files:  # their names follow the data files and how they were read
+            return None
+        tokenizer = copy.copy(self.tokenizer)
+        tokenizer.name_or_path = ""
+        tokenizer.init_kwargs = {**tokenizer.init_kwargs, "name_or_path": ""}
+        state = (type(self).__qualname__, tokenizer, self.text_field, self.seq_len, self.eos, MAP_BATCH, columns)
+        return Hasher.hash(([f["filename"] for f in dataset.cache_files], state))
+
     def __call__(self, batch: dict) -> dict:
         try:
             values = batch[self.text_field]
@@ -266,6 +284,12 @@ def load_blocks(
         return TextStream(ds, pack, columns), source
     # Name the removed columns explicitly (as TextStream does).
     packed = ds.map(
-        pack, batched=True, batch_size=MAP_BATCH, remove_columns=columns, num_proc=workers, desc=f"tokenize {key}"
+        pack,
+        batched=True,
+        batch_size=MAP_BATCH,
+        remove_columns=columns,
+        num_proc=workers,
+        desc=f"tokenize {key}",
+        new_fingerprint=pack.fingerprint(ds, columns),
     )
     return TokenBlocks(packed), source

@@ -386,6 +386,9 @@ CALIBRATED_AS_TRAINED = {
     "sample_by": "sample_by",
     "language": "language",
     "speech_task": "speech_task",
+    "source_lang": "source_lang",
+    "target_lang": "target_lang",
+    "calibration_objective": "objective",
 }
 
 

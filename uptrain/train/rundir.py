@@ -9,6 +9,11 @@ output_dir/
   wandb/            the wandb run (offline without credentials)
   final/            the uptrained model: save_pretrained + tokenizer
   .uptrain-lock     while a run uses the folder (see `hold_run_dir`)
+
+One writer for the folder's shared files: the main process of the whole run (global rank 0), on
+one machine or several; each process writes only what is its own (its RNG and data state in a
+checkpoint). A run on several machines therefore needs output_dir on a filesystem every machine
+mounts (`check_shared_run_dir`): a checkpoint is whole only where every process's state is.
 """
 
 from __future__ import annotations
@@ -167,6 +172,31 @@ def initialise_run_dir(config: TrainConfig, start: RunStart, info: dict) -> None
         # Written once per run: a resumed run keeps the record of how it was started.
         _write(out / RUN_CONFIG, config_to_yaml(config))
         _write(out / RUN_INFO, json.dumps(info, indent=2) + "\n")
+
+
+def check_shared_run_dir(accelerator, config: TrainConfig, start: RunStart) -> None:
+    """Every process, once the main process has started the run folder: refuse, in one line on
+    every process, a run whose processes do not all see that folder (its run.json) and did not all
+    decide the same start. On several machines output_dir must be one folder that each mounts: on a
+    disk of its own, each machine but the main one would keep its processes' parts of every
+    checkpoint where no resume finds them, and a resume would load the checkpoint on one machine
+    and start afresh on another (replicas with different weights, averaging their gradients)."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    try:
+        seen = (Path(config.output_dir) / RUN_INFO).read_text()
+    except OSError:
+        seen = None
+    views = gather_object([(seen, start.checkpoint_step, start.complete)])
+    if any(view != views[0] for view in views):
+        apart = sorted({rank for rank, view in enumerate(views) if view != views[0]})
+        raise UptrainError(
+            f"output_dir {Path(config.output_dir).absolute()} is not the same folder for every process (process "
+            f"{apart[0]} does not see what the main process wrote there): a run on several machines needs output_dir "
+            "on a filesystem every machine mounts (NFS, Lustre, …), at the same path"
+        )
 
 
 def _write(path: Path, text: str) -> None:

@@ -34,7 +34,7 @@ from uptrain.train.config import TrainConfig
 from uptrain.train.distributed import MainProcessWait, make_accelerator, place_teacher, teacher_dtype
 from uptrain.train.optimizer import adamw
 from uptrain.train.run_data import load_run_data
-from uptrain.train.rundir import RunStart, initialise_run_dir, inspect_run_dir
+from uptrain.train.rundir import RunStart, check_shared_run_dir, initialise_run_dir, inspect_run_dir
 from uptrain.train.speech_units import SpeechUnits, speech_units
 from uptrain.train.tracking import ensure_wandb_never_prompts
 
@@ -171,6 +171,7 @@ def setup(config: TrainConfig) -> Run:
             if conversion is not None:
                 conversion.execute(accelerator)
     converted.wait()
+    check_shared_run_dir(accelerator, config, start)  # one folder for every machine's processes
     if conversion is not None:
         model_path, model_config = str(conversion.folder), read_config(conversion.folder)  # the converted KV heads
 

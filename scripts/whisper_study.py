@@ -78,22 +78,29 @@ class Row:
     pooling: str
     distillation: bool = False
     attention: str = DECODER
+    weighting: str = "uniform"  # the calibrated merge's `calibration_weighting`
 
     @property
     def in_compare(self) -> bool:
         """Made and trained by `run_compare` (the others take its TrainConfig by hand)."""
-        return not self.distillation and self.attention == DECODER
+        return not self.distillation and self.attention == DECODER and self.weighting == "uniform"
 
 
-def rows_of(kv_heads: list[int], poolings: list[str], encoder_row: bool) -> list[Row]:
+def rows_of(kv_heads: list[int], poolings: list[str], encoder_row: bool, weighted: bool = False) -> list[Row]:
     rows = [Row("mha", None, "mha")]
     for g in kv_heads:
         rows += [Row(f"g{g}-{p}", g, p) for p in poolings]
         if "calibrated" in poolings:
             rows.append(Row(f"g{g}-calibrated-distill", g, "calibrated", distillation=True))
+        if weighted:
+            rows.append(Row(f"g{g}-calibrated-attention", g, "calibrated", weighting="attention"))
     if encoder_row and kv_heads:
         rows.append(Row(f"g{kv_heads[0]}-calibrated-encoder", kv_heads[0], "calibrated", attention=WITH_ENCODER))
     return rows
+
+
+def study_rows(args: argparse.Namespace) -> list[Row]:
+    return rows_of(args.kv_heads, args.poolings, not args.no_encoder_row, args.weighted_rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,6 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="G", help="G values (default 4 2 1)")
     parser.add_argument("--poolings", nargs="+", default=list(POOLINGS), choices=POOLINGS, help="pooling strategies")
     parser.add_argument("--no-encoder-row", action="store_true", help="leave out the row that converts the encoder")
+    parser.add_argument(
+        "--weighted-rows",
+        action="store_true",
+        help="also, per G, calibrated with --calibration-weighting attention (errors weighed where attention goes)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="uptraining steps (default 20; --quick 4)")
     parser.add_argument("--batch-size", type=int, default=2, help="clips per uptraining step (default 2)")
     parser.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
@@ -139,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--model, --train-data and --eval-data are required (or --quick)")
     if min(args.steps, args.eval_every, args.eval_clips, args.batch_size, args.calibration_clips) < 1:
         parser.error("--steps, --eval-every, --eval-clips, --batch-size and --calibration-clips must be at least 1")
-    names = [r.name for r in rows_of(args.kv_heads, args.poolings, not args.no_encoder_row)]
+    names = [r.name for r in study_rows(args)]
     if args.uptrain and (unknown := [n for n in args.uptrain if n not in names]):
         parser.error(f"--uptrain {' '.join(unknown)}: not a row of this study ({', '.join(names)})")
     return args
@@ -290,7 +302,7 @@ def study_spec(args: argparse.Namespace, kv_heads: list[int], poolings: list[str
 def start_folder(row: Row, spec, root: Path) -> Path:
     if row.num_kv_heads is None:
         return Path(spec.model)
-    if row.attention != DECODER:
+    if row.attention != DECODER or row.weighting != "uniform":
         return root / "extra" / "converted" / row.name
     return Path(spec.output_dir) / "converted" / f"g{row.num_kv_heads}-{row.pooling}"
 
@@ -318,13 +330,16 @@ def convert_starts(rows: list[Row], spec, root: Path, log) -> None:
                 continue
             log(f"[whisper] converting {row.name}")
             conversion = spec.conversion_spec(row.num_kv_heads, row.pooling)
-            conversion = dataclasses.replace(conversion, attention=row.attention)
+            conversion = dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
             out.parent.mkdir(parents=True, exist_ok=True)
             began = time.perf_counter()
             with prepare(conversion, out) as prepared:
                 calibration = None
                 if prepared.needs_calibration:
-                    calibration = shared_calibration(prepared, Path(spec.output_dir), log)
+                    # One calibration per weighting, shared by its conversions (compare's, for uniform).
+                    place = Path(spec.output_dir) if row.weighting == "uniform" else root / "extra" / row.weighting
+                    place.mkdir(parents=True, exist_ok=True)
+                    calibration = shared_calibration(prepared, place, log)
                 execute(prepared, out, calibration=calibration, progress=False)
             log(f"[whisper] {row.name}: converted in {time.perf_counter() - began:.0f} s")
 
@@ -452,7 +467,8 @@ class Scorer:
         predictions, nll, scored, decode_seconds, kv = [], 0.0, 0, 0.0, None
         with torch.inference_mode():
             for indices, outputs in zip(self.batches(), encoded):
-                labels = self.examples.take(indices)["labels"]
+                batch = self.examples.take(indices)
+                labels = batch["labels"]
                 logits = model(encoder_outputs=outputs, labels=labels).logits
                 target = labels[:, prompt:]  # the transcript and <|endoftext|>, after the given prompt
                 losses = torch.nn.functional.cross_entropy(
@@ -461,6 +477,9 @@ class Scorer:
                 nll, scored = nll + float(losses), scored + int((target != -100).sum())
                 began = time.perf_counter()
                 generated = model.generate(
+                    # The features too: Whisper's generate slices them when a clip finishes early;
+                    # the encoder's outputs, given, are not computed again.
+                    input_features=batch["input_features"].to(model.dtype),
                     encoder_outputs=outputs,
                     generation_config=settings,
                     return_dict_in_generate=True,
@@ -569,7 +588,7 @@ def study(args: argparse.Namespace, log) -> dict:
     root = Path(args.output_dir).absolute()
     if args.quick:
         quick_inputs(args)
-    rows = rows_of(args.kv_heads, args.poolings, not args.no_encoder_row)
+    rows = study_rows(args)
     spec = study_spec(args, args.kv_heads, args.poolings)
     began = time.perf_counter()
     convert_starts(rows, spec, root, log)
@@ -695,7 +714,8 @@ def table_rows(result: dict) -> list[list[str]]:
                 "h (MHA)" if r["num_kv_heads"] is None else str(r["num_kv_heads"]),
                 r["pooling"]
                 + (" + distillation" if r["distillation"] else "")
-                + (" (+ encoder)" if r["attention"] != DECODER else ""),
+                + (" (+ encoder)" if r["attention"] != DECODER else "")
+                + (", attention-weighted" if r["weighting"] != "uniform" else ""),
                 num(s, "kv_self_bytes_per_token", ","),
                 num(s, "kv_cross_bytes_per_clip", ","),
                 num(s, "wer", ".1f"),

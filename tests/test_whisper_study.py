@@ -21,12 +21,14 @@ def test_whisper_study_quick(tmp_path):
     import jiwer
 
     out = tmp_path / "study"
-    argv = [sys.executable, str(SCRIPT), "--quick", "--poolings", "mean", "calibrated", "--output-dir", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    argv = [sys.executable, str(SCRIPT), "--quick", "--poolings", "mean", "calibrated", "--weighted-rows"]
+    argv += ["--output-dir", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["name"]: r for r in study["rows"]}
-    assert list(rows) == ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-encoder"]
+    names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-attention"]
+    assert list(rows) == [*names, "g2-calibrated-encoder"]
     # The tiny model: 2 decoder layers, 8 heads of 8 dims, float32; 3 s of audio = 150 frames.
     for name, row in rows.items():
         heads = 8 if name == "mha" else 2
@@ -50,10 +52,14 @@ def test_whisper_study_quick(tmp_path):
     # Distillation and the encoder's conversion change what is trained: their ends differ from calibrated's.
     ends = {rows[n]["final"]["perplexity"] for n in ("g2-calibrated", "g2-calibrated-distill", "g2-calibrated-encoder")}
     assert len(ends) == 3
+    # The attention-weighted calibration is its own (the record says so) and merges otherwise.
+    record = json.loads((out / "extra" / "converted" / "g2-calibrated-attention" / "uptrain.json").read_text())
+    assert record["calibration"]["weighting"] == "attention"
+    assert rows["g2-calibrated-attention"]["start"]["perplexity"] != rows["g2-calibrated"]["start"]["perplexity"]
     for name in ("results.md", "results.csv", "quality_vs_time.png", "wer_vs_steps.png"):
         assert (out / name).stat().st_size > 0
     # A rerun picks everything up: nothing converted, trained or scored again.
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[whisper]" not in again.stderr and "uptraining" not in again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["rows"] == study["rows"]

@@ -457,18 +457,32 @@ class Scorer:
     def score(self, model) -> dict:
         """WER, CER, perplexity, KV bytes and time per sample of a loaded model."""
         import torch
+        from transformers import GenerationConfig, GenerationMixin
 
-        from uptrain.evaluation.generation import generation_settings
         from uptrain.evaluation.scores import word_error_rates
 
-        settings = generation_settings(model, self.tokenizer, self.args.max_new_tokens, self.framing)
+        # Greedy decoding with the KV cache from the prompt `generate(language=…, task=…)` forces,
+        # with the checkpoint's suppressed tokens, by transformers' generic generate: Whisper's own
+        # runs its long-form loop, which slices the batch when a clip ends early and, given the
+        # encoder's outputs, can return fewer sequences than clips.
+        own = model.generation_config
+        settings = GenerationConfig(
+            do_sample=False,
+            num_beams=1,
+            use_cache=True,
+            max_new_tokens=self.args.max_new_tokens,
+            eos_token_id=own.eos_token_id,
+            pad_token_id=own.pad_token_id if own.pad_token_id is not None else own.eos_token_id,
+            suppress_tokens=own.suppress_tokens,
+            begin_suppress_tokens=own.begin_suppress_tokens,
+        )
+        start = [model.config.decoder_start_token_id, *self.framing.label_prefix]
         prompt = len(self.framing.label_prefix)
         encoded, encoder_seconds = self._encoder(model)
         predictions, nll, scored, decode_seconds, kv = [], 0.0, 0, 0.0, None
         with torch.inference_mode():
             for indices, outputs in zip(self.batches(), encoded):
-                batch = self.examples.take(indices)
-                labels = batch["labels"]
+                labels = self.examples.take(indices)["labels"]
                 logits = model(encoder_outputs=outputs, labels=labels).logits
                 target = labels[:, prompt:]  # the transcript and <|endoftext|>, after the given prompt
                 losses = torch.nn.functional.cross_entropy(
@@ -476,16 +490,15 @@ class Scorer:
                 )
                 nll, scored = nll + float(losses), scored + int((target != -100).sum())
                 began = time.perf_counter()
-                generated = model.generate(
-                    # The features too: Whisper's generate slices them when a clip finishes early;
-                    # the encoder's outputs, given, are not computed again.
-                    input_features=batch["input_features"].to(model.dtype),
+                generated = GenerationMixin.generate(
+                    model,
                     encoder_outputs=outputs,
+                    decoder_input_ids=torch.tensor([start] * len(indices)),
                     generation_config=settings,
                     return_dict_in_generate=True,
                 )
                 decode_seconds += time.perf_counter() - began
-                texts = self.tokenizer.batch_decode(generated.sequences, skip_special_tokens=True)
+                texts = self.tokenizer.batch_decode(generated.sequences[:, len(start) :], skip_special_tokens=True)
                 predictions += [t.strip() for t in texts]
                 if kv is None:
                     kv = cache_bytes(generated.past_key_values, len(indices), generated.sequences.shape[1])

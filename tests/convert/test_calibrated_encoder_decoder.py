@@ -256,3 +256,76 @@ def test_infilling_families_calibrate_on_infilled_text(name, tokenizer, calibrat
     )
     record = json.loads((tmp_path / "out" / "uptrain.json").read_text())
     assert record["calibration"]["objective"] == "text_infilling" and record["calibration"]["tokens"] > 0
+
+
+def weighted_moments(model, name: str) -> dict[str, torch.Tensor]:
+    """`calibration_weighting: attention`'s moments of `model` (eager: the probabilities returned)."""
+    model.set_attn_implementation("eager")
+    arch = architecture(model.config.model_type)
+    return seq2seq_moments(model, arch, calibration_batches(name), progress=False, weighting="attention")
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
+def test_attention_weighted_calibration_keeps_exactly_related_heads_exact(name, tmp_path):
+    """Weighing errors where attention goes changes what is minimised, not what is exact: heads
+    related exactly still merge exactly (decoder self + cross, the moments the weighting changes)."""
+    model = build(name)
+    relate_heads_exactly(model, 2)
+    model.save_pretrained(tmp_path / "src")
+    reference = logits(model, name)
+    moments = weighted_moments(model, name)
+    assert {"decoder-self.0.pooled", "cross.1.received"} <= set(moments)
+    out = convert_checkpoint(
+        tmp_path / "src", tmp_path / "out", 2, pooling="calibrated", calibration=Calibration(moments), progress=False
+    )
+    torch.testing.assert_close(logits(load(out, name), name), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_weighted_moments_are_what_the_attention_reads():
+    """Whisper's cross-attention, layer 1, by hand from transformers' own attention probabilities:
+    `pooled` is the moment of every head's attention-pooled encoder output (per kept query),
+    `received` the encoder output's moment with each frame weighted by the attention it receives;
+    and the merge takes them (keys by `received`, values by `pooled`)."""
+    from uptrain.convert.calibrated import CrossMoments
+    from uptrain.convert.calibration_seq2seq import site_moments
+
+    model = build("whisper")
+    moments = weighted_moments(model, "whisper")
+    pooled, received = 0, 0
+    rows, weight = 0, 0.0
+    with torch.no_grad():
+        for batch in calibration_batches("whisper"):
+            out = model(**batch, output_attentions=True)
+            x = out.encoder_last_hidden_state.double()
+            x = torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1)  # [b, s, D+1]
+            keep = batch["labels"] != -100
+            p = out.cross_attentions[1].double()  # [b, h, t, s]
+            for b in range(len(x)):
+                y = p[b][:, keep[b]] @ x[b]  # [h, kept, D+1]
+                y = y.reshape(-1, y.shape[-1])
+                pooled, rows = pooled + y.mT @ y, rows + len(y)
+                w = p[b][:, keep[b]].sum((0, 1))
+                received, weight = received + (x[b] * w[:, None]).mT @ x[b], weight + float(w.sum())
+    torch.testing.assert_close(moments["cross.1.pooled"], pooled / rows)
+    torch.testing.assert_close(moments["cross.1.received"], received / weight)
+    layer = site_moments(moments, "cross")[1]
+    assert isinstance(layer, CrossMoments)
+    assert layer.keys_values is moments["cross.1.received"] and layer.values is moments["cross.1.pooled"]
+    assert layer.queries is moments["cross.1"]
+
+
+def test_attention_weighting_is_refused_for_decoder_only_models(tmp_path, capsys):
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
+    llama.save_pretrained(tmp_path / "src")
+    text = tmp_path / "text.txt"
+    text.write_text("some words\n")
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
+    capsys.readouterr()
+    assert main([*argv, "--calibration-data", str(text), "--calibration-weighting", "attention"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "applies to encoder–decoders' calibration" in err, err
+    assert not (tmp_path / "out").exists()

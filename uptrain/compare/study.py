@@ -137,7 +137,7 @@ def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
     return runs
 
 
-def _calibration(prepared, root: Path, log=print) -> Calibration:
+def shared_calibration(prepared, root: Path, log=print) -> Calibration:
     """Attention-input moments of the source model on the train data, computed once per compare:
     every conversion of one compare reads the same model, text, tokens and block length. One
     file, moments and description together (in its metadata), so that no kill leaves one
@@ -346,7 +346,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
             if not model.exists():
                 model.parent.mkdir(parents=True, exist_ok=True)
                 with prepare(spec.conversion_spec(g, pooling), model) as prepared:
-                    calibration = _calibration(prepared, root, log) if prepared.needs_calibration else None
+                    calibration = shared_calibration(prepared, root, log) if prepared.needs_calibration else None
                     execute(prepared, model, calibration=calibration, progress=False)
         run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)

@@ -49,14 +49,20 @@ import torch
 
 @dataclass(frozen=True)
 class CrossMoments:
-    """A cross-attention layer's two moments: keys and values read the encoder's output, the
-    queries the decoder's states (each augmented with a constant 1)."""
+    """A layer's moments where one C does not serve the whole merge: what the keys' and values'
+    error is weighted by (`keys_values`), what the queries read (`queries`), and, where the values'
+    error has a weighting of its own, `values`. Cross-attention: keys and values read the
+    encoder's output, the queries the decoder's states (each augmented with a constant 1).
+    `calibration_weighting: attention`: the keys' error weighted by the attention each position
+    receives, the values' by the moment of the attention-pooled inputs (what the output reads)."""
 
     keys_values: torch.Tensor
     queries: torch.Tensor
+    values: torch.Tensor | None = None  # None: `keys_values`
 
     def to(self, *args, **kwargs) -> CrossMoments:
-        return CrossMoments(self.keys_values.to(*args, **kwargs), self.queries.to(*args, **kwargs))
+        moved = [None if t is None else t.to(*args, **kwargs) for t in (self.keys_values, self.queries, self.values)]
+        return CrossMoments(*moved)
 
     @property
     def device(self) -> torch.device:
@@ -331,14 +337,20 @@ def apply_keys(
 
 
 def solve_calibrated(
-    layer: LayerAttention, groups: int, c: torch.Tensor, c_query: torch.Tensor | None = None
+    layer: LayerAttention,
+    groups: int,
+    c: torch.Tensor,
+    c_query: torch.Tensor | None = None,
+    c_values: torch.Tensor | None = None,
 ) -> CalibratedSolution:
     """Everything the calibrated merge of `layer` to `groups` KV heads takes from C, the moment
     of the keys' and values' input; `c_query`: that of the queries' input where it differs
-    (cross-attention reads the encoder's states, its queries the decoder's), else C."""
+    (cross-attention reads the encoder's states, its queries the decoder's), else C; `c_values`:
+    the moment the values' error is weighted by where it differs from the keys' (else C)."""
     c = regularised(c)
     c_query = c if c_query is None else regularised(c_query)
-    return CalibratedSolution(*solve_values(layer, groups, c), *solve_keys(layer, groups, c, c_query))
+    c_values = c if c_values is None else regularised(c_values)
+    return CalibratedSolution(*solve_values(layer, groups, c_values), *solve_keys(layer, groups, c, c_query))
 
 
 def apply_calibrated(layer: LayerAttention, groups: int, solution: CalibratedSolution) -> LayerAttention:

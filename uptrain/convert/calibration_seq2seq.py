@@ -35,6 +35,10 @@ from uptrain.objectives.prompts import APPLIES_TO, KEYS_OF, SPEECH_KEYS, PromptK
 from uptrain.strict_json import parse_json
 
 CROSS_KEYS_VALUES = "cross.keys_values"
+# `calibration_weighting: attention`: per decoder attention, the moments that weigh each error where
+# attention goes ("{attention}.{layer}.pooled", "{attention}.{layer}.received"; fold_attention_weighted).
+POOLED, RECEIVED = "pooled", "received"
+WEIGHTED_SITES = ("decoder-self", "cross")
 CHECKPOINT_PROMPT = PromptKeys()  # no keys given: the prompt from the checkpoint's defaults
 
 
@@ -45,7 +49,10 @@ class SiteMoments(Mapping):
         self.moments, self.attention = moments, attention
 
     def __getitem__(self, layer: int):
-        own = self.moments[f"{self.attention}.{layer}"]
+        key = f"{self.attention}.{layer}"
+        own = self.moments[key]
+        if f"{key}.{POOLED}" in self.moments:  # calibration_weighting attention: where attention goes
+            return CrossMoments(self.moments[f"{key}.{RECEIVED}"], own, self.moments[f"{key}.{POOLED}"])
         if self.attention == "cross":
             return CrossMoments(self.moments[CROSS_KEYS_VALUES], own)
         return own
@@ -132,26 +139,66 @@ def _fold(moments: dict, counts: dict, key: str, x: torch.Tensor, keep: torch.Te
     counts[key] += rows.shape[0]
 
 
-def seq2seq_moments(model, arch, batches, progress: bool | None = None) -> dict[str, torch.Tensor]:
+def _fold_weighted(moments: dict, counts: dict, key: str, rows: torch.Tensor, weights: torch.Tensor) -> None:
+    """Add Σ w x̃ x̃ᵀ over `rows` ([n, D+1], augmented already) to moments[key]; counts[key] sums w."""
+    rows = rows.to(torch.float64)
+    if key not in moments:
+        moments[key] = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
+        counts[key] = 0.0
+    moments[key].addmm_((rows * weights.to(rows)[:, None]).mT, rows)
+    counts[key] += float(weights.sum())
+
+
+def _augmented(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float64)
+    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1)
+
+
+def fold_attention_weighted(moments: dict, counts: dict, key: str, x, probs, queries) -> None:
+    """What the next layer reads of one attention: add to moments[KEY.pooled] the moment of each
+    head's attention-pooled input y = Σ_t p_t x̃_t (every head, every kept query: the value error
+    reaches the output through it), and to moments[KEY.received] the moment of the inputs, each
+    position weighted by the attention it receives (summed over heads and kept queries: where a
+    key's score error moves the output). `x`: [b, s, D] what keys and values read; `probs`:
+    [b, h, t, s] the attention; `queries`: [b, t] the queries that count (not padding)."""
+    x = _augmented(x)
+    p = probs.to(torch.float64) * queries[:, None, :, None].to(torch.float64)
+    pooled = p @ x[:, None]  # [b, h, t, D+1]
+    rows = pooled[queries[:, None, :].expand(-1, p.shape[1], -1)]
+    _fold_weighted(moments, counts, f"{key}.{POOLED}", rows, torch.ones(len(rows), dtype=rows.dtype))
+    received = p.sum((1, 2))  # [b, s]
+    _fold_weighted(moments, counts, f"{key}.{RECEIVED}", x.flatten(0, 1), received.flatten())
+
+
+def seq2seq_moments(
+    model, arch, batches, progress: bool | None = None, weighting: str = "uniform"
+) -> dict[str, torch.Tensor]:
     """Every attention's input moments (keys as the module docstring says) of `model`, a
     transformers encoder–decoder with `arch`'s layout, over `batches` (dicts of model inputs:
-    `input_ids` or `input_features`, optional `attention_mask`, `labels` with -100 for padding)."""
+    `input_ids` or `input_features`, optional `attention_mask`, `labels` with -100 for padding).
+    `weighting` "attention": the decoder's attentions' attention-weighted moments too
+    (`fold_attention_weighted`, from the attention probabilities the model returns: `model` must
+    compute them, e.g. with eager attention)."""
     from tqdm.auto import tqdm
 
     moments: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
+    counts: dict[str, float] = {}
     masks: dict[str, torch.Tensor | None] = {}
+    read: dict[str, torch.Tensor] = {}  # weighting "attention": what each decoder attention's K/V read
     handles = []
+    weighted = weighting == "attention"
 
     def hook(key: str, site: str, layer: int):
         def fold(module, args, kwargs):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             _fold(moments, counts, key, hidden, masks["encoder" if site == "encoder" else "decoder"])
+            # transformers spells the encoder's output key_value_states (T5, BART) or
+            # encoder_hidden_states (UMT5).
+            encoded = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
             if site == "cross" and layer == 0:
-                # transformers spells the encoder's output key_value_states (T5, BART) or
-                # encoder_hidden_states (UMT5).
-                encoded = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
                 _fold(moments, counts, CROSS_KEYS_VALUES, encoded, masks["encoder"])
+            if weighted and site in WEIGHTED_SITES:
+                read[key] = encoded if site == "cross" else hidden
 
         return fold
 
@@ -174,11 +221,27 @@ def seq2seq_moments(model, arch, batches, progress: bool | None = None) -> dict[
                 mask = batch.get("attention_mask")
                 masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
                 masks["decoder"] = batch["labels"] != -100
-                model(**batch, use_cache=False)
+                out = model(**batch, use_cache=False, output_attentions=weighted)
+                if weighted:
+                    _fold_weighted_sites(moments, counts, arch, out, read, masks)
     finally:
         for handle in handles:
             handle.remove()
-    return {key: m / max(counts[key], 1) for key, m in moments.items()}
+    return {key: m / (counts[key] or 1) for key, m in moments.items()}
+
+
+def _fold_weighted_sites(moments: dict, counts: dict, arch, out, read: dict, masks: dict) -> None:
+    """One batch's attention-weighted moments of every decoder attention (`fold_attention_weighted`)."""
+    probs = {"decoder-self": out.decoder_attentions, "cross": out.cross_attentions}
+    for site in arch.sites:
+        if site.attention not in WEIGHTED_SITES:
+            continue
+        for layer, p in enumerate(probs[site.attention]):
+            key = f"{site.attention}.{layer}"
+            x = read.pop(key)
+            if site.attention == "cross" and masks["encoder"] is not None:
+                p = p * masks["encoder"][:, None, None, :]  # padded source positions read nothing
+            fold_attention_weighted(moments, counts, key, x, p, masks["decoder"])
 
 
 def _pair_batches(
@@ -281,7 +344,10 @@ def collect_seq2seq_moments(
     import uptrain.modeling  # noqa: F401  registers t5_gqa, …: a converted checkpoint loads here too
 
     model = load_model(model_dir, "calibration's source", arch.auto_class, dtype=run_dtype).to(run_device).eval()
-    moments = seq2seq_moments(model, arch, batches, progress)
+    if settings.calibration_weighting == "attention":
+        model.set_attn_implementation("eager")  # the attention probabilities, returned
+        info["weighting"] = settings.calibration_weighting
+    moments = seq2seq_moments(model, arch, batches, progress, settings.calibration_weighting)
     info["tokens"] = sum(int((b["labels"] != -100).sum()) for b in batches)
     info["dtype"] = settings.calibration_dtype
     return {k: m.cpu() for k, m in moments.items()}, info

@@ -118,6 +118,11 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
     from uptrain.data.text import resolve_data
 
     check_prompt_keys(prepared.conversion.arch, _prompt_keys(prepared.spec), prepared.spec.calibration_objective)
+    if prepared.spec.calibration_weighting != "uniform" and not prepared.conversion.arch.encoder_decoder:
+        raise UptrainError(
+            f"--calibration-weighting {prepared.spec.calibration_weighting} applies to encoder–decoders' "
+            "calibration; this model is decoder-only (drop it)"
+        )
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)

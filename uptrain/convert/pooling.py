@@ -192,8 +192,8 @@ class CalibratedMerge(WholeLayerStrategy):
     )
 
     def solve(self, attention: LayerAttention, groups: int, moment: torch.Tensor | CrossMoments):
-        if isinstance(moment, CrossMoments):  # keys and values read the encoder, queries the decoder
-            return solve_calibrated(attention, groups, moment.keys_values, moment.queries)
+        if isinstance(moment, CrossMoments):  # cross-attention's, or attention-weighted moments
+            return solve_calibrated(attention, groups, moment.keys_values, moment.queries, moment.values)
         return solve_calibrated(attention, groups, moment)
 
     def apply(self, attention: LayerAttention, groups: int, solution) -> LayerAttention:

@@ -21,6 +21,7 @@ from uptrain.options import REQUIRED, Schema, option, validated
 Grouping = Literal["contiguous", "similarity"]
 DType = Literal["float32", "float16", "bfloat16"]
 SourceHash = Literal["blake3", "sha256", "none"]
+CalibrationWeighting = Literal["uniform", "attention"]
 
 
 def parse_size(size: int | str) -> int:
@@ -139,6 +140,12 @@ class ConversionOptions(Schema):
     calibration_dtype: DType = option(
         "float32", help="dtype of calibration's forward pass (moments are accumulated in float64); bfloat16 for GPUs"
     )
+    calibration_weighting: CalibrationWeighting = option(
+        "uniform",
+        help="what the calibrated merge weighs each error by: uniform (every position keys and values read, "
+        "alike) or attention (encoder–decoders' decoder self- and cross-attention: the keys' error by the "
+        "attention each position receives, the values' by the attention-pooled inputs the output reads)",
+    )
     source_hash: SourceHash = option(
         "blake3",
         help="digest of each source file recorded in uptrain.json, computed "
@@ -212,6 +219,7 @@ class CalibrationSettings:
     sample_by: str = "paragraph"
     calibration_device: str = "auto"  # auto: the first GPU when there is one
     calibration_dtype: str = "float32"  # of the forward pass; moments are float64
+    calibration_weighting: str = "uniform"  # attention: encoder–decoders' attention-weighted moments too
     calibration_dataset_config: str | None = None  # a Hub dataset's configuration
     calibration_split: str = "train"  # a Hub dataset's split (streamed: only its first blocks are read)
     calibration_objective: str | None = None  # an encoder–decoder's examples (default: its family's objective)

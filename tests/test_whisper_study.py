@@ -1,0 +1,65 @@
+"""scripts/whisper_study.py --quick end to end: a tiny Whisper built from a config, espeak-ng clips,
+real conversions and uptraining (compare's machinery, a distilled run, a run with the encoder
+converted), real scoring — and numbers that agree with each other: WER and CER recomputed from the
+predictions kept, KV bytes as G heads of the geometry hold them, mean's share of its own gap 0."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "whisper_study.py"
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng (Debian) makes the clips")
+def test_whisper_study_quick(tmp_path):
+    import jiwer
+
+    out = tmp_path / "study"
+    argv = [sys.executable, str(SCRIPT), "--quick", "--poolings", "mean", "calibrated", "--weighted-rows"]
+    argv += ["--output-dir", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = {r["name"]: r for r in study["rows"]}
+    names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-attention"]
+    assert list(rows) == [*names, "g2-calibrated-encoder"]
+    # The tiny model: 2 decoder layers, 8 heads of 8 dims, float32; 3 s of audio = 150 frames.
+    for name, row in rows.items():
+        heads = 8 if name == "mha" else 2
+        for when in ("start", "final"):
+            s = row[when]
+            assert s["kv_self_bytes_per_token"] == 2 * 2 * heads * 8 * 4, (name, when)
+            assert s["kv_cross_bytes_per_frame"] == 2 * 2 * heads * 8 * 4
+            assert s["kv_cross_bytes_per_clip"] == 150 * s["kv_cross_bytes_per_frame"]
+            assert s["perplexity"] > 1 and s["time_per_sample_s"] > 0
+            kept = out / "scores" / when / f"{name.removesuffix('-distill') if when == 'start' else name}.json"
+            predictions = json.loads(kept.read_text())["predictions"]
+            assert len(predictions) == 2
+            norm = [[" ".join(p[k].lower().split()) for p in predictions] for k in ("reference", "prediction")]
+            assert s["wer"] == pytest.approx(100 * jiwer.wer(*norm))
+            assert s["cer"] == pytest.approx(100 * jiwer.cer(*norm))
+        # Fig. 5: scored at step 0, at the checkpoint of step 2 and at the end (step 4).
+        assert sorted(map(int, row["steps"])) == [0, 2, 4]
+        assert row["training"]["clips"] == 8 and row["training"]["tokens_seen"] > 0
+    assert rows["g2-mean"]["gap_closed"] == 0.0
+    assert rows["g2-calibrated-distill"]["start"] == rows["g2-calibrated"]["start"]
+    # Distillation and the encoder's conversion change what is trained: their ends differ from calibrated's.
+    ends = {rows[n]["final"]["perplexity"] for n in ("g2-calibrated", "g2-calibrated-distill", "g2-calibrated-encoder")}
+    assert len(ends) == 3
+    # The attention-weighted calibration is its own (the record says so) and merges otherwise.
+    record = json.loads((out / "extra" / "converted" / "g2-calibrated-attention" / "uptrain.json").read_text())
+    assert record["calibration"]["weighting"] == "attention"
+    assert rows["g2-calibrated-attention"]["start"]["perplexity"] != rows["g2-calibrated"]["start"]["perplexity"]
+    for name in ("results.md", "results.csv", "quality_vs_time.png", "wer_vs_steps.png"):
+        assert (out / name).stat().st_size > 0
+    # A rerun picks everything up: nothing converted, trained or scored again.
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[whisper]" not in again.stderr and "uptraining" not in again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["rows"] == study["rows"]

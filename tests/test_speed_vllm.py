@@ -18,8 +18,9 @@ import subprocess
 import sys
 
 import pytest
+from transformers import WhisperFeatureExtractor
 
-from tests.modeling.test_vllm import HEADS, LAYERS, tiny_llama, tiny_whisper
+from tests.modeling.test_vllm import HEADS, LAYERS, MEL_BINS, tiny_llama, tiny_whisper
 from tests.modeling.vllm_environment import vllm_python
 from tests.test_inspect import tiny_whisper as whisper_without_processor
 from tests.test_speed import build_seq2seq
@@ -118,6 +119,14 @@ def test_speed_in_vllm_serves_whisper_audio_and_its_cross_attention_cache_holds_
     position K and V of G heads: in the same space a G = 1 conversion (decoder self + cross)
     holds h/G times MHA's positions, and a request holds its 1500 frames and its decoder's."""
     tiny_whisper(tmp_path / "whisper-g4")
+    # Its processor's files with no processor class named (as scripts/make_whisper_base.py writes
+    # them): the feature extractor's own file beside the tokenizer's, which vLLM's Whisper must
+    # still load as a WhisperProcessor for a whisper_gqa conversion (the plugin names the class).
+    (tmp_path / "whisper-g4" / "processor_config.json").unlink()
+    WhisperFeatureExtractor(feature_size=MEL_BINS).save_pretrained(tmp_path / "whisper-g4")
+    tokenizer = json.loads((tmp_path / "whisper-g4" / "tokenizer_config.json").read_text())
+    del tokenizer["processor_class"]
+    (tmp_path / "whisper-g4" / "tokenizer_config.json").write_text(json.dumps(tokenizer))
     g1 = convert_checkpoint(
         tmp_path / "whisper-g4", tmp_path / "whisper-g1", 1, attention="decoder-self,cross", progress=False
     )

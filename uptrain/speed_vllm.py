@@ -143,7 +143,10 @@ def _audio_window(folder: Path, label: str) -> tuple[int, float]:
         ) from None
     rate, samples = getattr(extractor, "sampling_rate", None), getattr(extractor, "n_samples", None)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (rate, samples)):
-        raise UptrainError(f"{label}: its feature extractor's sampling_rate {rate!r} and n_samples {samples!r}")
+        raise UptrainError(
+            f"{label}: its feature extractor's sampling_rate ({rate!r}) and n_samples ({samples!r}) are not "
+            "both positive whole numbers"
+        )
     return rate, samples / rate
 
 
@@ -166,9 +169,9 @@ def measure_vllm_speed(
     block_size (vLLM's), kv_tokens_per_request (the positions one request holds: context +
     new_tokens; Whisper's frames + its start token + new_tokens), max_concurrency (requests of
     that shape the cache holds at once: its blocks over the whole blocks one request takes, each
-    cache's rounded up), start_s (the engine's
-    start), time_per_sample_s and output_tokens_per_s (batch · new_tokens / time per sample), with
-    their spread (min, max); Whisper's also audio_seconds.
+    cache's rounded up), start_s (the engine's start), time_per_sample_s and output_tokens_per_s
+    (batch · new_tokens / time per sample), with their spread (min, max); Whisper's also
+    audio_seconds.
     `compile`: vLLM's torch.compile'd model, its default when serving (minutes per engine on a
     CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start."""
     check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=context or DEFAULT_CONTEXT)

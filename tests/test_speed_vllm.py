@@ -3,7 +3,10 @@
 Run in the cached vLLM environment (tests/modeling/vllm_environment.py), on the tiny Llama of
 tests/modeling/test_vllm.py (4 heads of 32) and its G = 2 and G = 1 conversions: the KV
 capacity each engine reports in the same space grows exactly h/G-fold, and so does the maximum
-concurrency; every model is timed. Without vLLM, one line says how to install it.
+concurrency; every model is timed. The same for its tiny Whisper and its G = 1 conversion
+(decoder self + cross), served audio: the cross-attention's cache of the encoder's 1500 frames
+at G heads. Without vLLM, one line says how to install it; what vLLM cannot serve (T5, BART) or
+what makes no sense for Whisper is refused in one line before vLLM is needed.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ import subprocess
 import sys
 
 import pytest
+from transformers import WhisperFeatureExtractor
 
-from tests.modeling.test_vllm import HEADS, tiny_llama
+from tests.modeling.test_vllm import HEADS, LAYERS, MEL_BINS, tiny_llama, tiny_whisper
 from tests.modeling.vllm_environment import vllm_python
+from tests.test_inspect import tiny_whisper as whisper_without_processor
+from tests.test_speed import build_seq2seq
+from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
+from uptrain.speed_vllm import format_vllm_table
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -47,23 +55,91 @@ def test_a_context_beyond_the_positions_is_refused_before_vllm_is_needed(tmp_pat
     assert f"is beyond the model's {positions} positions" in result.stderr
 
 
+def refusal(capsys, *argv) -> str:
+    """The one line `uptrain speed --engine vllm ARGV` refuses with."""
+    capsys.readouterr()
+    assert main(["speed", "--engine", "vllm", *map(str, argv)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("uptrain speed: error: ") and "\n" not in error, error
+    return error
+
+
+@pytest.mark.parametrize("model_type", ["t5", "bart"])
+def test_encoder_decoders_vllm_does_not_serve_are_refused_naming_why(model_type, tmp_path, capsys):
+    build_seq2seq(model_type).save_pretrained(tmp_path / model_type)
+    error = refusal(capsys, tmp_path / model_type)
+    assert f"vLLM 0.32 does not serve {model_type} (no class for it" in error
+
+
+def test_what_makes_no_sense_for_whisper_is_refused_before_vllm_is_needed(tmp_path, capsys):
+    tiny_whisper(tmp_path / "whisper")  # 1500 frames, 64 decoder positions, its processor
+    # --context is the encoder's frames, the only length Whisper's encoder takes.
+    assert "its encoder takes exactly 1500 positions" in refusal(capsys, tmp_path / "whisper", "--context", 448)
+    # The decoder's start token and the new tokens within its positions.
+    error = refusal(capsys, tmp_path / "whisper", "--new-tokens", 64)
+    assert "the decoder's start token + 64 new tokens are beyond its 64 positions" in error
+    tiny_llama(tmp_path / "llama")
+    assert "not both" in refusal(capsys, tmp_path / "llama", tmp_path / "whisper", "--context", 16)
+    whisper_without_processor().save_pretrained(tmp_path / "bare")
+    assert "no feature extractor loads from it" in refusal(capsys, tmp_path / "bare", "--new-tokens", 8)
+
+
+def speed_rows(tmp_path, models, *flags: str) -> list[dict]:
+    """`uptrain speed --engine vllm MODELS FLAGS --json` in the vLLM environment: one row a model."""
+    python = vllm_python()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "VLLM_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    command = [str(python), "-m", "uptrain", "speed", "--engine", "vllm", *map(str, models), *flags, "--json"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
 @pytest.mark.slow
 def test_speed_in_vllm_reports_mha_and_each_g_side_by_side(tmp_path):
     tiny_llama(tmp_path / "llama-g4")
     models = [tmp_path / "llama-g4"]
     for g in (2, 1):
         models.append(convert_checkpoint(tmp_path / "llama-g4", tmp_path / f"llama-g{g}", g, progress=False))
-    python = vllm_python()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "VLLM_"))}
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    command = [str(python), "-m", "uptrain", "speed", "--engine", "vllm", *map(str, models)]
     flags = ["--context", "32", "--new-tokens", "8", "--batch", "2", "--repeats", "1", "--kv-cache-gib", "1"]
-    result = subprocess.run([*command, *flags, "--json"], env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    rows = speed_rows(tmp_path, models, *flags)
     assert [r["num_kv_heads"] for r in rows] == [4, 2, 1]
     mha = rows[0]
     for r in rows:
         assert r["kv_cache_tokens"] == mha["kv_cache_tokens"] * HEADS // r["num_kv_heads"]
-        assert r["max_concurrency"] == r["kv_cache_tokens"] / (32 + 8)
+        # A request of 32 + 8 positions takes one whole block of the cache.
+        assert r["kv_tokens_per_request"] == 32 + 8 and r["block_size"] >= 40
+        assert r["max_concurrency"] == r["kv_cache_tokens"] / r["block_size"]
         assert r["time_per_sample_s"] > 0 and r["output_tokens_per_s"] == 2 * 8 / r["time_per_sample_s"]
+
+
+@pytest.mark.slow
+def test_speed_in_vllm_serves_whisper_audio_and_its_cross_attention_cache_holds_g_heads(tmp_path):
+    """vLLM caches each decoder layer's self- and cross-attention in blocks of one pool, each
+    position K and V of G heads: in the same space a G = 1 conversion (decoder self + cross)
+    holds h/G times MHA's positions, and a request holds its 1500 frames and its decoder's."""
+    tiny_whisper(tmp_path / "whisper-g4")
+    # Its processor's files with no processor class named (as scripts/make_whisper_base.py writes
+    # them): the feature extractor's own file beside the tokenizer's, which vLLM's Whisper must
+    # still load as a WhisperProcessor for a whisper_gqa conversion (the plugin names the class).
+    (tmp_path / "whisper-g4" / "processor_config.json").unlink()
+    WhisperFeatureExtractor(feature_size=MEL_BINS).save_pretrained(tmp_path / "whisper-g4")
+    tokenizer = json.loads((tmp_path / "whisper-g4" / "tokenizer_config.json").read_text())
+    del tokenizer["processor_class"]
+    (tmp_path / "whisper-g4" / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    g1 = convert_checkpoint(
+        tmp_path / "whisper-g4", tmp_path / "whisper-g1", 1, attention="decoder-self,cross", progress=False
+    )
+    flags = ["--new-tokens", "8", "--batch", "2", "--repeats", "1", "--kv-cache-gib", "1"]
+    rows = speed_rows(tmp_path, [tmp_path / "whisper-g4", g1], *flags)
+    assert [(r["num_kv_heads"], r["cross_attention_num_kv_heads"]) for r in rows] == [(4, 4), (1, 1)]
+    # float32 K and V of each decoder layer (self and cross share a position's bytes), 4 heads of 32.
+    mha = 2**30 // (2 * LAYERS * HEADS * 32 * 4)
+    assert [r["kv_cache_tokens"] for r in rows] == [mha, mha * HEADS]
+    for r in rows:
+        assert (r["context"], r["audio_seconds"], r["kv_tokens_per_request"]) == (1500, 30, 1500 + 1 + 8)
+        blocks = -(-1500 // r["block_size"]) + -(-(1 + 8) // r["block_size"])  # cross's and self's
+        assert r["max_concurrency"] == r["kv_cache_tokens"] / r["block_size"] / blocks
+        assert r["time_per_sample_s"] > 0 and r["output_tokens_per_s"] == 2 * 8 / r["time_per_sample_s"]
+    table = format_vllm_table(rows)
+    assert "30 s of audio (1500 encoder frames" in table and " 4.00 " in table.splitlines()[-1]

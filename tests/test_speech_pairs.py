@@ -22,6 +22,7 @@ from uptrain.data.speech import (
     document_windows,
     espeak_binary,
     make_speech_pairs,
+    read_manifest,
     resample,
 )
 from uptrain.objectives import OBJECTIVES
@@ -146,3 +147,10 @@ def test_two_clips_spoken_split_apart_and_read_by_uptrain(tmp_path):
     make_speech_pairs(tmp_path / "speech", settings, overwrite=True, log=remade.append)
     assert remade and not remade[0].startswith("reusing") and (out / "train.jsonl").stat().st_mtime_ns != stamp
     assert _rows(out / "train.jsonl") == train  # deterministic: the same windows, the same clips
+
+
+@pytest.mark.parametrize("text", ["[]", "1", '"speech"', "{", ""])
+def test_a_damaged_manifest_is_no_manifest(tmp_path, text):
+    """speech.json that is not a JSON object says nothing about the folder (it is not reused)."""
+    (tmp_path / "speech.json").write_text(text)
+    assert read_manifest(tmp_path) is None

@@ -234,10 +234,12 @@ def test_pairs_families_calibrate_on_their_pairs(tokenizer, tmp_path, capsys):
     assert not (tmp_path / "out2").exists()
 
 
-@pytest.mark.parametrize("name", ["bart", "mbart"])
-def test_infilling_families_calibrate_on_infilled_text(name, tokenizer, calibration_text, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "name, weighting", [("bart", "uniform"), ("mbart", "uniform"), ("bart", "attention")], ids=["bart", "mbart", "w"]
+)
+def test_infilling_families_calibrate_on_infilled_text(name, weighting, tokenizer, calibration_text, tmp_path, capsys):
     """BART and mBART (objective `text_infilling`): calibrated from text blocks with spans masked,
-    the whole block the decoder's input."""
+    the whole block the decoder's input; the card says which moments the merge was solved from."""
     import copy
 
     tokenizer = copy.deepcopy(tokenizer)
@@ -251,11 +253,12 @@ def test_infilling_families_calibrate_on_infilled_text(name, tokenizer, calibrat
     model_class(type(config())(**{**geometry, "max_position_embeddings": 256})).save_pretrained(src)
     tokenizer.save_pretrained(src)
     argv = ["convert", str(src), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
-    assert main([*argv, "--calibration-data", str(calibration_text), "--calibration-tokens", "512"]) == 0, (
-        capsys.readouterr().err
-    )
+    argv += ["--calibration-data", str(calibration_text), "--calibration-tokens", "512"]
+    assert main([*argv, "--calibration-weighting", weighting]) == 0, capsys.readouterr().err
     record = json.loads((tmp_path / "out" / "uptrain.json").read_text())
     assert record["calibration"]["objective"] == "text_infilling" and record["calibration"]["tokens"] > 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert ("solved from attention-weighted moments" in card) == (weighting == "attention")
 
 
 def weighted_moments(model, name: str) -> dict[str, torch.Tensor]:
@@ -312,6 +315,16 @@ def test_attention_weighted_moments_are_what_the_attention_reads():
     assert isinstance(layer, CrossMoments)
     assert layer.keys_values is moments["cross.1.received"] and layer.values is moments["cross.1.pooled"]
     assert layer.queries is moments["cross.1"]
+
+
+def test_attention_weighting_is_refused_where_nothing_is_calibrated(tmp_path, capsys):
+    build("bart").save_pretrained(tmp_path / "src")
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "-g", "2", "--pooling", "mean"]
+    capsys.readouterr()
+    assert main([*argv, "--calibration-weighting", "attention"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--pooling mean solves none" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_attention_weighting_is_refused_for_decoder_only_models(tmp_path, capsys):

@@ -138,3 +138,25 @@ def test_convert_refuses_a_damaged_first_line(models, tmp_path, capsys, family, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "data.jsonl line 1" in err, err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_a_json_document_calibrates_as_training_reads_it(models, tmp_path, family):
+    """A `.json` file is one JSON document (datasets reads an array of records), whose first line
+    is `[` alone: it is no damaged line of JSON lines, and calibrates."""
+    data = tmp_path / "data.json"
+    data.write_text("[\n" + ",\n".join(json.dumps(good_line(family, i)) for i in range(4)) + "\n]\n")
+    arch = architecture(read_config(models[family]).get("model_type"))
+    batches, info = calibration_batches(models[family], arch, str(data), DEFAULT_CALIBRATION, 4)
+    assert batches and info["examples"] > 0
+
+
+def test_a_json_document_that_is_not_utf8_is_refused_in_one_line(models, tmp_path):
+    bad = json.dumps(good_line("t5", 0)).encode().replace(b"The", b"Th\xff", 1)
+    first, later = tmp_path / "first.json", tmp_path / "later.json"
+    first.write_bytes(b"[" + bad + b"]\n")  # on the first line, read before the model loads
+    later.write_bytes(b"[\n" + bad + b"\n]\n")  # further on: datasets' loader, still one line
+    for data, message in ((first, "first.json line 1 is not UTF-8"), (later, "cannot load")):
+        with pytest.raises(UptrainError, match=message) as err:
+            calibration_batches(models["t5"], architecture("t5"), str(data), DEFAULT_CALIBRATION, 4)
+        assert "\n" not in str(err.value)

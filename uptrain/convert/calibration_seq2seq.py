@@ -119,12 +119,27 @@ def _refuse_speech_pairs(data, arch) -> None:
                 number, first = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), (0, b""))
         except (OSError, EOFError, lzma.LZMAError) as err:
             raise UptrainError(f"calibration data: cannot read {file}: {exception_line(err)}") from None
-        row = parse_json(first, f"calibration data {file} line {number}") if first else None
+        where = f"calibration data {file} line {number}"
+        if not _json_lines(file):  # a `.json` document: its first line may be `[` or `{` alone
+            try:
+                first.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UptrainError(f"{where} is not UTF-8 text") from None
+            continue
+        row = parse_json(first, where) if first else None
         if isinstance(row, dict) and "audio" in row:
             raise UptrainError(
                 f"calibration data {file} holds speech pairs (`audio`); {arch.name}'s encoder reads text: "
                 "give text (or source/target pairs) for its calibration"
             )
+
+
+def _json_lines(file) -> bool:
+    """Whether `file` is JSON lines (`.jsonl`, also compressed), not one JSON document (`.json`)."""
+    from uptrain.data.text import COMPRESSIONS
+
+    path = Path(file)
+    return (path.stem if path.suffix in COMPRESSIONS else path.name).endswith(".jsonl")
 
 
 def _fold(moments: dict, counts: dict, key: str, x: torch.Tensor, keep: torch.Tensor | None) -> None:
@@ -329,8 +344,10 @@ def collect_seq2seq_moments(
     keys: PromptKeys = CHECKPOINT_PROMPT,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """({key: C}, a description for provenance) of the encoder–decoder at `src` over `data`,
-    read through its family's objective; the whole model runs as `settings` say (dtype, device).
-    `keys`: the prompt of Whisper's targets (`--language`, `--speech-task`)."""
+    read through the objective the run trains with (`settings.calibration_objective`; its family's
+    by default); the whole model runs as `settings` say (dtype, device). `keys`: the prompt of the
+    targets of a family that trains on pairs (`--language`, `--speech-task`, `--source-lang`,
+    `--target-lang`)."""
     from uptrain.architecture import architecture
     from uptrain.checkpoint.source import resolve_source
     from uptrain.convert.calibration import calibration_device

@@ -307,6 +307,12 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
             "the second moment of each pooled attention's own inputs was kept (cross-attention: its queries' the "
             "decoder's states, its keys' and values' the encoder's output)"
         )
+        if (p.get("calibration") or {}).get("weighting") == "attention":
+            moments += (
+                "; the decoder's self- and cross-attention were solved from attention-weighted moments instead "
+                "(each key's error weighed by the attention its position receives, each value's by the "
+                "attention-pooled inputs the output reads)"
+            )
         rewritten = f"`{q}` and the K and V projections ({parts})"
         data = _calibration_data_text(p)
         done = merge.card_text(MergeCard(arch, q, o, rewritten, data, moments, "each pooled attention", cast))

@@ -258,6 +258,12 @@ class ConvertCommand(ConversionSpec):
                 f"calibrates nothing ({', '.join(f'--pooling {n}' for n in calibrating_strategies())}, or --grouping "
                 "similarity with --calibration-data)"
             )
+        if self.calibration_weighting != "uniform" and self.pooling not in calibrating_strategies():
+            found.append(
+                f"--calibration-weighting {self.calibration_weighting} weighs the errors of a calibrated merge, and "
+                f"--pooling {self.pooling} solves none (drop it, or --pooling "
+                f"{' / '.join(calibrating_strategies())})"
+            )
         return found
 
     def spec(self) -> ConversionSpec:

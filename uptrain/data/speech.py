@@ -40,7 +40,6 @@ from uptrain.checkpoint.atomic import atomic_directory, check_output_path
 from uptrain.data.corpus import read_documents, split_path
 
 SAMPLING_RATE = 16_000  # Whisper's feature extractor's rate
-WHISPER_WINDOW_S = 30.0
 MAX_CLIP_S = 28.0  # a clip longer than this is refused: every clip stays inside 30 s
 INSTALL_COMMAND = "apt-get install -y espeak-ng"
 SPLITS = {"train": "train", "heldout": "test"}  # data file → corpus split
@@ -245,11 +244,12 @@ def _wanted(settings: SpeechSettings, version: str) -> dict:
 
 
 def read_manifest(out: Path) -> dict | None:
-    """The speech.json of a finished folder, or None where there is none."""
+    """The speech.json of a finished folder, or None where there is none (or it is not an object)."""
     try:
-        return json.loads((out / MANIFEST).read_text())
+        found = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 def make_speech_pairs(

@@ -179,6 +179,7 @@ def tiny_whisper(folder: Path) -> Path:
     as the Hub's checkpoints have it (language and task ids, <|notimestamps|>)."""
     if (folder / "generation_config.json").exists():
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(folder, overwrite=True) as tmp:  # a killed build is not taken for a built one
         _write_tiny_whisper(tmp)
     return folder

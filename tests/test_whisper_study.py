@@ -1,32 +1,41 @@
 """scripts/whisper_study.py --quick end to end: a tiny Whisper built from a config, espeak-ng clips,
 real conversions and uptraining (compare's machinery, a distilled run, a run with the encoder
 converted), real scoring — and numbers that agree with each other: WER and CER recomputed from the
-predictions kept, KV bytes as G heads of the geometry hold them, mean's share of its own gap 0."""
+predictions kept, KV bytes as G heads of the geometry hold them, mean's share of its own gap 0.
+
+The study scores with jiwer (`uptrain[eval]`), which the main environment leaves out (it tests the
+one-line message naming the extra): it runs in the metric libraries' cached environment
+(tests/evaluation/test_metric_environment.py), which holds this checkout."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.evaluation.test_metric_environment import eval_python
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "whisper_study.py"
+
+JIWER = "import json, sys, jiwer; print(json.dumps([(jiwer.wer(*n), jiwer.cer(*n)) for n in json.loads(sys.argv[1])]))"
 
 
 @pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng (Debian) makes the clips")
 def test_whisper_study_quick(tmp_path):
-    import jiwer
-
+    python = str(eval_python())
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "study"
-    argv = [sys.executable, str(SCRIPT), "--quick", "--poolings", "mean", "calibrated", "--weighted-rows"]
+    argv = [python, str(SCRIPT), "--quick", "--poolings", "mean", "calibrated", "--weighted-rows"]
     argv += ["--output-dir", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["name"]: r for r in study["rows"]}
+    scored = []  # (wer, cer, [references, predictions]) of every row and time, checked with jiwer below
     names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-attention"]
     assert list(rows) == [*names, "g2-calibrated-encoder"]
     # The tiny model: 2 decoder layers, 8 heads of 8 dims, float32; 3 s of audio = 150 frames.
@@ -42,11 +51,19 @@ def test_whisper_study_quick(tmp_path):
             predictions = json.loads(kept.read_text())["predictions"]
             assert len(predictions) == 2
             norm = [[" ".join(p[k].lower().split()) for p in predictions] for k in ("reference", "prediction")]
-            assert s["wer"] == pytest.approx(100 * jiwer.wer(*norm))
-            assert s["cer"] == pytest.approx(100 * jiwer.cer(*norm))
+            scored.append((s["wer"], s["cer"], norm))
         # Fig. 5: scored at step 0, at the checkpoint of step 2 and at the end (step 4).
         assert sorted(map(int, row["steps"])) == [0, 2, 4]
         assert row["training"]["clips"] == 8 and row["training"]["tokens_seen"] > 0
+    recomputed = subprocess.run(
+        [python, "-c", JIWER, json.dumps([norm for _, _, norm in scored])],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    for (wer, cer, _), (again_wer, again_cer) in zip(scored, json.loads(recomputed.stdout)):
+        assert wer == pytest.approx(100 * again_wer) and cer == pytest.approx(100 * again_cer)
     assert rows["g2-mean"]["gap_closed"] == 0.0
     assert rows["g2-calibrated-distill"]["start"] == rows["g2-calibrated"]["start"]
     # Distillation and the encoder's conversion change what is trained: their ends differ from calibrated's.
@@ -59,7 +76,7 @@ def test_whisper_study_quick(tmp_path):
     for name in ("results.md", "results.csv", "quality_vs_time.png", "wer_vs_steps.png"):
         assert (out / name).stat().st_size > 0
     # A rerun picks everything up: nothing converted, trained or scored again.
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[whisper]" not in again.stderr and "uptraining" not in again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["rows"] == study["rows"]

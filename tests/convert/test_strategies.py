@@ -71,6 +71,8 @@ def test_a_whole_layer_strategy_class_runs_through_both_entry_points(monkeypatch
     for name, tensor in load_file(rows / "model.safetensors").items():
         assert torch.equal(on_disk[name], tensor), name
     assert json.loads((layers / "uptrain.json").read_text())["pooling"] == KeepFirstHead.name
+    # A strategy that writes no card text of its own gets the one every whole-layer merge shares.
+    assert f"`{KeepFirstHead.name}` merge ({KeepFirstHead.reference})" in (layers / "README.md").read_text()
     in_memory = convert_model(model, 2, pooling=KeepFirstHead.name).state_dict()
     for name, tensor in on_disk.items():
         assert torch.equal(in_memory[name], tensor), name

@@ -129,8 +129,12 @@ class WholeLayerStrategy:
         raise NotImplementedError
 
     def card_text(self, card: MergeCard) -> str:
-        """The model card's paragraph on what the merge did and which tensors it rewrote."""
-        raise NotImplementedError
+        """The model card's paragraph on what the merge did and which tensors it rewrote. This one
+        says only what every whole-layer merge shares; a strategy that knows more says more."""
+        text = f"`{self.name}` merge ({self.reference}) of {card.merged}, from the whole layer{card.cast}."
+        if self.needs_calibration:
+            text += f" Calibration read {card.calibration}; {card.moments}."
+        return text
 
     def pool_layer(
         self, attention: LayerAttention, groups: int, solution: Any, context: FieldContext

@@ -97,6 +97,16 @@ def read_wav(path: Path, sampling_rate: int, what: str) -> np.ndarray:
     line, a file that does not decode, one recorded at another rate than `sampling_rate`, and one
     whose data ends inside a frame: every writer writes whole frames, so such a file was cut
     short while it was written or copied, and its clip may not be the one its text describes."""
+    samples, rate = read_wav_at_its_rate(path, what)
+    if rate != sampling_rate:
+        raise UptrainError(
+            f"{what}: {path} is sampled at {rate} Hz and the feature extractor reads {sampling_rate} Hz; resample it"
+        )
+    return samples
+
+
+def read_wav_at_its_rate(path: Path, what: str) -> tuple[np.ndarray, int]:
+    """`read_wav` for a file of any rate (espeak-ng's 22,050 Hz, before resampling): its samples and rate."""
     if path.suffix.lower() != ".wav":
         raise UptrainError(f"{what}: {path} is not a .wav file; convert it to 16-bit PCM wav (e.g. with ffmpeg)")
     try:
@@ -107,10 +117,6 @@ def read_wav(path: Path, sampling_rate: int, what: str) -> np.ndarray:
         # (wave.Error, EOFError, RuntimeError from a chunk seek past its end, ...): one line says it.
         reason = str(err) if isinstance(err, (OSError, EOFError, wave.Error)) else exception_line(err)
         raise UptrainError(f"{what}: cannot decode {path} as PCM wav: {reason}") from None
-    if rate != sampling_rate:
-        raise UptrainError(
-            f"{what}: {path} is sampled at {rate} Hz and the feature extractor reads {sampling_rate} Hz; resample it"
-        )
     if width not in PCM_TYPES:
         raise UptrainError(f"{what}: {path} has {8 * width}-bit samples; use 8-, 16- or 32-bit PCM")
     if len(frames) % (channels * width):
@@ -126,7 +132,7 @@ def read_wav(path: Path, sampling_rate: int, what: str) -> np.ndarray:
     samples = samples.reshape(-1, channels).mean(axis=1)
     if samples.size == 0:
         raise UptrainError(f"{what}: {path} holds no samples")
-    return samples
+    return samples, rate
 
 
 def _samples(value, where: Where, key: str) -> np.ndarray:

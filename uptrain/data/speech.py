@@ -120,12 +120,10 @@ def resample(samples: np.ndarray, rate: int, new_rate: int) -> np.ndarray:
 
 
 def read_pcm_wav(path: Path) -> tuple[np.ndarray, int]:
-    """A 16-bit mono PCM wav file (what espeak-ng writes) as float32 samples and its rate."""
-    with wave.open(str(path), "rb") as w:
-        if w.getsampwidth() != 2 or w.getnchannels() != 1:
-            raise UptrainError(f"{path}: expected 16-bit mono PCM from espeak-ng")
-        rate, frames = w.getframerate(), w.readframes(w.getnframes())
-    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0, rate
+    """A wav file espeak-ng wrote, as float32 samples and its rate (through the one wav reader)."""
+    from uptrain.data.pairs import read_wav_at_its_rate
+
+    return read_wav_at_its_rate(path, "espeak-ng's output")
 
 
 def write_pcm_wav(path: Path, samples: np.ndarray, rate: int = SAMPLING_RATE) -> None:

@@ -11,6 +11,8 @@ for the encoder, the decoder self-attention and the cross-attention):
   for bit; a per-layer list that is uniform ([G, G]) is the scalar-G model, bit for bit;
 - `save_pretrained` → `from_pretrained` keeps the lists and the logits, under the installed
   transformers 5 and, without uptrain, under 4.57 (which writes the lists back when it saves);
+- uptrain's own reader of config.json (`model_info.layer_kv_heads`, through the architecture
+  record) gives the heads the modeling builds, and the KV bytes per token its cache holds;
 - a bad list is refused in one line; a uniform config writes no list.
 
 Tiny random models: decoder-only 8 heads of 8 dims, hidden 64; encoder–decoders 4 heads of 8
@@ -370,3 +372,38 @@ def test_a_list_alone_sets_the_scalar_to_its_largest_entry(family):
     assert [getattr(config, key) for key in mixed(family)] == [max(heads) for heads in mixed(family).values()]
     if family != "gpt2":  # an encoder–decoder's mirror: the decoder self-attention's scalar
         assert config.num_key_value_heads == max(MIXED_ENCODER_DECODER[DECODER])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_uptrain_reads_the_heads_the_modeling_builds_and_the_bytes_its_cache_holds(family, tmp_path):
+    """The saved config.json read by uptrain (`model_info.layer_kv_heads` through the
+    architecture record's geometry) gives each layer the heads the modeling built it with, and
+    KV bytes per token equal to what the cache holds (decoder self-attention: per decoded token;
+    cross-attention: per source position), float32."""
+    model = build(family, mixed(family))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    stacks = find_architecture(gqa_type(family)).stacks(config)
+    built = {}
+    for name, (key, layer) in attentions(model).items():
+        built.setdefault(key, {})[layer] = model.get_submodule(name).num_key_value_heads
+    for attention, stack in stacks.items():
+        key = KV if family in DECODER_ONLY else STACK_KV_HEADS[attention]
+        assert stack.geometry.layer_kv_heads() == tuple(mixed(family)[key])
+        assert stack.geometry.layer_kv_heads() == tuple(built[key][layer] for layer in sorted(built[key]))
+    batch = inputs(family)
+    with torch.no_grad():
+        cache = model(**batch, use_cache=True).cache
+    caches = (
+        {"decoder-self": cache}
+        if family in DECODER_ONLY
+        else {
+            "decoder-self": cache.self_attention_cache,
+            "cross": cache.cross_attention_cache,
+        }
+    )
+    for attention, stored in caches.items():
+        tensors = [t for layer in stored.layers for t in (layer.keys, layer.values)]
+        batch_size, positions = tensors[0].shape[0], tensors[0].shape[2]
+        measured = sum(t.numel() * t.element_size() for t in tensors) // (batch_size * positions)
+        assert measured == stacks[attention].geometry.kv_cache_bytes_per_token(4)

@@ -407,3 +407,20 @@ def test_uptrain_reads_the_heads_the_modeling_builds_and_the_bytes_its_cache_hol
         batch_size, positions = tensors[0].shape[0], tensors[0].shape[2]
         measured = sum(t.numel() * t.element_size() for t in tensors) // (batch_size * positions)
         assert measured == stacks[attention].geometry.kv_cache_bytes_per_token(4)
+
+
+@pytest.mark.parametrize("family", DECODER_ONLY)
+def test_vllm_s_transformers_backend_is_refused_mixed_layers(family):
+    """vLLM's transformers backend (attention implementation "vllm", which serves GPT-NeoX, OPT
+    and GPT-J) gives every layer's cache one KV-head count: refused in one line before anything
+    is built; a uniform list is not refused there (the refusal happens first, so the build fails
+    later only on the implementation transformers does not know here)."""
+    config = gqa_config(family, mixed(family))
+    config._attn_implementation_internal = "vllm"
+    with pytest.raises(ValueError, match=r"per-layer KV heads \[4, 1\] cannot serve in vLLM's transformers backend"):
+        CLASSES[gqa_type(family)][2](config)
+    uniform = gqa_config(family, {KV: [2, 2]})
+    uniform._attn_implementation_internal = "vllm"
+    with pytest.raises(Exception) as other:
+        CLASSES[gqa_type(family)][2](uniform)
+    assert "per-layer" not in str(other.value)

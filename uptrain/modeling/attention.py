@@ -105,6 +105,18 @@ def kv_heads_of_layer(config, layer_idx: int, key: str = KV_HEADS) -> int:
     return getattr(config, key) if entries is None else entries[layer_idx]
 
 
+def refuse_one_count_engine(config) -> None:
+    """Refuse, in one line, vLLM's transformers backend (its attention function, "vllm") for a
+    model whose layers differ in KV heads: it sizes every layer's KV cache by the config's one
+    count (the largest), which the smaller layers' K and V do not fill."""
+    entries = getattr(config, KV_HEADS + PER_LAYER, None)
+    if config._attn_implementation == "vllm" and entries is not None and len(set(entries)) > 1:
+        raise ValueError(
+            f"{config.model_type} with per-layer KV heads {list(entries)} cannot serve in vLLM's transformers "
+            f"backend: it gives every layer {config.num_key_value_heads} KV heads"
+        )
+
+
 class GroupedHeadsConfig:
     """Mixin for the GQA configs: `num_key_value_heads` defaults to the number of attention
     heads (to the largest entry of `num_key_value_heads_per_layer` where only that is given) and
@@ -478,6 +490,7 @@ class CausalGQAModel(AttentionBackends):
     gqa_base_model = None
 
     def __init__(self, config):
+        refuse_one_count_engine(config)
         build_as_eager(super().__init__, self, config)
         if self.gqa_check_backend is not None:
             self.gqa_check_backend(self.config._attn_implementation)

@@ -84,6 +84,7 @@ def serve(folder: str, spec: dict, speech: bool = False) -> dict:
     result = {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
         "kv_tokens": cache.num_gpu_blocks * cache.block_size,
+        "block_size": cache.block_size,
         "architecture": llm.llm_engine.vllm_config.model_config.architecture,  # the class vLLM used
         "kv_heads": cached_kv_heads(llm),
         "start_seconds": round(start_seconds, 1),

@@ -5,6 +5,12 @@ uptrain installed: it imports only torch and transformers, and works under trans
 (the last 4.x) and 5.x. The two differ in what an attention layer is called with (4.x:
 `past_key_values=` or `layer_past=`, 5.x: `cache=`) and in how configs are built (5.x configs
 are dataclasses): the helpers here absorb both, so each modeling file has one code path.
+
+KV heads may differ by layer: beside an attention's scalar key (`num_key_value_heads`, or one of
+STACK_KV_HEADS), config.json may hold a list under the same name + "_per_layer", one entry per
+layer of that attention, the scalar then the largest entry (`check_per_layer`,
+`kv_heads_of_layer`). uptrain reads the same lists with `uptrain.model_info.layer_kv_heads`;
+this file, which must load without uptrain, reads them itself.
 """
 
 from __future__ import annotations
@@ -53,20 +59,84 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, 
     return cache.update(key, value, layer_idx, kwargs)
 
 
+# config.json's per-layer KV heads of one attention: a list under its scalar key's name + this.
+PER_LAYER = "_per_layer"
+KV_HEADS = "num_key_value_heads"  # a decoder-only model's scalar key
+
+
+def _whole(entry) -> bool:
+    return isinstance(entry, int) and not isinstance(entry, bool) and entry >= 1
+
+
+def _largest(entries) -> int | None:
+    """The largest entry of a per-layer list (None when `entries` is no list of whole numbers ≥ 1):
+    the scalar's default where a config gives the list alone, as the scalar must equal it."""
+    if isinstance(entries, (list, tuple)) and entries and all(_whole(e) for e in entries):
+        return max(entries)
+    return None
+
+
+def check_per_layer(config, key: str, layers: int, heads: int, attention: str) -> None:
+    """Refuse, in one line, a per-layer list (`key` + PER_LAYER) that is not one whole number ≥ 1
+    per layer of the attention (`layers`) dividing its `heads` query heads, or whose largest entry
+    is not the scalar `key` (the upper bound readers that know only the scalar size caches by).
+    A tuple is kept as a list: config.json writes one, and a loaded config compares equal."""
+    name = key + PER_LAYER
+    entries = getattr(config, name, None)
+    if entries is None:
+        return
+    if _largest(entries) is None:
+        raise ValueError(f"{name} must be a list of whole numbers >= 1, one per layer; got {entries!r}")
+    if len(entries) != layers:
+        raise ValueError(f"{name} has {len(entries)} entries for the {attention}'s {layers} layers")
+    for layer, kv in enumerate(entries):
+        if heads % kv:
+            raise ValueError(f"{name}[{layer}] = {kv} does not divide the {attention}'s {heads} heads")
+    if max(entries) != getattr(config, key):
+        raise ValueError(f"{key} {getattr(config, key)} is not the largest entry of {name} {list(entries)}")
+    setattr(config, name, list(entries))
+
+
+def kv_heads_of_layer(config, layer_idx: int, key: str = KV_HEADS) -> int:
+    """The KV heads of layer `layer_idx` of the attention whose scalar key is `key`: its entry of
+    the per-layer list where the config has one (checked when the config was built), else the
+    scalar, as before per-layer lists existed."""
+    entries = getattr(config, key + PER_LAYER, None)
+    return getattr(config, key) if entries is None else entries[layer_idx]
+
+
+def refuse_one_count_engine(config) -> None:
+    """Refuse, in one line, vLLM's transformers backend (its attention function, "vllm") for a
+    model whose layers differ in KV heads: it sizes every layer's KV cache by the config's one
+    count (the largest), which the smaller layers' K and V do not fill."""
+    entries = getattr(config, KV_HEADS + PER_LAYER, None)
+    if config._attn_implementation == "vllm" and entries is not None and len(set(entries)) > 1:
+        raise ValueError(
+            f"{config.model_type} with per-layer KV heads {list(entries)} cannot serve in vLLM's transformers "
+            f"backend: it gives every layer {config.num_key_value_heads} KV heads"
+        )
+
+
 class GroupedHeadsConfig:
     """Mixin for the GQA configs: `num_key_value_heads` defaults to the number of attention
-    heads and must divide it, under transformers 4.x (`__init__`) and 5.x (`__post_init__`).
-    Each config declares the field itself (`num_key_value_heads: int | None = None`), so that 5.x
-    makes it a dataclass field. `_check_gqa` holds a config's own further checks."""
+    heads (to the largest entry of `num_key_value_heads_per_layer` where only that is given) and
+    must divide it, under transformers 4.x (`__init__`) and 5.x (`__post_init__`); a per-layer
+    list is checked (`check_per_layer`). Each config declares the scalar field itself
+    (`num_key_value_heads: int | None = None`), so that 5.x makes it a dataclass field; the list
+    is not declared, so a config without it writes exactly the keys it wrote before (both
+    versions keep config.json's undeclared keys as attributes, and write them back).
+    `_check_gqa` holds a config's own further checks."""
 
     def _grouped_heads(self) -> None:
         if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
+            per_layer = getattr(self, KV_HEADS + PER_LAYER, None)
+            self.num_key_value_heads = _largest(per_layer) or self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads {self.num_key_value_heads} does not divide "
                 f"num_attention_heads {self.num_attention_heads}"
             )
+        check_per_layer(self, KV_HEADS, self.num_hidden_layers, self.num_attention_heads, "model")
         self._check_gqa()
 
     def _check_gqa(self) -> None:
@@ -87,7 +157,8 @@ class GroupedHeadsConfig:
 
         def __post_init__(self, **kwargs):
             if self.num_key_value_heads is None:
-                self.num_key_value_heads = self.num_attention_heads
+                per_layer = kwargs.get(KV_HEADS + PER_LAYER)  # an attribute only once the base class has run
+                self.num_key_value_heads = _largest(per_layer) or self.num_attention_heads
             super().__post_init__(**kwargs)
             self._grouped_heads()
 
@@ -124,10 +195,14 @@ STACK_KV_HEADS = {
 class GroupedStacksConfig:
     """Mixin for the encoder–decoder GQA configs: one KV-head count per attention
     (`STACK_KV_HEADS`), each defaulting to that attention's number of query heads
-    (`_stack_heads`) and dividing it. `num_key_value_heads` mirrors the decoder
-    self-attention's, the count generic tools (and static caches) read. Each config declares the
-    three fields and `num_key_value_heads` itself (`… : int | None = None`), so that 5.x makes them
-    dataclass fields; 4.x's `__init__` keeps unknown keys as attributes."""
+    (`_stack_heads`; to the largest entry of its per-layer list where only that is given) and
+    dividing it; a per-layer list (`<key>_per_layer`) is checked against that attention's layers
+    (`_stack_layers`, `check_per_layer`). `num_key_value_heads` mirrors the decoder
+    self-attention's scalar, the count generic tools (and static caches) read; no list mirrors
+    the decoder's. Each config declares the three fields and `num_key_value_heads` itself
+    (`… : int | None = None`), so that 5.x makes them dataclass fields; the lists are not declared
+    (a config without them writes the keys it wrote before); 4.x's `__init__` and 5.x's
+    `__post_init__` keep unknown keys as attributes."""
 
     def _stack_heads(self) -> dict[str, int]:
         """Query heads of each attention in STACK_KV_HEADS, in the BART family's (and Whisper's)
@@ -138,16 +213,23 @@ class GroupedStacksConfig:
             "cross": self.decoder_attention_heads,
         }
 
+    def _stack_layers(self) -> dict[str, int]:
+        """Layers of each attention in STACK_KV_HEADS (the cross-attention: one per decoder
+        layer), in the BART family's names; T5 overrides it."""
+        return {"encoder": self.encoder_layers, "decoder-self": self.decoder_layers, "cross": self.decoder_layers}
+
     def _grouped_stacks(self) -> None:
         if getattr(self, "decoder_num_key_value_heads", None) is None:
             self.decoder_num_key_value_heads = getattr(self, "num_key_value_heads", None)
+        layers = self._stack_layers()
         for attention, heads in self._stack_heads().items():
             key = STACK_KV_HEADS[attention]
             if getattr(self, key, None) is None:
-                setattr(self, key, heads)
+                setattr(self, key, _largest(getattr(self, key + PER_LAYER, None)) or heads)
             kv = getattr(self, key)
             if heads % kv:
                 raise ValueError(f"{key} {kv} does not divide the {attention} attention's {heads} heads")
+            check_per_layer(self, key, layers[attention], heads, f"{attention} attention")
         self.num_key_value_heads = self.decoder_num_key_value_heads
 
     if TRANSFORMERS_4:
@@ -192,8 +274,9 @@ class EncoderDecoderAttention:
     transformers attentions are one design (`BartAttention` and its copies): put first, before the
     architecture's own attention class, which keeps its name for transformers' output recorders
     (`output_attentions`) and builds q_proj and out_proj. k_proj and v_proj get G·d rows, G the
-    KV heads of this `attention` ("encoder", "decoder-self" or "cross", STACK_KV_HEADS), with the
-    biases the architecture's own have (Whisper's k_proj has none); both caches hold G heads.
+    KV heads of this layer of this `attention` ("encoder", "decoder-self" or "cross",
+    STACK_KV_HEADS; `kv_heads_of_layer`), with the biases the architecture's own have (Whisper's
+    k_proj has none); both caches hold each layer's G heads.
 
     `queries_scaled_first`: Whisper scales the queries before the product (and attends with
     scale 1) and makes q, K, V contiguous; the others scale inside the attention. Each order is
@@ -213,7 +296,7 @@ class EncoderDecoderAttention:
             config=config,
             layer_idx=layer_idx,
         )
-        self.num_key_value_heads = getattr(config, STACK_KV_HEADS[attention])
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx, STACK_KV_HEADS[attention])
         self.num_key_value_groups = heads // self.num_key_value_heads
         kv_dim = self.num_key_value_heads * self.head_dim
         self.k_proj = torch.nn.Linear(self.embed_dim, kv_dim, bias=self.k_proj.bias is not None)
@@ -407,6 +490,7 @@ class CausalGQAModel(AttentionBackends):
     gqa_base_model = None
 
     def __init__(self, config):
+        refuse_one_count_engine(config)
         build_as_eager(super().__init__, self, config)
         if self.gqa_check_backend is not None:
             self.gqa_check_backend(self.config._attn_implementation)

@@ -22,6 +22,7 @@ from .attention import (
     alibi_as_mask,
     causal_lm_gqa,
     eager_attention_forward,
+    kv_heads_of_layer,
     pop_cache,
     refuse_backend,
     update_cache,
@@ -49,11 +50,11 @@ class BloomGQAConfig(GroupedHeadsConfig, BloomConfig):
 
 
 class BloomGQAAttention(BloomAttention):
-    """BLOOM attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+    """BLOOM attention over its layer's K/V heads (`kv_heads_of_layer`); the cache holds them."""
 
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx)
         self.queries_per_group = self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.config = config  # read by the attention interface (transformers' BLOOM attention keeps none)
         self.is_causal = True

@@ -28,6 +28,7 @@ from .attention import (
     GroupedHeadsConfig,
     causal_lm_gqa,
     eager_attention_forward,
+    kv_heads_of_layer,
     pop_cache,
     refuse_backend,
     rope_for_4x,
@@ -72,11 +73,11 @@ class FalconGQAConfig(GroupedHeadsConfig, FalconConfig):
 
 
 class FalconGQAAttention(FalconAttention):
-    """Falcon attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+    """Falcon attention over its layer's K/V heads (`kv_heads_of_layer`); the cache holds them."""
 
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx)
         self.queries_per_group = self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         rows = (self.num_heads + 2 * self.num_key_value_heads) * self.head_dim
         self.query_key_value = FalconLinear(self.hidden_size, rows, bias=config.bias)

@@ -13,7 +13,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2LMHeadModel, GPT2Model
 from transformers.pytorch_utils import Conv1D
 
-from .attention import GroupedHeadsConfig, causal_lm_gqa, eager_attention_forward, pop_cache, update_cache
+from .attention import (
+    GroupedHeadsConfig,
+    causal_lm_gqa,
+    eager_attention_forward,
+    kv_heads_of_layer,
+    pop_cache,
+    update_cache,
+)
 
 
 class GPT2GQAConfig(GroupedHeadsConfig, GPT2Config):
@@ -27,11 +34,11 @@ class GPT2GQAConfig(GroupedHeadsConfig, GPT2Config):
 
 
 class GPT2GQAAttention(GPT2Attention):
-    """GPT-2 self-attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+    """GPT-2 self-attention over its layer's K/V heads (`kv_heads_of_layer`); the cache holds them."""
 
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
-        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx)
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.kv_dim = self.num_key_value_heads * self.head_dim
         self.c_attn = Conv1D(self.embed_dim + 2 * self.kv_dim, self.embed_dim)

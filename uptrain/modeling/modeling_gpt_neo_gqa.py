@@ -25,6 +25,7 @@ from .attention import (
     GroupedHeadsConfig,
     causal_lm_gqa,
     eager_attention_forward,
+    kv_heads_of_layer,
     pop_cache,
     update_cache,
 )
@@ -59,14 +60,15 @@ class GPTNeoGQAConfig(GroupedHeadsConfig, GPTNeoConfig):
 
 
 class GPTNeoGQAAttention(GPTNeoSelfAttention):
-    """GPT-Neo attention (global or local) over `num_key_value_heads` K/V heads; the cache holds
-    G heads, of every position (as transformers' GPT-Neo: the window is a mask, not a shorter cache)."""
+    """GPT-Neo attention (global or local) over its layer's K/V heads (`kv_heads_of_layer`); the
+    cache holds them, for every position (as transformers' GPT-Neo: the window is a mask, not a shorter cache)."""
 
     def __init__(self, config, attention_type, layer_id=None):
         super().__init__(config, attention_type, layer_id)
         self.layer_idx = layer_id  # the name transformers' attention functions read
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        kv_dim = config.num_key_value_heads * self.head_dim
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_id)
+        self.num_key_value_groups = config.num_attention_heads // self.num_key_value_heads
+        kv_dim = self.num_key_value_heads * self.head_dim
         self.k_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
         self.window = config.window_size if attention_type == "local" else None

@@ -27,6 +27,7 @@ from .attention import (
     GroupedHeadsConfig,
     causal_lm_gqa,
     eager_attention_forward,
+    kv_heads_of_layer,
     pop_cache,
     rope_for_4x,
     update_cache,
@@ -44,12 +45,12 @@ class GPTNeoXGQAConfig(GroupedHeadsConfig, GPTNeoXConfig):
 
 
 class GPTNeoXGQAAttention(GPTNeoXAttention):
-    """NeoX attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+    """NeoX attention over its layer's K/V heads (`kv_heads_of_layer`); the cache holds them."""
 
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
-        self.num_key_value_heads = config.num_key_value_heads
-        self.queries_per_group = self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx)
+        self.queries_per_group = self.num_key_value_groups = config.num_attention_heads // self.num_key_value_heads
         rows = (config.num_attention_heads + 2 * self.num_key_value_heads) * self.head_size
         self.query_key_value = nn.Linear(config.hidden_size, rows, bias=config.attention_bias)
 

@@ -15,7 +15,14 @@ from transformers import GPTJConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gptj.modeling_gptj import GPTJAttention, GPTJForCausalLM, GPTJModel, apply_rotary_pos_emb
 
-from .attention import GroupedHeadsConfig, causal_lm_gqa, eager_attention_forward, pop_cache, update_cache
+from .attention import (
+    GroupedHeadsConfig,
+    causal_lm_gqa,
+    eager_attention_forward,
+    kv_heads_of_layer,
+    pop_cache,
+    update_cache,
+)
 
 
 class GPTJGQAConfig(GroupedHeadsConfig, GPTJConfig):
@@ -32,12 +39,13 @@ def _rotate(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, rotary_dim: i
 
 
 class GPTJGQAAttention(GPTJAttention):
-    """GPT-J attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+    """GPT-J attention over its layer's K/V heads (`kv_heads_of_layer`); the cache holds them."""
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        kv_dim = config.num_key_value_heads * self.head_dim
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx)
+        self.num_key_value_groups = config.num_attention_heads // self.num_key_value_heads
+        kv_dim = self.num_key_value_heads * self.head_dim
         self.k_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(self.embed_dim, kv_dim, bias=False)
         self.scaling = self.head_dim**-0.5  # 4.x GPT-J divides by √d inside its attention instead

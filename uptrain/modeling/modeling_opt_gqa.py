@@ -13,7 +13,14 @@ from transformers import OPTConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.opt.modeling_opt import OPTAttention, OPTForCausalLM, OPTModel
 
-from .attention import GroupedHeadsConfig, causal_lm_gqa, eager_attention_forward, pop_cache, update_cache
+from .attention import (
+    GroupedHeadsConfig,
+    causal_lm_gqa,
+    eager_attention_forward,
+    kv_heads_of_layer,
+    pop_cache,
+    update_cache,
+)
 
 
 class OPTGQAConfig(GroupedHeadsConfig, OPTConfig):
@@ -23,12 +30,13 @@ class OPTGQAConfig(GroupedHeadsConfig, OPTConfig):
 
 
 class OPTGQAAttention(OPTAttention):
-    """OPT attention over `num_key_value_heads` K/V heads; the cache holds G heads."""
+    """OPT attention over its layer's K/V heads (`kv_heads_of_layer`); the cache holds them."""
 
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx=layer_idx)
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        kv_dim = config.num_key_value_heads * self.head_dim
+        self.num_key_value_heads = kv_heads_of_layer(config, layer_idx)
+        self.num_key_value_groups = config.num_attention_heads // self.num_key_value_heads
+        kv_dim = self.num_key_value_heads * self.head_dim
         self.k_proj = nn.Linear(self.embed_dim, kv_dim, bias=self.enable_bias)
         self.v_proj = nn.Linear(self.embed_dim, kv_dim, bias=self.enable_bias)
 

@@ -18,6 +18,7 @@ from .attention import (
     GroupedStacksConfig,
     build_as_eager,
     encoder_decoder_kv,
+    kv_heads_of_layer,
     refuse_backend,
 )
 
@@ -33,6 +34,9 @@ class T5FamilyConfig(GroupedStacksConfig):
 
     def _stack_heads(self) -> dict[str, int]:
         return dict.fromkeys(STACK_KV_HEADS, self.num_heads)
+
+    def _stack_layers(self) -> dict[str, int]:
+        return {"encoder": self.num_layers, "decoder-self": self.num_decoder_layers, "cross": self.num_decoder_layers}
 
     def _grouped_stacks(self) -> None:
         super()._grouped_stacks()
@@ -69,7 +73,7 @@ def t5_family_config(module: str, config_class: type) -> type:
 class T5FamilyAttention:
     """Mixin for T5's and UMT5's GQA attentions, put before transformers' attention class (which
     keeps its name for transformers' output recorders and builds q, o and the position bias):
-    k and v get G·d_kv rows; the cache holds G heads. Each class sets `gqa_model_type` and
+    k and v get G·d_kv rows, G this layer's `kv_heads`; the cache holds G heads. Each class sets `gqa_model_type` and
     `needs` (how refusals name the position bias) and has its own `forward`, which dispatches."""
 
     gqa_model_type = ""
@@ -130,17 +134,18 @@ class T5FamilyAttention:
 
 def use_t5_family_attention(model, attention_class) -> None:
     """Replace the three attentions of every block of `model` (a T5- or UMT5-style model just
-    built) with `attention_class` ones of the config's KV-head counts. The self-attentions with a
-    position bias of their own: block 0's, or every one where `attention_class.bias_in_every_layer`."""
+    built) with `attention_class` ones of the config's KV-head counts, each layer its own
+    (`kv_heads_of_layer`). The self-attentions with a position bias of their own: block 0's, or
+    every one where `attention_class.bias_in_every_layer`."""
     config = model.config
-    for stack, self_heads in (
-        (model.encoder, config.encoder_num_key_value_heads),
-        (model.decoder, config.decoder_num_key_value_heads),
+    for stack, self_key in (
+        (model.encoder, STACK_KV_HEADS["encoder"]),
+        (model.decoder, STACK_KV_HEADS["decoder-self"]),
     ):
         for i, block in enumerate(stack.block):
             block.layer[0].SelfAttention = attention_class(
                 stack.config,
-                self_heads,
+                kv_heads_of_layer(config, i, self_key),
                 config,
                 has_relative_attention_bias=attention_class.bias_in_every_layer or i == 0,
                 layer_idx=i,
@@ -148,7 +153,7 @@ def use_t5_family_attention(model, attention_class) -> None:
             )
             if stack.is_decoder:
                 block.layer[1].EncDecAttention = attention_class(
-                    stack.config, config.cross_attention_num_key_value_heads, config, layer_idx=i
+                    stack.config, kv_heads_of_layer(config, i, STACK_KV_HEADS["cross"]), config, layer_idx=i
                 )
 
 

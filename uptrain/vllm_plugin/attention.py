@@ -3,7 +3,9 @@ KV heads behind one fused QKV projection of h query and G KV heads and an output
 both tensor-parallel (fewer KV heads than ranks: each rank holds a replica of one, vLLM's rule
 for GQA). Each family names its projections as its checkpoint does and gives its score scale,
 its ALiBi slopes, its window or its clip. Beside it, what BLOOM and Falcon share: BLOOM's ALiBi
-slopes and the repacking of their fused QKV, grouped per KV head, to vLLM's `[Q | K | V]`."""
+slopes and the repacking of their fused QKV, grouped per KV head, to vLLM's `[Q | K | V]`; and
+what every family reads its layers' KV heads with (`layer_kv_heads`: config.json's per-layer
+lists, #32, else the one count)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from torch import nn
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.models.utils import extract_layer_index
+
+from uptrain import model_info
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:
@@ -29,14 +34,25 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return slopes
 
 
-def qkv_of_grouped_rows(weights, heads: int, kv_heads: int):
+def layer_kv_heads(config, prefix: str, key: str = "num_key_value_heads", *, layers: int, heads: int) -> int:
+    """The KV heads of the layer a module's `prefix` (or a weight's name) names, of the attention
+    whose config key is `key`: uptrain's one reader of config.json's per-layer lists
+    (`model_info.layer_kv_heads`, which checks them), else the one count for every layer.
+    `layers` and `heads`: that attention's layers and query heads."""
+    per_layer = model_info.layer_kv_heads(config.to_dict(), key, layers, heads)
+    return per_layer[extract_layer_index(prefix)]
+
+
+def qkv_of_grouped_rows(weights, heads: int, kv_heads):
     """The checkpoint's tensors, each `query_key_value` (weight or bias) whose rows are grouped
     per KV head, `[G, r + 2, d]` (its r = h / G query heads, its K, its V: BLOOM's and Falcon's
-    GQA layout), repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits."""
-    r = heads // kv_heads
+    GQA layout), repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits. `kv_heads(name)`
+    is the G of the layer the tensor's name is in (layers may differ)."""
     for name, w in weights:
         if "query_key_value" in name:
-            grouped = w.view(kv_heads, r + 2, -1, *w.shape[1:])
+            g = kv_heads(name)
+            r = heads // g
+            grouped = w.view(g, r + 2, -1, *w.shape[1:])
             q, k, v = (part.reshape(-1, *w.shape[1:]) for part in (grouped[:, :r], grouped[:, r], grouped[:, r + 1]))
             w = torch.cat([q, k, v])
         yield name, w

@@ -11,18 +11,18 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.models import bloom
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from .attention import FusedQKVAttention, alibi_slopes, qkv_of_grouped_rows
+from .attention import FusedQKVAttention, alibi_slopes, layer_kv_heads, qkv_of_grouped_rows
 from .causal_lm import attach_head, stage_blocks
 
 
 class BloomGQAAttention(FusedQKVAttention):
-    """vLLM's BloomAttention over `num_key_value_heads` KV heads, ALiBi slopes of the query heads."""
+    """vLLM's BloomAttention over its layer's KV heads (`layer_kv_heads`), ALiBi slopes of the query heads."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__(
             config.hidden_size,
             config.n_head,
-            config.num_key_value_heads,
+            layer_kv_heads(config, prefix, layers=config.num_hidden_layers, heads=config.n_head),
             names=("query_key_value", "dense"),
             biases=(True, True),
             slopes=alibi_slopes(config.n_head),
@@ -67,8 +67,12 @@ class BloomGQAModel(nn.Module):
 
     def load_weights(self, weights):
         """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` repacked to `[Q | K | V]`."""
-        kv_heads = self.config.num_key_value_heads
-        return AutoWeightsLoader(self).load_weights(qkv_of_grouped_rows(weights, self.config.n_head, kv_heads))
+        config = self.config
+
+        def kv_heads(name: str) -> int:
+            return layer_kv_heads(config, name, layers=config.num_hidden_layers, heads=config.n_head)
+
+        return AutoWeightsLoader(self).load_weights(qkv_of_grouped_rows(weights, config.n_head, kv_heads))
 
 
 class BloomGQAForCausalLM(bloom.BloomForCausalLM):

@@ -23,16 +23,17 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models import falcon
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from .attention import alibi_slopes, qkv_of_grouped_rows
+from .attention import alibi_slopes, layer_kv_heads, qkv_of_grouped_rows
 from .causal_lm import attach_head, stage_blocks
 
 
 class FalconGQAAttention(falcon.FalconAttention):
-    """vLLM's FalconAttention (its forward) over `num_key_value_heads` KV heads."""
+    """vLLM's FalconAttention (its forward) over its layer's KV heads (`layer_kv_heads`)."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
         nn.Module.__init__(self)
-        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = layer_kv_heads(config, prefix, layers=config.num_hidden_layers, heads=heads)
         tp = get_tensor_model_parallel_world_size()
         self.hidden_size, self.total_num_heads, self.total_num_kv_heads = hidden, heads, kv_heads
         self.num_heads = heads // tp
@@ -126,7 +127,12 @@ class FalconGQAModel(nn.Module):
 
     def load_weights(self, weights):
         """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` repacked to `[Q | K | V]`."""
-        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        config = self.config
+        heads = config.num_attention_heads
+
+        def kv_heads(name: str) -> int:
+            return layer_kv_heads(config, name, layers=config.num_hidden_layers, heads=heads)
+
         return AutoWeightsLoader(self).load_weights(qkv_of_grouped_rows(weights, heads, kv_heads))
 
 

@@ -12,19 +12,19 @@ from vllm.model_executor.layers.layernorm import LayerNorm
 from vllm.model_executor.models import gpt2
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from .attention import FusedQKVAttention
+from .attention import FusedQKVAttention, layer_kv_heads
 from .causal_lm import attach_head, stage_blocks
 
 
 class GPT2GQAAttention(FusedQKVAttention):
-    """vLLM's GPT2Attention over `num_key_value_heads` KV heads."""
+    """vLLM's GPT2Attention over its layer's KV heads (`layer_kv_heads`)."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
         hidden, heads = config.hidden_size, config.num_attention_heads
         super().__init__(
             hidden,
             heads,
-            config.num_key_value_heads,
+            layer_kv_heads(config, prefix, layers=config.num_hidden_layers, heads=heads),
             names=("c_attn", "c_proj"),
             biases=(True, True),
             scale=None if config.scale_attn_weights else 1.0,

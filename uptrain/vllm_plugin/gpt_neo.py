@@ -20,20 +20,20 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelL
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import WeightsMapper
 
-from .attention import FusedQKVAttention
+from .attention import FusedQKVAttention, layer_kv_heads
 from .causal_lm import TOKEN_DIMS, CausalLM, stage_blocks, stage_forward
 
 
 class GPTNeoGQASelfAttention(nn.Module):
     """The `attn` of a GPT-Neo block: its `attention` (transformers' nesting, kept for the weights'
-    names), global or local with its window, over `num_key_value_heads` KV heads."""
+    names), global or local with its window, over its layer's KV heads (`layer_kv_heads`)."""
 
     def __init__(self, config, window: int | None, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__()
         self.attention = FusedQKVAttention(
             config.hidden_size,
             config.num_heads,
-            config.num_key_value_heads,
+            layer_kv_heads(config, prefix, layers=config.num_layers, heads=config.num_heads),
             names=("qkv_proj", "out_proj"),
             biases=(False, True),
             scale=1.0,  # GPT-Neo does not scale the scores

@@ -18,7 +18,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-from .attention import FusedQKVAttention
+from .attention import FusedQKVAttention, layer_kv_heads
 from .causal_lm import TOKEN_DIMS, CausalLM, stage_blocks, stage_forward
 
 
@@ -40,13 +40,13 @@ def attention_setting(config, name: str):
 
 
 class MptGQAAttention(FusedQKVAttention):
-    """MPT's attention over `num_key_value_heads` KV heads: fused QKV, clipped, ALiBi."""
+    """MPT's attention over its layer's KV heads (`layer_kv_heads`): fused QKV, clipped, ALiBi."""
 
     def __init__(self, config, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__(
             config.d_model,
             config.n_heads,
-            config.num_key_value_heads,
+            layer_kv_heads(config, prefix, layers=config.n_layers, heads=config.n_heads),
             names=("Wqkv", "out_proj"),
             biases=(False, False),
             scale=attention_setting(config, "softmax_scale"),  # None: 1/√d

@@ -1,6 +1,7 @@
 """`whisper_gqa` (`WhisperGQAForConditionalGeneration`): vLLM's Whisper with G KV heads in each of
 its three attentions, read from the converted config (`encoder_num_key_value_heads`,
-`decoder_num_key_value_heads`, `cross_attention_num_key_value_heads`: modeling_whisper_gqa.py):
+`decoder_num_key_value_heads`, `cross_attention_num_key_value_heads`: modeling_whisper_gqa.py; each
+layer its own where the config lists them, `<key>_per_layer`: `layer_kv_heads`):
 the encoder's self-attention (no cache), the decoder's self-attention and its cross-attention,
 whose cache holds the encoder's 1500 frames of every sequence. The stored projections are
 Whisper's own with `k_proj` and `v_proj` of G·d rows, which vLLM's fused loaders split by those
@@ -30,6 +31,13 @@ from vllm.model_executor.models import whisper
 from vllm.model_executor.models.utils import AutoWeightsLoader, make_layers
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.v1.attention.backend import AttentionType
+
+from .attention import layer_kv_heads
+
+
+def decoder_kv_heads(config, prefix: str, key: str) -> int:
+    """The KV heads of one decoder layer's self- or cross-attention (`key`), the layer `prefix` names."""
+    return layer_kv_heads(config, prefix, key, layers=config.decoder_layers, heads=config.decoder_attention_heads)
 
 
 class WhisperGQAAttention(whisper.WhisperAttention):
@@ -88,12 +96,12 @@ class WhisperGQACrossAttention(WhisperGQAAttention):
     forward = whisper.WhisperCrossAttention.forward
 
     def __init__(self, config, cache_config, quant_config, prefix: str):
-        kv_heads = config.cross_attention_num_key_value_heads
+        heads = config.decoder_attention_heads
+        kv_heads = decoder_kv_heads(config, prefix, "cross_attention_num_key_value_heads")
         tp = get_tensor_model_parallel_world_size()
         # The fused K/V projection splits its columns across ranks; a KV head cannot be split.
         if kv_heads % tp:
             raise ValueError(f"cross_attention_num_key_value_heads {kv_heads} is not a multiple of {tp} ranks")
-        heads = config.decoder_attention_heads
         super().__init__(config, heads, kv_heads, AttentionType.ENCODER_DECODER, cache_config, quant_config, prefix)
 
     def _init_qkv(self, embed_dim: int, bias: bool = True, quant_config=None, prefix: str = "") -> None:
@@ -116,7 +124,13 @@ class WhisperGQAEncoderLayer(whisper.WhisperEncoderLayer):
         self.self_attn = WhisperGQAAttention(
             config,
             config.encoder_attention_heads,
-            config.encoder_num_key_value_heads,
+            layer_kv_heads(
+                config,
+                prefix,
+                "encoder_num_key_value_heads",
+                layers=config.encoder_layers,
+                heads=config.encoder_attention_heads,
+            ),
             AttentionType.ENCODER,
             cache,
             quant,
@@ -138,7 +152,7 @@ class WhisperGQADecoderLayer(whisper.WhisperDecoderLayer):
         self.self_attn = WhisperGQAAttention(
             config,
             config.decoder_attention_heads,
-            config.decoder_num_key_value_heads,
+            decoder_kv_heads(config, prefix, "decoder_num_key_value_heads"),
             AttentionType.DECODER,
             cache,
             quant,

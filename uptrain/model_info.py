@@ -33,18 +33,67 @@ class AttentionGeometry:
     model_type: str
     num_layers: int
     num_heads: int
-    num_kv_heads: int
+    num_kv_heads: int  # per-layer: the largest layer's (the config's scalar key, an upper bound)
     head_dim: int
     hidden_size: int
+    # Each layer's KV heads where the layers differ (config `<kv_heads_key>_per_layer`); None = uniform.
+    kv_heads_per_layer: tuple[int, ...] | None = None
+
+    def layer_kv_heads(self) -> tuple[int, ...]:
+        """Each layer's KV heads, uniform or not."""
+        return self.kv_heads_per_layer or (self.num_kv_heads,) * self.num_layers
 
     def kv_cache_bytes_per_token(self, dtype_bytes: int, num_kv_heads: int | None = None) -> int:
-        """K and V for every layer: 2 × layers × kv heads × head_dim × bytes."""
-        kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return 2 * self.num_layers * kv * self.head_dim * dtype_bytes
+        """K and V summed layer by layer: 2 × Σ_l kv_l × head_dim × bytes. `num_kv_heads` asks
+        what every layer at that one G would hold instead."""
+        per_layer = self.layer_kv_heads() if num_kv_heads is None else (num_kv_heads,) * self.num_layers
+        return 2 * sum(per_layer) * self.head_dim * dtype_bytes
 
     def valid_num_kv_heads(self) -> list[int]:
-        """Every G this model can be pooled to: divisors of the current KV head count."""
-        return divisors(self.num_kv_heads)
+        """Every single G this model can be pooled to: the divisors of every layer's KV heads."""
+        return divisors(math.gcd(*self.layer_kv_heads()))
+
+
+def per_layer_key(kv_heads_key: str) -> str:
+    """The config key of an attention's per-layer KV heads, beside its scalar `kv_heads_key`
+    (`num_key_value_heads_per_layer`, `cross_attention_num_key_value_heads_per_layer`, …)."""
+    return kv_heads_key + "_per_layer"
+
+
+def layer_kv_heads(config: dict, kv_heads_key: str, layers: int, heads: int | None = None) -> tuple[int, ...]:
+    """Each of `layers` layers' KV heads of one attention: the list under `per_layer_key(kv_heads_key)`
+    when the config has one, else the scalar `kv_heads_key` repeated. `heads` is that attention's
+    query heads: what an absent scalar means (no GQA) and what every entry must divide. A list is
+    checked: whole numbers ≥ 1, one per layer, its largest equal to the scalar (which readers that
+    know only the scalar take as an upper bound)."""
+    model_type = config.get("model_type", "?")
+    if config.get(kv_heads_key) is not None:
+        scalar = _count(config, kv_heads_key, model_type)
+    elif heads is not None:
+        scalar = heads
+    else:
+        raise UptrainError(f"config ({model_type}) has no {kv_heads_key}")
+    key = per_layer_key(kv_heads_key)
+    listed = config.get(key)
+    if listed is None:
+        return (scalar,) * layers
+    if not isinstance(listed, list) or len(listed) != layers:
+        raise UptrainError(f"config ({model_type}): {key} is {show(listed)}; it must list {layers} layers' KV heads")
+    for value in listed:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT:
+            raise UptrainError(f"config ({model_type}): {key} holds {show(value)}, not a whole number of KV heads ≥ 1")
+        if heads is not None and heads % value:
+            raise UptrainError(
+                f"config ({model_type}): {key} holds {value} KV heads, which do not divide {heads} heads"
+            )
+    if max(listed) != scalar:
+        raise UptrainError(f"config ({model_type}): {key}'s largest entry {max(listed)} is not {kv_heads_key} {scalar}")
+    return tuple(listed)
+
+
+def _uniform_or_none(per_layer: tuple[int, ...]) -> tuple[int, ...] | None:
+    """AttentionGeometry.kv_heads_per_layer: None when every layer has the same KV heads."""
+    return None if len(set(per_layer)) == 1 else per_layer
 
 
 def divisors(n: int) -> list[int]:
@@ -161,13 +210,14 @@ def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> A
     kv = heads if config.get("num_key_value_heads") is None else _count(config, "num_key_value_heads", model_type)
     if heads % kv:
         raise UptrainError(f"config has {heads} heads and {kv} KV heads, which do not divide")
+    per_layer = _uniform_or_none(layer_kv_heads(config, "num_key_value_heads", layers, heads))
     if head_dim_key and config.get(head_dim_key) is not None:
         head_dim = _count(config, head_dim_key, model_type)
     else:
         if hidden % heads:
             raise UptrainError(f"hidden_size {hidden} is not divisible by {heads} heads")
         head_dim = hidden // heads
-    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
+    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden, per_layer)
 
 
 def stack_geometry(
@@ -197,6 +247,7 @@ def stack_geometry(
     kv = heads if config.get(kv_heads_key) is None else _count(config, kv_heads_key, model_type)
     if heads % kv:
         raise UptrainError(f"config has {heads} heads and {kv} KV heads ({kv_heads_key}), which do not divide")
+    per_layer = _uniform_or_none(layer_kv_heads(config, kv_heads_key, layers, heads))
     if head_dim_key is not None:
         if config.get(head_dim_key) is None:
             raise UptrainError(f"config ({model_type}) has no {head_dim_key}")
@@ -205,7 +256,7 @@ def stack_geometry(
         if hidden % heads:
             raise UptrainError(f"{hidden_key} {hidden} is not divisible by {heads} heads ({heads_key})")
         head_dim = hidden // heads
-    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden)
+    return AttentionGeometry(model_type, layers, heads, kv, head_dim, hidden, per_layer)
 
 
 def config_dtype(config: dict) -> str:

@@ -7,7 +7,9 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS, architecture, find_architecture
+from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS, architecture, find_architecture, modeling_of
+from uptrain.architecture.decilm import decilm_config
 from uptrain.model_info import standard_config_names
 
 # The package holding the modeling files; found by path so that this module need not import it.
@@ -51,14 +53,32 @@ def gqa_config(config: dict, num_kv_heads: int | Mapping[str, int]) -> dict:
     return config
 
 
+def native_per_layer_config(config: dict, kv_heads: tuple[int, ...]) -> dict:
+    """The config.json of a per-layer output (`kv_heads`: each layer's KV heads, not all equal) of
+    a family whose transformers modeling reads one num_key_value_heads: the Llama family's in the
+    DeciLM layout engines serve (`decilm.py`), naming uptrain's modeling of it (`modeling_files`
+    of "nemotron-nas"); one line for a family whose layers that layout cannot hold."""
+    record = architecture(config.get("model_type"))
+    modeling = record.per_layer_modeling
+    if modeling is None:
+        raise UptrainError(
+            f"{record.name} cannot take its own KV heads per layer: the per-layer layout engines serve "
+            f"(DeciLM, a Llama layer) has no {record.per_layer_refusal}; convert with -g G (one G for every layer)"
+        )
+    return decilm_config(
+        config, kv_heads, modeling.module, (modeling.config_class, modeling.model_class, modeling.head_class)
+    )
+
+
 def modeling_files(model_type: str | None) -> dict[str, Path]:
     """Files to save beside a converted checkpoint's weights: name there → source file (the
     modeling file, attention.py and the record's `siblings`). Empty where transformers' own
     modeling reads the checkpoint."""
     record = find_architecture(model_type)
-    if record is None or record.modeling is None:
+    modeling = modeling_of(model_type) or (None if record is None else record.modeling)
+    if modeling is None:
         return {}
-    names = (f"{record.modeling.module}.py", ATTENTION_FILE, *(f"{m}.py" for m in record.modeling.siblings))
+    names = (f"{modeling.module}.py", ATTENTION_FILE, *(f"{m}.py" for m in modeling.siblings))
     return {name: MODELING_DIR / name for name in names}
 
 

@@ -26,7 +26,7 @@ import importlib
 import transformers
 from transformers import AutoConfig, AutoModel
 
-from uptrain.architecture import converted_architectures, find_architecture
+from uptrain.architecture import converted_architectures, find_architecture, modeling_of
 from uptrain.architecture.converted import gqa_config
 
 
@@ -34,8 +34,8 @@ def _classes() -> dict[str, tuple[type, type, type]]:
     """Converted model_type → its (config, base model, model with its task head) classes, found
     in the module and under the names the architecture registry gives (`GQAModeling`)."""
     found = {}
-    for model_type, arch in converted_architectures().items():
-        modeling = arch.modeling
+    for model_type in converted_architectures():
+        modeling = modeling_of(model_type)
         module = importlib.import_module(f"{__name__}.{modeling.module}")
         names = (modeling.config_class, modeling.model_class, modeling.head_class)
         found[model_type] = tuple(getattr(module, name) for name in names)

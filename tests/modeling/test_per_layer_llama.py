@@ -1,0 +1,217 @@
+"""A Llama with each layer's own KV heads, in the DeciLM / Nemotron-NAS layout engines serve
+(`uptrain/architecture/decilm.py`, `uptrain/modeling/modeling_decilm.py`): every layer uniform
+is transformers' Llama bit for bit; a mixed allocation is the Llama whose K/V heads repeat within
+each layer's groups; `generate()` with the cache equals without, and the cache holds each layer's
+heads; the checkpoint loads without uptrain (`trust_remote_code=True`) under transformers 5 and
+4.57 with the same logits and tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import uptrain.modeling  # noqa: F401  registers nemotron-nas: the in-process side loads without trust_remote_code
+from tests.modeling import load_without_uptrain
+from tests.modeling.second_environment import transformers4_python
+from tests.modeling.test_transformers_versions import run_in
+from uptrain import UptrainError
+from uptrain.architecture import architecture, find_architecture, modeling_of
+from uptrain.architecture.converted import copy_modeling_files, native_per_layer_config
+from uptrain.architecture.decilm import block_configs, check_decilm, engine_ffn_width, ffn_mult_for
+from uptrain.model_info import layer_kv_heads
+from uptrain.modeling.modeling_decilm import DeciLMConfig, DeciLMForCausalLM
+
+BACKENDS = ["eager", "sdpa"]
+ALLOCATIONS = {"4-2": (4, 2), "2-1": (2, 1)}
+
+
+def llama_config(kv_heads: int = 4, intermediate: int = 256) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        # Not transformers' default base: a 4.x reader that missed rope_parameters would rotate
+        # at 10000 and give other logits.
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        tie_word_embeddings=False,
+    )
+
+
+def decilm(kv_heads: tuple[int, ...], intermediate: int = 256) -> DeciLMForCausalLM:
+    torch.manual_seed(0)
+    source = llama_config(intermediate=intermediate).to_dict()
+    config = DeciLMConfig.from_dict(native_per_layer_config(source, kv_heads))
+    model = DeciLMForCausalLM(config).eval()
+    with torch.no_grad():  # weights large enough that wrong heads change the tokens
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.3)
+    return model
+
+
+def token_ids() -> torch.Tensor:
+    return torch.tensor([[5, 17, 3, 99, 42, 8, 64, 2, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+
+
+def repeated_heads(model: DeciLMForCausalLM) -> LlamaForCausalLM:
+    """transformers' Llama with every layer at the query heads' KV heads (MHA), each KV head of
+    `model` repeated over its group: the model `model` is."""
+    config = model.config
+    llama = LlamaForCausalLM(llama_config(kv_heads=config.num_attention_heads)).eval()
+    state = model.state_dict()
+    for layer in range(config.num_hidden_layers):
+        group = config.num_attention_heads // config.layer_kv_heads(layer)
+        for name in ("k_proj", "v_proj"):
+            key = f"model.layers.{layer}.self_attn.{name}.weight"
+            heads = state[key].view(config.layer_kv_heads(layer), -1, config.hidden_size)
+            state[key] = heads.repeat_interleave(group, dim=0).reshape(-1, config.hidden_size)
+    llama.load_state_dict(state)
+    return llama
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uniform_blocks_are_transformers_llama(backend):
+    model = decilm((2, 2))
+    llama = LlamaForCausalLM(llama_config(kv_heads=2)).eval()
+    llama.load_state_dict(model.state_dict())  # the same tensor names and shapes
+    model.set_attn_implementation(backend)
+    llama.set_attn_implementation(backend)
+    with torch.no_grad():
+        assert torch.equal(model(token_ids()).logits, llama(token_ids()).logits)
+
+
+@pytest.mark.parametrize("kv_heads", ALLOCATIONS.values(), ids=ALLOCATIONS)
+def test_each_layer_attends_with_its_own_heads(kv_heads):
+    """Layer l's KV heads, repeated over its groups in an MHA Llama, give the same model."""
+    model = decilm(kv_heads)
+    assert [layer.self_attn.k_proj.out_features // 16 for layer in model.model.layers] == list(kv_heads)
+    with torch.no_grad():
+        got, expected = model(token_ids()).logits, repeated_heads(model)(token_ids()).logits
+    assert torch.equal(got, expected)
+    other = decilm((kv_heads[1], kv_heads[0]))  # the same weights' seed, layers swapped: another model
+    with torch.no_grad():
+        assert not torch.allclose(other(token_ids()).logits, got, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", ALLOCATIONS.values(), ids=ALLOCATIONS)
+def test_generate_with_the_cache_equals_without(kv_heads, backend):
+    model = decilm(kv_heads)
+    model.set_attn_implementation(backend)
+    ids = token_ids()
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **settings)
+        uncached = model.generate(ids, use_cache=False, **settings)
+        out = model(ids, use_cache=True)
+    assert torch.equal(cached, uncached)
+    assert len(set(cached[:, ids.shape[1] :].flatten().tolist())) > 3  # not one token repeated
+    cache = out.past_key_values
+    for layer, kv in enumerate(kv_heads):
+        assert cache.layers[layer].keys.shape == (2, kv, ids.shape[1], 16)
+        assert cache.layers[layer].values.shape == (2, kv, ids.shape[1], 16)
+
+
+def test_the_config_is_the_engines_layout():
+    """block_configs is what vLLM and llama.cpp read; the contract's list and the bound beside it."""
+    config = native_per_layer_config(llama_config().to_dict(), (4, 2))
+    assert config["model_type"] == "nemotron-nas" and config["architectures"] == ["DeciLMForCausalLM"]
+    assert config["num_key_value_heads"] == 4 and config["num_key_value_heads_per_layer"] == [4, 2]
+    assert [b["attention"]["n_heads_in_group"] for b in config["block_configs"]] == [1, 2]
+    ffn = {"ffn_mult": 6.0, "no_op": False, "replace_with_linear": False}  # 2 · 6 · 64 / 3 = 256
+    assert [b["ffn"] for b in config["block_configs"]] == [ffn, ffn]
+    assert layer_kv_heads(config, "num_key_value_heads", 2, 4) == (4, 2)
+    check_decilm(config)
+    loaded = DeciLMConfig.from_dict(config)
+    # vLLM reads the blocks by attribute (`block.attention.n_heads_in_group`, `hasattr(ffn, "ffn_mult")`).
+    assert loaded.block_configs[1].attention.n_heads_in_group == 2 and hasattr(loaded.block_configs[1].ffn, "ffn_mult")
+    assert json.loads(loaded.to_json_string())["block_configs"] == config["block_configs"]
+    assert find_architecture("nemotron-nas") is architecture("llama")
+    assert modeling_of("nemotron-nas").module == "modeling_decilm" and modeling_of("llama") is None
+
+
+@pytest.mark.parametrize(
+    "intermediate,hidden,mult",
+    [(11008, 4096, 4.03125), (14336, 4096, 5.25), (28672, 8192, 5.25), (5632, 2048, 4.125), (1536, 576, 4.0)],
+)
+def test_published_llama_widths_are_reached_through_ffn_mult(intermediate, hidden, mult):
+    """Llama 2 7B, Llama 3 8B and 70B, TinyLlama, SmolLM: widths that are multiples of 256."""
+    assert ffn_mult_for(intermediate, hidden) == mult and engine_ffn_width(mult, hidden) == intermediate
+
+
+def test_a_width_the_engines_cannot_reach_is_written_as_intermediate_size():
+    """The reference Llama's MLP (704 of hidden 256) is no multiple of 256: no ffn_mult gives it
+    (the engines round 2·m·256/3 up to 512 or 768), so the block states its width."""
+    assert ffn_mult_for(704, 256) is None
+    assert {engine_ffn_width(m / 100, 256) for m in range(250, 350)} == {512, 768}
+    (block,) = block_configs((2,), 4, 704, 256)
+    assert block["ffn"] == {"intermediate_size": 704, "no_op": False, "replace_with_linear": False}
+    model = decilm((4, 2), intermediate=176)
+    assert [layer.mlp.up_proj.out_features for layer in model.model.layers] == [176, 176]
+
+
+def test_configs_uptrain_did_not_write_are_refused():
+    config = native_per_layer_config(llama_config().to_dict(), (4, 2))
+    with pytest.raises(ValueError, match=r"num_key_value_heads_per_layer \[2, 2\] is not the KV heads"):
+        DeciLMConfig.from_dict({**config, "num_key_value_heads_per_layer": [2, 2]})
+    nas = {**config, "block_configs": [{**config["block_configs"][0], "attention": {"no_op": True}}] * 2}
+    with pytest.raises(ValueError, match="no attention or MLP"):
+        DeciLMConfig.from_dict(nas)
+    for bad, message in (
+        (nas, r"block_configs\[0\] replaces its attention or MLP"),
+        ({**config, "num_key_value_heads_per_layer": [4, 4]}, r"n_heads_in_group is 2, which is not 4 heads"),
+        ({k: v for k, v in config.items() if k != "num_key_value_heads_per_layer"}, "is not a layout uptrain wrote"),
+        ({**config, "intermediate_size": 512}, r"an MLP of 256 columns, not intermediate_size 512"),
+    ):
+        with pytest.raises(UptrainError, match=message) as err:
+            architecture("nemotron-nas").stacks(bad)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "phi3", "gemma"])
+def test_other_native_families_refuse_a_per_layer_output_in_one_line(model_type):
+    with pytest.raises(UptrainError, match="cannot take its own KV heads per layer") as err:
+        native_per_layer_config({"model_type": model_type, "num_attention_heads": 4}, (4, 2))
+    assert "\n" not in str(err.value) and architecture(model_type).per_layer_refusal in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each allocation saved as a conversion writes it: config.json, weights, modeling files."""
+    root = tmp_path_factory.mktemp("decilm")
+    folders = {}
+    for name, kv_heads in ALLOCATIONS.items():
+        folder = root / f"decilm-{name}"
+        decilm(kv_heads).save_pretrained(folder)
+        copy_modeling_files("nemotron-nas", folder)
+        folders[name] = str(folder)
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in one row
+    spec = {"folders": folders, "ids": ids.tolist(), "mask": mask.tolist(), "backends": BACKENDS, "new_tokens": 8}
+    (root / "spec.json").write_text(json.dumps(spec))
+    expected = load_without_uptrain.results(
+        spec, lambda folder, backend: AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend)
+    )
+    return root, expected
+
+
+def test_loads_without_uptrain_under_transformers_5(saved):
+    root, expected = saved
+    found = run_in(sys.executable, root)
+    assert found["results"] == expected
+
+
+def test_loads_without_uptrain_under_transformers_4_57(saved):
+    root, expected = saved
+    python, versions = transformers4_python()
+    found = run_in(python, root)
+    assert found["transformers"].startswith("4.57.") and found["transformers"] == versions["transformers"]
+    assert found["results"] == expected

@@ -3,11 +3,14 @@
 is transformers' Llama bit for bit; a mixed allocation is the Llama whose K/V heads repeat within
 each layer's groups; `generate()` with the cache equals without, and the cache holds each layer's
 heads; the checkpoint loads without uptrain (`trust_remote_code=True`) under transformers 5 and
-4.57 with the same logits and tokens."""
+4.57 with the same logits and tokens; vLLM serves it with its own DeciLMForCausalLM, transformers'
+greedy tokens, each layer's heads in its cache and the capacity they give."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -15,9 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers nemotron-nas: the in-process side loads without trust_remote_code
-from tests.modeling import load_without_uptrain
+from tests.modeling import load_without_uptrain, serve_in_vllm
 from tests.modeling.second_environment import transformers4_python
 from tests.modeling.test_transformers_versions import run_in
+from tests.modeling.vllm_environment import vllm_python
 from uptrain import UptrainError
 from uptrain.architecture import architecture, find_architecture, modeling_of
 from uptrain.architecture.converted import copy_modeling_files, native_per_layer_config
@@ -215,3 +219,78 @@ def test_loads_without_uptrain_under_transformers_4_57(saved):
     found = run_in(python, root)
     assert found["transformers"].startswith("4.57.") and found["transformers"] == versions["transformers"]
     assert found["results"] == expected
+
+
+# vLLM (the cached CPU build) serves the layout with its own DeciLMForCausalLM: the MLP width
+# through ffn_mult (256 of hidden 128) and through intermediate_size (192, no multiple of 256).
+# vLLM's CPU attention takes head sizes of 32 and up: 4 heads of 32 here.
+SERVED_WIDTHS = {"decilm-ffn-mult": 256, "decilm-intermediate-size": 192}
+SERVED_HEADS = (4, 1)
+PROMPTS = [[5, 17, 99, 42, 8, 61, 23, 77, 3, 50], [120, 4, 66, 31]]
+KV_SPACE_GIB = 1
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> tuple[dict, dict]:
+    """(case → folder, what serve_in_vllm.py reports of each) from one process in the vLLM environment."""
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("decilm-vllm")
+    folders = {}
+    for case, width in SERVED_WIDTHS.items():
+        source = LlamaConfig(
+            vocab_size=128,
+            hidden_size=128,
+            intermediate_size=width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            initializer_range=0.5,  # greedy tokens that depend on the context
+        )
+        torch.manual_seed(0)
+        model = DeciLMForCausalLM(DeciLMConfig.from_dict(native_per_layer_config(source.to_dict(), SERVED_HEADS)))
+        model.save_pretrained(root / case)
+        copy_modeling_files("nemotron-nas", root / case)
+        folders[case] = str(root / case)
+    spec = {"cases": folders, "prompts": PROMPTS, "new_tokens": 8, "max_model_len": 64}
+    (root / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_", "VLLM_"))}
+    env.update(
+        HF_HOME=str(root / "hf"),
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH="",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB),
+    )
+    result = subprocess.run(
+        [str(python), serve_in_vllm.__file__, str(root / "spec.json")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return folders, json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SERVED_WIDTHS))
+def test_vllm_serves_the_layout_with_transformers_tokens_and_each_layers_heads(case, served):
+    folders, report = served
+    result = report["cases"][case]
+    assert "error" not in result, f"{case} does not serve in vLLM: {result.get('error')}"
+    assert result["architecture"] == "DeciLMForCausalLM"  # vLLM's own class, not its transformers backend
+    assert list(result["kv_heads"].values()) == list(SERVED_HEADS)
+    model = AutoModelForCausalLM.from_pretrained(folders[case], dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+            expected.append(out[0, len(prompt) :].tolist())
+    assert result["tokens"] == expected
+    assert len({t for row in expected for t in row}) > 3  # not one token repeated
+    # The cache, in whole blocks, is what the per-layer arithmetic gives: float32 K and V of
+    # each layer's own heads (4 + 1 of 32 dims), not the largest layer's in every layer.
+    block = result["block_size"]
+    per_block = block * 2 * sum(SERVED_HEADS) * 32 * 4
+    assert result["kv_tokens"] == KV_SPACE_GIB * 2**30 // per_block * block

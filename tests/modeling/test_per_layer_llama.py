@@ -27,6 +27,7 @@ from uptrain.architecture import architecture, find_architecture, modeling_of
 from uptrain.architecture.converted import copy_modeling_files, native_per_layer_config
 from uptrain.architecture.decilm import block_configs, check_decilm, engine_ffn_width, ffn_mult_for
 from uptrain.model_info import layer_kv_heads
+from uptrain.modeling import per_layer_counterpart
 from uptrain.modeling.modeling_decilm import DeciLMConfig, DeciLMForCausalLM
 
 BACKENDS = ["eager", "sdpa"]
@@ -294,3 +295,42 @@ def test_vllm_serves_the_layout_with_transformers_tokens_and_each_layers_heads(c
     block = result["block_size"]
     per_block = block * 2 * sum(SERVED_HEADS) * 32 * 4
     assert result["kv_tokens"] == KV_SPACE_GIB * 2**30 // per_block * block
+
+
+def pooled(llama: LlamaForCausalLM, kv_heads: tuple[int, ...]) -> DeciLMForCausalLM:
+    """`llama` with layer l's K/V heads mean-pooled in contiguous groups of h / kv_heads[l], in
+    uptrain's per-layer modeling (`per_layer_counterpart`): the in-memory reference of a
+    per-layer conversion."""
+    model_class, config = per_layer_counterpart(llama, kv_heads)
+    model = model_class(config).eval()
+    state = llama.state_dict()
+    heads, hidden = llama.config.num_attention_heads, llama.config.hidden_size
+    for layer, kv in enumerate(kv_heads):
+        for name in ("k_proj", "v_proj"):
+            key = f"model.layers.{layer}.self_attn.{name}.weight"
+            state[key] = state[key].view(kv, heads // kv, -1, hidden).mean(dim=1).reshape(-1, hidden)
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("kv_heads", ALLOCATIONS.values(), ids=ALLOCATIONS)
+def test_heads_equal_within_each_layers_groups_pool_losslessly(kv_heads):
+    """A Llama whose layer l has K/V heads identical within groups of h / kv_l is its own
+    per-layer pooling at that allocation, and not at another."""
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(llama_config()).eval()
+    with torch.no_grad():
+        for parameter in llama.parameters():
+            parameter.normal_(0, 0.3)
+        for layer, kv in enumerate(kv_heads):
+            attention = llama.model.layers[layer].self_attn
+            for projection in (attention.k_proj, attention.v_proj):
+                rows = projection.weight.view(kv, 4 // kv, 16, 64)
+                rows.copy_(rows[:, :1].expand_as(rows))  # each group's heads: its first head
+        expected = llama(token_ids()).logits
+        model = pooled(llama, kv_heads)
+        assert type(model) is DeciLMForCausalLM
+        assert [layer.self_attn.k_proj.out_features // 16 for layer in model.model.layers] == list(kv_heads)
+        assert torch.equal(model(token_ids()).logits, expected)
+        other = (1,) * len(kv_heads)  # a coarser allocation merges heads that differ
+        assert not torch.allclose(pooled(llama, other)(token_ids()).logits, expected, atol=1e-3)

@@ -27,7 +27,7 @@ import transformers
 from transformers import AutoConfig, AutoModel
 
 from uptrain.architecture import converted_architectures, find_architecture, modeling_of
-from uptrain.architecture.converted import gqa_config
+from uptrain.architecture.converted import gqa_config, native_per_layer_config
 
 
 def _classes() -> dict[str, tuple[type, type, type]]:
@@ -76,3 +76,14 @@ def gqa_counterpart(model, num_kv_heads: int):
     # The task head decides the class: a causal LM stays a causal LM, a base model a base model.
     # The transformers class each GQA class extends is its last base (after uptrain's mixin).
     return (head if isinstance(model, head.__bases__[-1]) else base), config
+
+
+def per_layer_counterpart(model, kv_heads: tuple[int, ...]):
+    """`(model class, config)` for a copy of transformers model `model`, of a family whose
+    modeling reads one num_key_value_heads, with layer l's KV heads `kv_heads[l]`: uptrain's
+    modeling of the family's per-layer layout (a Llama: DeciLM, `modeling_decilm.py`), the same
+    task head; one line for a family without one (`native_per_layer_config`)."""
+    config = native_per_layer_config(model.config.to_dict(), tuple(kv_heads))
+    config_class, base, head = CLASSES[config["model_type"]]
+    # The task head decides the class, as in `gqa_counterpart` (DeciLM's extend Llama's).
+    return (head if isinstance(model, head.__bases__[-1]) else base), config_class.from_dict(config)

@@ -133,6 +133,11 @@ def test_the_config_is_the_engines_layout():
     ffn = {"ffn_mult": 6.0, "no_op": False, "replace_with_linear": False}  # 2 · 6 · 64 / 3 = 256
     assert [b["ffn"] for b in config["block_configs"]] == [ffn, ffn]
     assert layer_kv_heads(config, "num_key_value_heads", 2, 4) == (4, 2)
+    # llama.cpp's converter (DeciModel, not installed here) asserts an int n_heads_in_group and a
+    # float ffn_mult per block, and reads these top-level keys.
+    for block in config["block_configs"]:
+        assert type(block["attention"]["n_heads_in_group"]) is int and type(block["ffn"]["ffn_mult"]) is float
+    assert all(k in config for k in ("hidden_size", "max_position_embeddings", "rms_norm_eps", "vocab_size"))
     check_decilm(config)
     loaded = DeciLMConfig.from_dict(config)
     # vLLM reads the blocks by attribute (`block.attention.n_heads_in_group`, `hasattr(ffn, "ffn_mult")`).

@@ -39,7 +39,7 @@ TRAINED = dict(
 # ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),
 # and those each run sets itself.
 CONVERT_ONLY = {"dtype", "max_shard_size", "allow_pickle"}
-PER_RUN = {"source", "num_kv_heads", "pooling"}
+PER_RUN = {"source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "pooling"}
 
 
 def both(values: dict, tmp_path) -> tuple[ConversionSpec, ConversionSpec]:
@@ -76,3 +76,21 @@ def test_every_calibration_key_comes_from_the_run(tmp_path):
     for field in dataclasses.fields(ConversionSpec):
         if field.name not in CONVERT_ONLY | PER_RUN:
             assert getattr(from_compare, field.name) != defaults[field.name], field.name
+
+
+def test_train_carries_each_way_of_choosing_the_kv_heads(tmp_path):
+    """`uptrain train`'s `source` converts with the KV heads its keys choose, each way as `uptrain convert`."""
+    keys = {"train_data": "train.jsonl", "seq_len": 256, "batch_size": 8, "lr": 1e-3, "max_steps": 3}
+    common = dict(source="src", eval_data="eval.jsonl", output_dir=str(tmp_path / "run"), **keys)
+    for chosen in (
+        {"num_kv_heads": 2},
+        {"kv_heads_per_layer": "4,2"},
+        {"kv_budget": 0.25},
+        {"kv_budget": 0.25, "allocation": "calibrated"},
+    ):
+        spec = TrainConfig(**common, **chosen).conversion_spec()
+        given = {k: getattr(spec, k) for k in ("num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation")}
+        assert (
+            given
+            == {"num_kv_heads": None, "kv_heads_per_layer": None, "kv_budget": None, "allocation": "uniform"} | chosen
+        )

@@ -77,6 +77,18 @@ def decilm_config(config: dict, kv_heads: tuple[int, ...], modeling_module: str,
     return config
 
 
+def llama_config(config: dict, source_model_type: str) -> dict:
+    """`config` as its source family's own (a Llama): one KV-head count for every layer, so
+    transformers' modeling reads it; a config in this layout (pooled to one G) loses its
+    `block_configs`, its per-layer list and the `auto_map` naming uptrain's modeling."""
+    if config.get("model_type") != MODEL_TYPE:
+        return config
+    config = {
+        k: v for k, v in config.items() if k not in ("block_configs", "num_key_value_heads_per_layer", "auto_map")
+    }
+    return {**config, "model_type": source_model_type, "architectures": ["LlamaForCausalLM"]}
+
+
 def check_decilm(config: dict) -> None:
     """One line unless `config` (model_type "nemotron-nas") is a layout uptrain reads: every
     layer an attention and an MLP of the source's width, each layer's KV heads in `block_configs`

@@ -18,7 +18,9 @@ from typing import Protocol
 import torch
 
 from uptrain.architecture import DECODER_SELF, Architecture, AttentionStack, architecture
+from uptrain.architecture.converted import check_per_layer_layout
 from uptrain.convert.calibration_seq2seq import site_moments
+from uptrain.convert.kv_heads import Allocation, KVHeadsRequest, per_layer, resolve_allocation
 from uptrain.convert.layer_merge import LayerMerger, LayerSolution, SiteMergers, merges_whole_layers
 from uptrain.convert.layer_tensors import join_qkv, split_qkv
 from uptrain.convert.plan import ConversionPlan, PlannedTensor, choose_attentions, plan_conversion
@@ -66,7 +68,7 @@ class Conversion:
     arch: Architecture
     strategy: Strategy
     grouping: str
-    num_kv_heads: int
+    allocation: Allocation  # each pooled attention's KV heads per layer (`kv_heads.resolve_allocation`)
     seed: int
     stacks: Mapping[str, AttentionStack]
     attention: tuple[str, ...]  # the attentions whose K/V are pooled
@@ -91,7 +93,7 @@ class Conversion:
         """This conversion with the plan of every output tensor of `source` (`cast`: the
         floating-point dtype of the output, None: the source's)."""
         plan = plan_conversion(
-            source, self.arch, self.stacks, self.attention, self.num_kv_heads, cast, self.strategy, self.grouping
+            source, self.arch, self.stacks, self.attention, self.allocation, cast, self.strategy, self.grouping
         )
         return replace(self, plan=plan)
 
@@ -119,7 +121,7 @@ class Conversion:
             source,
             stack.layout,
             stack.geometry,
-            self.num_kv_heads,
+            self.allocation[name],
             self.strategy,
             self.grouping,
             self.arch.rotary_dims(self.config, stack.geometry.head_dim),
@@ -133,7 +135,7 @@ class Conversion:
 
     def compute(self, t: PlannedTensor, source: TensorSource, merger: LayerMerger) -> torch.Tensor:
         """The output tensor `t` of every kind but "copy" (whose bytes a writer may stream straight through)."""
-        geo, g = t.geometry or self.plan.geometry, self.plan.num_kv_heads
+        geo, g = t.geometry, t.num_kv_heads  # the layer's source geometry and output KV heads
         ctx = PoolingContext(t.role, t.out.name, self.seed, self.init_std)
         if t.kind == "layer":
             return merger.tensor(t.layer, t.out.name).to(t.out.dtype)
@@ -155,14 +157,18 @@ class Conversion:
 
 
 def conversion_for(
-    config: dict, num_kv_heads: int, strategy: Strategy, grouping: str, attention: str, seed: int
+    config: dict, kv_heads: KVHeadsRequest | int, strategy: Strategy, grouping: str, attention: str, seed: int
 ) -> Conversion:
     """Every check a source's config decides (its architecture, the attentions `attention`
-    chooses and G against each, the strategy's own), before any tensor is read."""
+    chooses and each layer's KV heads against them, the strategy's own), before any tensor is
+    read. `kv_heads`: what was asked for (one G, per-layer lists or a budget), resolved here once."""
     arch = architecture(config.get("model_type"))
-    stacks, chosen = choose_attentions(config, arch, attention, num_kv_heads)
+    stacks, chosen = choose_attentions(config, arch, attention)
+    allocation = resolve_allocation({name: stack.geometry for name, stack in stacks.items()}, chosen, kv_heads)
+    if per_layer(allocation):
+        check_per_layer_layout(arch)
     strategy.check_source(config, arch)
-    return Conversion(config, arch, strategy, grouping, num_kv_heads, seed, stacks, chosen)
+    return Conversion(config, arch, strategy, grouping, allocation, seed, stacks, chosen)
 
 
 def pool_fused(

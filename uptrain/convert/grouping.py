@@ -10,18 +10,17 @@ from __future__ import annotations
 from uptrain import UptrainError
 
 
-def check_num_kv_heads(num_heads: int, current_kv_heads: int, target: int) -> None:
-    """Refuse a G that the source cannot be pooled to, with a reason a user can act on."""
+def check_num_kv_heads(num_heads: int, current_kv_heads: int, target: int, flag: str = "--num-kv-heads") -> None:
+    """Refuse a G that the source cannot be pooled to, with a reason a user can act on (`flag`:
+    what the user gave G by, as messages name it)."""
     if target < 1:
-        raise UptrainError(f"--num-kv-heads must be at least 1, got {target}")
+        raise UptrainError(f"{flag} must be at least 1, got {target}")
     if target > num_heads:
-        raise UptrainError(f"--num-kv-heads {target} exceeds the model's {num_heads} attention heads")
+        raise UptrainError(f"{flag} {target} exceeds the model's {num_heads} attention heads")
     if num_heads % target:
-        raise UptrainError(f"--num-kv-heads {target} does not divide the model's {num_heads} attention heads")
+        raise UptrainError(f"{flag} {target} does not divide the model's {num_heads} attention heads")
     if current_kv_heads % target:
-        raise UptrainError(
-            f"--num-kv-heads {target} does not divide the checkpoint's current {current_kv_heads} KV heads"
-        )
+        raise UptrainError(f"{flag} {target} does not divide the checkpoint's current {current_kv_heads} KV heads")
 
 
 def kv_groups(current_kv_heads: int, target: int) -> list[list[int]]:

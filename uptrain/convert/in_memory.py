@@ -9,6 +9,7 @@ shards and putting them in a new model of the same class, whose config has
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from uptrain import UptrainError
 from uptrain.architecture import DEFAULT_ATTENTIONS
 from uptrain.convert.conversion import Calibration, conversion_for
+from uptrain.convert.kv_heads import KVHeadsRequest, kv_heads_problem
 from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import ConversionOptions
@@ -52,12 +54,13 @@ class StateDictSource:
 
 def converted_tensors(
     model,
-    num_kv_heads: int,
+    num_kv_heads: int | KVHeadsRequest,
     options: ConversionOptions | None = None,
     seed: int = 0,
     calibration: Calibration | None = None,
 ) -> tuple[dict[str, torch.Tensor], ConversionPlan]:
-    """The state dict of `model` converted to `num_kv_heads` KV heads (tensors not rewritten are
+    """The state dict of `model` converted to `num_kv_heads` KV heads (one G, or a request with
+    per-layer lists or a budget: `kv_heads.KVHeadsRequest`; tensors not rewritten are
     the model's own, not copies), and the plan it follows. `options`: the validated pooling,
     grouping and attention (default: mean, contiguous, the decoder's); `convert_model` takes
     them as keywords and builds the model."""
@@ -82,17 +85,30 @@ def converted_tensors(
     return converted, conversion.plan
 
 
+def _per_layer_text(value) -> str | None:
+    """`kv_heads_per_layer` as `uptrain convert` spells it: [8, 4] → "8,4"; [[8, 4], [2, 2]] → "8,4/2,2"."""
+    if value is None or isinstance(value, str):
+        return value
+    lists = [value] if all(isinstance(v, int) for v in value) else value
+    return "/".join(",".join(str(v) for v in heads) for heads in lists)
+
+
 def convert_model(
     model,
-    num_kv_heads: int,
+    num_kv_heads: int | None = None,
     pooling: str = "mean",
     *,
+    kv_heads_per_layer: str | Sequence[int] | Sequence[Sequence[int]] | None = None,
+    kv_budget: float | None = None,
+    allocation: str = "uniform",
     grouping: str = "contiguous",
     attention: str = ",".join(DEFAULT_ATTENTIONS),
     seed: int = 0,
     calibration: Calibration | None = None,
 ):
-    """A copy of `model` (a transformers `PreTrainedModel`) with `num_kv_heads` KV heads.
+    """A copy of `model` (a transformers `PreTrainedModel`) with `num_kv_heads` KV heads, or, instead,
+    each layer's KV heads `kv_heads_per_layer` ("8,4,4,2", [8, 4, 4, 2], or one list per converted
+    attention of an encoder–decoder), or a `kv_budget` spent by `allocation` (as `uptrain convert`).
 
     Pools exactly as `uptrain convert` does (same plan, same strategies, same seeds per tensor
     name), so the weights equal those of a checkpoint converted from `model.save_pretrained`.
@@ -101,7 +117,11 @@ def convert_model(
     model is left untouched; the copy keeps its dtype, device and train/eval mode.
     """
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
-    converted, plan = converted_tensors(model, num_kv_heads, options, seed, calibration)
+    per_layer = _per_layer_text(kv_heads_per_layer)
+    if problem := kv_heads_problem(num_kv_heads, per_layer, kv_budget, allocation):
+        raise UptrainError(problem)
+    request = KVHeadsRequest.of(num_kv_heads, per_layer, kv_budget, allocation)
+    converted, plan = converted_tensors(model, request, options, seed, calibration)
     # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, T5, ….
     new_class, new_config = gqa_counterpart(model, plan.config_kv_heads)
     with torch.device("meta"):

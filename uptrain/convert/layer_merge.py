@@ -32,6 +32,7 @@ from uptrain.convert.calibrated import (
     query_order,
     similarity_order,
 )
+from uptrain.convert.kv_heads import layer_geometry
 from uptrain.convert.layer_tensors import (
     FIELDS,
     kv_field_name,
@@ -141,9 +142,10 @@ class LayerMerger:
     """Merges one layer at a time, when the converter first asks for one of its tensors.
 
     `calibration` maps a layer to its moment C (a lazy mapping is read one layer at a time);
-    None compares heads in weight space. `solutions`: layers already solved (`solve`), whose
-    moments are not needed. `progress`: a bar over layers (None: on terminals). `rotary_dim` and
-    `rotary_pairs`: the dims of each head RoPE rotates and how they pair (`LayerAttention`).
+    None compares heads in weight space. `num_kv_heads`: each layer's KV heads after the merge (an
+    int: every layer's). `solutions`: layers already solved (`solve`), whose moments are not needed.
+    `progress`: a bar over layers (None: on terminals). `rotary_dim` and `rotary_pairs`: the dims
+    of each head RoPE rotates and how they pair (`LayerAttention`).
     """
 
     def __init__(
@@ -151,7 +153,7 @@ class LayerMerger:
         source: SourceCheckpoint,
         layout: AttentionLayout,
         geometry: AttentionGeometry,
-        num_kv_heads: int,
+        num_kv_heads: int | tuple[int, ...],
         strategy: Strategy,
         grouping: str,
         rotary_dim: int,
@@ -164,7 +166,9 @@ class LayerMerger:
     ):
         self.source, self.layout, self.geometry = source, layout, geometry
         self.solutions = dict(solutions or {})
-        self.num_kv_heads, self.strategy, self.grouping = num_kv_heads, strategy, grouping
+        if isinstance(num_kv_heads, int):
+            num_kv_heads = (num_kv_heads,) * geometry.num_layers
+        self.allocation, self.strategy, self.grouping = tuple(num_kv_heads), strategy, grouping
         self.rotary_dim, self.rotary_pairs = rotary_dim, rotary_pairs
         self.calibration, self.seed, self.init_std = calibration, seed, init_std
         self.attn_prefix = layout.attn_prefix_in(source.tensors)
@@ -198,7 +202,7 @@ class LayerMerger:
     def _read_layer(self, layer: int, device: torch.device | str = "cpu") -> tuple[LayerAttention, dict]:
         """The layer's attention projections in float64 on `device`, and each tensor's stored dtype."""
         prefix = self.attn_prefix.format(layer=layer) + "."
-        geo = self.geometry
+        geo = layer_geometry(self.geometry, layer)  # the layer's own KV heads, where a source's layers differ
         dtypes = {}
 
         def read(rel: str) -> torch.Tensor | None:
@@ -218,25 +222,26 @@ class LayerMerger:
         )
         return attention, dtypes
 
-    def _solve(self, attention: LayerAttention, c: torch.Tensor | CrossMoments) -> LayerSolution:
+    def _solve(self, attention: LayerAttention, c: torch.Tensor | CrossMoments, g: int) -> LayerSolution:
         order = None
         if self.grouping == "similarity":
-            order = similarity_order(head_similarity(attention, input_moment(c)).cpu(), self.num_kv_heads)
+            order = similarity_order(head_similarity(attention, input_moment(c)).cpu(), g)
             attention = permute_kv_heads(attention, order)
-        return LayerSolution(order, self.strategy.solve(attention, self.num_kv_heads, c))
+        return LayerSolution(order, self.strategy.solve(attention, g, c))
 
     def solve(self, layer: int, c: torch.Tensor) -> None:
         """Decide what `layer`'s merge takes from its moment `c` ([(D+1)², float64), on c's device
         (a GPU's float64 when calibration ran there), and keep it (on the CPU) for the write."""
         attention, _ = self._read_layer(layer, c.device)
-        self.solutions[layer] = self._solve(attention, c).to("cpu")
+        self.solutions[layer] = self._solve(attention, c, self.allocation[layer]).to("cpu")
 
     def _merge(self, layer: int) -> dict[str, torch.Tensor]:
         prefix = self.attn_prefix.format(layer=layer) + "."
         attention, dtypes = self._read_layer(layer)
+        g = self.allocation[layer]
         solution = self.solutions.pop(layer, None)
         if solution is None:
-            solution = self._solve(attention, self._second_moment(layer))
+            solution = self._solve(attention, self._second_moment(layer), g)
         renumbered = {}
         if solution.order is not None:
             attention = permute_kv_heads(attention, solution.order)
@@ -248,7 +253,7 @@ class LayerMerger:
             role = "bias" if field.endswith("_b") else "weight"
             return PoolingContext(role, prefix + kv_field_name(self.layout, field), self.seed, self.init_std)
 
-        attention = self.strategy.pool_layer(attention, self.num_kv_heads, solution.merge, context)
+        attention = self.strategy.pool_layer(attention, g, solution.merge, context)
         fields = {f: getattr(attention, f) for f in FIELDS}
         return renumbered | {
             prefix + rel: t.to(dtypes[rel]).contiguous()

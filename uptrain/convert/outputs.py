@@ -70,17 +70,53 @@ def copy_side_files(src: Path, dst: Path, config: dict) -> None:
 
 
 def groups_used(
-    source_kv_heads: int, num_kv_heads: int, kv_orders: dict[int, list[int]] | None = None
+    source_kv_heads: int | tuple[int, ...],
+    num_kv_heads: int | tuple[int, ...],
+    kv_orders: dict[int, list[int]] | None = None,
 ) -> list[list[int]] | dict[str, list[list[int]]]:
-    """Source KV heads merged into each new KV head: one list of groups (contiguous grouping),
+    """Source KV heads merged into each new KV head: one list of groups (contiguous grouping, one G),
     or per layer when `similarity` grouping renumbered the heads (`kv_orders`: layer → source
-    KV heads in their new order, consecutive runs of which form the groups)."""
-    if not kv_orders:
+    KV heads in their new order, consecutive runs of which form the groups) or the layers' KV
+    heads differ (tuples: each layer's, source and output)."""
+    if not kv_orders and isinstance(source_kv_heads, int) and isinstance(num_kv_heads, int):
         return kv_groups(source_kv_heads, num_kv_heads)
-    r = source_kv_heads // num_kv_heads
-    return {
-        str(layer): [order[j * r : (j + 1) * r] for j in range(num_kv_heads)]
-        for layer, order in sorted(kv_orders.items())
+    tuples = [h for h in (num_kv_heads, source_kv_heads) if isinstance(h, tuple)]
+    layers = len(tuples[0]) if tuples else max(kv_orders) + 1
+    sources = _each_layer(source_kv_heads, layers)
+    targets = _each_layer(num_kv_heads, layers)
+
+    def groups(layer: int) -> list[list[int]]:
+        order, r = kv_orders.get(layer) if kv_orders else None, sources[layer] // targets[layer]
+        if order is None:
+            return kv_groups(sources[layer], targets[layer])
+        return [order[j * r : (j + 1) * r] for j in range(targets[layer])]
+
+    return {str(layer): groups(layer) for layer in (sorted(kv_orders) if kv_orders else range(layers))}
+
+
+def _each_layer(kv_heads: int | tuple[int, ...], layers: int) -> tuple[int, ...]:
+    return kv_heads if isinstance(kv_heads, tuple) else (kv_heads,) * layers
+
+
+def heads_record(geo: AttentionGeometry, kv_heads: int | tuple[int, ...], kv_orders: dict | None) -> dict:
+    """One attention's KV heads, groups and query → KV map in `uptrain.json`: one G as always; where
+    the output's (or the source's) layers differ, the largest under `num_key_value_heads` (as
+    config.json's key), each layer's under `…_per_layer`, and the groups and map per layer."""
+    source = geo.layer_kv_heads() if geo.kv_heads_per_layer is not None else geo.num_kv_heads
+    record = {"source_num_key_value_heads": geo.num_kv_heads}
+    if isinstance(source, tuple):
+        record["source_num_key_value_heads_per_layer"] = list(source)
+    if isinstance(kv_heads, int):
+        return record | {
+            "num_key_value_heads": kv_heads,
+            "kv_groups": groups_used(source, kv_heads, kv_orders),
+            "query_to_kv": query_to_kv(geo.num_heads, kv_heads),
+        }
+    return record | {
+        "num_key_value_heads": max(kv_heads),
+        "num_key_value_heads_per_layer": list(kv_heads),
+        "kv_groups": groups_used(source, kv_heads, kv_orders),
+        "query_to_kv": {str(layer): query_to_kv(geo.num_heads, g) for layer, g in enumerate(kv_heads)},
     }
 
 
@@ -94,13 +130,15 @@ def provenance(
     grouping: str = "contiguous",
     kv_orders: dict | None = None,
     calibration: dict | None = None,
+    budget: dict | None = None,
 ) -> dict:
     """The `uptrain.json` record of a conversion: where from (with the Hub commit), how, and the
     groups actually merged. The source is named portably (`ResolvedSource.name`: its Hub id, else
     its folder's name), with `base_model` the Hub id it derives from where one is known.
 
     `kv_orders` (similarity grouping): layer → source KV heads in their new order; an
-    encoder–decoder's per attention renumbered (`SiteMergers.kv_orders`)."""
+    encoder–decoder's per attention renumbered (`SiteMergers.kv_orders`). `budget`: how a
+    `--kv-budget` was spent (`kv_budget`, `allocation`, and what chose it), recorded as given."""
     geo = plan.geometry
     site_orders: dict[str, dict[int, list[int]]] = {}
     if plan.encoder_decoder:  # the top-level fields are the decoder self-attention's
@@ -119,20 +157,16 @@ def provenance(
         "seed": seed,
         "dtype": dtype,
         "num_attention_heads": geo.num_heads,
-        "source_num_key_value_heads": geo.num_kv_heads,
-        "num_key_value_heads": plan.num_kv_heads,
-        "kv_groups": groups_used(geo.num_kv_heads, plan.num_kv_heads, kv_orders),
-        "query_to_kv": query_to_kv(geo.num_heads, plan.num_kv_heads),
+        # The decoder self-attention's (an encoder–decoder's too, as config.json's
+        # num_key_value_heads): the cache that grows with each generated token.
+        **heads_record(geo, plan.kv_heads_after()[DECODER_SELF], kv_orders),
     }
+    if budget is not None:
+        record.update(budget)
     if plan.encoder_decoder:
-        # Each attention's heads; the top-level keys above are the decoder self-attention's
-        # (as config.json's num_key_value_heads), the cache that grows with each generated token.
+        # Each attention's heads beside the top-level keys (the decoder self-attention's).
         after = plan.kv_heads_after()
         record.update(
-            num_attention_heads=geo.num_heads,
-            num_key_value_heads=after[DECODER_SELF],
-            kv_groups=groups_used(geo.num_kv_heads, after[DECODER_SELF], kv_orders),
-            query_to_kv=query_to_kv(geo.num_heads, after[DECODER_SELF]),
             attention=list(plan.attention),
             attentions={
                 name: _attention_record(stack.geometry, after[name], site_orders.get(name))
@@ -149,16 +183,15 @@ def provenance(
     return record
 
 
-def _attention_record(geo: AttentionGeometry, kv_heads: int, kv_orders: dict[int, list[int]] | None) -> dict:
+def _attention_record(
+    geo: AttentionGeometry, kv_heads: int | tuple[int, ...], kv_orders: dict[int, list[int]] | None
+) -> dict:
     """One attention's heads and groups in an encoder–decoder's record (`kv_orders`: as `groups_used`'s)."""
     record = {
         "num_layers": geo.num_layers,
         "num_attention_heads": geo.num_heads,
         "head_dim": geo.head_dim,
-        "source_num_key_value_heads": geo.num_kv_heads,
-        "num_key_value_heads": kv_heads,
-        "kv_groups": groups_used(geo.num_kv_heads, kv_heads, kv_orders),
-        "query_to_kv": query_to_kv(geo.num_heads, kv_heads),
+        **heads_record(geo, kv_heads, kv_orders),
     }
     if kv_orders:
         record["kv_head_order"] = {str(k): v for k, v in sorted(kv_orders.items())}
@@ -171,8 +204,40 @@ def _names(names) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
+def _kv_heads_phrase(a: dict) -> str:
+    """'4 KV heads', or 'each layer's own KV heads (8, 4, 4, 2, layer 0 first)' where the layers differ."""
+    per_layer = a.get("num_key_value_heads_per_layer")
+    if per_layer is None:
+        return f"{a['num_key_value_heads']} KV heads"
+    return f"each layer's own KV heads ({', '.join(map(str, per_layer))}, layer 0 first)"
+
+
+def _per_layer_groups_text(a: dict, renumbered: bool, where: str) -> str:
+    """How each layer's heads were grouped when the layers' KV heads differ (G_l: layer l's);
+    `where` names the record's fields in `uptrain.json`."""
+    h, kv = a["num_attention_heads"], a["source_num_key_value_heads"]
+    kv = "its source KV heads" if "source_num_key_value_heads_per_layer" in a else f"its {kv} source KV heads"
+    similar = "renumbered so that KV heads reading similar input directions share a group, then " if renumbered else ""
+    after = "after renumbering, " if renumbered else ""
+    return (
+        f"in layer l with G_l KV heads, {similar}each {'' if renumbered else 'contiguous '}group of {kv} / G_l "
+        f"became one; {after}query head i reads KV head i // ({h} / G_l) (groups and map per layer: "
+        f"{where} in `uptrain.json`)"
+    )
+
+
+def _budget_text(p: dict) -> str:
+    """What chose the heads, when a `--kv-budget` did."""
+    if p.get("kv_budget") is None:
+        return ""
+    return f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
+
+
 def _grouping_text(p: dict, layout: AttentionLayout) -> str:
     h, kv, g = p["num_attention_heads"], p["source_num_key_value_heads"], p["num_key_value_heads"]
+    if "num_key_value_heads_per_layer" in p:
+        text = _per_layer_groups_text(p, p.get("grouping") == "similarity", "`kv_groups`, `query_to_kv`")
+        return text[0].upper() + text[1:] + "."
     if p.get("grouping", "contiguous") == "similarity":
         return (
             f"Heads were first renumbered in each layer (query rows and biases, K/V rows and `{layout.o_proj}` "
@@ -258,13 +323,22 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
     cast = "" if p.get("dtype") is None else f" (cast to {p['dtype']})"
     attentions, chosen = p["attentions"], p["attention"]
     renumbered = p.get("grouping") == "similarity"
-    g = p["num_key_value_heads"] if "decoder-self" in chosen else attentions[chosen[0]]["num_key_value_heads"]
+    shown = attentions["decoder-self" if "decoder-self" in chosen else chosen[0]]
+    per_layer = any("num_key_value_heads_per_layer" in attentions[name] for name in chosen)
     lines = []
     for name in chosen:
         a = attentions[name]
         h, kv, new = a["num_attention_heads"], a["source_num_key_value_heads"], a["num_key_value_heads"]
         site = arch.site(name).layout
         modules = ",".join(site.kv_modules)
+        if "num_key_value_heads_per_layer" in a:
+            lines.append(
+                f"- {ATTENTION_NAMES[name]} ({a['num_layers']} layers, {h} query heads, head_dim {a['head_dim']}): "
+                f"{kv} → {_kv_heads_phrase(a)}; "
+                f"{_per_layer_groups_text(a, renumbered, f'`attentions.{name}.kv_groups`, `.query_to_kv`')}. "
+                f"Rewritten: `{site.attn_prefix.format(layer='{i}')}.{{{modules}}}`."
+            )
+            continue
         groups = (
             f"in each layer its heads were renumbered so that KV heads reading similar input directions share "
             f"a group, then each group of {kv // new} source KV heads became one (groups per layer: "
@@ -316,12 +390,13 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
         rewritten = f"`{q}` and the K and V projections ({parts})"
         data = _calibration_data_text(p)
         done = merge.card_text(MergeCard(arch, q, o, rewritten, data, moments, "each pooled attention", cast))
+    heads = "per-layer KV heads" if per_layer else f"{shown['num_key_value_heads']} KV heads"
     return (
-        f"Grouped-query attention with {g} KV heads in the "
+        f"Grouped-query attention with {heads} in the "
         + " and the ".join(ATTENTION_NAMES[n] for n in chosen)
         + ":\n\n"
         + "\n".join(lines)
-        + f"\n\n{done} Layout: {arch.notes}."
+        + f"\n\n{done}{_budget_text(p)} Layout: {arch.notes}."
     )
 
 
@@ -336,8 +411,9 @@ def model_card(p: dict, source_card: dict | None = None) -> str:
         if base:
             source += f" (derived from {_names([base] if isinstance(base, str) else base)})"
     source += f" (revision `{p['source_revision']}`)" if p.get("source_revision") else ""
+    heads = "per-layer" if "num_key_value_heads_per_layer" in p else p["num_key_value_heads"]
     if arch.encoder_decoder:
-        body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads in its decoder (converted by uptrain)
+        body = f"""# {p["model_type"]} with {heads} KV heads in its decoder (converted by uptrain)
 
 Converted from {source}, an encoder–decoder.
 
@@ -349,10 +425,10 @@ The weights have not been trained since conversion: uptrain them (`uptrain train
 """
         tags = [p["model_type"], "encoder-decoder"]
         return front_matter(base, source_card or {}, tags, arch.pipeline_tag) + "\n" + body
-    body = f"""# {p["model_type"]} with {p["num_key_value_heads"]} KV heads (converted by uptrain)
+    body = f"""# {p["model_type"]} with {heads} KV heads (converted by uptrain)
 
 Converted from {source} ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \
-to grouped-query attention with {p["num_key_value_heads"]} KV heads.
+to grouped-query attention with {_kv_heads_phrase(p)}.{_budget_text(p)}
 
 {_grouping_text(p, arch.site(DECODER_SELF).layout)}
 

@@ -97,7 +97,7 @@ def prepare(
     if out is not None:
         check_not_overlapping(Path(out).absolute(), source.folder)
     config = read_config(source.folder)
-    conversion = conversion_for(config, spec.num_kv_heads, strategy, spec.grouping, spec.attention, spec.seed)
+    conversion = conversion_for(config, spec.kv_heads, strategy, spec.grouping, spec.attention, spec.seed)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
@@ -142,7 +142,8 @@ def _prompt_keys(spec: ConversionSpec):
 
 def _solved_for(prepared: PreparedConversion) -> tuple:
     spec = prepared.spec
-    return (str(prepared.source.folder), spec.num_kv_heads, spec.pooling, spec.grouping)
+    allocation = tuple(sorted(prepared.plan.allocation.items()))  # each layer's KV heads decide its merge
+    return (str(prepared.source.folder), allocation, spec.pooling, spec.grouping)
 
 
 def calibrate(
@@ -178,6 +179,13 @@ def calibrate(
     if solver is None:
         return Calibration(moments, info)
     return Calibration({}, info, solver.solutions, _solved_for(prepared))
+
+
+def budget_record(spec: ConversionSpec) -> dict | None:
+    """What `uptrain.json` records of a `--kv-budget` (None without one): the budget and how it was spent."""
+    if spec.kv_budget is None:
+        return None
+    return {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
 
 
 def execute(
@@ -217,6 +225,7 @@ def execute(
             spec.grouping,
             merger.kv_orders,
             calibration.info if calibration is not None else None,
+            budget_record(spec),
         )
         (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(record, card_metadata(prepared.source.folder)))
@@ -226,14 +235,15 @@ def execute(
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
-    num_kv_heads: int,
+    num_kv_heads: int | None = None,
     *,
     overwrite: bool = False,
     progress: bool | None = None,
     calibration: Calibration | None = None,
     **options: Any,
 ) -> Path:
-    """Convert the checkpoint at `src` to `num_kv_heads` KV heads and write it to `out`.
+    """Convert the checkpoint at `src` to `num_kv_heads` KV heads (or, instead, `kv_heads_per_layer`
+    or `kv_budget` among `options`) and write it to `out`.
 
     `options` are the keys of `ConversionSpec` (pooling, grouping, seed, dtype, calibration_data,
     calibration_tokens, calibration_device, source_hash, max_shard_size, …). Pass `calibration`

@@ -12,18 +12,12 @@ from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, Architecture, AttentionLayout, AttentionStack
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry
-from uptrain.convert.grouping import check_num_kv_heads, kv_groups
+from uptrain.convert.grouping import kv_groups
+from uptrain.convert.kv_heads import ATTENTION_NAMES, Allocation, layer_geometry, uniform_kv_heads
 from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_shapes
 from uptrain.convert.pooling import Role, Strategy
 from uptrain.convert.spec import parse_attention
 from uptrain.model_info import AttentionGeometry
-
-# How messages and the model card name each attention.
-ATTENTION_NAMES = {
-    "encoder": "encoder self-attention",
-    DECODER_SELF: "decoder self-attention",
-    "cross": "cross-attention",
-}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,17 +34,19 @@ class PlannedTensor:
     # "fused" only: where Q, K and V sit in the tensor (see AttentionLayout.fused_order).
     axis: int = 0
     order: str = "blocks"
-    # The geometry of the attention a pooled tensor belongs to (an encoder–decoder's attentions
-    # each have their own heads and head_dim); None: the plan's.
+    # The source geometry of the layer a pooled tensor belongs to (an encoder–decoder's attentions
+    # each have their own heads and head_dim; a per-layer source, each layer its own KV heads).
     geometry: AttentionGeometry | None = None
+    num_kv_heads: int | None = None  # a pooled tensor's: its layer's KV heads in the output
 
 
 @dataclass
 class ConversionPlan:
     geometry: AttentionGeometry  # the decoder self-attention's (a decoder-only model's only one)
-    num_kv_heads: int
+    # Each converted attention's KV heads per layer (`kv_heads.resolve_allocation`).
+    allocation: Allocation
     tensors: list[PlannedTensor] = field(default_factory=list)
-    # Every attention of the model and the ones whose K/V were pooled to `num_kv_heads`.
+    # Every attention of the model and the ones whose K/V were pooled (the allocation's).
     stacks: dict[str, AttentionStack] = field(default_factory=dict)
     attention: tuple[str, ...] = (DECODER_SELF,)
 
@@ -63,25 +59,37 @@ class ConversionPlan:
         return len(self.stacks) > 1
 
     @property
-    def config_kv_heads(self) -> int | dict[str, int]:
-        """What config.json records (`gqa_config`): G, or an encoder–decoder's KV heads per attention."""
-        return self.kv_heads_after() if self.encoder_decoder else self.num_kv_heads
+    def uniform_kv_heads(self) -> int | None:
+        """G when every converted layer has G KV heads (today's conversions); None when layers differ."""
+        return uniform_kv_heads(self.allocation)
 
-    def kv_heads_after(self) -> dict[str, int]:
-        """Each attention's KV heads in the output: G where chosen, the source's elsewhere."""
+    @property
+    def config_kv_heads(self) -> int | tuple[int, ...] | dict[str, int | tuple[int, ...]]:
+        """What config.json records (`gqa_config`): G (or each layer's KV heads), or an
+        encoder–decoder's per attention."""
+        after = self.kv_heads_after()
+        return after if self.encoder_decoder else after[DECODER_SELF]
+
+    def kv_heads_after(self) -> dict[str, int | tuple[int, ...]]:
+        """Each attention's KV heads in the output: its allocation where converted, the source's
+        elsewhere; one number where every layer has it, else one per layer."""
         return {
-            name: self.num_kv_heads if name in self.attention else stack.geometry.num_kv_heads
+            name: _one_or_each(self.allocation[name] if name in self.allocation else stack.geometry.layer_kv_heads())
             for name, stack in self.stacks.items()
         }
 
 
+def _one_or_each(heads: tuple[int, ...]) -> int | tuple[int, ...]:
+    return heads[0] if len(set(heads)) == 1 else heads
+
+
 def choose_attentions(
-    config: dict, arch: Architecture, attention: str, num_kv_heads: int
+    config: dict, arch: Architecture, attention: str
 ) -> tuple[dict[str, AttentionStack], tuple[str, ...]]:
-    """Every attention of the model and those `--attention` chooses, G checked against each
-    chosen one. The default (the decoder's self- and cross-attention) means a decoder-only
-    model's one attention; a list naming an attention the model lacks is refused, unless it is
-    the cross-attention beside the self-attention of a decoder without one."""
+    """Every attention of the model and those `--attention` chooses (their KV heads:
+    `kv_heads.resolve_allocation`). The default (the decoder's self- and cross-attention) means a
+    decoder-only model's one attention; a list naming an attention the model lacks is refused,
+    unless it is the cross-attention beside the self-attention of a decoder without one."""
     stacks = arch.stacks(config)
     named = parse_attention(attention)
     chosen = tuple(a for a in named if a in stacks)
@@ -91,14 +99,6 @@ def choose_attentions(
             f"--attention {attention}: {config.get('model_type')} is decoder-only, its one attention is "
             f"{', '.join(stacks)}"
         )
-    for name in chosen:
-        geo = stacks[name].geometry
-        try:
-            check_num_kv_heads(geo.num_heads, geo.num_kv_heads, num_kv_heads)
-        except UptrainError as err:
-            if len(stacks) == 1:
-                raise
-            raise UptrainError(f"{err} of its {ATTENTION_NAMES[name]}") from None
     return stacks, chosen
 
 
@@ -114,7 +114,7 @@ def plan_conversion(
     arch: Architecture,
     stacks: Mapping[str, AttentionStack],
     attention: Sequence[str],
-    num_kv_heads: int,
+    allocation: Allocation,
     cast: torch.dtype | None,
     strategy: Strategy,
     grouping: str = "contiguous",
@@ -122,8 +122,8 @@ def plan_conversion(
     """Decide every output tensor. Raises on a K/V tensor the layout does not describe.
 
     `stacks` are the model's attentions (`choose_attentions`) and `attention` those whose K/V
-    are pooled to `num_kv_heads`: every other tensor, the K/V of the attentions not chosen
-    included, is copied. When the strategy or grouping merges whole layers, each layer's Q, K,
+    are pooled, each layer to its KV heads in `allocation`: every other tensor, the K/V of the
+    attentions not chosen included, is copied. When the strategy or grouping merges whole layers, each layer's Q, K,
     V and O tensors are planned as one unit for `LayerMerger`.
     """
     geometry = stacks[DECODER_SELF].geometry
@@ -142,7 +142,7 @@ def plan_conversion(
     for name in attention:
         stack = stacks[name]
         kv_prefixes += _plan_stack(
-            tensors, stack.layout, stack.geometry, num_kv_heads, out_dtype, pooled, by_layer, strategy, grouping
+            tensors, stack.layout, stack.geometry, allocation[name], out_dtype, pooled, by_layer, strategy, grouping
         )
 
     consumed = {s for p in pooled.values() for s in p.sources}
@@ -150,7 +150,7 @@ def plan_conversion(
         if name not in consumed and name.startswith(tuple(kv_prefixes)):
             raise UptrainError(f"unknown tensor {name} inside a K/V module; refusing to guess how to pool it")
 
-    plan = ConversionPlan(geometry, num_kv_heads, stacks=dict(stacks), attention=tuple(attention))
+    plan = ConversionPlan(geometry, dict(allocation), stacks=dict(stacks), attention=tuple(attention))
     for info in source.order():
         if info.name in pooled:
             plan.tensors.append(pooled[info.name])
@@ -183,20 +183,22 @@ def _check_renumberable(tensors: dict, arch: Architecture, stack: AttentionStack
 def _plan_stack(
     tensors: dict,
     layout: AttentionLayout,
-    geometry: AttentionGeometry,
-    g: int,
+    stack_geometry: AttentionGeometry,
+    heads: tuple[int, ...],
     out_dtype,
     pooled: dict[str, PlannedTensor],
     by_layer: bool,
     strategy: Strategy,
     grouping: str,
 ) -> list[str]:
-    """Plan the pooled K/V tensors of one attention's every layer into `pooled`; returns the
-    name prefixes of its K/V modules (any tensor there must have been planned)."""
-    h, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+    """Plan the pooled K/V tensors of one attention's every layer (layer l to `heads[l]` KV heads)
+    into `pooled`; returns the name prefixes of its K/V modules (any tensor there must have been
+    planned)."""
     attn_prefix = layout.attn_prefix_in(tensors)
     kv_prefixes = []
-    for layer in range(geometry.num_layers):
+    for layer in range(stack_geometry.num_layers):
+        geometry, g = layer_geometry(stack_geometry, layer), heads[layer]
+        h, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         prefix = attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]
         if by_layer:  # the layer's Q, K, V and O as one unit for `LayerMerger`
@@ -213,7 +215,12 @@ def _plan_stack(
             if rows != kv * d:
                 raise UptrainError(f"{name} has {rows} rows, expected {kv} KV heads × {d} = {kv * d}")
             pooled[name] = PlannedTensor(
-                OutputEntry(name, out_dtype(name), (g * d, *rest)), [name], "rows", _role(rel), geometry=geometry
+                OutputEntry(name, out_dtype(name), (g * d, *rest)),
+                [name],
+                "rows",
+                _role(rel),
+                geometry=geometry,
+                num_kv_heads=g,
             )
         for rel, role in ((layout.fused_qkv, "weight"), (layout.fused_qkv_bias, "bias")):
             if rel is None:
@@ -239,6 +246,7 @@ def _plan_stack(
                 axis=axis,
                 order=layout.fused_order,
                 geometry=geometry,
+                num_kv_heads=g,
             )
         for template in layout.per_head_kv:
             heads = [prefix + template.format(head=i) for i in range(kv)]
@@ -256,5 +264,6 @@ def _plan_stack(
                     "per_head",
                     _role(template),
                     geometry=geometry,
+                    num_kv_heads=g,
                 )
     return kv_prefixes

@@ -16,7 +16,8 @@ from typing import Literal
 
 from uptrain import UptrainError
 from uptrain.architecture import DEFAULT_ATTENTIONS, STACK_KV_HEADS
-from uptrain.options import REQUIRED, Schema, option, validated
+from uptrain.convert.kv_heads import KVHeadsRequest, kv_heads_problem, parse_kv_heads_per_layer
+from uptrain.options import Schema, option, validated
 
 Grouping = Literal["contiguous", "similarity"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -76,6 +77,49 @@ def kv_heads_option(default, help: str, **spelling):
     """The `num_kv_heads` key of a schema: one G (`uptrain convert`, `uptrain train`'s `source`)
     or several (`uptrain compare`), each at least 1."""
     return option(default, at_least=1, metavar="G", help=help, **spelling)
+
+
+def _per_layer_problem(value: str) -> str | None:
+    try:
+        parse_kv_heads_per_layer(value)
+    except UptrainError as err:
+        return str(err)
+    return None
+
+
+Allocation = Literal["uniform", "calibrated"]
+
+
+def kv_heads_per_layer_option(help: str = "each layer's KV heads"):
+    """The `kv_heads_per_layer` key of a schema (`uptrain convert`, `uptrain train`'s `source`)."""
+    return option(
+        None,
+        metavar="LISTS",
+        check=_per_layer_problem,
+        help=f"{help}: a comma list, one entry per layer (8,4,4,2), each dividing that layer's KV heads; an "
+        "encoder–decoder's converted attentions' lists split by / in model order (encoder, decoder-self, cross)",
+    )
+
+
+def kv_budget_option():
+    """The `kv_budget` key of a schema."""
+    return option(
+        None,
+        above=0,
+        at_most=1,
+        metavar="F",
+        help="the output's KV cache as a fraction of the source's (0.25: a quarter): KV heads × head_dim summed "
+        "over the converted attentions' layers; --allocation says how it is spent",
+    )
+
+
+def allocation_option():
+    """The `allocation` key of a schema."""
+    return option(
+        "uniform",
+        help="how --kv-budget is spent: uniform (one G for every layer, which must give F exactly) or calibrated "
+        "(each layer's KV heads chosen by what its merge loses on calibration data)",
+    )
 
 
 def parse_attention(value: str) -> tuple[str, ...]:
@@ -161,9 +205,15 @@ class ConversionSpec(ConversionOptions):
     source: str = option(
         positional=True, metavar="src", help="checkpoint folder (safetensors, single or sharded) or a Hub id"
     )
-    num_kv_heads: int = kv_heads_option(
-        REQUIRED, "KV heads after conversion; must divide the attention heads and the current KV heads", flags=("-g",)
+    num_kv_heads: int | None = kv_heads_option(
+        None,
+        "KV heads after conversion, every layer alike; must divide the attention heads and the current KV heads "
+        "(or give --kv-heads-per-layer, or --kv-budget)",
+        flags=("-g",),
     )
+    kv_heads_per_layer: str | None = kv_heads_per_layer_option("KV heads after conversion, layer by layer")
+    kv_budget: float | None = kv_budget_option()
+    allocation: Allocation = allocation_option()
     seed: int = seed_option("seed of `random` pooling")
     dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")
     calibration_data: str | list[str] | None = option(
@@ -205,6 +255,17 @@ class ConversionSpec(ConversionOptions):
     )
     text_field: str = option("text", flag=False, help="column holding the text in jsonl/parquet/Hub data")
     sample_by: Literal["line", "paragraph", "document"] = option("paragraph", flag=False, help="one document in .txt")
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
+            found.append(problem)
+        return found
+
+    @property
+    def kv_heads(self) -> KVHeadsRequest:
+        """The KV heads asked for (-g, --kv-heads-per-layer or --kv-budget), for `resolve_allocation`."""
+        return KVHeadsRequest.of(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
 
 
 @dataclass(frozen=True)

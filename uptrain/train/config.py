@@ -18,7 +18,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, conversion_spec, kv_heads_option, seed_option
+from uptrain.convert.kv_heads import kv_heads_problem
+from uptrain.convert.spec import (
+    Allocation,
+    ConversionOptions,
+    ConversionSpec,
+    allocation_option,
+    conversion_spec,
+    kv_budget_option,
+    kv_heads_option,
+    kv_heads_per_layer_option,
+    seed_option,
+)
 from uptrain.options import (
     MAX_CONFIG_BYTES,
     Schema,
@@ -290,18 +301,30 @@ class RunTarget(Schema):
         help="MHA checkpoint to convert first (same code as `uptrain convert`); the result is written to "
         "OUTPUT_DIR/converted and trained",
     )
-    num_kv_heads: int | None = kv_heads_option(None, "KV heads after conversion; required with `source`")
+    num_kv_heads: int | None = kv_heads_option(
+        None, "KV heads after conversion, every layer alike; `source` needs it, kv_heads_per_layer or kv_budget"
+    )
+    kv_heads_per_layer: str | None = kv_heads_per_layer_option("KV heads after conversion of `source`, layer by layer")
+    kv_budget: float | None = kv_budget_option()
+    allocation: Allocation = allocation_option()
+
+    # The keys that choose the converted KV heads, each applied to `source` only.
+    KV_HEADS_KEYS = ("num_kv_heads", "kv_heads_per_layer", "kv_budget")
 
     def problems(self) -> list[str]:
         found = super().problems()
+        given = [key for key in self.KV_HEADS_KEYS if getattr(self, key) is not None]
         if (self.model is None) == (self.source is None):
             found.append(
                 "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
             )
-        elif self.source is not None and self.num_kv_heads is None:
-            found.append("`source` needs `num_kv_heads`")
-        elif self.source is None and self.num_kv_heads is not None:
-            found.append("`num_kv_heads` only applies with `source`; `model` is trained as it is")
+        elif self.source is not None and not given:
+            found.append("`source` needs `num_kv_heads` (or `kv_heads_per_layer`, or `kv_budget`)")
+        elif self.source is None and (given or self.allocation != "uniform"):
+            key = given[0] if given else "allocation"
+            found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
+        elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
+            found.append(problem)
         return found
 
 
@@ -352,7 +375,8 @@ class TrainConfig(
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        return training_conversion(self, source=self.source, num_kv_heads=self.num_kv_heads)
+        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, "allocation")}
+        return training_conversion(self, source=self.source, **kv_heads)
 
     @property
     def trackers(self) -> list[str]:
@@ -392,7 +416,7 @@ CALIBRATED_AS_TRAINED = {
 }
 
 
-def training_conversion(run, *, source: str, num_kv_heads: int, **chosen) -> ConversionSpec:
+def training_conversion(run, *, source: str, num_kv_heads: int | None, **chosen) -> ConversionSpec:
     """The conversion a run with `run`'s keys (`TrainData`, `StepShape`, `ConversionOptions` and a
     seed: a `TrainConfig` or a `CompareSpec`) starts with: its conversion keys, calibrated on its
     training text (`CALIBRATED_AS_TRAINED`); `chosen` overrides any key (compare's pooling per run)."""

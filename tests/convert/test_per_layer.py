@@ -1,0 +1,298 @@
+"""Per-layer KV heads (#32): `--kv-heads-per-layer` and `--kv-budget`, checked at the weight level on
+tiny real models (uptrain's modeling learns per-layer heads elsewhere; these outputs are read here as
+tensors and config keys).
+
+Each converted layer must equal the uniform conversion at that layer's G, a layer whose K/V heads
+are identical within its groups must pool losslessly at its G (and lossily at another), and a
+uniform allocation however asked for must write exactly today's config.json and tensors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.convert.test_encoder_decoder import MODELS
+from tests.modeling.classic_models import HEAD_DIM, HEADS, build
+from uptrain.cli import main
+from uptrain.convert.in_memory import converted_tensors
+from uptrain.convert.kv_heads import KVHeadsRequest
+from uptrain.model_info import attention_geometry, read_config, stack_geometry
+
+# Each decoder-only family's K and V rows per layer, from transformers' own layout (written here,
+# independently of uptrain's layout tables): name pattern → how to view [kv heads, head_dim, …].
+LAYER = re.compile(r"\.(\d+)\.")
+
+
+def kv_views(model_type: str, name: str, t: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
+    """Views `[kv heads, head_dim, …]` of a tensor's K and V parts (None: not a K/V tensor)."""
+    q = HEADS * HEAD_DIM
+    if model_type == "gpt2" and name.endswith("attn.c_attn.weight"):  # Conv1D [in, Q | K | V]
+        kv = (t.shape[1] - q) // 2
+        return tuple(
+            t[:, q + i * kv : q + (i + 1) * kv].view(-1, kv // HEAD_DIM, HEAD_DIM).permute(1, 2, 0) for i in (0, 1)
+        )
+    if model_type == "gpt2" and name.endswith("attn.c_attn.bias"):
+        kv = (t.shape[0] - q) // 2
+        return tuple(t[q + i * kv : q + (i + 1) * kv].view(kv // HEAD_DIM, HEAD_DIM) for i in (0, 1))
+    heads = t.shape[0] // HEAD_DIM
+    if model_type == "opt" and re.search(r"self_attn\.k_proj\.(weight|bias)$", name):
+        return t.view(heads, HEAD_DIM, *t.shape[1:]), None
+    if model_type == "opt" and re.search(r"self_attn\.v_proj\.(weight|bias)$", name):
+        return None, t.view(heads, HEAD_DIM, *t.shape[1:])
+    return None
+
+
+def tie_heads(model, model_type: str, groups: tuple[int, ...]) -> None:
+    """Layer l's K and V heads each equal to the first head of its contiguous group of HEADS / groups[l]."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            views = kv_views(model_type, name, p.data)
+            if views is None:
+                continue
+            r = HEADS // groups[int(LAYER.search(name).group(1))]
+            for heads in views:
+                if heads is not None:
+                    for i in range(HEADS):
+                        heads[i] = heads[(i // r) * r]
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(f))
+    return found
+
+
+def convert(src: Path, out: Path, *flags) -> Path:
+    assert main(["convert", str(src), str(out), "--source-hash", "none", *map(str, flags)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    built = {}
+
+    def get(model_type: str, groups: tuple[int, ...] | None = None) -> Path:
+        if (model_type, groups) not in built:
+            model = build(model_type)
+            if groups is not None:
+                tie_heads(model, model_type, groups)
+            built[model_type, groups] = tmp_path_factory.mktemp(model_type) / "src"
+            model.save_pretrained(built[model_type, groups])
+        return built[model_type, groups]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_identical_heads_pool_losslessly_at_their_allocation_only(model_type, sources, tmp_path):
+    """Layer 0's heads are equal in pairs (G = 4), layer 1's in fours (G = 2): at 4,2 every K/V
+    head of the source is its group's pooled head exactly (`first` keeps bits; `mean` of equal
+    values within float rounding), and at 2,4 layer 0 loses what its pairs held apart."""
+    src = sources(model_type, (4, 2))
+    before = tensors(src)
+    for pooling in ("first", "mean"):
+        after = tensors(convert(src, tmp_path / pooling, "--kv-heads-per-layer", "4,2", "--pooling", pooling))
+        checked = 0
+        for name, t in before.items():
+            views = kv_views(model_type, name, t)
+            if views is None:
+                continue
+            g = (4, 2)[int(LAYER.search(name).group(1))]
+            for source, pooled in zip(views, kv_views(model_type, name, after[name]), strict=True):
+                if source is None:
+                    continue
+                assert pooled.shape == (g, *source.shape[1:]), name  # the layer's own heads
+                expanded = pooled.repeat_interleave(HEADS // g, dim=0)  # each query head's KV head
+                if pooling == "first":
+                    assert torch.equal(expanded, source), name
+                else:
+                    torch.testing.assert_close(expanded, source, rtol=1e-6, atol=0)
+                checked += 1
+        assert checked >= 4  # K and V of both layers
+    swapped = tensors(convert(src, tmp_path / "swapped", "--kv-heads-per-layer", "2,4"))
+    lossy = [
+        name
+        for name, t in before.items()
+        if (views := kv_views(model_type, name, t)) and ".0." in name
+        for source, pooled in zip(views, kv_views(model_type, name, swapped[name]), strict=True)
+        if source is not None and not torch.allclose(pooled.repeat_interleave(4, dim=0), source)
+    ]
+    assert lossy  # layer 0 at 2 merges pairs that differ
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "opt", "falcon"])
+def test_each_layer_equals_the_uniform_conversion_at_its_g(model_type, sources, tmp_path):
+    """Layer l of a 4,2 conversion is, tensor for tensor, layer l of `-g 4` (l = 0) or `-g 2` (l = 1);
+    every tensor outside attention is the source's, bit for bit."""
+    src = sources(model_type)
+    mixed = tensors(convert(src, tmp_path / "mixed", "--kv-heads-per-layer", "4,2"))
+    uniform = {g: tensors(convert(src, tmp_path / f"g{g}", "-g", g)) for g in (4, 2)}
+    assert sorted(mixed) == sorted(uniform[4])
+    for name, t in mixed.items():
+        layer = LAYER.search(name)
+        reference = uniform[(4, 2)[int(layer.group(1))]] if layer else uniform[4]
+        assert t.dtype == reference[name].dtype and torch.equal(t, reference[name]), name
+
+
+def test_config_and_record_list_each_layers_heads(sources, tmp_path):
+    """config.json: the list beside the scalar key, which holds the largest; uptrain.json: the heads,
+    groups and query → KV map per layer; the card says so; model_info reads it back."""
+    src = sources("gpt2")
+    out = convert(src, tmp_path / "out", "--kv-heads-per-layer", "4,1")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_key_value_heads"], config["num_key_value_heads_per_layer"]) == (4, [4, 1])
+    geometry = attention_geometry(read_config(out))
+    assert geometry.kv_heads_per_layer == (4, 1)
+    assert geometry.kv_cache_bytes_per_token(4) == 2 * (4 + 1) * HEAD_DIM * 4
+    record = json.loads((out / "uptrain.json").read_text())
+    assert (record["num_key_value_heads"], record["num_key_value_heads_per_layer"]) == (4, [4, 1])
+    assert record["kv_groups"] == {"0": [[0, 1], [2, 3], [4, 5], [6, 7]], "1": [list(range(8))]}
+    assert record["query_to_kv"] == {"0": [0, 0, 1, 1, 2, 2, 3, 3], "1": [0] * 8}
+    card = (out / "README.md").read_text()
+    assert "with per-layer KV heads" in card and "each layer's own KV heads (4, 1, layer 0 first)" in card
+    assert "--kv-budget" not in card
+
+
+def test_a_uniform_allocation_writes_todays_checkpoint(sources, tmp_path):
+    """4,4 and --kv-budget 0.5 are -g 4: the same config.json bytes, tensors and record keys."""
+    src = sources("gpt2")
+    today = convert(src, tmp_path / "g", "-g", 4)
+    for flags, budget in ((("--kv-heads-per-layer", "4,4"), None), (("--kv-budget", 0.5), 0.5)):
+        out = convert(src, tmp_path / f"{flags[0]}", *flags)
+        assert (out / "config.json").read_bytes() == (today / "config.json").read_bytes()
+        before, after = tensors(today), tensors(out)
+        assert sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
+        records = [json.loads((f / "uptrain.json").read_text()) for f in (today, out)]
+        added = {"kv_budget": budget, "allocation": "uniform"} if budget else {}
+        assert set(records[1]) == set(records[0]) | set(added)
+        assert {k: records[1][k] for k in added} == added
+        for key in ("num_key_value_heads", "kv_groups", "query_to_kv"):
+            assert records[0][key] == records[1][key]
+    card = (tmp_path / "--kv-budget" / "README.md").read_text()
+    assert "`--kv-budget 0.5` (`--allocation uniform`)" in card
+
+
+def test_in_memory_equals_the_checkpoint(sources, tmp_path):
+    """`converted_tensors` with per-layer heads equals `uptrain convert`'s tensors (one conversion)."""
+    src = sources("gpt_neox")
+    out = tensors(convert(src, tmp_path / "out", "--kv-heads-per-layer", "2,8"))
+    model = build("gpt_neox")
+    converted, plan = converted_tensors(model, KVHeadsRequest(per_layer=((2, 8),)))
+    assert plan.allocation == {"decoder-self": (2, 8)} and plan.config_kv_heads == (2, 8)
+    assert sorted(converted) == sorted(out)
+    assert all(torch.equal(converted[n], out[n]) for n in out)
+
+
+def test_similarity_grouping_takes_each_layers_g(sources, tmp_path):
+    """Whole-layer merges (similarity grouping, weight space) solve each layer at its own G: layer l
+    equals the uniform merge at G_l, and the record's per-layer groups have G_l groups."""
+    src = sources("opt")
+    out = convert(src, tmp_path / "mixed", "--kv-heads-per-layer", "2,4", "--grouping", "similarity")
+    mixed = tensors(out)
+    uniform = {g: tensors(convert(src, tmp_path / f"g{g}", "-g", g, "--grouping", "similarity")) for g in (2, 4)}
+    for name, t in mixed.items():
+        layer = LAYER.search(name)
+        reference = uniform[(2, 4)[int(layer.group(1))]] if layer else uniform[2]
+        assert torch.equal(t, reference[name]), name
+    groups = json.loads((out / "uptrain.json").read_text())["kv_groups"]
+    assert [len(groups[layer]) for layer in ("0", "1")] == [2, 4]
+
+
+def test_encoder_decoder_lists_per_attention(tmp_path):
+    """T5 (2 encoder blocks, 3 decoder blocks): decoder-self and cross each get their own list; each
+    layer equals the uniform conversion at its G; the mirror `num_key_value_heads` is the decoder's scalar."""
+    model_class, config = MODELS["t5"]
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    model_class(config()).save_pretrained(src)
+    out = convert(src, tmp_path / "out", "--kv-heads-per-layer", "8,2,4/1,2,2")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["decoder_num_key_value_heads"] == 8 and saved["decoder_num_key_value_heads_per_layer"] == [8, 2, 4]
+    assert saved["cross_attention_num_key_value_heads"] == 2
+    assert saved["cross_attention_num_key_value_heads_per_layer"] == [1, 2, 2]
+    assert saved["num_key_value_heads"] == 8 and "num_key_value_heads_per_layer" not in saved
+    keys = dict(layers_key="num_decoder_layers", heads_key="num_heads", head_dim_key="d_kv", hidden_key="d_model")
+    cross = stack_geometry(saved, kv_heads_key="cross_attention_num_key_value_heads", **keys)
+    assert cross.kv_heads_per_layer == (1, 2, 2) and cross.kv_cache_bytes_per_token(2) == 2 * 5 * 6 * 2
+    record = json.loads((out / "uptrain.json").read_text())
+    assert record["attentions"]["cross"]["num_key_value_heads_per_layer"] == [1, 2, 2]
+    assert record["attentions"]["decoder-self"]["kv_groups"]["1"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "num_key_value_heads_per_layer" not in record["attentions"]["encoder"]
+    card = (out / "README.md").read_text()
+    assert "with per-layer KV heads in its decoder" in card and "8 → each layer's own KV heads (1, 2, 2" in card
+    mixed = tensors(out)
+    uniform = {g: tensors(convert(src, tmp_path / f"g{g}", "-g", g)) for g in (8, 4, 2, 1)}
+    allocation = {"SelfAttention": (8, 2, 4), "EncDecAttention": (1, 2, 2)}
+    for name, t in mixed.items():
+        g = 8  # the encoder and everything outside the decoder's attentions: the source's
+        if m := re.fullmatch(r"decoder\.block\.(\d+)\.layer\.\d\.(SelfAttention|EncDecAttention)\.[kv]\.weight", name):
+            g = allocation[m.group(2)][int(m.group(1))]
+            assert t.shape == (g * 6, 32), name
+        assert torch.equal(t, uniform[g][name]), name
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (
+            ["--kv-heads-per-layer", "4,2,1"],
+            "--kv-heads-per-layer 4,2,1: 3 entries for the 2 layers; give one per layer",
+        ),
+        (["--kv-heads-per-layer", "4,3"], "--kv-heads-per-layer: layer 1's 3 does not divide the model's 8 attention"),
+        (["--kv-heads-per-layer", "4,16"], "--kv-heads-per-layer: layer 1's 16 exceeds the model's 8 attention heads"),
+        (["--kv-heads-per-layer", "4,x"], "'4,x' is not a comma list of whole numbers ≥ 1"),
+        (["--kv-heads-per-layer", "4,0"], "'4,0' is not a comma list of whole numbers ≥ 1"),
+        (["--kv-heads-per-layer", "4,2/2,2"], "--kv-heads-per-layer gives 2 lists (split by /), and the conversion"),
+        (["--kv-budget", "0.3"], "--kv-budget 0.3 with --allocation uniform: no single G gives that fraction"),
+        (["--kv-budget", "0"], "`kv_budget`: must be more than 0"),
+        (["--kv-budget", "1.5"], "`kv_budget`: must be at most 1"),
+        (["-g", "2", "--kv-budget", "0.25"], "give exactly one of -g/--num-kv-heads G, --kv-heads-per-layer"),
+        ([], "give exactly one of -g/--num-kv-heads G, --kv-heads-per-layer LISTS or --kv-budget F (none was given)"),
+        (["-g", "2", "--allocation", "calibrated"], "--allocation calibrated spends a --kv-budget; with -g"),
+        (["--kv-budget", "0.25", "--allocation", "calibrated"], "--allocation calibrated: "),
+    ],
+)
+def test_refusals_are_one_line_and_write_nothing(flags, expected, sources, capsys, tmp_path):
+    from tests.convert.test_errors import fails
+
+    fails(capsys, tmp_path, [sources("gpt2"), *flags], expected)
+
+
+def test_a_family_on_transformers_own_modeling_refuses_per_layer_heads(capsys, tmp_path):
+    """Llama's config holds one num_key_value_heads for transformers: per-layer heads are refused in
+    one line (one G, however asked for, converts as always)."""
+    from tests.convert.test_errors import fails
+    from tests.convert.tiny_models import build_model, save
+
+    src = save(build_model("llama"), tmp_path / "src")
+    fails(capsys, tmp_path, [src, "--kv-heads-per-layer", "4,2"], "per-layer KV heads for llama need uptrain's")
+    convert(src, tmp_path / "uniform", "--kv-heads-per-layer", "2,2")
+    assert json.loads((tmp_path / "uniform" / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+def test_an_encoder_decoders_lists_follow_attention(tmp_path, capsys):
+    """One list per converted attention: the default converts the decoder's two, --attention another set."""
+    from tests.convert.test_errors import fails
+
+    model_class, config = MODELS["bart"]
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    model_class(config()).save_pretrained(src)
+    fails(capsys, tmp_path, [src, "--kv-heads-per-layer", "4,2"], "converts 2 attentions (decoder-self, cross")
+    out = convert(src, tmp_path / "converted", "--kv-heads-per-layer", "2,1/8,2", "--attention", "encoder,cross")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["encoder_num_key_value_heads_per_layer"] == [2, 1]
+    assert saved["cross_attention_num_key_value_heads_per_layer"] == [8, 2]
+    assert "decoder_num_key_value_heads_per_layer" not in saved
+    fails(
+        capsys,
+        tmp_path,
+        [src, "--kv-heads-per-layer", "8,1/8,2", "--attention", "encoder,cross"],
+        "--kv-heads-per-layer: layer 0's 8 exceeds the model's 4 attention heads of its encoder self-attention",
+    )

@@ -1,0 +1,196 @@
+"""How many KV heads each converted layer gets: what the user asked (`-g G`, `--kv-heads-per-layer`,
+`--kv-budget F` with `--allocation`) resolved once, per source, into an allocation.
+
+An allocation maps each converted attention (`decoder-self`; an encoder–decoder's `encoder`,
+`decoder-self`, `cross` as `--attention` chooses) to a tuple of KV-head counts, one per layer of
+that attention; uniform G is `(G,) * layers`. Everything after `resolve_allocation` (the plan, the
+merges, config.json, uptrain.json) reads the allocation, never G. Pure Python: `uptrain convert`
+checks its arguments with it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from uptrain import UptrainError
+from uptrain.convert.grouping import check_num_kv_heads
+from uptrain.model_info import AttentionGeometry, divisors
+
+Allocation = Mapping[str, tuple[int, ...]]  # converted attention → each layer's KV heads
+
+# How messages and the model card name each attention.
+ATTENTION_NAMES = {
+    "encoder": "encoder self-attention",
+    "decoder-self": "decoder self-attention",
+    "cross": "cross-attention",
+}
+
+
+def parse_kv_heads_per_layer(value: str) -> tuple[tuple[int, ...], ...]:
+    """'8,4,4,2/4,4,2,2' → ((8, 4, 4, 2), (4, 4, 2, 2)): a comma list of each layer's KV heads per
+    converted attention, several attentions' lists split by `/` in model order (encoder,
+    decoder-self, cross)."""
+    lists = []
+    for part in value.split("/"):
+        entries = [e.strip() for e in part.split(",")]
+        if not all(e.isdecimal() and int(e) >= 1 for e in entries):
+            raise UptrainError(
+                f"--kv-heads-per-layer {value!r}: {part.strip()!r} is not a comma list of whole numbers ≥ 1 "
+                "(one per layer; several attentions' lists split by /)"
+            )
+        lists.append(tuple(int(e) for e in entries))
+    return tuple(lists)
+
+
+@dataclass(frozen=True)
+class KVHeadsRequest:
+    """What a conversion was asked for: exactly one of one G, explicit per-layer lists, or a
+    budget (a fraction of the source's KV bytes per token) spent by `allocation`."""
+
+    num_kv_heads: int | None = None
+    per_layer: tuple[tuple[int, ...], ...] | None = None
+    budget: float | None = None
+    allocation: str = "uniform"
+
+    @classmethod
+    def of(cls, num_kv_heads: int | None, kv_heads_per_layer: str | None, kv_budget: float | None, allocation: str):
+        """The request of a spec's keys (validated there: exactly one given)."""
+        per_layer = None if kv_heads_per_layer is None else parse_kv_heads_per_layer(kv_heads_per_layer)
+        return cls(num_kv_heads, per_layer, kv_budget, allocation)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the allocation is measured on calibration data (`--allocation calibrated`)."""
+        return self.budget is not None and self.allocation == "calibrated"
+
+
+def kv_heads_problem(num_kv_heads, kv_heads_per_layer, kv_budget, allocation: str) -> str | None:
+    """The spec-level rule: exactly one of -g, --kv-heads-per-layer, --kv-budget; --allocation
+    only with a budget."""
+    flags = {"-g": num_kv_heads, "--kv-heads-per-layer": kv_heads_per_layer, "--kv-budget": kv_budget}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if len(given) != 1:
+        said = f"{' and '.join(given)} were given" if given else "none was given"
+        return f"give exactly one of -g/--num-kv-heads G, --kv-heads-per-layer LISTS or --kv-budget F ({said})"
+    if allocation != "uniform" and kv_budget is None:
+        return f"--allocation {allocation} spends a --kv-budget; with {given[0]} the heads are already chosen"
+    return None
+
+
+def layer_geometry(geometry: AttentionGeometry, layer: int) -> AttentionGeometry:
+    """One layer's geometry, uniform at that layer's KV heads: what pooling one layer reads (a source
+    with per-layer KV heads has K/V rows of its own size in each layer)."""
+    if geometry.kv_heads_per_layer is None:
+        return geometry
+    return replace(geometry, num_kv_heads=geometry.kv_heads_per_layer[layer], kv_heads_per_layer=None)
+
+
+def per_layer(allocation: Allocation) -> bool:
+    """Whether some converted attention's layers differ in KV heads (config.json then lists them)."""
+    return any(len(set(heads)) > 1 for heads in allocation.values())
+
+
+def uniform_kv_heads(allocation: Allocation) -> int | None:
+    """The one G of an allocation whose every converted layer has it; None when layers differ."""
+    values = {g for heads in allocation.values() for g in heads}
+    return values.pop() if len(values) == 1 else None
+
+
+def kv_fraction(geometries: Mapping[str, AttentionGeometry], allocation: Allocation) -> Fraction:
+    """The output's KV heads × head_dim summed over the converted attentions' layers, as a fraction
+    of the source's: what `--kv-budget` bounds (K and V, and the dtype, cancel)."""
+    after = sum(sum(heads) * geometries[name].head_dim for name, heads in allocation.items())
+    before = sum(sum(geometries[name].layer_kv_heads()) * geometries[name].head_dim for name in allocation)
+    return Fraction(after, before)
+
+
+def resolve_allocation(
+    geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], request: KVHeadsRequest | int
+) -> dict[str, tuple[int, ...]]:
+    """Each chosen attention's KV heads per layer, every entry checked to divide that layer's
+    source KV heads (and so its query heads). `geometries`: the source's attentions."""
+    if isinstance(request, int):
+        request = KVHeadsRequest(num_kv_heads=request)
+    if request.num_kv_heads is not None:
+        return _uniform(geometries, chosen, request.num_kv_heads, "--num-kv-heads")
+    if request.per_layer is not None:
+        return _explicit(geometries, chosen, request.per_layer)
+    if request.allocation == "calibrated":
+        return calibrated_allocation(geometries, chosen, request.budget)
+    return _uniform_budget(geometries, chosen, request.budget)
+
+
+def calibrated_allocation(
+    geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], budget: float
+) -> dict[str, tuple[int, ...]]:
+    """`--allocation calibrated`: the allocation with the least summed merge loss within the budget
+    (uptrain/convert/allocation.py, measured on calibration data)."""
+    raise UptrainError(
+        "--allocation calibrated: the calibrated allocation is not built yet; use --allocation uniform or "
+        "--kv-heads-per-layer"
+    )
+
+
+def _label(geometries: Mapping[str, AttentionGeometry], name: str) -> str:
+    """' of its cross-attention' for an encoder–decoder's attention; nothing for a decoder-only model's."""
+    return "" if len(geometries) == 1 else f" of its {ATTENTION_NAMES[name]}"
+
+
+def _uniform(geometries, chosen, g: int, flag: str) -> dict[str, tuple[int, ...]]:
+    allocation = {}
+    for name in chosen:
+        geo = geometries[name]
+        for layer, kv in enumerate(geo.layer_kv_heads()):
+            try:
+                check_num_kv_heads(geo.num_heads, kv, g, flag)
+            except UptrainError as err:
+                where = "" if geo.kv_heads_per_layer is None else f" in layer {layer}"
+                raise UptrainError(f"{err}{where}{_label(geometries, name)}") from None
+        allocation[name] = (g,) * geo.num_layers
+    return allocation
+
+
+def _explicit(geometries, chosen, lists: tuple[tuple[int, ...], ...]) -> dict[str, tuple[int, ...]]:
+    if len(lists) != len(chosen):
+        raise UptrainError(
+            f"--kv-heads-per-layer gives {len(lists)} list{'s' * (len(lists) != 1)} (split by /), and the conversion "
+            f"converts {len(chosen)} attention{'s' * (len(chosen) != 1)} ({', '.join(chosen)}; --attention chooses): "
+            "one list per converted attention, in model order"
+        )
+    allocation = {}
+    for name, heads in zip(chosen, lists, strict=True):
+        geo = geometries[name]
+        if len(heads) != geo.num_layers:
+            raise UptrainError(
+                f"--kv-heads-per-layer {','.join(map(str, heads))}: {len(heads)} entries for the "
+                f"{geo.num_layers} layers{_label(geometries, name)}; give one per layer"
+            )
+        for layer, (kv, g) in enumerate(zip(geo.layer_kv_heads(), heads, strict=True)):
+            try:
+                check_num_kv_heads(geo.num_heads, kv, g, f"--kv-heads-per-layer: layer {layer}'s")
+            except UptrainError as err:
+                raise UptrainError(f"{err}{_label(geometries, name)}") from None
+        allocation[name] = heads
+    return allocation
+
+
+def _uniform_budget(geometries, chosen, budget: float) -> dict[str, tuple[int, ...]]:
+    """`--kv-budget F --allocation uniform`: the one G (dividing every chosen layer's KV heads) whose
+    fraction of the source's KV bytes is F."""
+    common = math.gcd(*(kv for name in chosen for kv in geometries[name].layer_kv_heads()))
+    options = {}
+    for g in sorted(divisors(common), reverse=True):
+        allocation = {name: (g,) * geometries[name].num_layers for name in chosen}
+        options[g] = kv_fraction(geometries, allocation)
+        # A budget is a decimal the user typed (0.25, 0.125, 0.3333): equal to a G's fraction to
+        # float precision, not to the bit.
+        if math.isclose(options[g], budget, rel_tol=1e-9):
+            return allocation
+    shown = ", ".join(f"G={g}: {float(f):g}" for g, f in options.items())
+    raise UptrainError(
+        f"--kv-budget {budget:g} with --allocation uniform: no single G gives that fraction of the source's KV "
+        f"bytes ({shown}); give one of those fractions, or --kv-heads-per-layer"
+    )

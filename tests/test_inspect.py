@@ -244,3 +244,36 @@ def test_inspect_refuses_a_damaged_head_order_in_one_line(capsys, tmp_path):
         f"uptrain inspect: error: {path}: `kv_head_order` is not a mapping of layers to head orders; "
         "it is not a record uptrain wrote"
     )
+
+
+def test_inspect_shows_each_layers_kv_heads_and_sums_their_cache(capsys, tmp_path):
+    """A conversion with per-layer KV heads: each layer's shown, the cache summed layer by layer
+    (not layers × the largest), each layer's groups; the G rows: one G for every layer instead."""
+    from tests.modeling.classic_models import build as build_classic
+
+    build_classic("gpt2").save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--kv-heads-per-layer", "4,1"]) == 0
+    info = run_json(capsys, tmp_path / "out", "--context", 10)
+    assert (info["num_key_value_heads"], info["num_key_value_heads_per_layer"]) == (4, [4, 1])
+    assert info["kv_cache_bytes_per_token"] == 2 * (4 + 1) * 8 * 4
+    assert [o["num_kv_heads"] for o in info["options"]] == [1]  # the one G dividing 4 and 1
+    assert info["conversion"]["kv_groups"] == {"0": [[0, 1], [2, 3], [4, 5], [6, 7]], "1": [list(range(8))]}
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "8 query, 4, 1 KV (layer by layer), head_dim 8" in text and "KV cache      320 B per token" in text
+    assert "layer 0: [0 1] [2 3] [4 5] [6 7]" in text and "layer 1: [0 1 2 3 4 5 6 7]" in text
+
+
+def test_inspect_sums_an_encoder_decoders_per_layer_caches(capsys, tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=6, d_ff=40, num_layers=2, num_decoder_layers=3, num_heads=8)
+    save(T5ForConditionalGeneration(config), tmp_path / "src")
+    flags = ["--kv-heads-per-layer", "8,2,4/1,2,2"]
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), *flags]) == 0
+    info = run_json(capsys, tmp_path / "out", "--context", 10)
+    assert info["kv_cache_bytes_per_token"] == 2 * (8 + 2 + 4) * 6 * 4
+    assert info["cross_kv_cache_bytes_per_source_token"] == 2 * (1 + 2 + 2) * 6 * 4
+    assert info["attentions"]["cross"]["num_key_value_heads_per_layer"] == [1, 2, 2]
+    assert "num_key_value_heads_per_layer" not in info["attentions"]["encoder"]
+    assert [o["num_kv_heads"] for o in info["options"]] == [1]

@@ -466,3 +466,17 @@ def test_converted_encoder_decoder_caches_shrink_exactly_h_over_g(model_type, se
     assert (r["kv_cache_bytes"] - r["cross_attention_cache_bytes"]) * 4 == (
         mha["kv_cache_bytes"] - mha["cross_attention_cache_bytes"]
     )
+
+
+def test_the_cache_of_per_layer_kv_heads_is_summed_layer_by_layer(tmp_path):
+    """What `uptrain speed` checks and reports of a conversion with per-layer KV heads: each layer's
+    own cache, summed (not layers × the largest), read from config.json without loading the model."""
+    from tests.modeling.classic_models import build as build_classic
+    from uptrain.cli import main
+    from uptrain.speed_checks import model_shape
+
+    build_classic("gpt2").save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--kv-heads-per-layer", "4,1"]) == 0
+    shape = model_shape(tmp_path / "out", "per-layer")
+    assert shape.geometry.kv_heads_per_layer == (4, 1)
+    assert shape.cache_bytes(batch=3, context=10, new_tokens=2, dtype="float16") == 2 * (4 + 1) * 8 * 2 * 3 * 12

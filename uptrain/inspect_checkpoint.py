@@ -8,6 +8,10 @@ decoder's two) can give; the encoder's own K/V are never cached. Its decoder gen
 its positions (Whisper: 448): the default context is clamped to them, and a larger `--context`
 is refused.
 
+A checkpoint whose layers have KV heads of their own (`--kv-heads-per-layer`, `--kv-budget`) shows
+each layer's, and its cache is their sum layer by layer; the G rows are what one G for every layer
+would give instead (a G dividing every layer's KV heads).
+
 A checkpoint converted by uptrain (or uptrained from one) also shows how its KV heads were
 grouped, from its `uptrain.json`: the groups, and under `similarity` grouping each layer's
 renumbering of the heads (`kv_head_order`), per attention for an encoder–decoder.
@@ -105,6 +109,7 @@ def inspect_checkpoint(src: str, context: int | None = None, batch: int = 1, dty
         "num_layers": geo.num_layers,
         "num_attention_heads": geo.num_heads,
         "num_key_value_heads": geo.num_kv_heads,
+        **_per_layer(geo),
         "head_dim": geo.head_dim,
         "hidden_size": geo.hidden_size,
         "parameters": parameters,
@@ -190,7 +195,7 @@ def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, 
     source = config.get(arch.source_positions_key) if arch.source_positions_key else None
     source_len = source if isinstance(source, int) and not isinstance(source, bool) and source > 0 else context
 
-    def caches(g_self: int, g_cross: int) -> dict:
+    def caches(g_self: int | None, g_cross: int | None) -> dict:
         per_token = decoder.kv_cache_bytes_per_token(dtype_bytes, g_self)
         per_source = cross.kv_cache_bytes_per_token(dtype_bytes, g_cross)
         return {
@@ -199,10 +204,10 @@ def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, 
             "kv_cache_bytes": (per_token * context + per_source * source_len) * batch,
         }
 
-    current = caches(decoder.num_kv_heads, cross.num_kv_heads)
+    current = caches(None, None)  # each layer's own KV heads, summed
     options = []
-    # `-g G` pools both decoder attentions: G divides the KV heads of each.
-    for g in divisors(math.gcd(decoder.num_kv_heads, cross.num_kv_heads)):
+    # `-g G` pools both decoder attentions: G divides the KV heads of each (every layer's).
+    for g in divisors(math.gcd(*decoder.layer_kv_heads(), *cross.layer_kv_heads())):
         at_g = caches(g, g)
         options.append(
             {
@@ -219,6 +224,7 @@ def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, 
         "num_layers": decoder.num_layers,
         "num_attention_heads": decoder.num_heads,
         "num_key_value_heads": decoder.num_kv_heads,
+        **_per_layer(decoder),
         "head_dim": decoder.head_dim,
         "hidden_size": decoder.hidden_size,
         "attentions": {
@@ -226,6 +232,7 @@ def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, 
                 "num_layers": stack.geometry.num_layers,
                 "num_attention_heads": stack.geometry.num_heads,
                 "num_key_value_heads": stack.geometry.num_kv_heads,
+                **_per_layer(stack.geometry),
                 "head_dim": stack.geometry.head_dim,
             }
             for name, stack in stacks.items()
@@ -235,6 +242,19 @@ def _encoder_decoder_report(config: dict, arch: Architecture, dtype_bytes: int, 
         **current,
         "options": options,
     }
+
+
+def _per_layer(geo) -> dict:
+    """`num_key_value_heads_per_layer` where the layers' KV heads differ (the scalar is then the largest)."""
+    return {} if geo.kv_heads_per_layer is None else {"num_key_value_heads_per_layer": list(geo.kv_heads_per_layer)}
+
+
+def _kv_text(info: dict) -> str:
+    """'4 KV', or each layer's: '8, 4, 4, 2 KV (layer by layer)'."""
+    per_layer = info.get("num_key_value_heads_per_layer")
+    if per_layer is None:
+        return f"{info['num_key_value_heads']} KV"
+    return f"{', '.join(map(str, per_layer))} KV (layer by layer)"
 
 
 def human_bytes(n: float) -> str:
@@ -253,8 +273,7 @@ def format_report(info: dict) -> str:
         f"source        {info['source']}",
         f"architecture  {info['model_type']}" + ("" if info["convertible"] else "  (not convertible by uptrain yet)"),
         f"layers        {info['num_layers']}",
-        f"heads         {info['num_attention_heads']} query, {info['num_key_value_heads']} KV, "
-        f"head_dim {info['head_dim']}",
+        f"heads         {info['num_attention_heads']} query, {_kv_text(info)}, head_dim {info['head_dim']}",
         *_grouping_lines(info["conversion"]),
         f"parameters    {params}",
         f"KV cache      {human_bytes(info['kv_cache_bytes_per_token'])} per token, "
@@ -306,7 +325,7 @@ def _format_encoder_decoder(info: dict) -> str:
     params = "unknown" if info["parameters"] is None else f"{info['parameters']:,}"
     unit = info["source_unit"]
     attentions = [
-        f"{name:<13} {a['num_layers']} layers, {a['num_attention_heads']} query, {a['num_key_value_heads']} KV, "
+        f"{name:<13} {a['num_layers']} layers, {a['num_attention_heads']} query, {_kv_text(a)}, "
         f"head_dim {a['head_dim']}"
         for name, a in info["attentions"].items()
     ]

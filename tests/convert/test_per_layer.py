@@ -296,3 +296,40 @@ def test_an_encoder_decoders_lists_follow_attention(tmp_path, capsys):
         [src, "--kv-heads-per-layer", "8,1/8,2", "--attention", "encoder,cross"],
         "--kv-heads-per-layer: layer 0's 8 exceeds the model's 4 attention heads of its encoder self-attention",
     )
+
+
+def test_calibrated_merge_solves_each_layer_at_its_g(tokenizer, calibration_text, tmp_path):
+    """`--pooling calibrated` solves each layer's merge while calibrating (`pipeline.calibrate`), at
+    that layer's G: layer l of 4,2 equals layer l of the uniform calibrated merge at G_l, bit for bit."""
+    from tests.convert.test_calibrated import save as save_with_tokenizer
+    from tests.convert.test_calibrated_classic import build as build_calibrated
+    from uptrain.convert import convert_checkpoint
+
+    src = save_with_tokenizer(build_calibrated("gpt2", tokenizer), tokenizer, tmp_path / "src")
+    keys = dict(pooling="calibrated", calibration_data=str(calibration_text), calibration_tokens=512)
+    keys |= dict(calibration_device="cpu", source_hash="none", progress=False)
+    mixed = tensors(convert_checkpoint(src, tmp_path / "mixed", kv_heads_per_layer="4,2", **keys))
+    uniform = {g: tensors(convert_checkpoint(src, tmp_path / f"g{g}", g, **keys)) for g in (4, 2)}
+    for name, t in mixed.items():
+        layer = LAYER.search(name)
+        reference = uniform[(4, 2)[int(layer.group(1))]] if layer else uniform[4]
+        assert torch.equal(t, reference[name]), name
+    record = json.loads((tmp_path / "mixed" / "uptrain.json").read_text())
+    assert record["num_key_value_heads_per_layer"] == [4, 2] and record["calibration"]["tokens"] > 0
+
+
+def test_encoder_decoder_similarity_takes_each_layers_g(tmp_path):
+    """BART, similarity grouping in weight space over the decoder's two attentions: each layer's
+    merge at its own G, as the uniform merge at that G."""
+    model_class, config = MODELS["bart"]
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    model_class(config()).save_pretrained(src)
+    mixed = tensors(convert(src, tmp_path / "mixed", "--kv-heads-per-layer", "2,4/4,2", "--grouping", "similarity"))
+    uniform = {g: tensors(convert(src, tmp_path / f"g{g}", "-g", g, "--grouping", "similarity")) for g in (2, 4)}
+    allocation = {"self_attn": (2, 4), "encoder_attn": (4, 2)}
+    for name, t in mixed.items():
+        g = 2  # outside the decoder's attentions every conversion copies the source
+        if m := re.fullmatch(rf"model\.decoder\.layers\.(\d+)\.({'|'.join(allocation)})\..*", name):
+            g = allocation[m.group(2)][int(m.group(1))]
+        assert torch.equal(t, uniform[g][name]), name

@@ -162,3 +162,24 @@ def test_run_config_of_a_decoder_only_model_logs_the_same_fields_as_before(asset
     conversion = run_config(config, assets["gqa"], 2, 1, 8)["conversion"]
     assert list(conversion) == list(CONVERSION_FIELDS)
     assert "attention" not in CONVERSION_FIELDS and conversion["num_key_value_heads"] == 2
+
+
+def test_run_config_logs_each_layers_kv_heads_where_they_differ(tmp_path):
+    """A model converted with per-layer KV heads (or for a --kv-budget) logs them beside the fields
+    every conversion logs, so runs can be told apart by them."""
+    from tests.modeling.classic_models import build as build_classic
+    from uptrain.train.tracking import CONVERSION_FIELDS, run_config
+
+    build_classic("gpt2").save_pretrained(tmp_path / "src")
+    model = convert_checkpoint(tmp_path / "src", tmp_path / "gqa", kv_heads_per_layer="4,1", progress=False)
+    config = TrainConfig(model=str(model), train_data="t", eval_data="e", output_dir=str(tmp_path / "run"), **RUN)
+    conversion = run_config(config, model, 4, 1, 8)["conversion"]
+    assert list(conversion) == [*CONVERSION_FIELDS, "num_key_value_heads_per_layer"]
+    assert conversion["num_key_value_heads_per_layer"] == [4, 1] and conversion["num_key_value_heads"] == 4
+    budget = convert_checkpoint(tmp_path / "src", tmp_path / "budget", kv_budget=0.25, progress=False)
+    conversion = run_config(config, budget, 2, 1, 8)["conversion"]
+    assert (conversion["kv_budget"], conversion["allocation"], conversion["num_key_value_heads"]) == (
+        0.25,
+        "uniform",
+        2,
+    )

@@ -184,20 +184,20 @@ def _plan_stack(
     tensors: dict,
     layout: AttentionLayout,
     stack_geometry: AttentionGeometry,
-    heads: tuple[int, ...],
+    allocation: tuple[int, ...],
     out_dtype,
     pooled: dict[str, PlannedTensor],
     by_layer: bool,
     strategy: Strategy,
     grouping: str,
 ) -> list[str]:
-    """Plan the pooled K/V tensors of one attention's every layer (layer l to `heads[l]` KV heads)
+    """Plan the pooled K/V tensors of one attention's every layer (layer l to `allocation[l]` KV heads)
     into `pooled`; returns the name prefixes of its K/V modules (any tensor there must have been
     planned)."""
     attn_prefix = layout.attn_prefix_in(tensors)
     kv_prefixes = []
     for layer in range(stack_geometry.num_layers):
-        geometry, g = layer_geometry(stack_geometry, layer), heads[layer]
+        geometry, g = layer_geometry(stack_geometry, layer), allocation[layer]
         h, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         prefix = attn_prefix.format(layer=layer) + "."
         kv_prefixes += [prefix + m + "." for m in layout.kv_modules]

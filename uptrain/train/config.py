@@ -323,7 +323,9 @@ class RunTarget(Schema):
         elif self.source is None and (given or self.allocation != "uniform"):
             key = given[0] if given else "allocation"
             found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
-        elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
+        elif self.source is not None and (
+            problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
+        ):
             found.append(problem)
         return found
 

@@ -88,8 +88,9 @@ class Run:
 
 
 class SourceConversion:
-    """`source` + `num_kv_heads`: the run converts its starting model into OUTPUT_DIR/converted,
-    with the pipeline of `uptrain convert` (calibrated on train_data when the conversion needs it).
+    """`source` + `num_kv_heads` (or `kv_heads_per_layer`, `kv_budget`): the run converts its starting
+    model into OUTPUT_DIR/converted, with the pipeline of `uptrain convert` (calibrated on train_data
+    when the conversion needs it).
 
     Two halves, because the run folder is started between them: building this runs `prepare`
     (headers and config only) on every process, before anything is written; `execute`
@@ -112,11 +113,18 @@ class SourceConversion:
         """Main process only, once the run folder is initialised."""
         if self.prepared is None:
             return
-        accelerator.print(
-            f"converting {self.config.source} to {self.config.num_kv_heads} KV heads "
-            f"({self.config.pooling}) → {self.folder}"
-        )
+        what = f"{self._kv_heads()} ({self.config.pooling})"
+        accelerator.print(f"converting {self.config.source} to {what} → {self.folder}")
         execute(self.prepared, str(self.folder), calibration=calibrate(self.prepared), progress=False)
+
+    def _kv_heads(self) -> str:
+        """The KV heads asked for, as the run's keys chose them."""
+        c = self.config
+        if c.num_kv_heads is not None:
+            return f"{c.num_kv_heads} KV heads"
+        if c.kv_heads_per_layer is not None:
+            return f"KV heads {c.kv_heads_per_layer} layer by layer"
+        return f"a KV budget of {c.kv_budget:g} ({c.allocation} allocation)"
 
     def __enter__(self) -> SourceConversion:
         return self

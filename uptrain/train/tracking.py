@@ -80,17 +80,27 @@ def ensure_wandb_never_prompts() -> str | None:
     return "wandb: no credentials configured, logging offline (sync later with `wandb sync`)"
 
 
+# Logged only where a record has them (a conversion with per-layer KV heads, or one that spent a
+# --kv-budget): runs converted with one G log exactly the fields above.
+PER_LAYER_FIELDS = ("num_key_value_heads_per_layer", "kv_budget", "allocation")
+
+
+def _per_layer_fields(record: dict) -> dict:
+    return {k: record[k] for k in PER_LAYER_FIELDS if k in record}
+
+
 def conversion_fields(conversion: dict) -> dict:
     """The conversion as the run config logs it: CONVERSION_FIELDS, and for an encoder–decoder
     the attentions pooled and, per attention (encoder, decoder-self, cross), ATTENTION_FIELDS, so
     that runs can be filtered by e.g. `conversion.attentions.cross.num_key_value_heads`."""
     values = {k: conversion.get(k) for k in CONVERSION_FIELDS}
+    values |= _per_layer_fields(conversion)
     attentions = conversion.get("attentions")
     if "attention" in conversion or isinstance(attentions, dict):
         values["attention"] = conversion.get("attention")
         values["attentions"] = (
             {
-                name: {k: a.get(k) for k in ATTENTION_FIELDS} if isinstance(a, dict) else None
+                name: {k: a.get(k) for k in ATTENTION_FIELDS} | _per_layer_fields(a) if isinstance(a, dict) else None
                 for name, a in attentions.items()
             }
             if isinstance(attentions, dict)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from uptrain.architecture import architecture, find_architecture, modeling_of
 from uptrain.architecture.converted import copy_modeling_files, native_per_layer_config
 from uptrain.architecture.decilm import block_configs, check_decilm, engine_ffn_width, ffn_mult_for
 from uptrain.model_info import layer_kv_heads
-from uptrain.modeling import per_layer_counterpart
+from uptrain.modeling import modeling_decilm, per_layer_counterpart
 from uptrain.modeling.modeling_decilm import DeciLMConfig, DeciLMForCausalLM
 
 BACKENDS = ["eager", "sdpa"]
@@ -339,3 +340,40 @@ def test_heads_equal_within_each_layers_groups_pool_losslessly(kv_heads):
         assert torch.equal(model(token_ids()).logits, expected)
         other = (1,) * len(kv_heads)  # a coarser allocation merges heads that differ
         assert not torch.allclose(pooled(llama, other)(token_ids()).logits, expected, atol=1e-3)
+
+
+def test_uptrain_convert_writes_the_layout_that_loads_as_the_pooled_model(tmp_path, capsys):
+    """`uptrain convert --kv-heads-per-layer 4,2` of a Llama writes the DeciLM layout with its
+    modeling beside the weights: it loads with the Auto class as the Llama whose layer l has its
+    K/V heads mean-pooled to kv_l (`pooled`), and as what `convert_model` gives in memory; pooled
+    again to one G it is transformers' Llama again."""
+    from uptrain.cli import main
+    from uptrain.convert import convert_model
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(llama_config()).eval()
+    with torch.no_grad():
+        for parameter in llama.parameters():
+            parameter.normal_(0, 0.3)
+    llama.save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--kv-heads-per-layer", "4,2"]) == 0
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["model_type"] == "nemotron-nas" and saved["num_key_value_heads_per_layer"] == [4, 2]
+    assert [b["attention"]["n_heads_in_group"] for b in saved["block_configs"]] == [1, 2]
+    assert (tmp_path / "out" / "modeling_decilm.py").read_bytes() == Path(modeling_decilm.__file__).read_bytes()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(loaded) is DeciLMForCausalLM
+    in_memory = convert_model(llama, kv_heads_per_layer=[4, 2])
+    assert type(in_memory) is DeciLMForCausalLM
+    with torch.no_grad():
+        expected = pooled(llama, (4, 2))(token_ids()).logits
+        assert torch.equal(loaded(token_ids()).logits, expected)
+        assert torch.equal(in_memory(token_ids()).logits, expected)
+
+    assert main(["convert", str(tmp_path / "out"), str(tmp_path / "g1"), "-g", "1"]) == 0
+    again = json.loads((tmp_path / "g1" / "config.json").read_text())
+    assert again["model_type"] == "llama" and again["architectures"] == ["LlamaForCausalLM"]
+    assert not {"block_configs", "num_key_value_heads_per_layer", "auto_map"} & set(again)
+    assert not list((tmp_path / "g1").glob("*.py"))
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "g1")) is LlamaForCausalLM
+    assert type(convert_model(in_memory, 1)) is LlamaForCausalLM

@@ -24,7 +24,7 @@ import copy
 import importlib
 
 import transformers
-from transformers import AutoConfig, AutoModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel
 
 from uptrain.architecture import converted_architectures, find_architecture, modeling_of
 from uptrain.architecture.converted import gqa_config, native_per_layer_config
@@ -61,13 +61,21 @@ def _register() -> None:
 _register()
 
 
-def gqa_counterpart(model, num_kv_heads: int):
+def gqa_counterpart(model, num_kv_heads: int | tuple[int, ...]):
     """`(model class, config)` for a copy of transformers model `model` with `num_kv_heads` KV
-    heads: its own class where transformers has native GQA, uptrain's GQA class (same task
-    head) where the architecture registry names one (gpt2, gpt_neox, …, t5, …)."""
+    heads (one G, or each layer's): its own class where transformers has native GQA, uptrain's
+    GQA class (same task head) where the architecture registry names one (gpt2, gpt_neox, …,
+    t5, …); a Llama with its own KV heads per layer in uptrain's DeciLM modeling
+    (`per_layer_counterpart`), and a DeciLM one pooled to one G in transformers' Llama again."""
     arch = find_architecture(model.config.model_type)
     modeling = None if arch is None else arch.modeling
     if modeling is None:
+        if isinstance(num_kv_heads, tuple):
+            return per_layer_counterpart(model, num_kv_heads)
+        if modeling_of(model.config.model_type) is not None:  # a per-layer layout, to one G
+            config = gqa_config(model.config.to_dict(), num_kv_heads)
+            own = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+            return own, CONFIG_MAPPING[config["model_type"]].from_dict(config)
         config = copy.deepcopy(model.config)
         config.num_key_value_heads = num_kv_heads
         return type(model), config

@@ -226,6 +226,8 @@ def test_loads_without_uptrain_under_transformers_4_57(saved):
     found = run_in(python, root)
     assert found["transformers"].startswith("4.57.") and found["transformers"] == versions["transformers"]
     assert found["results"] == expected
+    for name, kv_heads in ALLOCATIONS.items():  # 4.57's cache holds each layer's heads too
+        assert [shape[1] for shape in found["results"][f"{name}/eager"]["cache"]] == list(kv_heads)
 
 
 # vLLM (the cached CPU build) serves the layout with its own DeciLMForCausalLM: the MLP width

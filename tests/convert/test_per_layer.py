@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,57 @@ def test_encoder_decoder_similarity_takes_each_layers_g(tmp_path):
         if m := re.fullmatch(rf"model\.decoder\.layers\.(\d+)\.({'|'.join(allocation)})\..*", name):
             g = allocation[m.group(2)][int(m.group(1))]
         assert torch.equal(t, uniform[g][name]), name
+
+
+def test_a_budget_weighs_each_attentions_heads_by_its_head_dim():
+    """BART's encoder (4 heads of 8) and cross-attention (8 heads of 4), two layers each: one G spends
+    G × 8 and G × 4 per layer, so G = 2 is (2·8 + 2·4) / (4·8 + 8·4) = 3/8 of the source's bytes."""
+    from uptrain import UptrainError
+    from uptrain.convert.kv_heads import kv_fraction, resolve_allocation
+
+    geometries = {
+        "encoder": stack_geometry(
+            {"model_type": "bart", "encoder_layers": 2, "encoder_attention_heads": 4, "d_model": 32},
+            layers_key="encoder_layers",
+            heads_key="encoder_attention_heads",
+            kv_heads_key="encoder_num_key_value_heads",
+            head_dim_key=None,
+            hidden_key="d_model",
+        ),
+        "cross": stack_geometry(
+            {"model_type": "bart", "decoder_layers": 2, "decoder_attention_heads": 8, "d_model": 32},
+            layers_key="decoder_layers",
+            heads_key="decoder_attention_heads",
+            kv_heads_key="cross_attention_num_key_value_heads",
+            head_dim_key=None,
+            hidden_key="d_model",
+        ),
+    }
+    chosen = ("encoder", "cross")
+    assert resolve_allocation(geometries, chosen, KVHeadsRequest(budget=0.375)) == {"encoder": (2, 2), "cross": (2, 2)}
+    assert kv_fraction(geometries, {"encoder": (4, 1), "cross": (8, 2)}) == Fraction(4 * 8 + 1 * 8 + 8 * 4 + 2 * 4, 128)
+    with pytest.raises(
+        UptrainError, match=r"no single G gives that fraction .*\(G=4: 0\.75, G=2: 0\.375, G=1: 0\.1875\)"
+    ):
+        resolve_allocation(geometries, chosen, KVHeadsRequest(budget=0.5))
+
+
+def test_a_per_layer_checkpoint_pools_further_layer_by_layer(sources, capsys, tmp_path):
+    """A 4,2 gpt2_gqa output converts again: each layer from its own heads (one G must divide both),
+    and one G for every layer drops the list from config.json."""
+    first = convert(sources("gpt2"), tmp_path / "first", "--kv-heads-per-layer", "4,2")
+    again = convert(first, tmp_path / "again", "-g", 2, "--pooling", "first")
+    config = json.loads((again / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2 and "num_key_value_heads_per_layer" not in config
+    before, after = tensors(first), tensors(again)
+    layer1 = [n for n in before if ".1." in n]
+    assert layer1 and all(torch.equal(before[n], after[n]) for n in layer1)  # 2 → 2: the same bits
+    k0 = kv_views("gpt2", "h.0.attn.c_attn.weight", before["transformer.h.0.attn.c_attn.weight"])[0]
+    k0_after = kv_views("gpt2", "h.0.attn.c_attn.weight", after["transformer.h.0.attn.c_attn.weight"])[0]
+    assert torch.equal(k0_after, k0[::2])  # `first` of each pair of layer 0's 4 heads
+    record = json.loads((again / "uptrain.json").read_text())
+    assert record["source_num_key_value_heads_per_layer"] == [4, 2] and record["kv_groups"]["0"] == [[0, 1], [2, 3]]
+    from tests.convert.test_errors import fails
+
+    expected = "--num-kv-heads 4 does not divide the checkpoint's current 2 KV heads in layer 1"
+    fails(capsys, tmp_path, [first, "-g", 4], expected)

@@ -61,11 +61,6 @@ class KVHeadsRequest:
         per_layer = None if kv_heads_per_layer is None else parse_kv_heads_per_layer(kv_heads_per_layer)
         return cls(num_kv_heads, per_layer, kv_budget, allocation)
 
-    @property
-    def needs_calibration(self) -> bool:
-        """Whether the allocation is measured on calibration data (`--allocation calibrated`)."""
-        return self.budget is not None and self.allocation == "calibrated"
-
 
 def kv_heads_problem(num_kv_heads, kv_heads_per_layer, kv_budget, allocation: str) -> str | None:
     """The spec-level rule: exactly one of -g, --kv-heads-per-layer, --kv-budget; --allocation
@@ -91,12 +86,6 @@ def layer_geometry(geometry: AttentionGeometry, layer: int) -> AttentionGeometry
 def per_layer(allocation: Allocation) -> bool:
     """Whether some converted attention's layers differ in KV heads (config.json then lists them)."""
     return any(len(set(heads)) > 1 for heads in allocation.values())
-
-
-def uniform_kv_heads(allocation: Allocation) -> int | None:
-    """The one G of an allocation whose every converted layer has it; None when layers differ."""
-    values = {g for heads in allocation.values() for g in heads}
-    return values.pop() if len(values) == 1 else None
 
 
 def kv_fraction(geometries: Mapping[str, AttentionGeometry], allocation: Allocation) -> Fraction:

@@ -13,7 +13,7 @@ from uptrain.architecture import DECODER_SELF, Architecture, AttentionLayout, At
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.writer import OutputEntry
 from uptrain.convert.grouping import kv_groups
-from uptrain.convert.kv_heads import ATTENTION_NAMES, Allocation, layer_geometry, uniform_kv_heads
+from uptrain.convert.kv_heads import ATTENTION_NAMES, Allocation, layer_geometry
 from uptrain.convert.layer_merge import merges_whole_layers, whole_layer_shapes
 from uptrain.convert.pooling import Role, Strategy
 from uptrain.convert.spec import parse_attention
@@ -57,11 +57,6 @@ class ConversionPlan:
     @property
     def encoder_decoder(self) -> bool:
         return len(self.stacks) > 1
-
-    @property
-    def uniform_kv_heads(self) -> int | None:
-        """G when every converted layer has G KV heads (today's conversions); None when layers differ."""
-        return uniform_kv_heads(self.allocation)
 
     @property
     def config_kv_heads(self) -> int | tuple[int, ...] | dict[str, int | tuple[int, ...]]:

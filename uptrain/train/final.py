@@ -221,12 +221,20 @@ def _loss(metrics: dict | None) -> str:
     return f"{metrics['eval/loss']:.4f} (perplexity {metrics.get('eval/perplexity', float('nan')):.1f})"
 
 
+def _kv_heads(record: dict) -> str:
+    """'2 KV heads', or each layer's where a conversion gave the layers their own."""
+    per_layer = record.get("num_key_value_heads_per_layer")
+    if isinstance(per_layer, list):
+        return f"per-layer KV heads ({', '.join(map(str, per_layer))})"
+    return f"{record['num_key_value_heads']} KV heads"
+
+
 def _encoder_decoder_conversion(conversion: dict) -> str:
     """What uptrain's conversion did to each attention of an encoder–decoder."""
     attentions, chosen = conversion["attentions"], conversion["attention"]
     pooled = "; ".join(
         f"{ATTENTION_NAMES.get(name, name)} {attentions[name]['source_num_key_value_heads']} → "
-        f"{attentions[name]['num_key_value_heads']} KV heads"
+        f"{_kv_heads(attentions[name])}"
         for name in chosen
     )
     kept = [name for name in attentions if name not in chosen]
@@ -258,7 +266,7 @@ def uptrained_card(record: dict, start: Path) -> str:
         # portable(): records written before sources were named portably hold the absolute path.
         what = (
             f"`{portable(str(conversion['source']))}` converted by uptrain to "
-            f"{conversion['num_key_value_heads']} KV heads "
+            f"{_kv_heads(conversion)} "
             f"(from {conversion['source_num_key_value_heads']}; `{conversion['pooling']}` pooling, "
             f"`{conversion.get('grouping', 'contiguous')}` grouping; details in the starting checkpoint's "
             "record, embedded in `uptrain.json`), then uptrained."

@@ -215,8 +215,9 @@ COMMANDS = {
         convert,
         schema=_convert_schema,
         help="pool K/V heads of a checkpoint into fewer KV heads (MHA → GQA)",
-        description="Convert a Hugging Face checkpoint to grouped-query attention with G KV heads, streaming tensor "
-        "by tensor. Query head i reads KV head i // (heads / G).",
+        description="Convert a Hugging Face checkpoint to grouped-query attention with G KV heads (-g; or each "
+        "layer its own: --kv-heads-per-layer, --kv-budget), streaming tensor by tensor. Query head i reads KV head "
+        "i // (heads / G) (in each layer, that layer's G).",
     ),
     "inspect": Command(
         inspect,

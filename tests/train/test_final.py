@@ -479,3 +479,20 @@ def test_the_card_names_the_hub_task_of_the_model_family(model_type, task, tmp_p
     data = ModelCard.load(tmp_path / "README.md").data
     assert data.pipeline_tag == task and ("encoder-decoder" in data.tags) == (model_type != "llama")
     assert "- Objective: `pairs`" in card
+
+
+def test_the_uptrained_card_names_each_layers_kv_heads(tmp_path):
+    """The card of `final/` says what the conversion it started from gave each layer."""
+    from tests.modeling.classic_models import build as build_classic
+    from uptrain.convert import convert_checkpoint
+    from uptrain.train.final import uptrained_card
+
+    build_classic("gpt2").save_pretrained(tmp_path / "src")
+    start = convert_checkpoint(tmp_path / "src", tmp_path / "gqa", kv_heads_per_layer="4,1", progress=False)
+    config = {"seq_len": 16, "train_data": "t", "eval_data": "e", "lr": 1e-3, "warmup_steps": 0, "seed": 0}
+    run = {"config": config, "num_processes": 1, "tokens": 64, "steps": 2, "global_batch": 2}
+    run |= {"eval_before": None, "eval_after": None}
+    provenance = json.loads((start / "uptrain.json").read_text())
+    started = {"name": "gqa", "revision": None, "base_model": None, "provenance": provenance}
+    card = uptrained_card({"uptraining": run, "started_from": started, "uptrain_version": "0"}, start)
+    assert "converted by uptrain to per-layer KV heads (4, 1) (from 8;" in card

@@ -390,3 +390,21 @@ def test_a_per_layer_checkpoint_pools_further_layer_by_layer(sources, capsys, tm
 
     expected = "--num-kv-heads 4 does not divide the checkpoint's current 2 KV heads in layer 1"
     fails(capsys, tmp_path, [first, "-g", 4], expected)
+
+
+def test_convert_model_takes_the_same_three_ways():
+    """`convert_model` as `uptrain convert`: one G however asked for is the same model, and exactly one way is given."""
+    from tests.convert.tiny_models import build_model
+    from uptrain import UptrainError
+    from uptrain.convert import convert_model
+
+    model = build_model("llama")
+    by_g = convert_model(model, 2).state_dict()
+    for asked in (dict(kv_heads_per_layer=[2, 2]), dict(kv_heads_per_layer="2,2"), dict(kv_budget=0.25)):
+        converted = convert_model(model, **asked)
+        assert converted.config.num_key_value_heads == 2
+        assert all(torch.equal(t, by_g[n]) for n, t in converted.state_dict().items()), asked
+    with pytest.raises(UptrainError, match="give exactly one of -g/--num-kv-heads G"):
+        convert_model(model)
+    with pytest.raises(UptrainError, match="per-layer KV heads for llama need"):
+        convert_model(model, kv_heads_per_layer=[4, 2])

@@ -132,3 +132,13 @@ def test_the_keys_a_resume_may_change_are_keys():
     from uptrain.train.config import OPERATIONAL_KEYS
 
     assert OPERATIONAL_KEYS <= {k.name for k in keys_of(TrainConfig)}
+
+
+@pytest.mark.parametrize(
+    "written, read",
+    [([8, 4, 4, 2], "8,4,4,2"), ([[4, 2], [8, 1]], "4,2/8,1"), ("4,2", "4,2"), (2, "2")],
+)
+def test_kv_heads_per_layer_reads_a_yaml_list_as_the_flag_spells_it(tmp_path, written, read):
+    values = {**MINIMAL, "model": None, "source": "s", "kv_heads_per_layer": written}
+    config = load_config(write(tmp_path, {k: v for k, v in values.items() if v is not None}), {})
+    assert config.kv_heads_per_layer == read and config.conversion_spec().kv_heads_per_layer == read

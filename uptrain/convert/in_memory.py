@@ -21,7 +21,7 @@ from uptrain.convert.conversion import Calibration, conversion_for
 from uptrain.convert.kv_heads import KVHeadsRequest, kv_heads_problem
 from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import get_strategy
-from uptrain.convert.spec import ConversionOptions
+from uptrain.convert.spec import ConversionOptions, kv_heads_per_layer_text
 from uptrain.modeling import gqa_counterpart
 from uptrain.options import validated
 
@@ -85,14 +85,6 @@ def converted_tensors(
     return converted, conversion.plan
 
 
-def _per_layer_text(value) -> str | None:
-    """`kv_heads_per_layer` as `uptrain convert` spells it: [8, 4] → "8,4"; [[8, 4], [2, 2]] → "8,4/2,2"."""
-    if value is None or isinstance(value, str):
-        return value
-    lists = [value] if all(isinstance(v, int) for v in value) else value
-    return "/".join(",".join(str(v) for v in heads) for heads in lists)
-
-
 def convert_model(
     model,
     num_kv_heads: int | None = None,
@@ -117,7 +109,7 @@ def convert_model(
     model is left untouched; the copy keeps its dtype, device and train/eval mode.
     """
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
-    per_layer = _per_layer_text(kv_heads_per_layer)
+    per_layer = kv_heads_per_layer_text(kv_heads_per_layer)  # a list as the flag spells it
     if problem := kv_heads_problem(num_kv_heads, per_layer, kv_budget, allocation):
         raise UptrainError(problem)
     request = KVHeadsRequest.of(num_kv_heads, per_layer, kv_budget, allocation)

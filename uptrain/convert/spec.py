@@ -90,11 +90,23 @@ def _per_layer_problem(value: str) -> str | None:
 Allocation = Literal["uniform", "calibrated"]
 
 
+def kv_heads_per_layer_text(value):
+    """A YAML list (`[8, 4, 4, 2]`, or one list per attention) as the flag spells it ("8,4,4,2", "8,4/2,2");
+    a single layer's count (YAML reads `8` as a number) as "8"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, (list, tuple)):
+        return value
+    lists = value if value and all(isinstance(v, (list, tuple)) for v in value) else [value]
+    return "/".join(",".join(str(v) for v in heads) for heads in lists)
+
+
 def kv_heads_per_layer_option(help: str = "each layer's KV heads"):
     """The `kv_heads_per_layer` key of a schema (`uptrain convert`, `uptrain train`'s `source`)."""
     return option(
         None,
         metavar="LISTS",
+        before=kv_heads_per_layer_text,
         check=_per_layer_problem,
         help=f"{help}: a comma list, one entry per layer (8,4,4,2), each dividing that layer's KV heads; an "
         "encoder–decoder's converted attentions' lists split by / in model order (encoder, decoder-self, cross)",

@@ -290,3 +290,15 @@ def test_encoder_decoder_cost_finds_each_familys_stacks_and_cross_kv(model_type)
         p.numel() for n, p in model.named_parameters() if n.startswith("model.encoder.") and id(p) not in lookups
     )
     assert cost.encoder_params == encoder > 0
+
+
+def test_kv_cache_metrics_sum_each_layers_kv_heads(tmp_path):
+    """A conversion with per-layer KV heads logs the cache its layers hold, summed layer by layer."""
+    from tests.modeling.classic_models import build as build_classic
+    from uptrain.convert import convert_checkpoint
+    from uptrain.model_info import read_config
+
+    build_classic("gpt2").save_pretrained(tmp_path / "src")
+    gqa = convert_checkpoint(tmp_path / "src", tmp_path / "gqa", kv_heads_per_layer="4,1", progress=False)
+    # 2 (K and V) × (4 + 1) KV heads × head_dim 8 × 2 bytes, not 2 layers × the largest 4.
+    assert M.kv_cache_metrics(read_config(gqa), 2) == {"model/kv_cache_bytes_per_token": 2 * (4 + 1) * 8 * 2}

@@ -406,5 +406,5 @@ def test_convert_model_takes_the_same_three_ways():
         assert all(torch.equal(t, by_g[n]) for n, t in converted.state_dict().items()), asked
     with pytest.raises(UptrainError, match="give exactly one of -g/--num-kv-heads G"):
         convert_model(model)
-    with pytest.raises(UptrainError, match="per-layer KV heads for llama need"):
-        convert_model(model, kv_heads_per_layer=[4, 2])
+    with pytest.raises(UptrainError, match="Mistral cannot take its own KV heads per layer"):
+        convert_model(build_model("mistral"), kv_heads_per_layer=[4, 2])

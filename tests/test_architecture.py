@@ -15,6 +15,7 @@ from uptrain.architecture import (
     auto_class_name,
     converted_architectures,
     find_architecture,
+    modeling_of,
     source_model_type,
     supported_model_types,
 )
@@ -45,20 +46,29 @@ def test_every_record_is_consistent():
         assert record.attentions[0] in ATTENTIONS and DECODER_SELF in record.attentions
         assert record.attentions == tuple(a for a in ATTENTIONS if a in record.attentions)  # model order
         assert len(record.sites) in (1, 3)
-        if record.modeling is not None:
-            assert record.modeling.model_type == f"{source_model_type(record.modeling.model_type)}_gqa"
-            assert (MODELING_DIR / f"{record.modeling.module}.py").is_file()
-            siblings = {f"{m}.py" for m in record.modeling.siblings}
-            assert set(modeling_files(model_type)) == {f"{record.modeling.module}.py", "attention.py", *siblings}
+        # The modeling a checkpoint of this type is written with: a source's `*_gqa`, or the
+        # converted type's own (nemotron-nas: the per-layer layout of llama).
+        modeling = modeling_of(model_type) or record.modeling
+        if modeling is not None:
+            assert (MODELING_DIR / f"{modeling.module}.py").is_file()
+            siblings = {f"{m}.py" for m in modeling.siblings}
+            assert set(modeling_files(model_type)) == {f"{modeling.module}.py", "attention.py", *siblings}
             assert all(path.is_file() for path in modeling_files(model_type).values())
         else:
             assert modeling_files(model_type) == {}
+        if record.modeling is not None:
+            assert record.modeling.model_type == f"{source_model_type(record.modeling.model_type)}_gqa"
+        # A family transformers reads with one num_key_value_heads says how a per-layer output of it
+        # is written (a layout uptrain models) or why it is refused.
+        assert record.modeling is not None or bool(record.per_layer_modeling) != bool(record.per_layer_refusal)
     # Every modeling file on disk is some record's, and every converted type some record's
     # modeling (mT5 shares T5's): a new family adds a record and a file, and edits no list here.
-    with_modeling = [architecture(t).modeling for t in supported_model_types() if architecture(t).modeling]
-    assert {m.module for m in with_modeling} == {p.stem for p in MODELING_DIR.glob("modeling_*_gqa.py")}
+    records = [architecture(t) for t in supported_model_types()]
+    with_modeling = [m for r in records for m in (r.modeling, r.per_layer_modeling) if m is not None]
+    assert {m.module for m in with_modeling} == {p.stem for p in MODELING_DIR.glob("modeling_*.py")}
     assert set(converted_architectures()) == {m.model_type for m in with_modeling}
-    assert all(record.modeling.model_type == t for t, record in converted_architectures().items())
+    assert all(modeling_of(t).model_type == t for t in converted_architectures())
+    assert source_model_type("nemotron-nas") == "llama"
 
 
 def test_one_auto_class_per_config():

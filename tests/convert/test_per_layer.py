@@ -266,13 +266,15 @@ def test_refusals_are_one_line_and_write_nothing(flags, expected, sources, capsy
 
 
 def test_a_family_on_transformers_own_modeling_refuses_per_layer_heads(capsys, tmp_path):
-    """Llama's config holds one num_key_value_heads for transformers: per-layer heads are refused in
-    one line (one G, however asked for, converts as always)."""
+    """Mistral's config holds one num_key_value_heads for transformers, and the per-layer layout
+    engines serve (DeciLM, the Llama family's: tests/modeling/test_per_layer_llama.py) has no
+    sliding window: per-layer heads are refused in one line (one G, however asked for, converts
+    as always)."""
     from tests.convert.test_errors import fails
     from tests.convert.tiny_models import build_model, save
 
-    src = save(build_model("llama"), tmp_path / "src")
-    fails(capsys, tmp_path, [src, "--kv-heads-per-layer", "4,2"], "per-layer KV heads for llama need uptrain's")
+    src = save(build_model("mistral"), tmp_path / "src")
+    fails(capsys, tmp_path, [src, "--kv-heads-per-layer", "4,2"], "Mistral cannot take its own KV heads per layer")
     convert(src, tmp_path / "uniform", "--kv-heads-per-layer", "2,2")
     assert json.loads((tmp_path / "uniform" / "config.json").read_text())["num_key_value_heads"] == 2
 
@@ -404,5 +406,5 @@ def test_convert_model_takes_the_same_three_ways():
         assert all(torch.equal(t, by_g[n]) for n, t in converted.state_dict().items()), asked
     with pytest.raises(UptrainError, match="give exactly one of -g/--num-kv-heads G"):
         convert_model(model)
-    with pytest.raises(UptrainError, match="per-layer KV heads for llama need"):
-        convert_model(model, kv_heads_per_layer=[4, 2])
+    with pytest.raises(UptrainError, match="Mistral cannot take its own KV heads per layer"):
+        convert_model(build_model("mistral"), kv_heads_per_layer=[4, 2])

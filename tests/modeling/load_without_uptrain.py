@@ -25,8 +25,8 @@ def hexes(tensor: torch.Tensor) -> list[str]:
 
 def results(spec: dict, load) -> dict:
     """For each folder and backend (`load(folder, backend)` gives the model): logits of `ids`,
-    logits of the positions a left-padded batch really has, and greedy `generate()` with the
-    KV cache, from the padded batch."""
+    logits of the positions a left-padded batch really has, greedy `generate()` with the KV
+    cache, from the padded batch, and the shape of each layer's cache after `ids`."""
     ids, mask = torch.tensor(spec["ids"]), torch.tensor(spec["mask"])
     out = {}
     for name, folder in spec["folders"].items():
@@ -34,7 +34,8 @@ def results(spec: dict, load) -> dict:
             model = load(folder, backend).eval()
             assert model.config._attn_implementation == backend, (name, model.config._attn_implementation)
             with torch.no_grad():
-                logits = model(ids).logits
+                forward = model(ids, use_cache=True)
+                logits = forward.logits
                 padded = model(ids, attention_mask=mask).logits[mask.bool()]
                 generated = model.generate(
                     ids,
@@ -49,6 +50,8 @@ def results(spec: dict, load) -> dict:
                 "logits": hexes(logits),
                 "padded": hexes(padded),
                 "generated": generated.tolist(),
+                # [batch, KV heads, positions, head_dim] of each layer's cache: the heads it holds.
+                "cache": [list(layer.keys.shape) for layer in forward.past_key_values.layers],
             }
     return out
 

@@ -4,8 +4,9 @@ Run as a script (`python serve_in_vllm.py SPEC.json`) in the cached vLLM environ
 (tests/modeling/vllm_environment.py): one process, one vLLM engine after another, each on one
 checkpoint (float32, greedy), so that vLLM's import (slow) is paid once. For each checkpoint it
 prints what the engine served: the greedy tokens of each prompt, the KV cache capacity (tokens)
-vLLM reports, the model class it used, and how long the engine took to start, or the one line its failure gave. The
-last line of stdout is the JSON of every case. Imports only vLLM (and what it imports).
+vLLM reports (and its block size), the model class it used, and how long the engine took to start,
+or the one line its failure gave. The last line of stdout is the JSON of every case. Imports only
+vLLM (and what it imports).
 
 SPEC = {"cases": {name: folder}, "prompts": [[…]], "new_tokens": n, "max_model_len": n,
 "speech_cases": {name: folder}, "speech": {"waveforms": file.npy, "sampling_rate": n,
@@ -84,7 +85,7 @@ def serve(folder: str, spec: dict, speech: bool = False) -> dict:
     result = {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
         "kv_tokens": cache.num_gpu_blocks * cache.block_size,
-        "block_size": cache.block_size,
+        "block_size": cache.block_size,  # the KV cache is allocated in whole blocks of this many tokens
         "architecture": llm.llm_engine.vllm_config.model_config.architecture,  # the class vLLM used
         "kv_heads": cached_kv_heads(llm),
         "start_seconds": round(start_seconds, 1),

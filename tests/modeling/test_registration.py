@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from tests.modeling.classic_models import ARCHITECTURES, build, token_ids
-from uptrain.architecture import converted_architectures
+from uptrain.architecture import converted_architectures, modeling_of
 from uptrain.architecture.converted import gqa_config, modeling_files
 from uptrain.convert import convert_checkpoint
 from uptrain.modeling import CLASSES, gqa_counterpart
@@ -50,8 +50,7 @@ def test_the_table_names_the_classes_the_package_registers():
     config.json's `auto_map` names the file and classes that `save_pretrained` writes."""
     assert sorted(CLASSES) == GQA_TYPES
     for model_type in GQA_TYPES:
-        arch = converted_architectures()[model_type]
-        entry = arch.modeling
+        entry = modeling_of(model_type)
         config, model, head = CLASSES[model_type]
         assert (config.__name__, model.__name__, head.__name__) == (
             entry.config_class,
@@ -64,7 +63,8 @@ def test_the_table_names_the_classes_the_package_registers():
         assert all(getattr(sys.modules[c.__module__], c.__name__) is c for c in (config, model, head))
         assert config.model_type == model_type
         assert CONFIG_MAPPING[model_type] is config
-        assert MODEL_MAPPING[config] is model and HEAD_MAPPINGS[arch.auto_class][config] is head
+        auto_head = converted_architectures()[model_type].auto_class
+        assert MODEL_MAPPING[config] is model and HEAD_MAPPINGS[auto_head][config] is head
 
 
 def test_a_converted_checkpoint_loads_with_plain_auto_classes(tmp_path):
@@ -194,6 +194,10 @@ def test_gqa_config_edits_only_what_the_modeling_needs():
     assert modeling_files("llama") == {}
 
 
+# What a modeling file may import besides its siblings: a few of Python's own modules, torch, transformers.
+STANDALONE_IMPORTS = {"__future__", "copy", "inspect", "math", "torch", "transformers"}
+
+
 def test_modeling_files_import_only_torch_and_transformers():
     """What trust_remote_code executes must not need uptrain: only relative imports of the
     files saved beside it."""
@@ -203,7 +207,7 @@ def test_modeling_files_import_only_torch_and_transformers():
             for line in path.read_text().splitlines():
                 if line.startswith(("import ", "from ")):
                     module = line.split()[1]
-                    assert module.split(".")[0] in {"__future__", "inspect", "math", "torch", "transformers"} or (
+                    assert module.split(".")[0] in STANDALONE_IMPORTS or (
                         module.startswith(".") and f"{module[1:]}.py" in files
                     ), (name, line)
 

@@ -101,6 +101,7 @@ __all__ = [
     "config_geometry",
     "converted_architectures",
     "find_architecture",
+    "modeling_of",
     "source_model_type",
     "supported_model_types",
 ]
@@ -111,11 +112,12 @@ REGISTRY: dict[str, Architecture] = {a.model_type: a for a in (*DECODERS, *ENCOD
 
 def _converted() -> dict[str, Architecture]:
     """A converted checkpoint's model_type → the record of the first source that converts to it
-    (t5_gqa: t5's, which mt5 shares)."""
+    (t5_gqa: t5's, which mt5 shares; nemotron-nas, the per-layer layout: llama's)."""
     found: dict[str, Architecture] = {}
     for record in REGISTRY.values():
-        if record.modeling is not None:
-            found.setdefault(record.modeling.model_type, record)
+        for modeling in (record.modeling, record.per_layer_modeling):
+            if modeling is not None:
+                found.setdefault(modeling.model_type, record)
     return found
 
 
@@ -166,8 +168,17 @@ def architecture(model_type: str | None) -> Architecture:
 
 
 def converted_architectures() -> dict[str, Architecture]:
-    """Each model_type of uptrain's GQA modeling (gpt2_gqa, t5_gqa, …) → its source's record."""
+    """Each model_type of uptrain's GQA modeling (gpt2_gqa, t5_gqa, …, nemotron-nas) → its source's record."""
     return dict(CONVERTED)
+
+
+def modeling_of(model_type: str | None) -> GQAModeling | None:
+    """uptrain's modeling that reads checkpoints of `model_type` (gpt2_gqa's, or the per-layer
+    layout's, nemotron-nas: `GQAModeling`); None for a source type or one transformers reads."""
+    record = CONVERTED.get(model_type)
+    if record is None:
+        return None
+    return next(m for m in (record.modeling, record.per_layer_modeling) if m is not None and m.model_type == model_type)
 
 
 def auto_class_name(config: dict) -> str:

@@ -8,7 +8,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS, Architecture, architecture, find_architecture
+from uptrain.architecture import (
+    DECODER_SELF,
+    DEFAULT_ATTENTIONS,
+    Architecture,
+    architecture,
+    find_architecture,
+    modeling_of,
+)
+from uptrain.architecture.decilm import decilm_config, llama_config
 from uptrain.model_info import per_layer_key, standard_config_names
 
 # The package holding the modeling files; found by path so that this module need not import it.
@@ -21,11 +29,14 @@ KVHeads = int | tuple[int, ...]  # one attention's: G for every layer, or each l
 
 def check_per_layer_layout(record: Architecture) -> None:
     """Refuse per-layer KV heads for an architecture whose output has no layout for them:
-    transformers' own modeling (llama, mistral, …) reads one `num_key_value_heads`."""
-    if record.modeling is None:
+    transformers' own modeling reads one `num_key_value_heads`, and the layout engines serve
+    per layer (DeciLM, `decilm.py`) is a Llama layer: the Llama family's output is written in it,
+    every other native-GQA family has something that layer lacks (`per_layer_refusal`)."""
+    if record.modeling is None and record.per_layer_modeling is None:
         raise UptrainError(
-            f"per-layer KV heads for {record.model_type} need uptrain's per-layer layout (not yet built); "
-            "give one G for every layer (-g, or --kv-budget with --allocation uniform)"
+            f"{record.name} cannot take its own KV heads per layer: the per-layer layout engines serve "
+            f"(DeciLM, a Llama layer) has no {record.per_layer_refusal}; give one G for every layer "
+            "(-g, or --kv-budget with --allocation uniform)"
         )
 
 
@@ -58,6 +69,15 @@ def gqa_config(config: dict, num_kv_heads: KVHeads | Mapping[str, KVHeads]) -> d
     if decoder is not None:
         config["num_key_value_heads"] = decoder
     config.update(record.converted_config)
+    if record.modeling is None and record.per_layer_modeling is not None:
+        # transformers' config holds one count: a per-layer output is written in the layout
+        # engines serve (DeciLM), and a uniform one of such a checkpoint is a plain Llama again.
+        per_layer = config.get(per_layer_key("num_key_value_heads"))
+        return (
+            llama_config(config, record.model_type)
+            if per_layer is None
+            else native_per_layer_config(config, tuple(per_layer))
+        )
     modeling = record.modeling
     if modeling is not None:
         # GPT-2, GPT-J and BLOOM configs spell the geometry n_head, n_layer, n_embed: add the
@@ -77,14 +97,28 @@ def gqa_config(config: dict, num_kv_heads: KVHeads | Mapping[str, KVHeads]) -> d
     return config
 
 
+def native_per_layer_config(config: dict, kv_heads: tuple[int, ...]) -> dict:
+    """The config.json of a per-layer output (`kv_heads`: each layer's KV heads, not all equal) of
+    a family whose transformers modeling reads one num_key_value_heads: the Llama family's in the
+    DeciLM layout engines serve (`decilm.py`), naming uptrain's modeling of it (`modeling_files`
+    of "nemotron-nas"); one line for a family whose layers that layout cannot hold."""
+    record = architecture(config.get("model_type"))
+    check_per_layer_layout(record)
+    modeling = record.per_layer_modeling
+    return decilm_config(
+        config, kv_heads, modeling.module, (modeling.config_class, modeling.model_class, modeling.head_class)
+    )
+
+
 def modeling_files(model_type: str | None) -> dict[str, Path]:
     """Files to save beside a converted checkpoint's weights: name there → source file (the
     modeling file, attention.py and the record's `siblings`). Empty where transformers' own
     modeling reads the checkpoint."""
     record = find_architecture(model_type)
-    if record is None or record.modeling is None:
+    modeling = modeling_of(model_type) or (None if record is None else record.modeling)
+    if modeling is None:
         return {}
-    names = (f"{record.modeling.module}.py", ATTENTION_FILE, *(f"{m}.py" for m in record.modeling.siblings))
+    names = (f"{modeling.module}.py", ATTENTION_FILE, *(f"{m}.py" for m in modeling.siblings))
     return {name: MODELING_DIR / name for name in names}
 
 

@@ -4,6 +4,7 @@ record per model_type; see the package docstring."""
 
 from __future__ import annotations
 
+from uptrain.architecture import decilm
 from uptrain.architecture.schema import (
     DECODER_SELF,
     Architecture,
@@ -63,25 +64,49 @@ PER_HEAD_QKV = dict(
     fused_order="per_group",
 )
 
+# uptrain's modeling of a Llama whose layers have their own KV heads: the DeciLM / Nemotron-NAS
+# layout vLLM and llama.cpp serve (`decilm.py`), in uptrain/modeling/modeling_decilm.py.
+DECILM_MODELING = GQAModeling(
+    decilm.MODEL_TYPE, "DeciLMConfig", "DeciLMModel", decilm.ARCHITECTURE, module_name="modeling_decilm"
+)
+
+
 # Separate K and V projections whose rows are pooled in place: transformers has native GQA.
 NATIVE_GQA = (
-    decoder_only("llama", "Llama"),
-    decoder_only("mistral", "Mistral"),
-    decoder_only("qwen2", "Qwen2", notes="q/k/v biases"),
-    decoder_only("qwen3", "Qwen3", notes="k_norm acts on head_dim only and is shared by all heads"),
-    decoder_only("gemma", "Gemma", notes="explicit head_dim"),
-    decoder_only("gemma2", "Gemma 2", notes="explicit head_dim"),
+    decoder_only("llama", "Llama", per_layer_modeling=DECILM_MODELING),
+    decoder_only("mistral", "Mistral", per_layer_refusal=("sliding window")),
+    decoder_only(
+        "qwen2",
+        "Qwen2",
+        notes="q/k/v biases",
+        per_layer_refusal=("q/k/v biases without an o_proj bias (transformers' Llama)"),
+    ),
+    decoder_only(
+        "qwen3",
+        "Qwen3",
+        notes="k_norm acts on head_dim only and is shared by all heads",
+        per_layer_refusal=("q_norm / k_norm"),
+    ),
+    decoder_only("gemma", "Gemma", notes="explicit head_dim", per_layer_refusal=("embedding scale or GELU MLP")),
+    decoder_only(
+        "gemma2",
+        "Gemma 2",
+        notes="explicit head_dim",
+        per_layer_refusal=("sliding window, soft-capping or post-norms"),
+    ),
     decoder_only(
         "phi",
         "Phi",
         AttentionLayout(o_proj="dense"),
         notes="biases, partial rotary; k_layernorm (optional) is shared by all heads",
+        per_layer_refusal=("LayerNorm, parallel MLP or partial rotary"),
     ),
     decoder_only(
         "phi3",
         "Phi-3",
         AttentionLayout(kv_modules=("qkv_proj",), kv_rows=(), fused_qkv="qkv_proj.weight"),
         notes="fused qkv_proj = [Q | K | V]",
+        per_layer_refusal=("fused qkv_proj or gate_up_proj (it reads separate projections)"),
     ),
     decoder_only(
         "stablelm",
@@ -92,16 +117,27 @@ NATIVE_GQA = (
         ),
         head_dim_key=None,
         notes="optional per-head k LayerNorm; head_dim is always hidden_size // heads",
+        per_layer_refusal=("LayerNorm or partial rotary"),
     ),
-    decoder_only("olmo", "OLMo"),
+    decoder_only("olmo", "OLMo", per_layer_refusal=("parameter-free LayerNorm or q/k/v clamp")),
     decoder_only(
         "olmo2",
         "OLMo 2",
         AttentionLayout(kv_modules=("k_proj", "v_proj", "k_norm"), kv_rows=(*STANDARD.kv_rows, "k_norm.weight")),
         notes="k_norm normalises the whole [num_kv_heads * head_dim] key vector",
+        per_layer_refusal=("q_norm / k_norm or post-norms"),
     ),
-    decoder_only("starcoder2", "StarCoder2", notes="biases (use_bias)"),
-    decoder_only("granite", "Granite"),
+    decoder_only(
+        "starcoder2",
+        "StarCoder2",
+        notes="biases (use_bias)",
+        per_layer_refusal=("LayerNorm, biases or ungated MLP"),
+    ),
+    decoder_only(
+        "granite",
+        "Granite",
+        per_layer_refusal=("embedding, attention, residual or logits multipliers"),
+    ),
 )
 
 # Architectures whose transformers modeling has no num_key_value_heads: converted to uptrain's

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from uptrain import UptrainError
+from uptrain.architecture.decilm import MODEL_TYPE as DECILM_MODEL_TYPE
+from uptrain.architecture.decilm import check_decilm
 from uptrain.model_info import (
     AttentionGeometry,
     attention_geometry,
@@ -210,12 +212,15 @@ class GQAModeling:
     # Modules of uptrain/modeling/ the file imports besides attention.py (T5's and UMT5's share
     # t5_family), copied beside the weights with it.
     siblings: tuple[str, ...] = ()
+    # The modeling file's name where it is not `modeling_<model_type>` (the DeciLM layout's
+    # model_type, "nemotron-nas", is no Python module name).
+    module_name: str = ""
 
     @property
     def module(self) -> str:
         """The modeling file's module name, in `uptrain/modeling/` and beside the weights alike
         (`auto_map` refers to it)."""
-        return f"modeling_{self.model_type}"
+        return self.module_name or f"modeling_{self.model_type}"
 
 
 class TargetPrompt(enum.Enum):
@@ -244,6 +249,12 @@ class Architecture:
     sites: tuple[AttentionSite, ...]
     # uptrain's own modeling; None where transformers' has native GQA (num_key_value_heads).
     modeling: GQAModeling | None = None
+    # Where transformers' modeling reads one num_key_value_heads for every layer (modeling None):
+    # uptrain's modeling of an output with each layer's own KV heads, in a layout engines serve
+    # (the Llama family: DeciLM / Nemotron-NAS, `decilm.py`), or None with `per_layer_refusal`
+    # naming what the family's layers have that no such layout holds (Phi-3's fused qkv_proj).
+    per_layer_modeling: GQAModeling | None = None
+    per_layer_refusal: str = ""
     auto_class: str = "AutoModelForCausalLM"  # loads the model with its task head, source or converted
     default_objective: str = "causal"  # what `uptrain train` trains it with unless told
     pipeline_tag: str = "text-generation"  # the Hub task of the model cards
@@ -351,6 +362,8 @@ class Architecture:
         and its key apart)."""
         for setting in self.refused_settings:
             setting.check(config)
+        if config.get("model_type") == DECILM_MODEL_TYPE:
+            check_decilm(config)  # a per-layer layout uptrain wrote, not a published Nemotron-NAS
         for alias, key in self.aliases_in(config):
             if config.get(alias) is not None and config.get(key) is not None and config[alias] != config[key]:
                 raise UptrainError(

@@ -46,24 +46,27 @@ SIDE_FILE_PATTERNS = (
 )
 
 
-def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int | Mapping[str, int], dtype: str | None) -> None:
-    """config.json of the output: the source's, with `num_key_value_heads` (and the dtype when
-    cast) edited in place; an encoder–decoder's KV heads per attention (`gqa_config`)."""
+def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int | Mapping[str, int], dtype: str | None) -> dict:
+    """config.json of the output, returned: the source's, with `num_key_value_heads` (and the
+    dtype when cast) edited in place; an encoder–decoder's KV heads per attention, a per-layer
+    Llama's layout (`gqa_config`)."""
     # Edit the JSON itself, not a transformers config object: every other field stays as it was.
     config = gqa_config(config, num_kv_heads)  # + model_type/auto_map for uptrain's modeling (gpt2_gqa, …)
     if dtype is not None:
         config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
 
 
 def copy_side_files(src: Path, dst: Path, config: dict) -> None:
-    """Tokenizer, generation and licence files of `src`, byte for byte; a generation_config.json
-    made of the config's special token ids when `src` has none."""
+    """Tokenizer, generation and licence files of `src`, byte for byte; the modeling files the
+    output's `config` (as written) loads with; a generation_config.json made of the config's
+    special token ids when `src` has none."""
     for pattern in SIDE_FILE_PATTERNS:
         for path in src.glob(pattern):
             if path.is_file() and not (dst / path.name).exists():
                 shutil.copy2(path, dst / path.name)
-    copy_modeling_files(config.get("model_type"), dst)  # the modeling file of gpt2_gqa, … (none otherwise)
+    copy_modeling_files(config.get("model_type"), dst)  # gpt2_gqa's, …, nemotron-nas's (none for llama, …)
     if not (dst / "generation_config.json").exists():
         ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
         (dst / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")

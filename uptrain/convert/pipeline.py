@@ -213,8 +213,8 @@ def execute(
     with atomic_directory(out, overwrite) as tmp, BackgroundHasher(checkpoint.files, spec.source_hash) as hasher:
         write_weights(prepared.conversion, checkpoint, tmp, prepared.max_shard_bytes, progress, merger)
         source_files = hasher.result()
-        write_config(prepared.source.folder, tmp, prepared.config, prepared.plan.config_kv_heads, spec.dtype)
-        copy_side_files(prepared.source.folder, tmp, prepared.config)
+        written = write_config(prepared.source.folder, tmp, prepared.config, prepared.plan.config_kv_heads, spec.dtype)
+        copy_side_files(prepared.source.folder, tmp, written)
         record = provenance(
             prepared.source,
             source_files,

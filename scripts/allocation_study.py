@@ -1,6 +1,6 @@
 """Calibrated vs uniform allocation at equal KV budgets, on the shipped reference Llama, at α = 0.
 
-    python scripts/allocation_study.py [--budgets 0.5 0.25 0.125] [--eval-blocks 64]
+    python scripts/allocation_study.py [--budgets 0.5 0.25 0.125] [--eval-blocks 64] [--layer-alone]
 
 Calibrates the reference once (the shipped corpus' train split, the default 32,768 tokens),
 prints each layer's cost per candidate G (`allocation.layer_costs`), chooses the calibrated
@@ -8,6 +8,8 @@ allocation at each budget (`allocation.allocate`) and scores it beside the unifo
 validation split (the demo's 64 blocks of 256 tokens): each layer merged by the calibrated merge
 to its own G, its shared K/V heads then repeated back to the source's 8 (which computes exactly
 what a GQA layer with G_l KV heads computes), so the transformers Llama scores any allocation.
+`--layer-alone`: also the expensive cost — the model's log perplexity on 16 calibration blocks
+with layer l alone merged to G, minus the source's — and the allocation it chooses.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--eval-blocks", type=int, default=64)
+    parser.add_argument("--layer-alone", action="store_true", help="also allocate by the loss with one layer merged")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = json.loads(open(f"{REFERENCE}/config.json").read())
@@ -99,18 +102,33 @@ def main() -> None:
     blocks = blocks.take(list(range(args.eval_blocks)))
     model = load_model(REFERENCE, "the reference", dtype=torch.float32).eval()
     print(f"MHA: ppl {perplexity(model, blocks):.2f}")
+    allocators = {"calibrated": costs}
+    if args.layer_alone:
+        train, _ = load_blocks(
+            str(split_path("train")), "calibration", tokenizer, 256, "text", "train", None, "document", False, None
+        )
+        calibration = train.take(list(range(16)))
+        source = math.log(perplexity(model, calibration))
+        alone = []
+        for i in range(layers):
+            alone.append({})
+            for g in candidate_heads(kv):
+                merged = tuple(g if j == i else kv for j in range(layers))
+                model.load_state_dict(merged_state(state, config, moments, merged), strict=False)
+                alone[i][g] = math.log(perplexity(model, calibration)) - source
+            print(f"layer {i} alone, Δ log ppl: " + ", ".join(f"G={g}: {c:.4f}" for g, c in alone[i].items()))
+        allocators["layer-alone"] = alone
     for fraction in args.budgets:
-        chosen = allocate({"decoder-self": costs}, {"decoder-self": (kv,) * layers}, {"decoder-self": d}, fraction)[
-            "decoder-self"
+        rows = [
+            (name, allocate({"s": table}, {"s": (kv,) * layers}, {"s": d}, fraction)["s"])
+            for name, table in allocators.items()
         ]
-        rows = [("calibrated", chosen)]
         uniform = round(fraction * kv)
         if uniform >= 1 and kv % uniform == 0 and math.isclose(uniform / kv, fraction):
             rows.insert(0, ("uniform", (uniform,) * layers))
         for name, allocation in rows:
             model.load_state_dict(merged_state(state, config, moments, allocation), strict=False)
-            cost = sum(costs[i][g] for i, g in enumerate(allocation))
-            print(f"budget {fraction}: {name} {allocation} cost {cost:.4f} ppl {perplexity(model, blocks):.2f}")
+            print(f"budget {fraction}: {name} {allocation} ppl {perplexity(model, blocks):.2f}")
 
 
 if __name__ == "__main__":

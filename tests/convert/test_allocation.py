@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from contextlib import closing
 
@@ -307,3 +308,82 @@ def test_ties_go_to_the_smaller_cache_then_to_fewer_heads_earliest():
     # (1, 4) and (4, 1): equal cost, equal cache: fewer heads in the first layer.
     costs = {"decoder-self": [{1: 1.0, 4: 0.0}, {1: 1.0, 4: 0.0}]}
     assert choose_allocation(costs, {"decoder-self": 1}, 5) == {"decoder-self": (1, 4)}
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_convert_spends_a_budget_where_the_layers_lose(tokenizer, calibration_text, tmp_path):
+    """`uptrain convert --kv-budget 0.75 --allocation calibrated` on a tiny GPT-2 whose layer 0 has
+    K and V heads identical in pairs: layer 0 gets 4 heads (its merge loses nothing), layer 1 all 8;
+    the weights are those of `--kv-heads-per-layer 4,8`, bit for bit, and uptrain.json and the card
+    carry the cost table."""
+    from tests.convert.test_calibrated_classic import build as build_classic
+    from tests.convert.test_calibrated_classic import kv_views
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+
+    model = build_classic("gpt2", tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            views = kv_views(name, p)
+            if views is not None and ".h.0." in name:
+                for heads in views:
+                    heads[1::2] = heads[0::2].clone()
+    src = save(model, tokenizer, tmp_path / "src")
+    keys = ["--pooling", "calibrated", "--calibration-data", calibration_text, "--calibration-tokens", 512]
+    keys += ["--calibration-device", "cpu", "--source-hash", "none"]
+
+    def convert(out, *flags):
+        assert main(["convert", str(src), str(tmp_path / out), *map(str, flags), *map(str, keys)]) == 0
+        return tmp_path / out
+
+    chosen = convert("chosen", "--kv-budget", 0.75, "--allocation", "calibrated")
+    assert json.loads((chosen / "config.json").read_text())["num_key_value_heads_per_layer"] == [4, 8]
+    record = json.loads((chosen / "uptrain.json").read_text())
+    assert record["num_key_value_heads_per_layer"] == [4, 8]
+    assert (record["kv_budget"], record["allocation"]) == (0.75, "calibrated")
+    costs = record["allocation_costs"]["decoder-self"]
+    assert [sorted(layer, key=int) for layer in costs] == [["1", "2", "4", "8"]] * 2
+    assert costs[0]["4"] < 1e-9 < costs[0]["2"] and costs[1]["4"] > 1e-3 and costs[0]["8"] == costs[1]["8"] == 0
+    card = (chosen / "README.md").read_text()
+    assert "`allocation_costs`" in card and "| attention | layer | G = 1 | G = 2 | G = 4 | G = 8 |" in card
+    assert f"| 1 | {costs[1]['1']:.4g} | {costs[1]['2']:.4g} | {costs[1]['4']:.4g} | 0 |" in card
+    explicit = tensors(convert("explicit", "--kv-heads-per-layer", "4,8"))
+    assert tensors(chosen).keys() == explicit.keys()
+    assert all(torch.equal(t, explicit[name]) for name, t in tensors(chosen).items())
+
+
+def test_an_encoder_decoder_spends_its_budget_across_its_attentions(tmp_path):
+    """BART, the decoder's self- and cross-attention converted: every layer's heads exactly related
+    within 2 groups except cross-attention's layer 1 (made anew). At 14/32 of the KV bytes the one
+    allocation that loses nothing is 2,2 / 2,8 — chosen from moments computed beforehand (as
+    `uptrain compare` passes them), and recorded per attention."""
+    from uptrain.convert import convert_checkpoint
+    from uptrain.convert.pipeline import Calibration
+
+    model = build_seq2seq("bart")
+    relate_heads_exactly(model, 2)
+    with torch.no_grad():
+        for proj in (
+            model.model.decoder.layers[1].encoder_attn.k_proj,
+            model.model.decoder.layers[1].encoder_attn.v_proj,
+        ):
+            proj.weight.copy_(torch.randn_like(proj.weight) * proj.weight.std())
+    model.save_pretrained(tmp_path / "src")
+    moments = seq2seq_moments(model, architecture("bart"), calibration_batches("bart"), progress=False)
+    out = convert_checkpoint(
+        tmp_path / "src",
+        tmp_path / "out",
+        kv_budget=14 / 32,
+        allocation="calibrated",
+        pooling="calibrated",
+        calibration=Calibration(moments),
+        source_hash="none",
+        progress=False,
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["decoder_num_key_value_heads"] == 2 and "decoder_num_key_value_heads_per_layer" not in config
+    assert config["cross_attention_num_key_value_heads_per_layer"] == [2, 8]
+    costs = json.loads((out / "uptrain.json").read_text())["allocation_costs"]
+    assert list(costs) == ["decoder-self", "cross"] and costs["cross"][1]["2"] > 1e-3 > costs["cross"][0]["2"]

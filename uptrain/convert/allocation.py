@@ -41,13 +41,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF
-from uptrain.convert.calibrated import CrossMoments, LayerAttention, MergeLoss, merge_loss
+from uptrain.convert.calibrated import (
+    CrossMoments,
+    LayerAttention,
+    MergeLoss,
+    head_similarity,
+    input_moment,
+    merge_loss,
+    permute_kv_heads,
+    similarity_order,
+)
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
 from uptrain.convert.layer_merge import SiteMergers
 
@@ -72,23 +81,35 @@ def relative_cost(loss: MergeLoss) -> float:
 
 
 def layer_losses(
-    attention: LayerAttention, moment: torch.Tensor | CrossMoments, candidates: Sequence[int] | None = None
+    attention: LayerAttention,
+    moment: torch.Tensor | CrossMoments,
+    candidates: Sequence[int] | None = None,
+    grouping: str = "contiguous",
 ) -> dict[int, MergeLoss]:
     """What the calibrated merge of one layer loses at each candidate G (default: every divisor of
-    its KV heads), from the layer's moment as `CalibratedMerge.solve` reads it."""
+    its KV heads), from the layer's moment as `CalibratedMerge.solve` reads it; with `similarity`
+    grouping, of the heads as that grouping orders them for each G."""
     if isinstance(moment, CrossMoments):  # cross-attention's, or attention-weighted moments
         c, c_query, c_values = moment.keys_values, moment.queries, moment.values
     else:
         c, c_query, c_values = moment, None, None
     groups = candidate_heads(attention.num_kv_heads) if candidates is None else candidates
-    return {g: merge_loss(attention, g, c, c_query, c_values) for g in groups}
+    similarity = head_similarity(attention, input_moment(moment)).cpu() if grouping == "similarity" else None
+    losses = {}
+    for g in groups:
+        ordered = attention if similarity is None else permute_kv_heads(attention, similarity_order(similarity, g))
+        losses[g] = merge_loss(ordered, g, c, c_query, c_values)
+    return losses
 
 
 def layer_costs(
-    attention: LayerAttention, moment: torch.Tensor | CrossMoments, candidates: Sequence[int] | None = None
+    attention: LayerAttention,
+    moment: torch.Tensor | CrossMoments,
+    candidates: Sequence[int] | None = None,
+    grouping: str = "contiguous",
 ) -> dict[int, float]:
     """Each candidate G's cost for one layer (`relative_cost` of `layer_losses`)."""
-    return {g: relative_cost(loss) for g, loss in layer_losses(attention, moment, candidates).items()}
+    return {g: relative_cost(loss) for g, loss in layer_losses(attention, moment, candidates, grouping).items()}
 
 
 @dataclass(frozen=True)
@@ -180,6 +201,26 @@ def calibration_costs(
     merger = conversion.merger(source, Calibration(moments))
     mergers = merger.mergers if isinstance(merger, SiteMergers) else {DECODER_SELF: merger}
     return {
-        name: [layer_costs(site.attention(layer), site.calibration[layer]) for layer in range(site.geometry.num_layers)]
+        name: [
+            layer_costs(site.attention(layer), site.calibration[layer], grouping=conversion.grouping)
+            for layer in range(site.geometry.num_layers)
+        ]
         for name, site in mergers.items()
     }
+
+
+def settle_allocation(
+    conversion: Conversion, source: TensorSource, moments: Mapping, cast: torch.dtype | None = None
+) -> tuple[Conversion, dict[str, list[dict[int, float]]]]:
+    """`--allocation calibrated` decided: the conversion with the allocation of least summed cost
+    within its budget (`conversion.pending_budget`), planned again for it (`cast`: the output's
+    dtype, as `Conversion.planned`), and the cost table that chose it."""
+    costs = calibration_costs(conversion, source, moments)
+    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
+    chosen = allocate(
+        costs,
+        {name: geo.layer_kv_heads() for name, geo in geometries.items()},
+        {name: geo.head_dim for name, geo in geometries.items()},
+        conversion.pending_budget,
+    )
+    return replace(conversion, allocation=chosen, pending_budget=None).planned(source, cast), costs

@@ -387,3 +387,35 @@ def test_an_encoder_decoder_spends_its_budget_across_its_attentions(tmp_path):
     assert config["cross_attention_num_key_value_heads_per_layer"] == [2, 8]
     costs = json.loads((out / "uptrain.json").read_text())["allocation_costs"]
     assert list(costs) == ["decoder-self", "cross"] and costs["cross"][1]["2"] > 1e-3 > costs["cross"][0]["2"]
+
+
+def test_convert_model_spends_a_budget_from_given_moments(tokenizer, calibration_text, tmp_path):
+    """In memory (`converted_tensors`, what `convert_model` loads into its copy): the same choice as
+    the checkpoint path (4, 8 on a GPT-2 whose layer 0 pairs its heads) and the weights of the
+    explicit allocation; without moments, refused in one line."""
+    from tests.convert.test_calibrated_classic import build as build_classic
+    from tests.convert.test_calibrated_classic import kv_views
+    from uptrain.convert.in_memory import converted_tensors
+    from uptrain.convert.kv_heads import KVHeadsRequest
+    from uptrain.convert.pipeline import Calibration
+    from uptrain.convert.spec import ConversionOptions
+    from uptrain.options import validated
+
+    model = build_classic("gpt2", tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (views := kv_views(name, p)) is not None and ".h.0." in name:
+                for heads in views:
+                    heads[1::2] = heads[0::2].clone()
+    src = save(model, tokenizer, tmp_path / "src")
+    settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=64, calibration_device="cpu")
+    calibration = Calibration(*collect_attention_moments(src, str(calibration_text), settings, progress=False))
+    options = validated(ConversionOptions, pooling="calibrated")
+    budget = KVHeadsRequest(budget=0.75, allocation="calibrated")
+    chosen, plan = converted_tensors(model, budget, options, calibration=calibration)
+    assert plan.allocation == {"decoder-self": (4, 8)}
+    explicit, _ = converted_tensors(model, KVHeadsRequest(per_layer=((4, 8),)), options, calibration=calibration)
+    assert chosen.keys() == explicit.keys() and all(torch.equal(t, explicit[name]) for name, t in chosen.items())
+    with pytest.raises(UptrainError, match="allocation 'calibrated' measures each layer's merge") as err:
+        converted_tensors(model, budget, validated(ConversionOptions), calibration=None)
+    assert "\n" not in str(err.value)

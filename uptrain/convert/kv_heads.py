@@ -61,6 +61,11 @@ class KVHeadsRequest:
         per_layer = None if kv_heads_per_layer is None else parse_kv_heads_per_layer(kv_heads_per_layer)
         return cls(num_kv_heads, per_layer, kv_budget, allocation)
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the allocation is measured on calibration data (`--allocation calibrated`)."""
+        return self.budget is not None and self.allocation == "calibrated"
+
 
 def kv_heads_problem(num_kv_heads, kv_heads_per_layer, kv_budget, allocation: str) -> str | None:
     """The spec-level rule: exactly one of -g, --kv-heads-per-layer, --kv-budget; --allocation

@@ -32,9 +32,10 @@ Two steps, both exact for what they decide:
    the costs, and layers where merging loses nothing (G = source heads costs exactly 0) are
    never given heads the budget does not need.
 
-Cost: one calibration pass as `calibrated` pooling runs it (layer by layer; memory as there),
-then per layer and candidate G the merge's eigenvalues (O(|divisors| · (kv·d)³) per layer beside
-the solve's O(D²·h·d)); the knapsack is O(layers · budget units · |divisors|), milliseconds.
+Cost: one calibration pass as `calibrated` pooling runs it (layer by layer), every layer's moment
+kept (spilled to a temporary file: no layer's G is known before the last is calibrated); then per
+layer and candidate G the merge's eigenvalues (no maps, but the same eigenproblems: about one
+solve per candidate); the knapsack is O(layers · budget units · |divisors|), milliseconds.
 """
 
 from __future__ import annotations

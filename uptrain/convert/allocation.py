@@ -10,19 +10,21 @@ Two steps, both exact for what they decide:
    drops, so they come in closed form from the moments calibration already accumulates: no
    forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
    The alternative — the model's loss with layer l alone merged to G — asks L × |divisors|
-   forward passes of the whole model over the calibration text, and for an encoder–decoder,
-   whose attentions interact, more; it is the quantity the allocation stands for, but not one a
-   conversion of a 7B model can afford.
+   forward passes of the whole model over the calibration text (more for an encoder–decoder,
+   whose attentions interact); it is the quantity the allocation stands for, and on the
+   reference Llama it allocates better (below), at that price.
 
    The cost is **relative**: each half is divided by what that layer's attention carries of it
-   (the value half by E‖Σ_q O_q W_s x̃‖²-terms at no merge, the key half by the logits' energy),
+   (the value half by Σ_q E‖O_q W_s x̃‖², the key half by the logits' energy Σ_q E[(q_qᵀ k_s)²]),
    and the layer's cost is their sum — the share of its attention's signal the merge loses.
    Absolute errors are not comparable across layers: the residual stream's scale grows with
    depth and every layer reads it through a norm, so the same absolute error weighs less deep
    in the model, and logits and outputs are not in the same units at all. A share is
-   dimensionless and the same whatever the layer's scale; measured on the shipped reference
-   Llama, it is the choice whose allocation beats uniform at the same budget
-   ([kv_budget](../../docs/concepts/kv_budget.md) has the numbers and the command).
+   dimensionless and the same whatever the layer's scale. Measured on the shipped reference
+   Llama (docs/concepts/kv_budget.md, with the command): better than uniform at 1/4 of the
+   cache, worse at 1/2 — the logits' share, which dominates, overstates what some layers' key
+   errors do to the model; allocating by the model's loss with one layer merged beats uniform
+   at both.
 
 2. **The knapsack** (`choose_allocation`): the allocation with the least summed cost whose
    KV heads × head_dim, summed over every converted attention's layers, fit the budget —

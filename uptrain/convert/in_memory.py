@@ -81,8 +81,9 @@ def converted_tensors(
                 "allocation 'calibrated' measures each layer's merge on calibration moments "
                 "(calibration=Calibration(moments), moments kept whole)"
             )
-        conversion, _ = settle_allocation(conversion, source, calibration.moments)
-    conversion = conversion.planned(source)
+        conversion, _ = settle_allocation(conversion, source, calibration.moments)  # planned for it
+    else:
+        conversion = conversion.planned(source)
     merger = conversion.merger(source, calibration, progress=False)
     converted = {}
     for t in conversion.plan.tensors:

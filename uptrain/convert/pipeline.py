@@ -166,9 +166,9 @@ def calibrate(
     solved from its moment when it is written."""
     if not prepared.needs_calibration:
         return None
-    settle = prepared.conversion.pending_budget is not None
     from uptrain.convert.calibration import collect_attention_moments
 
+    settle = prepared.conversion.pending_budget is not None
     spec = prepared.spec
     settings = CalibrationSettings.of(spec)  # what both kinds of calibration read, and how
     if prepared.conversion.arch.encoder_decoder:

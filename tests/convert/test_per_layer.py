@@ -256,7 +256,14 @@ def test_encoder_decoder_lists_per_attention(tmp_path):
         (["-g", "2", "--kv-budget", "0.25"], "give exactly one of -g/--num-kv-heads G, --kv-heads-per-layer"),
         ([], "give exactly one of -g/--num-kv-heads G, --kv-heads-per-layer LISTS or --kv-budget F (none was given)"),
         (["-g", "2", "--allocation", "calibrated"], "--allocation calibrated spends a --kv-budget; with -g"),
-        (["--kv-budget", "0.25", "--allocation", "calibrated"], "--allocation calibrated: "),
+        (
+            ["--kv-budget", "0.25", "--allocation", "calibrated"],
+            "--allocation calibrated measures what each layer's merge loses on calibration data (--calibration-data",
+        ),
+        (
+            ["--kv-budget", "0.1", "--allocation", "calibrated"],
+            "--kv-budget 0.1 is below what any allocation reaches: 1 KV head in every layer keeps 0.125 of the",
+        ),
     ],
 )
 def test_refusals_are_one_line_and_write_nothing(flags, expected, sources, capsys, tmp_path):

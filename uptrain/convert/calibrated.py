@@ -353,6 +353,69 @@ def solve_calibrated(
     return CalibratedSolution(*solve_values(layer, groups, c_values), *solve_keys(layer, groups, c, c_query))
 
 
+@dataclass(frozen=True)
+class MergeLoss:
+    """What the calibrated merge of one layer to G KV heads leaves unexplained, in the terms it
+    minimises, beside the whole of each (the same at every G): `values`, the output error
+    Σ_q E‖O_q (M_s W − W_s) x̃‖² (the residual stream's units: what o_proj adds to it);
+    `keys`, the logit error Σ_q E[(q_qᵀ (k_s − k̂_s))²] (rotary pairs and plain dims together)."""
+
+    values: float
+    values_energy: float
+    keys: float
+    keys_energy: float
+
+
+def _unexplained(vals: torch.Tensor, kept: int) -> tuple[float, float]:
+    """(the sum of all but the `kept` largest eigenvalues, the sum of all): the residual of the
+    best rank-`kept` approximation, and the energy it is out of (eigenvalues below 0 are round-off)."""
+    vals = vals.clamp(min=0)
+    return float(vals[..., :-kept].sum()), float(vals.sum())
+
+
+def merge_loss(
+    layer: LayerAttention,
+    groups: int,
+    c: torch.Tensor,
+    c_query: torch.Tensor | None = None,
+    c_values: torch.Tensor | None = None,
+) -> MergeLoss:
+    """The error `solve_calibrated` (same arguments) leaves at its optimum, in closed form: each of
+    its merges is a best low-rank fit under C, whose residual is the sum of the eigenvalues it
+    drops. Only eigenvalues are computed, no maps. At G = kv every group is one head: exactly 0."""
+    c = regularised(c)
+    c_query = c if c_query is None else regularised(c_query)
+    c_values = c if c_values is None else regularised(c_values)
+    d, kv = layer.head_dim, layer.num_kv_heads
+    r = kv // groups
+    values = values_energy = keys = keys_energy = 0.0
+    v_aug = _augment(layer.v_w, layer.v_b)
+    for j in range(groups):
+        a = _value_inputs(layer, v_aug, j, r)
+        lost, whole = _unexplained(torch.linalg.eigvalsh(a @ c_values @ a.mT), d)
+        values, values_energy = values + lost, values_energy + whole
+    real, imag, plain = _dims(layer)
+    k_aug, q_aug = _key_heads(layer)
+    by_source = q_aug.view(kv, layer.n_rep, d, -1)
+    q_energy = torch.einsum("srdx,xy,srdy->sd", by_source, c_query, by_source)
+    for j in range(groups):
+        sources = list(range(j * r, (j + 1) * r))
+        if len(real):  # each rotary pair: a rank-1 fit of the group's heads (`_solve_rank_one`)
+            alpha = (q_energy[sources][:, real] + q_energy[sources][:, imag]).mT
+            weighted = _rotary_pairs(k_aug[sources], real, imag) * alpha.sqrt()[..., None]
+            gram = weighted.conj() @ c.to(weighted.dtype) @ weighted.mT
+            lost, whole = _unexplained(torch.linalg.eigvalsh(gram), 1)
+            keys, keys_energy = keys + lost, keys_energy + whole
+    if len(plain):  # the dims RoPE leaves alone: a PCA as the values' (`solve_full_maps`)
+        q_plain = by_source[:, :, plain]
+        roots = [_psd_sqrt(g) for g in torch.einsum("srdx,xy,srey->sde", q_plain, c_query, q_plain)]
+        for j in range(groups):
+            a = torch.cat([roots[s] @ k_aug[s, plain] for s in range(j * r, (j + 1) * r)])
+            lost, whole = _unexplained(torch.linalg.eigvalsh(a @ c @ a.mT), len(plain))
+            keys, keys_energy = keys + lost, keys_energy + whole
+    return MergeLoss(values, values_energy, keys, keys_energy)
+
+
 def apply_calibrated(layer: LayerAttention, groups: int, solution: CalibratedSolution) -> LayerAttention:
     """Pool a layer to `groups` KV heads with a solved calibrated merge (weights only, no C)."""
     v_w, v_b, o_w = apply_values(layer, groups, solution)

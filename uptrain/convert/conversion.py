@@ -58,6 +58,9 @@ class Calibration:
     info: dict = field(default_factory=dict)
     solved: Mapping[int, LayerSolution] = field(default_factory=dict)
     solved_for: tuple | None = None
+    # `--allocation calibrated`: per converted attention, per layer, each candidate G's cost
+    # (`allocation.py`), what chose the allocation; None otherwise.
+    allocation_costs: dict[str, list[dict[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class Conversion:
     stacks: Mapping[str, AttentionStack]
     attention: tuple[str, ...]  # the attentions whose K/V are pooled
     plan: ConversionPlan | None = None
+    # `--allocation calibrated`'s budget until calibration chooses the allocation (`allocation.py`,
+    # `settle_allocation`); meanwhile `allocation` is the smallest (one KV head per layer).
+    pending_budget: float | None = None
 
     @property
     def geometry(self) -> AttentionGeometry:
@@ -86,8 +92,12 @@ class Conversion:
     def uses_calibration(self, data_given: bool) -> bool:
         """Whether the conversion reads calibration statistics: when its strategy needs them, and
         for a whole-layer grouping when calibration data is given (without it, heads are
-        compared in weight space)."""
-        return self.strategy.needs_calibration or (merges_whole_layers(self.strategy, self.grouping) and data_given)
+        compared in weight space); and always to choose a calibrated allocation."""
+        return (
+            self.strategy.needs_calibration
+            or self.pending_budget is not None
+            or (merges_whole_layers(self.strategy, self.grouping) and data_given)
+        )
 
     def planned(self, source: TensorSource, cast: torch.dtype | None = None) -> Conversion:
         """This conversion with the plan of every output tensor of `source` (`cast`: the
@@ -165,10 +175,11 @@ def conversion_for(
     arch = architecture(config.get("model_type"))
     stacks, chosen = choose_attentions(config, arch, attention)
     allocation = resolve_allocation({name: stack.geometry for name, stack in stacks.items()}, chosen, kv_heads)
-    if per_layer(allocation):
+    pending = kv_heads.budget if isinstance(kv_heads, KVHeadsRequest) and kv_heads.needs_calibration else None
+    if per_layer(allocation) or pending is not None:  # a calibrated allocation may give layers their own heads
         check_per_layer_layout(arch)
     strategy.check_source(config, arch)
-    return Conversion(config, arch, strategy, grouping, allocation, seed, stacks, chosen)
+    return Conversion(config, arch, strategy, grouping, allocation, seed, stacks, chosen, pending_budget=pending)
 
 
 def pool_fused(

@@ -73,7 +73,17 @@ def converted_tensors(
     )
     state = model.state_dict()
     source = StateDictSource(state)
-    conversion = conversion.planned(source)
+    if conversion.pending_budget is not None:  # allocation "calibrated": chosen from the moments
+        from uptrain.convert.allocation import settle_allocation
+
+        if calibration is None or not calibration.moments:
+            raise UptrainError(
+                "allocation 'calibrated' measures each layer's merge on calibration moments "
+                "(calibration=Calibration(moments), moments kept whole)"
+            )
+        conversion, _ = settle_allocation(conversion, source, calibration.moments)  # planned for it
+    else:
+        conversion = conversion.planned(source)
     merger = conversion.merger(source, calibration, progress=False)
     converted = {}
     for t in conversion.plan.tensors:

@@ -61,6 +61,11 @@ class KVHeadsRequest:
         per_layer = None if kv_heads_per_layer is None else parse_kv_heads_per_layer(kv_heads_per_layer)
         return cls(num_kv_heads, per_layer, kv_budget, allocation)
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the allocation is measured on calibration data (`--allocation calibrated`)."""
+        return self.budget is not None and self.allocation == "calibrated"
+
 
 def kv_heads_problem(num_kv_heads, kv_heads_per_layer, kv_budget, allocation: str) -> str | None:
     """The spec-level rule: exactly one of -g, --kv-heads-per-layer, --kv-budget; --allocation
@@ -115,12 +120,18 @@ def resolve_allocation(
 def calibrated_allocation(
     geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], budget: float
 ) -> dict[str, tuple[int, ...]]:
-    """`--allocation calibrated`: the allocation with the least summed merge loss within the budget
-    (uptrain/convert/allocation.py, measured on calibration data)."""
-    raise UptrainError(
-        "--allocation calibrated: the calibrated allocation is not built yet; use --allocation uniform or "
-        "--kv-heads-per-layer"
-    )
+    """`--allocation calibrated`: the allocation with the least summed merge loss within the budget is
+    chosen after calibration (`allocation.settle_allocation`, from the moments); until then the
+    smallest allocation (one KV head per layer) stands in for the checks and the plan, and a budget
+    below it is refused here, before anything is read."""
+    smallest = {name: (1,) * geometries[name].num_layers for name in chosen}
+    least = kv_fraction(geometries, smallest)
+    if budget < least and not math.isclose(budget, least, rel_tol=1e-9):
+        raise UptrainError(
+            f"--kv-budget {budget:g} is below what any allocation reaches: 1 KV head in every layer keeps "
+            f"{float(least):.4g} of the source's KV bytes (give at least that)"
+        )
+    return smallest
 
 
 def _label(geometries: Mapping[str, AttentionGeometry], name: str) -> str:

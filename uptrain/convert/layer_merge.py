@@ -222,6 +222,10 @@ class LayerMerger:
         )
         return attention, dtypes
 
+    def attention(self, layer: int) -> LayerAttention:
+        """The layer's source attention projections (float64, on the CPU), as the merge reads them."""
+        return self._read_layer(layer)[0]
+
     def _solve(self, attention: LayerAttention, c: torch.Tensor | CrossMoments, g: int) -> LayerSolution:
         order = None
         if self.grouping == "similarity":

@@ -233,7 +233,36 @@ def _budget_text(p: dict) -> str:
     """What chose the heads, when a `--kv-budget` did."""
     if p.get("kv_budget") is None:
         return ""
-    return f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
+    text = f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
+    if "allocation_costs" in p:
+        text += (
+            " Each layer's heads were chosen by what the calibrated merge of that layer to each candidate G loses on"
+            " the calibration data (its share of the attention's value output and logits), the allocation of least"
+            " summed cost within the budget; the costs are `allocation_costs` in `uptrain.json`."
+        )
+    return text
+
+
+def _allocation_costs_table(p: dict) -> str:
+    """A calibrated allocation's cost table (per attention and layer, each candidate G's cost), as
+    the card shows it; nothing without one."""
+    costs = p.get("allocation_costs")
+    if not costs:
+        return ""
+    candidates = sorted({int(g) for layers in costs.values() for layer in layers for g in layer})
+    rows = [
+        f"| {ATTENTION_NAMES[name]} | {index} | "
+        + " | ".join(f"{layer[str(g)]:.4g}" if str(g) in layer else "" for g in candidates)
+        + " |"
+        for name, layers in costs.items()
+        for index, layer in enumerate(layers)
+    ]
+    head = "| attention | layer | " + " | ".join(f"G = {g}" for g in candidates) + " |"
+    rule = "|---|---:|" + "---:|" * len(candidates)
+    return (
+        "\n\nWhat the calibrated merge of each layer to G KV heads loses (the cost `--allocation calibrated` "
+        "minimised, summed over the layers):\n\n" + "\n".join([head, rule, *rows])
+    )
 
 
 def _grouping_text(p: dict, layout: AttentionLayout) -> str:
@@ -400,6 +429,7 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
         + ":\n\n"
         + "\n".join(lines)
         + f"\n\n{done}{_budget_text(p)} Layout: {arch.notes}."
+        + _allocation_costs_table(p)
     )
 
 
@@ -431,7 +461,7 @@ The weights have not been trained since conversion: uptrain them (`uptrain train
     body = f"""# {p["model_type"]} with {heads} KV heads (converted by uptrain)
 
 Converted from {source} ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \
-to grouped-query attention with {_kv_heads_phrase(p)}.{_budget_text(p)}
+to grouped-query attention with {_kv_heads_phrase(p)}.{_budget_text(p)}{_allocation_costs_table(p)}
 
 {_grouping_text(p, arch.site(DECODER_SELF).layout)}
 

@@ -98,6 +98,11 @@ def prepare(
         check_not_overlapping(Path(out).absolute(), source.folder)
     config = read_config(source.folder)
     conversion = conversion_for(config, spec.kv_heads, strategy, spec.grouping, spec.attention, spec.seed)
+    if conversion.pending_budget is not None and spec.calibration_data is None and not calibration_given:
+        raise UptrainError(
+            "--allocation calibrated measures what each layer's merge loses on calibration data "
+            "(--calibration-data FILE)"
+        )
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
@@ -153,11 +158,17 @@ def calibrate(
 
     Each layer's merge is solved as soon as its moment is complete, on the calibration device,
     and the moment dropped: no layer's moment outlives its layer (7B: 134 MB each, 4.3 GB in
-    all). `keep_moments`: keep every moment instead (to reuse them for other conversions)."""
+    all). `keep_moments`: keep every moment instead (to reuse them for other conversions).
+
+    `--allocation calibrated`: no layer's G is known until every layer is calibrated, so the moments
+    are kept (spilled to a temporary file, as for `keep_moments`), the allocation is chosen from
+    them and `prepared` planned again for it (`settle_allocation`); each layer's merge is then
+    solved from its moment when it is written."""
     if not prepared.needs_calibration:
         return None
     from uptrain.convert.calibration import collect_attention_moments
 
+    settle = prepared.conversion.pending_budget is not None
     spec = prepared.spec
     settings = CalibrationSettings.of(spec)  # what both kinds of calibration read, and how
     if prepared.conversion.arch.encoder_decoder:
@@ -167,8 +178,11 @@ def calibrate(
         moments, info = collect_seq2seq_moments(
             prepared.source.folder, spec.calibration_data, settings, progress=progress, keys=_prompt_keys(spec)
         )
-        return Calibration(moments, info)
-    solver = None if keep_moments else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
+        calibration = Calibration(moments, info)
+        if settle:
+            settle_allocation(prepared, calibration)
+        return calibration
+    solver = None if keep_moments or settle else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
     moments, info = collect_attention_moments(
         prepared.source.folder,
         spec.calibration_data,
@@ -177,15 +191,38 @@ def calibrate(
         per_layer=None if solver is None else solver.solve,
     )
     if solver is None:
-        return Calibration(moments, info)
+        calibration = Calibration(moments, info)
+        if settle:
+            settle_allocation(prepared, calibration)
+        return calibration
     return Calibration({}, info, solver.solutions, _solved_for(prepared))
 
 
-def budget_record(spec: ConversionSpec) -> dict | None:
-    """What `uptrain.json` records of a `--kv-budget` (None without one): the budget and how it was spent."""
+def settle_allocation(prepared: PreparedConversion, calibration: Calibration) -> None:
+    """`--allocation calibrated`: choose each layer's KV heads from the calibration's moments
+    (`allocation.settle_allocation`), plan `prepared` again for them, and keep the cost table that
+    chose them in `calibration` (for uptrain.json and the card)."""
+    from uptrain.convert.allocation import settle_allocation as settled
+
+    cast = DTYPES[prepared.spec.dtype] if prepared.spec.dtype is not None else None
+    prepared.conversion, calibration.allocation_costs = settled(
+        prepared.conversion, prepared.checkpoint, calibration.moments, cast
+    )
+
+
+def budget_record(spec: ConversionSpec, calibration: Calibration | None = None) -> dict | None:
+    """What `uptrain.json` records of a `--kv-budget` (None without one): the budget and how it was
+    spent; a calibrated allocation's cost table beside it (`allocation_costs`: per converted
+    attention, per layer, each candidate G's cost)."""
     if spec.kv_budget is None:
         return None
-    return {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
+    record = {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
+    if calibration is not None and calibration.allocation_costs is not None:
+        record["allocation_costs"] = {
+            name: [{str(g): cost for g, cost in layer.items()} for layer in layers]
+            for name, layers in calibration.allocation_costs.items()
+        }
+    return record
 
 
 def execute(
@@ -201,6 +238,10 @@ def execute(
     written — one layer's Q, K, V and O for `calibrated` pooling or `similarity` grouping.
     """
     spec, checkpoint = prepared.spec, prepared.checkpoint
+    if prepared.conversion.pending_budget is not None:
+        raise UptrainError(
+            "--allocation calibrated chooses each layer's KV heads from calibration; run calibrate() first"
+        )
     if prepared.strategy.needs_calibration and calibration is None:
         raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
     if calibration is not None and calibration.solved and calibration.solved_for != _solved_for(prepared):
@@ -225,7 +266,7 @@ def execute(
             spec.grouping,
             merger.kv_orders,
             calibration.info if calibration is not None else None,
-            budget_record(spec),
+            budget_record(spec, calibration),
         )
         (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(record, card_metadata(prepared.source.folder)))
@@ -255,4 +296,6 @@ def convert_checkpoint(
     with prepare(spec, out, overwrite, calibration_given=calibration is not None) as prepared:
         if calibration is None:
             calibration = calibrate(prepared, progress)
+        elif prepared.conversion.pending_budget is not None:  # moments computed earlier choose the allocation
+            settle_allocation(prepared, calibration)
         return execute(prepared, out, overwrite, calibration, progress)

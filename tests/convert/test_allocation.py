@@ -1,0 +1,421 @@
+"""`--allocation calibrated`: each layer's merge loss in closed form, and the exact knapsack over layers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from contextlib import closing
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.convert.test_calibrated import build, save
+from tests.convert.test_calibrated_encoder_decoder import ALL, calibration_batches, relate_heads_exactly
+from tests.convert.test_calibrated_encoder_decoder import build as build_seq2seq
+from uptrain import UptrainError
+from uptrain.architecture import architecture
+from uptrain.checkpoint.reader import SourceCheckpoint
+from uptrain.convert.allocation import (
+    allocate,
+    calibration_costs,
+    candidate_heads,
+    choose_allocation,
+    layer_losses,
+)
+from uptrain.convert.calibrated import (
+    LayerAttention,
+    _augment,
+    _rotary_pairs,
+    _shared_vector,
+    apply_calibrated,
+    merge_loss,
+    regularised,
+    solve_calibrated,
+)
+from uptrain.convert.calibration import collect_attention_moments
+from uptrain.convert.calibration_seq2seq import seq2seq_moments
+from uptrain.convert.conversion import conversion_for
+from uptrain.convert.pooling import get_strategy
+from uptrain.convert.spec import CalibrationSettings
+from uptrain.model_info import read_config
+
+# ---------------------------------------------------------------- the merge loss, in closed form
+
+
+def random_layer(rotary_dim: int, seed: int = 0, kv: int = 4, n_rep: int = 2, d: int = 4, hidden: int = 12):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    h = kv * n_rep
+    return LayerAttention(
+        q_w=rand(h * d, hidden),
+        k_w=rand(kv * d, hidden),
+        v_w=rand(kv * d, hidden),
+        o_w=rand(hidden, h * d),
+        q_b=rand(h * d),
+        k_b=rand(kv * d),
+        v_b=None,
+        num_heads=h,
+        num_kv_heads=kv,
+        head_dim=d,
+        rotary_dim=rotary_dim,
+    )
+
+
+def random_moment(hidden: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(200, hidden, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mix = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    x = torch.cat([x @ mix, torch.ones(200, 1, dtype=torch.float64)], 1)  # correlated inputs, a constant 1
+    return x.mT @ x / len(x)
+
+
+def value_error(source: LayerAttention, merged: LayerAttention, c: torch.Tensor) -> float:
+    """Σ_q E‖O'_q V'_j x̃ − O_q V_s x̃‖²: each query head's value path through o_proj, merged vs source."""
+    d, n_rep = source.head_dim, source.n_rep
+    v, v2 = _augment(source.v_w, source.v_b), _augment(merged.v_w, merged.v_b)
+    r = source.num_kv_heads // merged.num_kv_heads
+    total = 0.0
+    for q in range(source.num_heads):
+        s, j = q // n_rep, q // (n_rep * r)
+        delta = merged.o_w[:, q * d : (q + 1) * d] @ v2[j * d : (j + 1) * d] - (
+            source.o_w[:, q * d : (q + 1) * d] @ v[s * d : (s + 1) * d]
+        )
+        total += float(torch.trace(delta @ c @ delta.mT))
+    return total
+
+
+def logit_error(source: LayerAttention, merged: LayerAttention, c: torch.Tensor) -> float:
+    """Σ_q E[(q'_qᵀ k'_j − q_qᵀ k_s)²] with the query's and the key's inputs independent, each of
+    moment C: the score as a bilinear form B_q of (query input, key input), E = tr(B_qᵀ C B_q C)."""
+    d, n_rep = source.head_dim, source.n_rep
+    q1, k1 = _augment(source.q_w, source.q_b), _augment(source.k_w, source.k_b)
+    q2, k2 = _augment(merged.q_w, merged.q_b), _augment(merged.k_w, merged.k_b)
+    r = source.num_kv_heads // merged.num_kv_heads
+    total = 0.0
+    for q in range(source.num_heads):
+        s, j = q // n_rep, q // (n_rep * r)
+        rows = slice(q * d, (q + 1) * d)
+        b = q2[rows].mT @ k2[j * d : (j + 1) * d] - q1[rows].mT @ k1[s * d : (s + 1) * d]
+        total += float(torch.trace(b.mT @ c @ b @ c))
+    return total
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_merge_loss_is_the_error_the_applied_merge_leaves(groups):
+    """Without rotary dims both halves are errors of the merged weights themselves, computed here
+    from what `apply_calibrated` wrote, not from the solver's eigenvalues."""
+    layer = random_layer(rotary_dim=0)
+    c = random_moment(12)
+    merged = apply_calibrated(layer, groups, solve_calibrated(layer, groups, c))
+    loss = merge_loss(layer, groups, c)
+    reg = regularised(c)  # the merge is solved, and its loss counted, under the ridged C
+    assert loss.values == pytest.approx(value_error(layer, merged, reg), rel=1e-6)
+    assert loss.keys == pytest.approx(logit_error(layer, merged, reg), rel=1e-6)
+    d = layer.head_dim
+    v = _augment(layer.v_w, layer.v_b)
+    paths = [layer.o_w[:, q * d : (q + 1) * d] @ v[q // layer.n_rep * d : (q // layer.n_rep + 1) * d] for q in range(8)]
+    assert loss.values_energy == pytest.approx(sum(float(torch.trace(p @ reg @ p.mT)) for p in paths), rel=1e-9)
+    assert 0 < loss.values < loss.values_energy and 0 < loss.keys < loss.keys_energy
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_rotary_key_loss_is_the_rank_one_fit_of_the_solution(groups):
+    """On rotary pairs the merge fits each group's keys by complex scales of one shared key: the
+    loss is Σ_s α_s ‖u_s − σ_s v‖²_C at the solved σ and v."""
+    layer = random_layer(rotary_dim=4)  # every dim rotates
+    c = random_moment(12)
+    solution = solve_calibrated(layer, groups, c)
+    reg = regularised(c)
+    d, kv, r = layer.head_dim, layer.num_kv_heads, layer.num_kv_heads // groups
+    k_aug = _augment(layer.k_w, layer.k_b).view(kv, d, -1)
+    real, imag = torch.arange(2), torch.arange(2, 4)
+    total = 0.0
+    for j in range(groups):
+        sources = list(range(j * r, (j + 1) * r))
+        u = _rotary_pairs(k_aug[sources], real, imag)  # [pairs, r, D+1]
+        solved = solution.key_rotary[j]
+        v = _shared_vector(u, solved)
+        delta = u - solved.sigma[..., None] * v[:, None, :]
+        total += float(
+            (solved.alpha * torch.einsum("prx,xy,pry->pr", delta.conj(), reg.to(delta.dtype), delta).real).sum()
+        )
+    assert merge_loss(layer, groups, c).keys == pytest.approx(total, rel=1e-6)
+
+
+def test_no_merge_loses_nothing_and_wider_groups_lose_more():
+    layer = random_layer(rotary_dim=2, kv=8, n_rep=1)
+    losses = layer_losses(layer, random_moment(12))
+    assert list(losses) == [1, 2, 4, 8]
+    assert losses[8].values == 0 and losses[8].keys == 0  # G = kv: every group one head
+    for fewer, more in [(1, 2), (2, 4), (4, 8)]:  # nested groups: a coarser merge fits no better
+        assert losses[fewer].values >= losses[more].values and losses[fewer].keys >= losses[more].keys
+        assert losses[fewer].values_energy == pytest.approx(losses[more].values_energy)
+
+
+# ---------------------------------------------------------------- the knapsack
+
+
+def brute_force(costs, head_dims, budget):
+    """Every allocation, the least by (summed cost, KV units, heads in order), summed as the DP sums."""
+    layers = [(name, options) for name in costs for options in costs[name]]
+    best = None
+    for heads in itertools.product(*(sorted(options) for _, options in layers)):
+        units = sum(g * head_dims[name] for g, (name, _) in zip(heads, layers))
+        if units > budget:
+            continue
+        cost = 0.0
+        for g, (_, options) in reversed(list(zip(heads, layers))):
+            cost = options[g] + cost
+        if best is None or (cost, units, heads) < best:
+            best = (cost, units, heads)
+    return best
+
+
+@st.composite
+def instances(draw, integer_costs: bool):
+    attentions = draw(st.integers(1, 2))
+    names = ["encoder", "decoder-self"][:attentions]
+    dims = {name: draw(st.sampled_from([16, 32, 48, 64])) for name in names}
+    costs = {}
+    for name in names:
+        layers = draw(st.integers(1, 5 if attentions == 1 else 3))
+        costs[name] = []
+        for _ in range(layers):
+            kv = draw(st.sampled_from([1, 2, 4, 6, 8, 12]))
+            value = st.integers(0, 6).map(float) if integer_costs else st.floats(0, 10, allow_nan=False)
+            costs[name].append({g: draw(value) for g in candidate_heads(kv)})
+    smallest = sum(min(o) * dims[n] for n in names for o in costs[n])
+    largest = sum(max(o) * dims[n] for n in names for o in costs[n])
+    budget = draw(st.integers(smallest, largest + 16))
+    return costs, dims, budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances(integer_costs=True))
+def test_knapsack_equals_brute_force_ties_included(instance):
+    """Integer costs tie often: the tie-break (smaller cache, then fewer heads earliest) is exact."""
+    costs, dims, budget = instance
+    chosen = choose_allocation(costs, dims, budget)
+    _, _, heads = brute_force(costs, dims, budget)
+    assert tuple(g for name in costs for g in chosen[name]) == heads
+    assert [len(chosen[name]) for name in costs] == [len(costs[name]) for name in costs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(integer_costs=False))
+def test_knapsack_reaches_the_least_cost(instance):
+    costs, dims, budget = instance
+    chosen = choose_allocation(costs, dims, budget)
+    least, _, _ = brute_force(costs, dims, budget)
+    assert sum(costs[n][i][g] for n in costs for i, g in enumerate(chosen[n])) == pytest.approx(least, abs=1e-9)
+    assert sum(g * dims[n] for n in costs for g in chosen[n]) <= budget
+
+
+@pytest.mark.parametrize("layers,kv,groups", [(6, 8, 2), (4, 8, 4), (3, 12, 3), (5, 6, 1), (2, 4, 4)])
+def test_one_convex_cost_for_every_layer_gives_the_uniform_allocation(layers, kv, groups):
+    """The same strictly convex, decreasing cost in every layer: at a budget of exactly kv/G no
+    uneven allocation can do better (Jensen), so the knapsack must return uniform G."""
+    costs = {"decoder-self": [{g: 3.0 / g + 0.1 * layer for g in candidate_heads(kv)} for layer in range(layers)]}
+    chosen = allocate(costs, {"decoder-self": (kv,) * layers}, {"decoder-self": 32}, groups / kv)
+    assert chosen == {"decoder-self": (groups,) * layers}
+
+
+def test_a_budget_below_one_head_per_layer_is_refused_in_one_line():
+    costs = {"decoder-self": [{g: 1.0 / g for g in (1, 2, 4, 8)}] * 6}
+    with pytest.raises(UptrainError) as err:
+        allocate(costs, {"decoder-self": (8,) * 6}, {"decoder-self": 32}, 0.1)
+    assert "\n" not in str(err.value) and "0.125" in str(err.value) and "--kv-budget 0.1" in str(err.value)
+    assert allocate(costs, {"decoder-self": (8,) * 6}, {"decoder-self": 32}, 0.125) == {"decoder-self": (1,) * 6}
+    with pytest.raises(UptrainError, match="below the smallest allocation"):
+        choose_allocation(costs, {"decoder-self": 32}, 6 * 32 - 1)
+
+
+def test_a_budget_counts_every_attention_in_its_own_head_dim():
+    """Two attentions of different head_dim: the budget is Σ G × head_dim; the cheaper heads win
+    the spare units when their cost drops more."""
+    costs = {"encoder": [{1: 5.0, 2: 0.0}], "decoder-self": [{1: 4.0, 2: 0.0}]}
+    dims = {"encoder": 64, "decoder-self": 32}
+    assert choose_allocation(costs, dims, 64 + 32 + 32) == {"encoder": (1,), "decoder-self": (2,)}
+    assert choose_allocation(costs, dims, 128 + 32) == {"encoder": (2,), "decoder-self": (1,)}
+
+
+# ---------------------------------------------------------------- costs from real calibration
+
+
+def test_costs_from_real_calibration_choose_the_layer_whose_heads_are_related(tokenizer, calibration_text, tmp_path):
+    """A tiny Llama whose layer 0 has K and V heads identical in pairs: the calibrated merge of
+    layer 0 to 4 heads loses nothing, layer 1's does, and at a budget of (4 + 8) / 16 the
+    allocation gives layer 0 four heads and layer 1 all eight — from the real calibration pass."""
+    model = build("llama", tokenizer)
+    d, kv = 8, 8
+    with torch.no_grad():
+        attn = model.model.layers[0].self_attn
+        for proj in (attn.k_proj, attn.v_proj):
+            heads = proj.weight.view(kv, d, -1)
+            heads[1::2] = heads[0::2].clone()
+            if proj.bias is not None:
+                proj.bias.view(kv, d)[1::2] = proj.bias.view(kv, d)[0::2].clone()
+    src = save(model, tokenizer, tmp_path / "src")
+    moments, _ = collect_attention_moments(
+        src, str(calibration_text), CalibrationSettings(calibration_tokens=2048, calibration_seq_len=64), progress=False
+    )
+    config = read_config(src)
+    conversion = conversion_for(config, 8, get_strategy("calibrated"), "contiguous", "decoder-self", 0)
+    with closing(SourceCheckpoint(src)) as checkpoint:
+        costs = calibration_costs(conversion, checkpoint, moments)
+    layer0, layer1 = costs["decoder-self"]
+    assert layer0[4] < 1e-9 and layer0[2] > 1e-3 and layer1[4] > 1e-3
+    assert layer0[8] == 0 and layer1[8] == 0
+    chosen = allocate(costs, {"decoder-self": (8, 8)}, {"decoder-self": d}, 12 / 16)
+    assert chosen == {"decoder-self": (4, 8)}
+    # Uniform at the same budget does not exist (12/16 is not 8/G): the choice is the allocation's own.
+    assert allocate(costs, {"decoder-self": (8, 8)}, {"decoder-self": d}, 0.5) == {"decoder-self": (4, 4)}
+
+
+def test_costs_of_an_encoder_decoder_cover_every_chosen_attention(tmp_path):
+    """A tiny BART whose heads are exactly related within 2 groups in every attention: for each
+    of encoder, decoder self- and cross-attention (its keys and values read the encoder's output),
+    merging to 2 heads loses nothing and to one head does."""
+    model = build_seq2seq("bart")
+    relate_heads_exactly(model, 2)
+    model.save_pretrained(tmp_path / "src")
+    arch = architecture(model.config.model_type)
+    moments = seq2seq_moments(model, arch, calibration_batches("bart"), progress=False)
+    config = read_config(tmp_path / "src")
+    conversion = conversion_for(config, 1, get_strategy("calibrated"), "contiguous", ALL, 0)
+    with closing(SourceCheckpoint(tmp_path / "src")) as checkpoint:
+        costs = calibration_costs(conversion, checkpoint, moments)
+    assert list(costs) == ["encoder", "decoder-self", "cross"]
+    for name, layers in costs.items():
+        heads = config["encoder_attention_heads" if name == "encoder" else "decoder_attention_heads"]
+        assert len(layers) == config["encoder_layers" if name == "encoder" else "decoder_layers"]
+        for layer in layers:
+            assert set(layer) == set(candidate_heads(heads))
+            assert layer[1] > 1e-3 and layer[2] < 1e-6 * layer[1], (name, layer)
+            assert layer[heads] == 0
+    assert math.isfinite(sum(c for layers in costs.values() for layer in layers for c in layer.values()))
+
+
+def test_ties_go_to_the_smaller_cache_then_to_fewer_heads_earliest():
+    costs = {"decoder-self": [{1: 1.0, 2: 0.0, 4: 1.0, 8: 1.0}, {1: 1.0, 2: 1.0, 4: 1.0, 8: 0.0}]}
+    # (1, 8) and (2, 1) both cost 1 within 9 heads: the smaller cache wins, not the fewer first heads.
+    assert choose_allocation(costs, {"decoder-self": 1}, 9) == {"decoder-self": (2, 1)}
+    # (1, 4) and (4, 1): equal cost, equal cache: fewer heads in the first layer.
+    costs = {"decoder-self": [{1: 1.0, 4: 0.0}, {1: 1.0, 4: 0.0}]}
+    assert choose_allocation(costs, {"decoder-self": 1}, 5) == {"decoder-self": (1, 4)}
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_convert_spends_a_budget_where_the_layers_lose(tokenizer, calibration_text, tmp_path):
+    """`uptrain convert --kv-budget 0.75 --allocation calibrated` on a tiny GPT-2 whose layer 0 has
+    K and V heads identical in pairs: layer 0 gets 4 heads (its merge loses nothing), layer 1 all 8;
+    the weights are those of `--kv-heads-per-layer 4,8`, bit for bit, and uptrain.json and the card
+    carry the cost table."""
+    from tests.convert.test_calibrated_classic import build as build_classic
+    from tests.convert.test_calibrated_classic import kv_views
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+
+    model = build_classic("gpt2", tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            views = kv_views(name, p)
+            if views is not None and ".h.0." in name:
+                for heads in views:
+                    heads[1::2] = heads[0::2].clone()
+    src = save(model, tokenizer, tmp_path / "src")
+    keys = ["--pooling", "calibrated", "--calibration-data", calibration_text, "--calibration-tokens", 512]
+    keys += ["--calibration-device", "cpu", "--source-hash", "none"]
+
+    def convert(out, *flags):
+        assert main(["convert", str(src), str(tmp_path / out), *map(str, flags), *map(str, keys)]) == 0
+        return tmp_path / out
+
+    chosen = convert("chosen", "--kv-budget", 0.75, "--allocation", "calibrated")
+    assert json.loads((chosen / "config.json").read_text())["num_key_value_heads_per_layer"] == [4, 8]
+    record = json.loads((chosen / "uptrain.json").read_text())
+    assert record["num_key_value_heads_per_layer"] == [4, 8]
+    assert (record["kv_budget"], record["allocation"]) == (0.75, "calibrated")
+    costs = record["allocation_costs"]["decoder-self"]
+    assert [sorted(layer, key=int) for layer in costs] == [["1", "2", "4", "8"]] * 2
+    assert costs[0]["4"] < 1e-9 < costs[0]["2"] and costs[1]["4"] > 1e-3 and costs[0]["8"] == costs[1]["8"] == 0
+    card = (chosen / "README.md").read_text()
+    assert "`allocation_costs`" in card and "| attention | layer | G = 1 | G = 2 | G = 4 | G = 8 |" in card
+    assert f"| 1 | {costs[1]['1']:.4g} | {costs[1]['2']:.4g} | {costs[1]['4']:.4g} | 0 |" in card
+    explicit = tensors(convert("explicit", "--kv-heads-per-layer", "4,8"))
+    assert tensors(chosen).keys() == explicit.keys()
+    assert all(torch.equal(t, explicit[name]) for name, t in tensors(chosen).items())
+
+
+def test_an_encoder_decoder_spends_its_budget_across_its_attentions(tmp_path):
+    """BART, the decoder's self- and cross-attention converted: every layer's heads exactly related
+    within 2 groups except cross-attention's layer 1 (made anew). At 14/32 of the KV bytes the one
+    allocation that loses nothing is 2,2 / 2,8 — chosen from moments computed beforehand (as
+    `uptrain compare` passes them), and recorded per attention."""
+    from uptrain.convert import convert_checkpoint
+    from uptrain.convert.pipeline import Calibration
+
+    model = build_seq2seq("bart")
+    relate_heads_exactly(model, 2)
+    with torch.no_grad():
+        for proj in (
+            model.model.decoder.layers[1].encoder_attn.k_proj,
+            model.model.decoder.layers[1].encoder_attn.v_proj,
+        ):
+            proj.weight.copy_(torch.randn_like(proj.weight) * proj.weight.std())
+    model.save_pretrained(tmp_path / "src")
+    moments = seq2seq_moments(model, architecture("bart"), calibration_batches("bart"), progress=False)
+    out = convert_checkpoint(
+        tmp_path / "src",
+        tmp_path / "out",
+        kv_budget=14 / 32,
+        allocation="calibrated",
+        pooling="calibrated",
+        calibration=Calibration(moments),
+        source_hash="none",
+        progress=False,
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["decoder_num_key_value_heads"] == 2 and "decoder_num_key_value_heads_per_layer" not in config
+    assert config["cross_attention_num_key_value_heads_per_layer"] == [2, 8]
+    costs = json.loads((out / "uptrain.json").read_text())["allocation_costs"]
+    assert list(costs) == ["decoder-self", "cross"] and costs["cross"][1]["2"] > 1e-3 > costs["cross"][0]["2"]
+
+
+def test_convert_model_spends_a_budget_from_given_moments(tokenizer, calibration_text, tmp_path):
+    """In memory (`converted_tensors`, what `convert_model` loads into its copy): the same choice as
+    the checkpoint path (4, 8 on a GPT-2 whose layer 0 pairs its heads) and the weights of the
+    explicit allocation; without moments, refused in one line."""
+    from tests.convert.test_calibrated_classic import build as build_classic
+    from tests.convert.test_calibrated_classic import kv_views
+    from uptrain.convert.in_memory import converted_tensors
+    from uptrain.convert.kv_heads import KVHeadsRequest
+    from uptrain.convert.pipeline import Calibration
+    from uptrain.convert.spec import ConversionOptions
+    from uptrain.options import validated
+
+    model = build_classic("gpt2", tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (views := kv_views(name, p)) is not None and ".h.0." in name:
+                for heads in views:
+                    heads[1::2] = heads[0::2].clone()
+    src = save(model, tokenizer, tmp_path / "src")
+    settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=64, calibration_device="cpu")
+    calibration = Calibration(*collect_attention_moments(src, str(calibration_text), settings, progress=False))
+    options = validated(ConversionOptions, pooling="calibrated")
+    budget = KVHeadsRequest(budget=0.75, allocation="calibrated")
+    chosen, plan = converted_tensors(model, budget, options, calibration=calibration)
+    assert plan.allocation == {"decoder-self": (4, 8)}
+    explicit, _ = converted_tensors(model, KVHeadsRequest(per_layer=((4, 8),)), options, calibration=calibration)
+    assert chosen.keys() == explicit.keys() and all(torch.equal(t, explicit[name]) for name, t in chosen.items())
+    with pytest.raises(UptrainError, match="allocation 'calibrated' measures each layer's merge") as err:
+        converted_tensors(model, budget, validated(ConversionOptions), calibration=None)
+    assert "\n" not in str(err.value)

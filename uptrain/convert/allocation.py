@@ -1,0 +1,229 @@
+"""`--allocation calibrated`: each layer's KV heads chosen, within a KV budget, by what its merge loses.
+
+Two steps, both exact for what they decide:
+
+1. **Costs.** For each converted attention, each layer l and each candidate G (the divisors of
+   that layer's source KV heads) the calibrated merge to G is scored on the calibration data
+   by the error it leaves (`calibrated.merge_loss`): its value half is the output error
+   Σ_q E‖O_q (M_s W − W_s) x̃‖², its key half the logit error Σ_q E[(q_qᵀ Δk_s)²] — the two
+   quantities the merge minimises, at their minimum. Both are sums of the eigenvalues the merge
+   drops, so they come in closed form from the moments calibration already accumulates: no
+   forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
+   The alternative — the model's loss with layer l alone merged to G — asks L × |divisors|
+   forward passes of the whole model over the calibration text (more for an encoder–decoder,
+   whose attentions interact); it is the quantity the allocation stands for, and on the
+   reference Llama it allocates better (below), at that price.
+
+   The cost is **relative**: each half is divided by what that layer's attention carries of it
+   (the value half by Σ_q E‖O_q W_s x̃‖², the key half by the logits' energy Σ_q E[(q_qᵀ k_s)²]),
+   and the layer's cost is their sum — the share of its attention's signal the merge loses.
+   Absolute errors are not comparable across layers: the residual stream's scale grows with
+   depth and every layer reads it through a norm, so the same absolute error weighs less deep
+   in the model, and logits and outputs are not in the same units at all. A share is
+   dimensionless and the same whatever the layer's scale. Measured on the shipped reference
+   Llama (docs/concepts/kv_budget.md, with the command): better than uniform at 1/4 of the
+   cache, worse at 1/2 — the logits' share, which dominates, overstates what some layers' key
+   errors do to the model; allocating by the model's loss with one layer merged beats uniform
+   at both.
+
+2. **The knapsack** (`choose_allocation`): the allocation with the least summed cost whose
+   KV heads × head_dim, summed over every converted attention's layers, fit the budget —
+   solved exactly by dynamic programming over layers × budget, the budget counted in units of
+   the gcd of the head dims. Ties (equal summed cost) go to the smaller cache, then to the
+   allocation whose first differing layer has fewer heads; so a choice is a pure function of
+   the costs, and layers where merging loses nothing (G = source heads costs exactly 0) are
+   never given heads the budget does not need.
+
+Cost: one calibration pass as `calibrated` pooling runs it (layer by layer), every layer's moment
+kept (spilled to a temporary file: no layer's G is known before the last is calibrated); then per
+layer and candidate G the merge's eigenvalues (no maps, but the same eigenproblems: about one
+solve per candidate); the knapsack is O(layers · budget units · |divisors|), milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF
+from uptrain.convert.calibrated import (
+    CrossMoments,
+    LayerAttention,
+    MergeLoss,
+    head_similarity,
+    input_moment,
+    merge_loss,
+    permute_kv_heads,
+    similarity_order,
+)
+from uptrain.convert.conversion import Calibration, Conversion, TensorSource
+from uptrain.convert.layer_merge import SiteMergers
+
+# Per converted attention (model order: encoder, decoder-self, cross), per layer, G → cost.
+Costs = Mapping[str, Sequence[Mapping[int, float]]]
+Allocation = dict[str, tuple[int, ...]]
+
+
+def candidate_heads(kv_heads: int) -> tuple[int, ...]:
+    """The KV heads a layer with `kv_heads` source KV heads can be merged to: its divisors."""
+    return tuple(g for g in range(1, kv_heads + 1) if kv_heads % g == 0)
+
+
+def relative_cost(loss: MergeLoss) -> float:
+    """The share of the layer's attention signal its merge loses (module docstring): the value
+    output's share plus the logits' share, each in [0, 1]; 0 for a layer carrying nothing."""
+    share = 0.0
+    for lost, whole in ((loss.values, loss.values_energy), (loss.keys, loss.keys_energy)):
+        if whole > 0:
+            share += lost / whole
+    return share
+
+
+def layer_losses(
+    attention: LayerAttention,
+    moment: torch.Tensor | CrossMoments,
+    candidates: Sequence[int] | None = None,
+    grouping: str = "contiguous",
+) -> dict[int, MergeLoss]:
+    """What the calibrated merge of one layer loses at each candidate G (default: every divisor of
+    its KV heads), from the layer's moment as `CalibratedMerge.solve` reads it; with `similarity`
+    grouping, of the heads as that grouping orders them for each G."""
+    if isinstance(moment, CrossMoments):  # cross-attention's, or attention-weighted moments
+        c, c_query, c_values = moment.keys_values, moment.queries, moment.values
+    else:
+        c, c_query, c_values = moment, None, None
+    groups = candidate_heads(attention.num_kv_heads) if candidates is None else candidates
+    similarity = head_similarity(attention, input_moment(moment)).cpu() if grouping == "similarity" else None
+    losses = {}
+    for g in groups:
+        ordered = attention if similarity is None else permute_kv_heads(attention, similarity_order(similarity, g))
+        losses[g] = merge_loss(ordered, g, c, c_query, c_values)
+    return losses
+
+
+def layer_costs(
+    attention: LayerAttention,
+    moment: torch.Tensor | CrossMoments,
+    candidates: Sequence[int] | None = None,
+    grouping: str = "contiguous",
+) -> dict[int, float]:
+    """Each candidate G's cost for one layer (`relative_cost` of `layer_losses`)."""
+    return {g: relative_cost(loss) for g, loss in layer_losses(attention, moment, candidates, grouping).items()}
+
+
+@dataclass(frozen=True)
+class _Best:
+    """The best choice for the layers from some index on, within some budget: ordered by
+    (cost, units, heads) — least cost, then the smaller cache, then fewer heads earliest."""
+
+    cost: float
+    units: int
+    heads: tuple[int, ...]
+
+    def key(self) -> tuple:
+        return (self.cost, self.units, self.heads)
+
+
+def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -> Allocation:
+    """The allocation (per attention, each layer's G) of least summed cost with
+    Σ G_l × head_dim ≤ `budget` over every attention's layers; ties as the module docstring says.
+    `costs[attention][l]` maps each candidate G of layer l to its cost; `head_dims[attention]`
+    is that attention's head_dim. Refuses, in one line, a budget that no allocation meets."""
+    names = list(costs)
+    layers = [(name, layer) for name in names for layer in costs[name]]
+    unit = math.gcd(*(head_dims[name] for name in names)) if names else 1
+    capacity = budget // unit
+    smallest = sum(min(options) * head_dims[name] for name, options in layers)
+    if smallest > budget:
+        raise UptrainError(
+            f"a KV budget of {budget} (KV heads × head_dim, summed over the layers) is below the smallest "
+            f"allocation, 1 KV head per layer ({smallest})"
+        )
+    # best[w]: the best choice for layers i … end within w units, built from the last layer back,
+    # so that extending a suffix by layer i's choice keeps the (cost, units, heads) order.
+    best: list[_Best | None] = [_Best(0.0, 0, ())] * (capacity + 1)
+    for name, options in reversed(layers):
+        weight = head_dims[name] // unit
+        step: list[_Best | None] = []
+        for w in range(capacity + 1):
+            found = None
+            for g in sorted(options):
+                rest = w - g * weight
+                if rest < 0 or best[rest] is None:
+                    continue
+                tail = best[rest]
+                candidate = _Best(options[g] + tail.cost, g * weight + tail.units, (g, *tail.heads))
+                if found is None or candidate.key() < found.key():
+                    found = candidate
+            step.append(found)
+        best = step
+    chosen = best[capacity]
+    assert chosen is not None  # the smallest allocation fits (checked above)
+    out, start = {}, 0
+    for name in names:
+        count = len(costs[name])
+        out[name] = chosen.heads[start : start + count]
+        start += count
+    return out
+
+
+def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
+    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
+    converted attentions' layers, in those units (rounded down; a hair of float error is forgiven,
+    so 0.1 of 80 is 8)."""
+    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
+    return math.floor(fraction * whole + 1e-9 * whole)
+
+
+def allocate(
+    costs: Costs, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int], fraction: float
+) -> Allocation:
+    """`choose_allocation` within `fraction` of the source's KV bytes (`--kv-budget F`); a budget
+    below one KV head per layer is refused in one line naming the smallest fraction reachable."""
+    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
+    smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
+    if budget_units(fraction, source_heads, head_dims) < smallest:
+        raise UptrainError(
+            f"--kv-budget {fraction:g} is below what any allocation reaches: 1 KV head in every layer keeps "
+            f"{smallest / whole:.4g} of the source's KV bytes (give at least that)"
+        )
+    return choose_allocation(costs, head_dims, budget_units(fraction, source_heads, head_dims))
+
+
+def calibration_costs(
+    conversion: Conversion, source: TensorSource, moments: Mapping
+) -> dict[str, list[dict[int, float]]]:
+    """Each converted attention's `layer_costs`, layer by layer, from calibration moments kept
+    whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`, or an encoder–decoder's
+    `collect_seq2seq_moments`): each layer's projections are read from `source` as its merge reads
+    them, one layer at a time."""
+    merger = conversion.merger(source, Calibration(moments))
+    mergers = merger.mergers if isinstance(merger, SiteMergers) else {DECODER_SELF: merger}
+    return {
+        name: [
+            layer_costs(site.attention(layer), site.calibration[layer], grouping=conversion.grouping)
+            for layer in range(site.geometry.num_layers)
+        ]
+        for name, site in mergers.items()
+    }
+
+
+def settle_allocation(
+    conversion: Conversion, source: TensorSource, moments: Mapping, cast: torch.dtype | None = None
+) -> tuple[Conversion, dict[str, list[dict[int, float]]]]:
+    """`--allocation calibrated` decided: the conversion with the allocation of least summed cost
+    within its budget (`conversion.pending_budget`), planned again for it (`cast`: the output's
+    dtype, as `Conversion.planned`), and the cost table that chose it."""
+    costs = calibration_costs(conversion, source, moments)
+    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
+    chosen = allocate(
+        costs,
+        {name: geo.layer_kv_heads() for name, geo in geometries.items()},
+        {name: geo.head_dim for name, geo in geometries.items()},
+        conversion.pending_budget,
+    )
+    return replace(conversion, allocation=chosen, pending_budget=None).planned(source, cast), costs

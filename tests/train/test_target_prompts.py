@@ -334,6 +334,23 @@ def test_a_speech_run_is_counted_in_clips(speech, tmp_path, capsys):
     )
 
 
+def test_a_speech_run_counts_the_target_tokens_it_read(speech, tmp_path):
+    """`train/tokens_seen` of a speech run: the labels the loss read, not seq_len per clip nor the
+    padding of a batch to its longest transcript."""
+    root = tmp_path / "lengths"
+    (root / "audio").mkdir(parents=True)
+    texts = ["low", "middle high", "high low middle"]  # labels <|notimestamps|> + words + EOS: 3, 4, 5
+    for name, hz in TONES.items():
+        write_wav(root / "audio" / f"{name}.wav", hz)
+    write_jsonl(root / "train.jsonl", [{"audio": f"audio/{n}.wav", "text": t} for n, t in zip(TONES, texts)])
+    values = speech_config(speech, "english", tmp_path, max_steps=2, eval_every=2)
+    config = TrainConfig(**{**values, "train_data": str(root / "train.jsonl")})
+    run_training(config)
+    seen = [r["train/tokens_seen"] for r in records(config.output_dir) if "train/tokens_seen" in r]
+    # batch_size 3 reads all three clips each step: 12 real tokens (15 padded, 96 as seq_len × 3).
+    assert seen == [0, 12, 24]
+
+
 def test_whisper_prompt_refusals(speech, tmp_path, s2s_bart):
     multilingual = speech_config(speech, "multilingual", tmp_path)
     refuses(multilingual, r"is a multilingual Whisper and its generation config names no language: set `language`")

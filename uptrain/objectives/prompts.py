@@ -74,6 +74,7 @@ class TargetFraming:
 
     shown: str
     label_prefix: tuple[int, ...] | None = None
+    text_prefix: str = ""
     source_prefix: str = ""
     generation: tuple[tuple[str, object], ...] = ()
 
@@ -172,7 +173,10 @@ def _speech_task(keys: PromptKeys, tokenizer, model_path: str, model_config: dic
         prefix.append(gen["no_timestamps_token_id"])
     start = model_config["decoder_start_token_id"]
     shown = "".join(str(t) for t in tokenizer.convert_ids_to_tokens([start, *prefix]))
-    return TargetFraming(shown, label_prefix=tuple(prefix), generation=generation)
+    # Whisper writes a transcript as " text" after its prompt tokens (OpenAI's tokenizer encodes
+    # " " + text.strip(); greedy decoding emits "ĠThe", not "The"): without the space every target's
+    # first word is tokenized unlike what the model generates, and perplexity is measured on it.
+    return TargetFraming(shown, label_prefix=tuple(prefix), text_prefix=" ", generation=generation)
 
 
 def _lang_token(tokenizer, code: str) -> str:
@@ -229,9 +233,11 @@ def _target_code_in_source(keys: PromptKeys, tokenizer, model_path: str) -> Targ
 
 
 def framed_target_ids(tokenizer, texts: list[str], target_len: int, framing: TargetFraming) -> list[list[int]]:
-    """Label ids `label_prefix` + the text's tokens (without the tokenizer's special tokens, which
-    the prefix replaces) + EOS, the text cut so that each holds at most `target_len`. Refuses, in
-    one line, a `target_len` that leaves no room for any text."""
+    """Label ids `label_prefix` + the tokens of `text_prefix` + the text (its own leading blanks
+    dropped: Whisper's " text" has one space), without the tokenizer's special tokens, which the
+    prefix replaces, + EOS, the text cut so that each holds at most `target_len`. The one framing of
+    a prompted family's targets: training, calibration and evaluation all read targets through it.
+    Refuses, in one line, a `target_len` that leaves no room for any text."""
     prefix = list(framing.label_prefix or ())
     room = target_len - len(prefix) - 1
     if room < 1:
@@ -239,5 +245,7 @@ def framed_target_ids(tokenizer, texts: list[str], target_len: int, framing: Tar
             f"target_len {target_len} leaves no room for text after the prompt {framing.shown} and EOS "
             f"({len(prefix) + 1} label tokens); set a larger `target_len`"
         )
+    if framing.text_prefix:
+        texts = [framing.text_prefix + text.lstrip() for text in texts]
     texts_ids = tokenizer(text_target=texts, add_special_tokens=False, truncation=True, max_length=room)["input_ids"]
     return [prefix + ids[:room] + [tokenizer.eos_token_id] for ids in texts_ids]

@@ -70,12 +70,22 @@ def _run_training(config: TrainConfig, on_step: StepCallback | None) -> Path:
 def _resume(run: Run) -> None:
     """Model, optimizer, RNG and data states from the checkpoint `setup` found; the progress at it."""
     acc, checkpoint = run.accelerator, run.start.checkpoint
-    step = load_checkpoint(acc, checkpoint)["step"]
+    state = load_checkpoint(acc, checkpoint)
+    step = state["step"]
     run.train_blocks.load_state_dict(load_data_state(checkpoint, acc.process_index))
-    run.progress = Progress(
-        start_step=step, step=step, tokens_seen=step * run.plan.tokens_per_step, checkpoint_step=step
-    )
+    # A speech run's tokens depend on the clips read: the count the checkpoint saved.
+    seen = state.get("tokens_seen") if run.plan.speech is not None else None
+    seen = seen if isinstance(seen, int) else step * run.plan.tokens_per_step
+    run.progress = Progress(start_step=step, step=step, tokens_seen=seen, checkpoint_step=step)
     acc.print(f"resuming from {checkpoint} (step {step})")
+
+
+def _tokens_seen(plan, step_tokens: int) -> int:
+    """What a step adds to `train/tokens_seen`: a text run's seq_len × rows (its blocks are full,
+    the budget `max_tokens` / `uptrain_fraction` is counted so); a speech run's target tokens the
+    loss read (its clips' transcripts, padded to the longest of each batch: the padding is not
+    seen, and a budget stated in tokens seen counts only real ones)."""
+    return step_tokens if plan.speech is not None else plan.tokens_per_step
 
 
 def _start_trackers(run: Run) -> None:
@@ -114,7 +124,7 @@ def _train(run: Run, on_step: StepCallback | None) -> Path:
             record = train_step(run, progress.step)
             step_time = time.perf_counter() - t0
             progress.step += 1
-            progress.tokens_seen += plan.tokens_per_step
+            progress.tokens_seen += _tokens_seen(plan, record.pop("tokens"))
             step = progress.step
             record.update({"train/tokens_seen": progress.tokens_seen, **perf_metrics(run, step_time)})
             if not record.pop("finite"):

@@ -84,8 +84,9 @@ def _on(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
 
 
 def train_step(run: Run, step: int) -> dict:
-    """One optimizer step (`step` counted from 0). Returns the step's metrics; does not update the
-    weights if the loss or gradient norm is not finite."""
+    """One optimizer step (`step` counted from 0). Returns the step's metrics and `tokens`, the
+    target tokens its loss read on all processes (padding not counted); does not update the weights
+    if the loss or gradient norm is not finite."""
     acc, config = run.accelerator, run.plan.config
     lr = lr_at(config, step, run.plan.total_steps)
     for group in run.optimizer.param_groups:
@@ -127,13 +128,20 @@ def train_step(run: Run, step: int) -> dict:
                 grad_norm = float(grad_norm) if reported else math.nan
                 if not math.isfinite(totals[0]) or (norm_is_judged and not math.isfinite(grad_norm)):
                     run.optimizer.zero_grad()
-                    return {"train/loss": totals[0], "train/grad_norm": grad_norm, "train/lr": lr, "finite": False}
+                    return {
+                        "train/loss": totals[0],
+                        "train/grad_norm": grad_norm,
+                        "train/lr": lr,
+                        "finite": False,
+                        "tokens": int(step_tokens),
+                    }
                 run.optimizer.step()
                 if not reported:  # DeepSpeed: its own clipping ran in the step; ask for the norm it saw
                     after = acc.clip_grad_norm_(run.model.parameters(), math.inf)
                     grad_norm = float(after) if after is not None else math.nan
                 run.optimizer.zero_grad()
     record = {"train/loss": totals[0], "train/lr": lr, "train/grad_norm": grad_norm, "finite": True}
+    record["tokens"] = int(step_tokens)  # the targets the loss read on every process, padding not counted
     if run.teacher is not None:
         record.update({"train/ce_loss": totals[1], "train/distill_kl": totals[2]})
     return record

@@ -24,6 +24,14 @@ def test_layer_kv_heads_reads_the_list_else_repeats_the_scalar_else_the_query_he
         layer_kv_heads(LLAMA, "num_key_value_heads", 4)
 
 
+def test_a_list_without_its_scalar_reads_as_the_modeling_reads_it():
+    """The *_gqa configs take the scalar as the list's largest entry when only the list is given;
+    uptrain's reader agrees (it neither falls back to the query heads nor refuses)."""
+    alone = {**LLAMA, "num_key_value_heads_per_layer": [4, 2, 2, 1]}
+    assert layer_kv_heads(alone, "num_key_value_heads", 4, 8) == (4, 2, 2, 1)
+    assert attention_geometry(alone).num_kv_heads == 4
+
+
 @pytest.mark.parametrize(
     "listed, message",
     [

@@ -67,16 +67,14 @@ def layer_kv_heads(config: dict, kv_heads_key: str, layers: int, heads: int | No
     checked: whole numbers ≥ 1, one per layer, its largest equal to the scalar (which readers that
     know only the scalar take as an upper bound)."""
     model_type = config.get("model_type", "?")
-    if config.get(kv_heads_key) is not None:
-        scalar = _count(config, kv_heads_key, model_type)
-    elif heads is not None:
-        scalar = heads
-    else:
-        raise UptrainError(f"config ({model_type}) has no {kv_heads_key}")
     key = per_layer_key(kv_heads_key)
     listed = config.get(key)
+    if config.get(kv_heads_key) is None and listed is None:
+        if heads is None:
+            raise UptrainError(f"config ({model_type}) has no {kv_heads_key}")
+        return (heads,) * layers  # no GQA
     if listed is None:
-        return (scalar,) * layers
+        return (_count(config, kv_heads_key, model_type),) * layers
     if not isinstance(listed, list) or len(listed) != layers:
         raise UptrainError(f"config ({model_type}): {key} is {show(listed)}; it must list {layers} layers' KV heads")
     for value in listed:
@@ -86,6 +84,8 @@ def layer_kv_heads(config: dict, kv_heads_key: str, layers: int, heads: int | No
             raise UptrainError(
                 f"config ({model_type}): {key} holds {value} KV heads, which do not divide {heads} heads"
             )
+    # A list alone is read as the modeling reads it: the scalar is its largest entry.
+    scalar = max(listed) if config.get(kv_heads_key) is None else _count(config, kv_heads_key, model_type)
     if max(listed) != scalar:
         raise UptrainError(f"config ({model_type}): {key}'s largest entry {max(listed)} is not {kv_heads_key} {scalar}")
     return tuple(listed)
@@ -210,7 +210,8 @@ def attention_geometry(config: dict, head_dim_key: str | None = "head_dim") -> A
     kv = heads if config.get("num_key_value_heads") is None else _count(config, "num_key_value_heads", model_type)
     if heads % kv:
         raise UptrainError(f"config has {heads} heads and {kv} KV heads, which do not divide")
-    per_layer = _uniform_or_none(layer_kv_heads(config, "num_key_value_heads", layers, heads))
+    each = layer_kv_heads(config, "num_key_value_heads", layers, heads)
+    kv, per_layer = max(each), _uniform_or_none(each)  # a list alone: its largest, as the modeling reads it
     if head_dim_key and config.get(head_dim_key) is not None:
         head_dim = _count(config, head_dim_key, model_type)
     else:
@@ -247,7 +248,8 @@ def stack_geometry(
     kv = heads if config.get(kv_heads_key) is None else _count(config, kv_heads_key, model_type)
     if heads % kv:
         raise UptrainError(f"config has {heads} heads and {kv} KV heads ({kv_heads_key}), which do not divide")
-    per_layer = _uniform_or_none(layer_kv_heads(config, kv_heads_key, layers, heads))
+    each = layer_kv_heads(config, kv_heads_key, layers, heads)
+    kv, per_layer = max(each), _uniform_or_none(each)  # a list alone: its largest, as the modeling reads it
     if head_dim_key is not None:
         if config.get(head_dim_key) is None:
             raise UptrainError(f"config ({model_type}) has no {head_dim_key}")

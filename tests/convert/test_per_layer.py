@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from tests.convert.test_encoder_decoder import MODELS
 from tests.modeling.classic_models import HEAD_DIM, HEADS, build
+from uptrain import UptrainError
 from uptrain.cli import main
 from uptrain.convert.in_memory import converted_tensors
 from uptrain.convert.kv_heads import KVHeadsRequest
@@ -415,3 +416,44 @@ def test_convert_model_takes_the_same_three_ways():
         convert_model(model)
     with pytest.raises(UptrainError, match="Mistral cannot take its own KV heads per layer"):
         convert_model(build_model("mistral"), kv_heads_per_layer=[4, 2])
+
+
+@pytest.mark.parametrize("typed", [0.333333, 0.3333, 0.0833333, 1 / 3])
+def test_a_uniform_budget_takes_the_fraction_as_the_refusal_prints_it(typed):
+    """The refusal of an unmet uniform budget prints each G's fraction to 6 digits (1/3 as
+    0.333333): typed back, each is met (12 heads: 0.333333 is G = 4, 0.0833333 is G = 1)."""
+    from uptrain.convert.kv_heads import resolve_allocation
+    from uptrain.model_info import AttentionGeometry
+
+    geometry = {"decoder-self": AttentionGeometry("gpt2", 2, 12, 12, 64, 768)}
+    want = 1 if typed < 0.1 else 4
+    assert resolve_allocation(geometry, ("decoder-self",), KVHeadsRequest(budget=typed)) == {
+        "decoder-self": (want,) * 2
+    }
+    with pytest.raises(UptrainError, match=r"G=4: 0\.333333, .*G=1: 0\.0833333"):
+        resolve_allocation(geometry, ("decoder-self",), KVHeadsRequest(budget=0.3))
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"kv_budget": 0.5, "allocation": "calibrate"}, "must be one of 'uniform', 'calibrated'"),
+        ({"kv_budget": 0.0}, "kv_budget"),
+        ({"num_kv_heads": 2, "kv_budget": 0.5}, "give exactly one of"),
+    ],
+)
+def test_convert_model_checks_the_kv_head_keys_as_the_command_line_does(keys, message):
+    """A mistyped allocation was silently uniform in convert_model; now every key is checked by the
+    schema the flags come from."""
+    from uptrain.convert.in_memory import convert_model
+
+    with pytest.raises(UptrainError, match=message):
+        convert_model(build("gpt2"), **keys)
+
+
+def test_a_calibrated_allocation_without_kept_moments_is_one_line(tmp_path):
+    """settle_allocation is handed a calibration that kept no moments: one line, not a KeyError."""
+    from uptrain.convert.allocation import settle_allocation
+
+    with pytest.raises(UptrainError, match="calibration moments kept whole"):
+        settle_allocation(None, None, {})

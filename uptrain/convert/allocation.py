@@ -61,6 +61,7 @@ from uptrain.convert.calibrated import (
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
+from uptrain.convert.kv_heads import BUDGET_TOLERANCE
 from uptrain.convert.layer_merge import SiteMergers
 
 # Per converted attention (model order: encoder, decoder-self, cross), per layer, G → cost.
@@ -173,10 +174,10 @@ def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -
 
 def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
     """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
-    converted attentions' layers, in those units (rounded down; a hair of float error is forgiven,
-    so 0.1 of 80 is 8)."""
+    converted attentions' layers, in those units (rounded down; a typed decimal's error is forgiven
+    as `kv_heads.BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
     whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
-    return math.floor(fraction * whole + 1e-9 * whole)
+    return math.floor(fraction * whole * (1 + BUDGET_TOLERANCE))
 
 
 def allocate(
@@ -218,6 +219,11 @@ def settle_allocation(
     """`--allocation calibrated` decided: the conversion with the allocation of least summed cost
     within its budget (`conversion.pending_budget`), planned again for it (`cast`: the output's
     dtype, as `Conversion.planned`), and the cost table that chose it."""
+    if not moments:  # a calibration run without keep_moments (the pipeline's and convert_model's callers)
+        raise UptrainError(
+            "--allocation calibrated chooses each layer's KV heads from calibration moments kept whole "
+            "(calibrate(..., keep_moments=True)); this calibration has none"
+        )
     costs = calibration_costs(conversion, source, moments)
     geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
     chosen = allocate(

@@ -18,10 +18,10 @@ import torch
 from uptrain import UptrainError
 from uptrain.architecture import DEFAULT_ATTENTIONS
 from uptrain.convert.conversion import Calibration, conversion_for
-from uptrain.convert.kv_heads import KVHeadsRequest, kv_heads_problem
+from uptrain.convert.kv_heads import KVHeadsRequest
 from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import get_strategy
-from uptrain.convert.spec import ConversionOptions, kv_heads_per_layer_text
+from uptrain.convert.spec import ConversionOptions, KVHeadsKeys, kv_heads_per_layer_text
 from uptrain.modeling import gqa_counterpart
 from uptrain.options import validated
 
@@ -119,10 +119,14 @@ def convert_model(
     model is left untouched; the copy keeps its dtype, device and train/eval mode.
     """
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
-    per_layer = kv_heads_per_layer_text(kv_heads_per_layer)  # a list as the flag spells it
-    if problem := kv_heads_problem(num_kv_heads, per_layer, kv_budget, allocation):
-        raise UptrainError(problem)
-    request = KVHeadsRequest.of(num_kv_heads, per_layer, kv_budget, allocation)
+    keys = validated(
+        KVHeadsKeys,
+        num_kv_heads=num_kv_heads,
+        kv_heads_per_layer=kv_heads_per_layer_text(kv_heads_per_layer),  # a list as the flag spells it
+        kv_budget=kv_budget,
+        allocation=allocation,
+    )
+    request = KVHeadsRequest.of(keys.num_kv_heads, keys.kv_heads_per_layer, keys.kv_budget, keys.allocation)
     converted, plan = converted_tensors(model, request, options, seed, calibration)
     # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, T5, ….
     new_class, new_config = gqa_counterpart(model, plan.config_kv_heads)

@@ -28,6 +28,11 @@ ATTENTION_NAMES = {
     "cross": "cross-attention",
 }
 
+# How close a typed --kv-budget must be to a fraction an allocation gives: budgets are decimals
+# (0.333333 for 1/3); the fractions of two different G lie far further apart than 1e-4, and a knapsack
+# budget gains at most a ten-thousandth of the source's bytes by it.
+BUDGET_TOLERANCE = 1e-4
+
 
 def parse_kv_heads_per_layer(value: str) -> tuple[tuple[int, ...], ...]:
     """'8,4,4,2/4,4,2,2' → ((8, 4, 4, 2), (4, 4, 2, 2)): a comma list of each layer's KV heads per
@@ -126,10 +131,10 @@ def calibrated_allocation(
     below it is refused here, before anything is read."""
     smallest = {name: (1,) * geometries[name].num_layers for name in chosen}
     least = kv_fraction(geometries, smallest)
-    if budget < least and not math.isclose(budget, least, rel_tol=1e-9):
+    if budget < least and not math.isclose(budget, least, rel_tol=BUDGET_TOLERANCE):
         raise UptrainError(
             f"--kv-budget {budget:g} is below what any allocation reaches: 1 KV head in every layer keeps "
-            f"{float(least):.4g} of the source's KV bytes (give at least that)"
+            f"{float(least):.6g} of the source's KV bytes (give at least that)"
         )
     return smallest
 
@@ -185,11 +190,11 @@ def _uniform_budget(geometries, chosen, budget: float) -> dict[str, tuple[int, .
     for g in sorted(divisors(common), reverse=True):
         allocation = {name: (g,) * geometries[name].num_layers for name in chosen}
         options[g] = kv_fraction(geometries, allocation)
-        # A budget is a decimal the user typed (0.25, 0.125, 0.3333): equal to a G's fraction to
-        # float precision, not to the bit.
-        if math.isclose(options[g], budget, rel_tol=1e-9):
+        # A budget is a decimal the user typed (0.25, 0.125, or 0.333333 as the refusal below prints
+        # 1/3): equal to a G's fraction within 1e-4, far closer than any two G's fractions lie.
+        if math.isclose(options[g], budget, rel_tol=BUDGET_TOLERANCE):
             return allocation
-    shown = ", ".join(f"G={g}: {float(f):g}" for g, f in options.items())
+    shown = ", ".join(f"G={g}: {float(f):.6g}" for g, f in options.items())
     raise UptrainError(
         f"--kv-budget {budget:g} with --allocation uniform: no single G gives that fraction of the source's KV "
         f"bytes ({shown}); give one of those fractions, or --kv-heads-per-layer"

@@ -280,6 +280,24 @@ class ConversionSpec(ConversionOptions):
         return KVHeadsRequest.of(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
 
 
+@dataclass(kw_only=True)
+class KVHeadsKeys(Schema):
+    """The keys that choose the KV heads, alone, as `ConversionSpec` declares them: `convert_model`
+    checks its arguments by them, so a mistyped `allocation` or a budget of "0.5" is refused in one
+    line as on the command line."""
+
+    num_kv_heads: int | None = kv_heads_option(None, "KV heads after conversion, every layer alike")
+    kv_heads_per_layer: str | None = kv_heads_per_layer_option()
+    kv_budget: float | None = kv_budget_option()
+    allocation: Allocation = allocation_option()
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
+            found.append(problem)
+        return found
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
     """How calibration reads its text and runs the source model: the `ConversionSpec` keys that both

@@ -277,3 +277,27 @@ def test_inspect_sums_an_encoder_decoders_per_layer_caches(capsys, tmp_path):
     assert info["attentions"]["cross"]["num_key_value_heads_per_layer"] == [1, 2, 2]
     assert "num_key_value_heads_per_layer" not in info["attentions"]["encoder"]
     assert [o["num_kv_heads"] for o in info["options"]] == [1]
+
+
+def test_inspect_names_the_budget_that_chose_the_kv_heads(capsys, tmp_path):
+    """A conversion by `--kv-budget` shows the budget and its allocation (text and --json); one by
+    -g shows none, and a damaged budget in uptrain.json is one line."""
+    src = save(build_model("llama"), tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "budget"), "--kv-budget", "0.5"]) == 0
+    assert main(["convert", str(src), str(tmp_path / "g"), "-g", "2"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "budget")]) == 0
+    assert "budget        0.5 of the source's KV bytes (uniform allocation)" in capsys.readouterr().out
+    conversion = run_json(capsys, tmp_path / "budget")["conversion"]
+    assert (conversion["kv_budget"], conversion["allocation"], conversion["allocation_costs"]) == (
+        0.5,
+        "uniform",
+        False,
+    )
+    assert main(["inspect", str(tmp_path / "g")]) == 0
+    assert "budget        " not in capsys.readouterr().out
+    record = tmp_path / "budget" / "uptrain.json"
+    record.write_text(record.read_text().replace('"kv_budget": 0.5', '"kv_budget": 7'))
+    assert main(["inspect", str(tmp_path / "budget")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "`kv_budget` is 7, not a fraction in (0, 1]" in err and "\n" not in err

@@ -27,7 +27,7 @@ from uptrain.architecture import DECODER_SELF, Architecture, config_geometry, fi
 from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, read_provenance
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import resolve_source
-from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config
+from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config, show
 from uptrain.options import Schema, option
 
 TP_DEGREES = (2, 4, 8)
@@ -140,6 +140,7 @@ def conversion_grouping(folder) -> dict | None:
         "grouping": record.get("grouping", "contiguous"),
         "source_num_key_value_heads": record["source_num_key_value_heads"],
         **_groups(record, where),
+        **_budget(record, where),
     }
     attentions = record.get("attentions")
     if attentions is not None:
@@ -149,6 +150,19 @@ def conversion_grouping(folder) -> dict | None:
             )
         out["attentions"] = {name: _groups(a, f"{where}: attentions.{name}") for name, a in attentions.items()}
     return out
+
+
+def _budget(record: dict, where: str) -> dict:
+    """`kv_budget` and `allocation` where a `--kv-budget` chose the KV heads, checked; `allocation_costs`
+    (the calibrated allocation's table) is named, not shown: it is long and `uptrain.json` holds it."""
+    if "kv_budget" not in record:
+        return {}
+    budget, allocation = record["kv_budget"], record.get("allocation")
+    if not isinstance(budget, int | float) or isinstance(budget, bool) or not 0 < budget <= 1:
+        raise UptrainError(f"{where}: `kv_budget` is {show(budget)}, not a fraction in (0, 1]")
+    if not isinstance(allocation, str):
+        raise UptrainError(f"{where}: `allocation` is {show(allocation)}, not a name")
+    return {"kv_budget": budget, "allocation": allocation, "allocation_costs": "allocation_costs" in record}
 
 
 def _groups(record: dict, where: str) -> dict:
@@ -302,6 +316,12 @@ def _grouping_lines(conversion: dict | None) -> list[str]:
         f"{conversion['source_num_key_value_heads']} source KV heads; [ ] one new KV head"
         + (", source heads in their new order" if conversion["grouping"] == "similarity" else "")
     ]
+    if "kv_budget" in conversion:
+        costs = "; each layer's costs in uptrain.json" if conversion["allocation_costs"] else ""
+        lines.append(
+            f"budget        {conversion['kv_budget']:g} of the source's KV bytes ({conversion['allocation']} "
+            f"allocation{costs})"
+        )
     for site, record in sites.items():
         name = f"{site} " if site else ""
         groups = record["kv_groups"]

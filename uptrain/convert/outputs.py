@@ -229,6 +229,19 @@ def _per_layer_groups_text(a: dict, renumbered: bool, where: str) -> str:
     )
 
 
+def _per_layer_layout_text(p: dict, arch) -> str:
+    """How a per-layer output of a family transformers reads natively (Llama: the DeciLM layout) loads
+    and serves: uptrain's modeling beside the weights, the engines' remote-code switch."""
+    if "num_key_value_heads_per_layer" not in p or arch.per_layer_modeling is None:
+        return ""
+    return (
+        " Its layers differ in KV heads, so it is written in the DeciLM / Nemotron-NAS layout "
+        "(`model_type` `nemotron-nas`, `block_configs`): load it with `import uptrain.modeling` or with "
+        "`trust_remote_code=True` (the modeling files are beside the weights); serve it with "
+        "`vllm serve FOLDER --trust-remote-code`."
+    )
+
+
 def _budget_text(p: dict) -> str:
     """What chose the heads, when a `--kv-budget` did."""
     if p.get("kv_budget") is None:
@@ -445,6 +458,8 @@ def model_card(p: dict, source_card: dict | None = None) -> str:
             source += f" (derived from {_names([base] if isinstance(base, str) else base)})"
     source += f" (revision `{p['source_revision']}`)" if p.get("source_revision") else ""
     heads = "per-layer" if "num_key_value_heads_per_layer" in p else p["num_key_value_heads"]
+    if arch.encoder_decoder and any("num_key_value_heads_per_layer" in p["attentions"][n] for n in p["attention"]):
+        heads = "per-layer"  # the decoder's self-attention may be uniform while the cross-attention is not
     if arch.encoder_decoder:
         body = f"""# {p["model_type"]} with {heads} KV heads in its decoder (converted by uptrain)
 
@@ -461,7 +476,8 @@ The weights have not been trained since conversion: uptrain them (`uptrain train
     body = f"""# {p["model_type"]} with {heads} KV heads (converted by uptrain)
 
 Converted from {source} ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \
-to grouped-query attention with {_kv_heads_phrase(p)}.{_budget_text(p)}{_allocation_costs_table(p)}
+to grouped-query attention with {_kv_heads_phrase(p)}.{_budget_text(p)}{_per_layer_layout_text(p, arch)}\
+{_allocation_costs_table(p)}
 
 {_grouping_text(p, arch.site(DECODER_SELF).layout)}
 

@@ -179,7 +179,8 @@ class ConversionOptions(Schema):
         ",".join(DEFAULT_ATTENTIONS),
         metavar="LIST",
         check=_attention_problem,
-        help="encoder–decoders: the attentions whose KV heads -g pools, a comma list of encoder, decoder-self "
+        help="encoder–decoders: the attentions whose KV heads are pooled (-g, --kv-heads-per-layer, --kv-budget), "
+        "a comma list of encoder, decoder-self "
         "and cross (default: the decoder's, the paper's choice); decoder-only models have decoder-self only",
     )
     calibration_tokens: int = option(

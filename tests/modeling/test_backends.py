@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
+from transformers import AttentionInterface, AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …
@@ -179,9 +179,17 @@ def test_alibi_models_refuse_backends_without_alibi(model_type, name, converted)
     assert not AutoModelForCausalLM.from_pretrained(folder).is_backend_compatible()
 
 
+def bounded_paged_cache():
+    """A paged cache of a few blocks: left to itself, transformers sizes it from the free memory
+    (on CPU ~15 GB for these tiny models), which a busy machine may not have."""
+    return ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
+
+
 def continuous_batching(model, prompts):
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    out = model.generate_batch(inputs=prompts, generation_config=config, warmup=False)
+    out = model.generate_batch(
+        inputs=prompts, generation_config=config, warmup=False, continuous_batching_config=bounded_paged_cache()
+    )
     return [out[request].generated_tokens for request in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
 
 
@@ -228,7 +236,9 @@ def test_gpt_neo_refuses_continuous_batching(converted):
     rather than generating without the window."""
     _, folder = converted("gpt_neo", 2)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    out = load(folder, "sdpa").generate_batch(inputs=PROMPTS, generation_config=config, warmup=False)
+    out = load(folder, "sdpa").generate_batch(
+        inputs=PROMPTS, generation_config=config, warmup=False, continuous_batching_config=bounded_paged_cache()
+    )
     assert len(out) == len(PROMPTS)
     for result in out.values():
         assert not result.generated_tokens

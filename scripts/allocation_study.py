@@ -8,8 +8,10 @@ allocation at each budget (`allocation.allocate`) and scores it beside the unifo
 validation split (the demo's 64 blocks of 256 tokens): each layer merged by the calibrated merge
 to its own G, its shared K/V heads then repeated back to the source's 8 (which computes exactly
 what a GQA layer with G_l KV heads computes), so the transformers Llama scores any allocation.
-`--layer-alone`: also the expensive cost — the model's log perplexity on 16 calibration blocks
-with layer l alone merged to G, minus the source's — and the allocation it chooses.
+`--layer-alone`: also the measured cost (`--allocation-cost loss`, `layer_loss.layer_alone_costs`)
+— the model's loss on 16 calibration blocks with layer l alone merged to G, minus the source's —
+and the allocation it chooses. `--checkpoints DIR …`: score conversions written by `uptrain
+convert` (any per-layer allocation: loaded as written) on the same validation blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from safetensors.torch import load_file
 from uptrain.convert.allocation import allocate, candidate_heads, layer_costs, layer_losses, relative_cost
 from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
 from uptrain.convert.calibration import collect_attention_moments
+from uptrain.convert.conversion import Calibration
+from uptrain.convert.layer_loss import layer_alone_costs, mean_loss
 from uptrain.data.corpus import split_path
 from uptrain.data.text import load_blocks
 from uptrain.loading import load_model, load_tokenizer
@@ -65,14 +69,7 @@ def merged_state(state: dict, config: dict, moments, allocation: tuple[int, ...]
 
 
 def perplexity(model, blocks: torch.Tensor) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(blocks), 8):
-            ids = blocks[start : start + 8]
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-            total, count = total + float(loss), count + ids[:, 1:].numel()
-    return math.exp(total / count)
+    return math.exp(mean_loss(model, blocks))
 
 
 def main() -> None:
@@ -80,6 +77,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--layer-alone", action="store_true", help="also allocate by the loss with one layer merged")
+    parser.add_argument("--checkpoints", nargs="*", default=[], help="conversions to score on the same blocks")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = json.loads(open(f"{REFERENCE}/config.json").read())
@@ -108,15 +106,9 @@ def main() -> None:
             str(split_path("train")), "calibration", tokenizer, 256, "text", "train", None, "document", False, None
         )
         calibration = train.take(list(range(16)))
-        source = math.log(perplexity(model, calibration))
-        alone = []
-        for i in range(layers):
-            alone.append({})
-            for g in candidate_heads(kv):
-                merged = tuple(g if j == i else kv for j in range(layers))
-                model.load_state_dict(merged_state(state, config, moments, merged), strict=False)
-                alone[i][g] = math.log(perplexity(model, calibration)) - source
-            print(f"layer {i} alone, Δ log ppl: " + ", ".join(f"G={g}: {c:.4f}" for g, c in alone[i].items()))
+        alone = layer_alone_costs(model, calibration, (kv,) * layers, Calibration(moments), pooling="calibrated")
+        for i, layer in enumerate(alone):
+            print(f"layer {i} alone, Δ log ppl: " + ", ".join(f"G={g}: {c:.4f}" for g, c in layer.items()))
         allocators["layer-alone"] = alone
     for fraction in args.budgets:
         rows = [
@@ -129,6 +121,10 @@ def main() -> None:
         for name, allocation in rows:
             model.load_state_dict(merged_state(state, config, moments, allocation), strict=False)
             print(f"budget {fraction}: {name} {allocation} ppl {perplexity(model, blocks):.2f}")
+    for folder in args.checkpoints:
+        converted = load_model(folder, "a conversion", dtype=torch.float32).eval()
+        heads = getattr(converted.config, "num_key_value_heads_per_layer", None) or converted.config.num_key_value_heads
+        print(f"{folder}: KV heads {heads} ppl {perplexity(converted, blocks):.2f}")
 
 
 if __name__ == "__main__":

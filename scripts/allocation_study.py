@@ -17,6 +17,7 @@ convert` (any per-layer allocation: loaded as written) on the same validation bl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -27,6 +28,7 @@ from uptrain.convert.allocation import allocate, candidate_heads, layer_costs, l
 from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
 from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.conversion import Calibration
+from uptrain.convert.in_memory import convert_model
 from uptrain.convert.layer_loss import layer_alone_costs, mean_loss
 from uptrain.data.corpus import split_path
 from uptrain.data.text import load_blocks
@@ -106,7 +108,8 @@ def main() -> None:
             str(split_path("train")), "calibration", tokenizer, 256, "text", "train", None, "document", False, None
         )
         calibration = train.take(list(range(16)))
-        alone = layer_alone_costs(model, calibration, (kv,) * layers, Calibration(moments), pooling="calibrated")
+        convert = functools.partial(convert_model, model, pooling="calibrated", calibration=Calibration(moments))
+        alone = layer_alone_costs(model, calibration, (kv,) * layers, convert)
         for i, layer in enumerate(alone):
             print(f"layer {i} alone, Δ log ppl: " + ", ".join(f"G={g}: {c:.4f}" for g, c in layer.items()))
         allocators["layer-alone"] = alone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -464,7 +465,7 @@ def test_the_measured_cost_gives_the_layer_that_loses_nothing_the_fewest_heads(t
 
     model = paired_llama(tokenizer)
     blocks = own_samples(model, tokenizer)
-    costs = layer_alone_costs(model, blocks, (8, 8), None)
+    costs = layer_alone_costs(model, blocks, (8, 8), functools.partial(convert_model, model))
     assert [sorted(layer) for layer in costs] == [[1, 2, 4, 8]] * 2
     assert costs[0][8] == costs[1][8] == 0
     assert max(abs(c) for c in costs[0].values()) < 1e-5 and min(costs[1][g] for g in (1, 2, 4)) > 1e-2
@@ -487,6 +488,7 @@ def test_convert_spends_a_budget_by_the_measured_loss(tokenizer, calibration_tex
     from tests.convert.test_per_layer import tensors
     from uptrain.cli import main
     from uptrain.convert.calibration import first_calibration_blocks
+    from uptrain.convert.in_memory import convert_model
     from uptrain.convert.layer_loss import layer_alone_costs
 
     model = paired_llama(tokenizer)
@@ -504,7 +506,7 @@ def test_convert_spends_a_budget_by_the_measured_loss(tokenizer, calibration_tex
     recorded = [{int(g): c for g, c in layer.items()} for layer in record["allocation_costs"]["decoder-self"]]
     settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=record["calibration"]["seq_len"])
     blocks, _ = first_calibration_blocks(tokenizer, str(calibration_text), settings, settings.calibration_seq_len)
-    assert recorded == layer_alone_costs(model, blocks, (8, 8), None)
+    assert recorded == layer_alone_costs(model, blocks, (8, 8), functools.partial(convert_model, model))
     assert max(abs(c) for c in recorded[0].values()) < 1e-5
     heads = allocate({"decoder-self": recorded}, {"decoder-self": (8, 8)}, {"decoder-self": 8}, 0.5625)
     assert record["num_key_value_heads_per_layer"] == list(heads["decoder-self"])

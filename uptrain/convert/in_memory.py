@@ -9,6 +9,7 @@ shards and putting them in a new model of the same class, whose config has
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,11 +95,15 @@ def converted_tensors(
             from uptrain.convert.layer_loss import layer_alone_costs
 
             heads = conversion.stacks[DECODER_SELF].geometry.layer_kv_heads()
-            costs = {
-                DECODER_SELF: layer_alone_costs(
-                    model, calibration_blocks, heads, calibration, options.pooling, options.grouping, seed
-                )
-            }
+            convert = functools.partial(
+                convert_model,
+                model,
+                pooling=options.pooling,
+                grouping=options.grouping,
+                seed=seed,
+                calibration=calibration,
+            )
+            costs = {DECODER_SELF: layer_alone_costs(model, calibration_blocks, heads, convert)}
         elif calibration is None or not calibration.moments:
             raise UptrainError(
                 "allocation 'calibrated' measures each layer's merge on calibration moments "

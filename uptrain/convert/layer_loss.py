@@ -9,18 +9,17 @@ each after converting the model in memory as the conversion itself converts it
 (`in_memory.convert_model`: the same pooling, grouping, seed and calibration). Decoder-only models
 whose per-layer layout uptrain can run (the Llama family, the *_gqa families); an encoder–decoder's
 loss is its objective's, over pairs calibration does not keep, so it is refused there
-(`allocation_cost_problem`).
+(`kv_heads.resolved_allocation_cost`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from uptrain.convert.allocation import candidate_heads
-from uptrain.convert.conversion import Calibration
 
 
 def mean_loss(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
@@ -41,17 +40,13 @@ def layer_alone_costs(
     model,
     blocks: torch.Tensor,
     source_heads: Sequence[int],
-    calibration: Calibration | None,
-    pooling: str = "mean",
-    grouping: str = "contiguous",
-    seed: int = 0,
+    convert: Callable[..., torch.nn.Module],
     batch_size: int = 8,
 ) -> list[dict[int, float]]:
     """Per layer l, each candidate G (the divisors of `source_heads[l]`) → the increase of
-    `mean_loss` on `blocks` when layer l alone is converted to G (`pooling`, `grouping`, `seed` and
-    `calibration` as the conversion's own). Can be negative: merging may happen to help."""
-    from uptrain.convert.in_memory import convert_model
-
+    `mean_loss` on `blocks` when layer l alone is converted to G. `convert(kv_heads_per_layer=…)`
+    converts `model` as the conversion does: `in_memory.convert_model` with its pooling, grouping,
+    seed and calibration bound (`functools.partial`). Can be negative: a merge may happen to help."""
     was_training = model.training
     model.eval()
     try:
@@ -63,17 +58,9 @@ def layer_alone_costs(
                 if g == kv:  # a group of one head per KV head: nothing merged
                     costs[layer][g] = 0.0
                     continue
-                heads = [g if i == layer else h for i, h in enumerate(source_heads)]
-                merged = convert_model(
-                    model,
-                    pooling=pooling,
-                    kv_heads_per_layer=heads,
-                    grouping=grouping,
-                    seed=seed,
-                    calibration=calibration,
-                ).eval()
-                loss = mean_loss(merged, blocks, batch_size)
-                del merged
+                merged = convert(kv_heads_per_layer=[g if i == layer else h for i, h in enumerate(source_heads)])
+                loss = mean_loss(merged.eval(), blocks, batch_size)
+                del merged  # one converted copy at a time
                 costs[layer][g] = loss - source if math.isfinite(loss) else math.inf
         return costs
     finally:

@@ -9,6 +9,7 @@ model); `execute` streams the planned tensors into the output folder.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -207,6 +208,7 @@ def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> l
     calibration blocks (the same blocks, at the length calibration read them) with each layer alone
     converted to each candidate G (`layer_loss.layer_alone_costs`)."""
     from uptrain.convert.calibration import calibration_device, first_calibration_blocks, load_calibration_tokenizer
+    from uptrain.convert.in_memory import convert_model
     from uptrain.convert.layer_loss import layer_alone_costs
     from uptrain.loading import load_model
 
@@ -220,9 +222,10 @@ def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> l
     device, dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
     model = load_model(folder, "the allocation's source", dtype=dtype).to(device)
     geometry = prepared.conversion.stacks[DECODER_SELF].geometry
-    return layer_alone_costs(
-        model, blocks, geometry.layer_kv_heads(), calibration, spec.pooling, spec.grouping, spec.seed
+    convert = functools.partial(
+        convert_model, model, pooling=spec.pooling, grouping=spec.grouping, seed=spec.seed, calibration=calibration
     )
+    return layer_alone_costs(model, blocks, geometry.layer_kv_heads(), convert)
 
 
 def settle_allocation(prepared: PreparedConversion, calibration: Calibration) -> None:

@@ -1,6 +1,7 @@
 """Calibrated vs uniform allocation at equal KV budgets, on the shipped reference Llama, at α = 0.
 
     python scripts/allocation_study.py [--budgets 0.5 0.25 0.125] [--eval-blocks 64] [--layer-alone]
+        [--checkpoints DIR ...]
 
 Calibrates the reference once (the shipped corpus' train split, the default 32,768 tokens),
 prints each layer's cost per candidate G (`allocation.layer_costs`), chooses the calibrated
@@ -76,12 +77,23 @@ def perplexity(model, blocks: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    parser.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.25, 0.125])
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--layer-alone", action="store_true", help="also allocate by the loss with one layer merged")
     parser.add_argument("--checkpoints", nargs="*", default=[], help="conversions to score on the same blocks")
     args = parser.parse_args()
     torch.manual_seed(0)
+    tokenizer = load_tokenizer(REFERENCE, "the reference")
+    blocks, _ = load_blocks(
+        str(split_path("validation")), "eval_data", tokenizer, 256, "text", "train", None, "document", False, None
+    )
+    blocks = blocks.take(list(range(args.eval_blocks)))
+    for folder in args.checkpoints:
+        converted = load_model(folder, "a conversion", dtype=torch.float32).eval()
+        heads = getattr(converted.config, "num_key_value_heads_per_layer", None) or converted.config.num_key_value_heads
+        print(f"{folder}: KV heads {heads} ppl {perplexity(converted, blocks):.2f}")
+    if not args.budgets and not args.layer_alone:  # `--budgets` with none: only the checkpoints
+        return
     config = json.loads(open(f"{REFERENCE}/config.json").read())
     state = load_file(f"{REFERENCE}/model.safetensors")
     moments, _ = collect_attention_moments(REFERENCE, str(split_path("train")), progress=False)
@@ -95,11 +107,6 @@ def main() -> None:
             for x in loss.values()
         ]
         print(f"{i} | " + " | ".join(cells))
-    tokenizer = load_tokenizer(REFERENCE, "the reference")
-    blocks, _ = load_blocks(
-        str(split_path("validation")), "eval_data", tokenizer, 256, "text", "train", None, "document", False, None
-    )
-    blocks = blocks.take(list(range(args.eval_blocks)))
     model = load_model(REFERENCE, "the reference", dtype=torch.float32).eval()
     print(f"MHA: ppl {perplexity(model, blocks):.2f}")
     allocators = {"calibrated": costs}
@@ -124,10 +131,6 @@ def main() -> None:
         for name, allocation in rows:
             model.load_state_dict(merged_state(state, config, moments, allocation), strict=False)
             print(f"budget {fraction}: {name} {allocation} ppl {perplexity(model, blocks):.2f}")
-    for folder in args.checkpoints:
-        converted = load_model(folder, "a conversion", dtype=torch.float32).eval()
-        heads = getattr(converted.config, "num_key_value_heads_per_layer", None) or converted.config.num_key_value_heads
-        print(f"{folder}: KV heads {heads} ppl {perplexity(converted, blocks):.2f}")
 
 
 if __name__ == "__main__":

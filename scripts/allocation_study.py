@@ -1,6 +1,7 @@
 """Calibrated vs uniform allocation at equal KV budgets, on the shipped reference Llama, at α = 0.
 
     python scripts/allocation_study.py [--budgets 0.5 0.25 0.125] [--eval-blocks 64] [--layer-alone]
+        [--checkpoints DIR ...]
 
 Calibrates the reference once (the shipped corpus' train split, the default 32,768 tokens),
 prints each layer's cost per candidate G (`allocation.layer_costs`), chooses the calibrated
@@ -8,13 +9,16 @@ allocation at each budget (`allocation.allocate`) and scores it beside the unifo
 validation split (the demo's 64 blocks of 256 tokens): each layer merged by the calibrated merge
 to its own G, its shared K/V heads then repeated back to the source's 8 (which computes exactly
 what a GQA layer with G_l KV heads computes), so the transformers Llama scores any allocation.
-`--layer-alone`: also the expensive cost — the model's log perplexity on 16 calibration blocks
-with layer l alone merged to G, minus the source's — and the allocation it chooses.
+`--layer-alone`: also the measured cost (`--allocation-cost loss`, `layer_loss.layer_alone_costs`)
+— the model's loss on 16 calibration blocks with layer l alone merged to G, minus the source's —
+and the allocation it chooses. `--checkpoints DIR …`: score conversions written by `uptrain
+convert` (any per-layer allocation: loaded as written) on the same validation blocks.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -24,6 +28,9 @@ from safetensors.torch import load_file
 from uptrain.convert.allocation import allocate, candidate_heads, layer_costs, layer_losses, relative_cost
 from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
 from uptrain.convert.calibration import collect_attention_moments
+from uptrain.convert.conversion import Calibration
+from uptrain.convert.in_memory import convert_model
+from uptrain.convert.layer_loss import layer_alone_costs, mean_loss
 from uptrain.data.corpus import split_path
 from uptrain.data.text import load_blocks
 from uptrain.loading import load_model, load_tokenizer
@@ -65,23 +72,28 @@ def merged_state(state: dict, config: dict, moments, allocation: tuple[int, ...]
 
 
 def perplexity(model, blocks: torch.Tensor) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(blocks), 8):
-            ids = blocks[start : start + 8]
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-            total, count = total + float(loss), count + ids[:, 1:].numel()
-    return math.exp(total / count)
+    return math.exp(mean_loss(model, blocks))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    parser.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.25, 0.125])
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--layer-alone", action="store_true", help="also allocate by the loss with one layer merged")
+    parser.add_argument("--checkpoints", nargs="*", default=[], help="conversions to score on the same blocks")
     args = parser.parse_args()
     torch.manual_seed(0)
+    tokenizer = load_tokenizer(REFERENCE, "the reference")
+    blocks, _ = load_blocks(
+        str(split_path("validation")), "eval_data", tokenizer, 256, "text", "train", None, "document", False, None
+    )
+    blocks = blocks.take(list(range(args.eval_blocks)))
+    for folder in args.checkpoints:
+        converted = load_model(folder, "a conversion", dtype=torch.float32).eval()
+        heads = getattr(converted.config, "num_key_value_heads_per_layer", None) or converted.config.num_key_value_heads
+        print(f"{folder}: KV heads {heads} ppl {perplexity(converted, blocks):.2f}")
+    if not args.budgets and not args.layer_alone:  # `--budgets` with none: only the checkpoints
+        return
     config = json.loads(open(f"{REFERENCE}/config.json").read())
     state = load_file(f"{REFERENCE}/model.safetensors")
     moments, _ = collect_attention_moments(REFERENCE, str(split_path("train")), progress=False)
@@ -95,11 +107,6 @@ def main() -> None:
             for x in loss.values()
         ]
         print(f"{i} | " + " | ".join(cells))
-    tokenizer = load_tokenizer(REFERENCE, "the reference")
-    blocks, _ = load_blocks(
-        str(split_path("validation")), "eval_data", tokenizer, 256, "text", "train", None, "document", False, None
-    )
-    blocks = blocks.take(list(range(args.eval_blocks)))
     model = load_model(REFERENCE, "the reference", dtype=torch.float32).eval()
     print(f"MHA: ppl {perplexity(model, blocks):.2f}")
     allocators = {"calibrated": costs}
@@ -108,15 +115,10 @@ def main() -> None:
             str(split_path("train")), "calibration", tokenizer, 256, "text", "train", None, "document", False, None
         )
         calibration = train.take(list(range(16)))
-        source = math.log(perplexity(model, calibration))
-        alone = []
-        for i in range(layers):
-            alone.append({})
-            for g in candidate_heads(kv):
-                merged = tuple(g if j == i else kv for j in range(layers))
-                model.load_state_dict(merged_state(state, config, moments, merged), strict=False)
-                alone[i][g] = math.log(perplexity(model, calibration)) - source
-            print(f"layer {i} alone, Δ log ppl: " + ", ".join(f"G={g}: {c:.4f}" for g, c in alone[i].items()))
+        convert = functools.partial(convert_model, model, pooling="calibrated", calibration=Calibration(moments))
+        alone = layer_alone_costs(model, calibration, (kv,) * layers, convert)
+        for i, layer in enumerate(alone):
+            print(f"layer {i} alone, Δ log ppl: " + ", ".join(f"G={g}: {c:.4f}" for g, c in layer.items()))
         allocators["layer-alone"] = alone
     for fraction in args.budgets:
         rows = [

@@ -39,7 +39,7 @@ TRAINED = dict(
 # ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),
 # and those each run sets itself.
 CONVERT_ONLY = {"dtype", "max_shard_size", "allow_pickle"}
-PER_RUN = {"source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "pooling"}
+PER_RUN = {"source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "pooling"}
 
 
 def both(values: dict, tmp_path) -> tuple[ConversionSpec, ConversionSpec]:
@@ -87,10 +87,9 @@ def test_train_carries_each_way_of_choosing_the_kv_heads(tmp_path):
         {"kv_heads_per_layer": "4,2"},
         {"kv_budget": 0.25},
         {"kv_budget": 0.25, "allocation": "calibrated"},
+        {"kv_budget": 0.25, "allocation": "calibrated", "allocation_cost": "merge"},
     ):
         spec = TrainConfig(**common, **chosen).conversion_spec()
-        given = {k: getattr(spec, k) for k in ("num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation")}
-        assert (
-            given
-            == {"num_kv_heads": None, "kv_heads_per_layer": None, "kv_budget": None, "allocation": "uniform"} | chosen
-        )
+        keys = ("num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost")
+        default = dict.fromkeys(keys) | {"allocation": "uniform"}
+        assert {k: getattr(spec, k) for k in keys} == default | chosen

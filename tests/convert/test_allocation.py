@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -338,11 +339,11 @@ def test_convert_spends_a_budget_where_the_layers_lose(tokenizer, calibration_te
         assert main(["convert", str(src), str(tmp_path / out), *map(str, flags), *map(str, keys)]) == 0
         return tmp_path / out
 
-    chosen = convert("chosen", "--kv-budget", 0.75, "--allocation", "calibrated")
+    chosen = convert("chosen", "--kv-budget", 0.75, "--allocation", "calibrated", "--allocation-cost", "merge")
     assert json.loads((chosen / "config.json").read_text())["num_key_value_heads_per_layer"] == [4, 8]
     record = json.loads((chosen / "uptrain.json").read_text())
     assert record["num_key_value_heads_per_layer"] == [4, 8]
-    assert (record["kv_budget"], record["allocation"]) == (0.75, "calibrated")
+    assert (record["kv_budget"], record["allocation"], record["allocation_cost"]) == (0.75, "calibrated", "merge")
     costs = record["allocation_costs"]["decoder-self"]
     assert [sorted(layer, key=int) for layer in costs] == [["1", "2", "4", "8"]] * 2
     assert costs[0]["4"] < 1e-9 < costs[0]["2"] and costs[1]["4"] > 1e-3 and costs[0]["8"] == costs[1]["8"] == 0
@@ -412,10 +413,125 @@ def test_convert_model_spends_a_budget_from_given_moments(tokenizer, calibration
     calibration = Calibration(*collect_attention_moments(src, str(calibration_text), settings, progress=False))
     options = validated(ConversionOptions, pooling="calibrated")
     budget = KVHeadsRequest(budget=0.75, allocation="calibrated")
-    chosen, plan = converted_tensors(model, budget, options, calibration=calibration)
+    chosen, plan = converted_tensors(model, budget, options, calibration=calibration, allocation_cost="merge")
     assert plan.allocation == {"decoder-self": (4, 8)}
     explicit, _ = converted_tensors(model, KVHeadsRequest(per_layer=((4, 8),)), options, calibration=calibration)
     assert chosen.keys() == explicit.keys() and all(torch.equal(t, explicit[name]) for name, t in chosen.items())
     with pytest.raises(UptrainError, match="allocation 'calibrated' measures each layer's merge") as err:
-        converted_tensors(model, budget, validated(ConversionOptions), calibration=None)
+        converted_tensors(model, budget, validated(ConversionOptions), calibration=None, allocation_cost="merge")
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- the measured cost (--allocation-cost loss)
+
+
+def paired_llama(tokenizer):
+    """A tiny Llama whose layer 0 has its 8 K heads all identical, and its 8 V heads: mean pooling
+    merges layer 0 to any G without changing what it computes (to rounding); layer 1's are distinct."""
+    model = build("llama", tokenizer)
+    with torch.no_grad():
+        attn = model.model.layers[0].self_attn
+        for proj in (attn.k_proj, attn.v_proj):
+            proj.weight.view(8, 8, -1)[1:] = proj.weight.view(8, 8, -1)[0].clone()
+            if proj.bias is not None:
+                proj.bias.view(8, 8)[1:] = proj.bias.view(8, 8)[0].clone()
+    return model
+
+
+def own_samples(model, tokenizer, rows=8, length=64):
+    """Blocks the model samples itself (temperature 1): on them the source's loss is its own entropy,
+    which any other model's loss exceeds in expectation, so a merge that changes the model costs
+    more than nothing (on text, a tiny random model's loss moves either way with a merge)."""
+    torch.manual_seed(0)
+    start = torch.full((rows, 1), tokenizer.eos_token_id)
+    return model.generate(
+        input_ids=start,
+        attention_mask=torch.ones_like(start),
+        do_sample=True,
+        top_k=0,
+        max_new_tokens=length - 1,
+        min_new_tokens=length - 1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def test_the_measured_cost_gives_the_layer_that_loses_nothing_the_fewest_heads(tokenizer):
+    """Layer 0's identical heads merge to any G at no loss (to rounding), layer 1's distinct heads
+    do not; the cost of each (l, G) is exactly the loss of `convert_model` with layer l alone at G
+    minus the source's; at 9/16 of the cache the allocation is 1, 8 (uniform has no G there), and
+    `convert_model` spends the budget to the weights of `kv_heads_per_layer=(1, 8)`, bit for bit."""
+    from uptrain.convert.in_memory import convert_model
+    from uptrain.convert.layer_loss import layer_alone_costs, mean_loss
+
+    model = paired_llama(tokenizer)
+    blocks = own_samples(model, tokenizer)
+    costs = layer_alone_costs(model, blocks, (8, 8), functools.partial(convert_model, model))
+    assert [sorted(layer) for layer in costs] == [[1, 2, 4, 8]] * 2
+    assert costs[0][8] == costs[1][8] == 0
+    assert max(abs(c) for c in costs[0].values()) < 1e-5 and min(costs[1][g] for g in (1, 2, 4)) > 1e-2
+    merged = convert_model(model, kv_heads_per_layer=(8, 2)).eval()
+    assert costs[1][2] == mean_loss(merged, blocks) - mean_loss(model, blocks)
+    chosen = convert_model(model, kv_budget=9 / 16, allocation="calibrated", calibration_blocks=blocks)
+    explicit = convert_model(model, kv_heads_per_layer=(1, 8))
+    assert chosen.config.num_key_value_heads_per_layer == [1, 8]
+    chosen_state, explicit_state = chosen.state_dict(), explicit.state_dict()
+    assert chosen_state.keys() == explicit_state.keys()
+    assert all(torch.equal(t, explicit_state[name]) for name, t in chosen_state.items())
+
+
+def test_convert_spends_a_budget_by_the_measured_loss(tokenizer, calibration_text, tmp_path):
+    """`uptrain convert --kv-budget 0.5625 --allocation calibrated` (the measured cost: the default for
+    a decoder-only model) on the same Llama: the costs recorded are the in-memory ones on the
+    calibration blocks (layer 0's about 0), the allocation is the knapsack's of that table, the
+    weights those of the same `--kv-heads-per-layer`, bit for bit, and uptrain.json and the card say
+    which cost chose them."""
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+    from uptrain.convert.calibration import first_calibration_blocks
+    from uptrain.convert.in_memory import convert_model
+    from uptrain.convert.layer_loss import layer_alone_costs
+
+    model = paired_llama(tokenizer)
+    src = save(model, tokenizer, tmp_path / "src")
+    keys = ["--calibration-data", calibration_text, "--calibration-tokens", 512, "--calibration-device", "cpu"]
+    keys += ["--source-hash", "none"]
+
+    def convert(out, *flags):
+        assert main(["convert", str(src), str(tmp_path / out), *map(str, flags), *map(str, keys)]) == 0
+        return tmp_path / out
+
+    chosen = convert("chosen", "--kv-budget", 0.5625, "--allocation", "calibrated")
+    record = json.loads((chosen / "uptrain.json").read_text())
+    assert (record["allocation"], record["allocation_cost"]) == ("calibrated", "loss")
+    recorded = [{int(g): c for g, c in layer.items()} for layer in record["allocation_costs"]["decoder-self"]]
+    settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=record["calibration"]["seq_len"])
+    blocks, _ = first_calibration_blocks(tokenizer, str(calibration_text), settings, settings.calibration_seq_len)
+    assert recorded == layer_alone_costs(model, blocks, (8, 8), functools.partial(convert_model, model))
+    assert max(abs(c) for c in recorded[0].values()) < 1e-5
+    heads = allocate({"decoder-self": recorded}, {"decoder-self": (8, 8)}, {"decoder-self": 8}, 0.5625)
+    assert record["num_key_value_heads_per_layer"] == list(heads["decoder-self"])
+    assert "model's loss" in (chosen / "README.md").read_text()
+    explicit = tensors(convert("explicit", "--kv-heads-per-layer", ",".join(map(str, heads["decoder-self"]))))
+    assert tensors(chosen).keys() == explicit.keys()
+    assert all(torch.equal(t, explicit[name]) for name, t in tensors(chosen).items())
+
+
+def test_the_measured_cost_is_refused_where_it_is_not_measured(tokenizer, tmp_path):
+    """In memory without blocks to measure on; an encoder–decoder asked for it (one line each)."""
+    from uptrain.convert import convert_checkpoint
+    from uptrain.convert.in_memory import convert_model
+    from uptrain.convert.pipeline import Calibration
+
+    with pytest.raises(UptrainError, match="allocation cost 'loss' measures the model's loss on calibration blocks"):
+        convert_model(paired_llama(tokenizer), kv_budget=0.75, allocation="calibrated", calibration=Calibration({}))
+    build_seq2seq("bart").save_pretrained(tmp_path / "bart")
+    with pytest.raises(UptrainError, match="an encoder–decoder's is its objective's") as err:
+        convert_checkpoint(
+            tmp_path / "bart",
+            tmp_path / "out",
+            kv_budget=0.5,
+            allocation="calibrated",
+            allocation_cost="loss",
+            calibration_data="text.jsonl",
+        )
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()

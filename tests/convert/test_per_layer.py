@@ -262,6 +262,10 @@ def test_encoder_decoder_lists_per_attention(tmp_path):
             "--allocation calibrated measures what each layer's merge loses on calibration data (--calibration-data",
         ),
         (
+            ["--kv-budget", "0.5", "--allocation-cost", "merge"],
+            "--allocation-cost merge is the cost --allocation calibrated minimises; --allocation uniform chooses no",
+        ),
+        (
             ["--kv-budget", "0.1", "--allocation", "calibrated"],
             "--kv-budget 0.1 is below what any allocation reaches: 1 KV head in every layer keeps 0.125 of the",
         ),

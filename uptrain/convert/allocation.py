@@ -9,10 +9,11 @@ Two steps, both exact for what they decide:
    quantities the merge minimises, at their minimum. Both are sums of the eigenvalues the merge
    drops, so they come in closed form from the moments calibration already accumulates: no
    forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
-   The alternative — the model's loss with layer l alone merged to G — asks L × |divisors|
-   forward passes of the whole model over the calibration text (more for an encoder–decoder,
-   whose attentions interact); it is the quantity the allocation stands for, and on the
-   reference Llama it allocates better (below), at that price.
+   The alternative — the model's loss with layer l alone merged to G (`--allocation-cost loss`,
+   `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks L × (|divisors| − 1)
+   forward passes of the whole model over the calibration blocks; it is the quantity the
+   allocation stands for, and on the reference Llama it allocates better (below), at that price.
+   `settle_allocation` takes its table as `costs`.
 
    The cost is **relative**: each half is divided by what that layer's attention carries of it
    (the value half by Σ_q E‖O_q W_s x̃‖², the key half by the logits' energy Σ_q E[(q_qᵀ k_s)²]),
@@ -24,7 +25,7 @@ Two steps, both exact for what they decide:
    Llama (docs/concepts/kv_budget.md, with the command): better than uniform at 1/4 of the
    cache, worse at 1/2 — the logits' share, which dominates, overstates what some layers' key
    errors do to the model; allocating by the model's loss with one layer merged beats uniform
-   at both.
+   at both, hence `loss` is the default where it can be measured.
 
 2. **The knapsack** (`choose_allocation`): the allocation with the least summed cost whose
    KV heads × head_dim, summed over every converted attention's layers, fit the budget —
@@ -214,17 +215,22 @@ def calibration_costs(
 
 
 def settle_allocation(
-    conversion: Conversion, source: TensorSource, moments: Mapping, cast: torch.dtype | None = None
+    conversion: Conversion,
+    source: TensorSource,
+    moments: Mapping,
+    cast: torch.dtype | None = None,
+    costs: Costs | None = None,
 ) -> tuple[Conversion, dict[str, list[dict[int, float]]]]:
     """`--allocation calibrated` decided: the conversion with the allocation of least summed cost
     within its budget (`conversion.pending_budget`), planned again for it (`cast`: the output's
-    dtype, as `Conversion.planned`), and the cost table that chose it."""
-    if not moments:  # a calibration run without keep_moments (the pipeline's and convert_model's callers)
+    dtype, as `Conversion.planned`), and the cost table that chose it: `costs` when given (the
+    measured cost, `layer_loss.layer_alone_costs`), else the merge's (`calibration_costs`)."""
+    if costs is None and not moments:  # a calibration run without keep_moments
         raise UptrainError(
             "--allocation calibrated chooses each layer's KV heads from calibration moments kept whole "
             "(calibrate(..., keep_moments=True)); this calibration has none"
         )
-    costs = calibration_costs(conversion, source, moments)
+    costs = calibration_costs(conversion, source, moments) if costs is None else {k: list(v) for k, v in costs.items()}
     geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
     chosen = allocate(
         costs,

@@ -61,6 +61,7 @@ class Calibration:
     # `--allocation calibrated`: per converted attention, per layer, each candidate G's cost
     # (`allocation.py`), what chose the allocation; None otherwise.
     allocation_costs: dict[str, list[dict[int, float]]] | None = None
+    allocation_cost: str | None = None  # which cost that is: "loss" (measured) or "merge"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ shards and putting them in a new model of the same class, whose config has
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,9 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.architecture import DEFAULT_ATTENTIONS
+from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS
 from uptrain.convert.conversion import Calibration, conversion_for
-from uptrain.convert.kv_heads import KVHeadsRequest
+from uptrain.convert.kv_heads import KVHeadsRequest, allocation_cost_problem
 from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import ConversionOptions, KVHeadsKeys, kv_heads_per_layer_text
@@ -58,12 +59,15 @@ def converted_tensors(
     options: ConversionOptions | None = None,
     seed: int = 0,
     calibration: Calibration | None = None,
+    allocation_cost: str | None = None,
+    calibration_blocks: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], ConversionPlan]:
     """The state dict of `model` converted to `num_kv_heads` KV heads (one G, or a request with
     per-layer lists or a budget: `kv_heads.KVHeadsRequest`; tensors not rewritten are
     the model's own, not copies), and the plan it follows. `options`: the validated pooling,
     grouping and attention (default: mean, contiguous, the decoder's); `convert_model` takes
-    them as keywords and builds the model."""
+    them as keywords and builds the model. A calibrated allocation minimises `allocation_cost`
+    (`kv_heads.resolved_allocation_cost`); `loss` is measured on `calibration_blocks` (token ids)."""
     options = options or validated(ConversionOptions)
     strategy = get_strategy(options.pooling)
     if strategy.needs_calibration and calibration is None:
@@ -73,15 +77,35 @@ def converted_tensors(
     )
     state = model.state_dict()
     source = StateDictSource(state)
-    if conversion.pending_budget is not None:  # allocation "calibrated": chosen from the moments
+    if conversion.pending_budget is not None:  # allocation "calibrated": chosen by its cost
         from uptrain.convert.allocation import settle_allocation
 
-        if calibration is None or not calibration.moments:
+        costs = None
+        if resolved_allocation_cost(allocation_cost, conversion.arch.encoder_decoder) == "loss":
+            if calibration_blocks is None:
+                raise UptrainError(
+                    "allocation cost 'loss' measures the model's loss on calibration blocks "
+                    "(calibration_blocks=token ids, or allocation_cost='merge')"
+                )
+            from uptrain.convert.layer_loss import layer_alone_costs
+
+            heads = conversion.stacks[DECODER_SELF].geometry.layer_kv_heads()
+            convert = functools.partial(
+                convert_model,
+                model,
+                pooling=options.pooling,
+                grouping=options.grouping,
+                seed=seed,
+                calibration=calibration,
+            )
+            costs = {DECODER_SELF: layer_alone_costs(model, calibration_blocks, heads, convert)}
+        elif calibration is None or not calibration.moments:
             raise UptrainError(
                 "allocation 'calibrated' measures each layer's merge on calibration moments "
                 "(calibration=Calibration(moments), moments kept whole)"
             )
-        conversion, _ = settle_allocation(conversion, source, calibration.moments)  # planned for it
+        moments = calibration.moments if calibration is not None else {}
+        conversion, _ = settle_allocation(conversion, source, moments, costs=costs)  # planned for it
     else:
         conversion = conversion.planned(source)
     merger = conversion.merger(source, calibration, progress=False)
@@ -103,6 +127,8 @@ def convert_model(
     kv_heads_per_layer: str | Sequence[int] | Sequence[Sequence[int]] | None = None,
     kv_budget: float | None = None,
     allocation: str = "uniform",
+    allocation_cost: str | None = None,
+    calibration_blocks: torch.Tensor | None = None,
     grouping: str = "contiguous",
     attention: str = ",".join(DEFAULT_ATTENTIONS),
     seed: int = 0,
@@ -115,7 +141,9 @@ def convert_model(
     Pools exactly as `uptrain convert` does (same plan, same strategies, same seeds per tensor
     name), so the weights equal those of a checkpoint converted from `model.save_pretrained`.
     `attention`: for an encoder–decoder, the attentions pooled (as `--attention`).
-    `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`). The original
+    `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`); a calibrated
+    allocation minimises `allocation_cost` (as `--allocation-cost`; `loss`, the default for
+    decoder-only models, is measured on `calibration_blocks`, rows of token ids). The original
     model is left untouched; the copy keeps its dtype, device and train/eval mode.
     """
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
@@ -125,9 +153,14 @@ def convert_model(
         kv_heads_per_layer=kv_heads_per_layer_text(kv_heads_per_layer),  # a list as the flag spells it
         kv_budget=kv_budget,
         allocation=allocation,
+        allocation_cost=allocation_cost,
     )
+    if problem := allocation_cost_problem(keys.allocation, keys.allocation_cost):
+        raise UptrainError(problem)
     request = KVHeadsRequest.of(keys.num_kv_heads, keys.kv_heads_per_layer, keys.kv_budget, keys.allocation)
-    converted, plan = converted_tensors(model, request, options, seed, calibration)
+    converted, plan = converted_tensors(
+        model, request, options, seed, calibration, keys.allocation_cost, calibration_blocks
+    )
     # The same class where transformers has native GQA; uptrain's GQA class for GPT-2, NeoX, T5, ….
     new_class, new_config = gqa_counterpart(model, plan.config_kv_heads)
     with torch.device("meta"):

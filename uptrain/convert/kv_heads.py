@@ -85,6 +85,34 @@ def kv_heads_problem(num_kv_heads, kv_heads_per_layer, kv_budget, allocation: st
     return None
 
 
+def allocation_cost_problem(allocation: str, allocation_cost: str | None) -> str | None:
+    """`--allocation-cost` chooses what `--allocation calibrated` minimises; with another allocation
+    it would be silently ignored, so it is refused."""
+    if allocation_cost is not None and allocation != "calibrated":
+        return (
+            f"--allocation-cost {allocation_cost} is the cost --allocation calibrated minimises; "
+            f"--allocation {allocation} chooses no heads by a cost (drop it)"
+        )
+    return None
+
+
+def resolved_allocation_cost(allocation_cost: str | None, encoder_decoder: bool) -> str:
+    """The cost a calibrated allocation minimises: the one asked for, else the model's loss with one
+    layer merged (`loss`) for decoder-only models — on the reference Llama it beats uniform at every
+    budget measured, the merge's share does not (docs/concepts/kv_budget.md) — and the merge's own
+    loss (`merge`) for encoder–decoders, where the loss is not measured. `loss` asked of an
+    encoder–decoder is refused in one line."""
+    if allocation_cost is None:
+        return "merge" if encoder_decoder else "loss"
+    if allocation_cost == "loss" and encoder_decoder:
+        raise UptrainError(
+            "--allocation-cost loss measures a decoder-only model's next-token loss with each layer merged; "
+            "an encoder–decoder's is its objective's, over pairs calibration does not keep "
+            "(use --allocation-cost merge)"
+        )
+    return allocation_cost
+
+
 def layer_geometry(geometry: AttentionGeometry, layer: int) -> AttentionGeometry:
     """One layer's geometry, uniform at that layer's KV heads: what pooling one layer reads (a source
     with per-layer KV heads has K/V rows of its own size in each layer)."""

@@ -247,7 +247,13 @@ def _budget_text(p: dict) -> str:
     if p.get("kv_budget") is None:
         return ""
     text = f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
-    if "allocation_costs" in p:
+    if "allocation_costs" in p and p.get("allocation_cost") == "loss":
+        text += (
+            " Each layer's heads were chosen by the model's loss on the calibration blocks with that layer alone"
+            " converted to each candidate G, minus the source's (`--allocation-cost loss`), the allocation of least"
+            " summed cost within the budget; the costs are `allocation_costs` in `uptrain.json`."
+        )
+    elif "allocation_costs" in p:
         text += (
             " Each layer's heads were chosen by what the calibrated merge of that layer to each candidate G loses on"
             " the calibration data (its share of the attention's value output and logits), the allocation of least"
@@ -272,9 +278,13 @@ def _allocation_costs_table(p: dict) -> str:
     ]
     head = "| attention | layer | " + " | ".join(f"G = {g}" for g in candidates) + " |"
     rule = "|---|---:|" + "---:|" * len(candidates)
-    return (
-        "\n\nWhat the calibrated merge of each layer to G KV heads loses (the cost `--allocation calibrated` "
-        "minimised, summed over the layers):\n\n" + "\n".join([head, rule, *rows])
+    what = (
+        "The model's loss (nats per token) with each layer alone converted to G KV heads, minus the source's"
+        if p.get("allocation_cost") == "loss"
+        else "What the calibrated merge of each layer to G KV heads loses"
+    )
+    return f"\n\n{what} (the cost `--allocation calibrated` minimised, summed over the layers):\n\n" + "\n".join(
+        [head, rule, *rows]
     )
 
 

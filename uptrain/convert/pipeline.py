@@ -9,18 +9,21 @@ model); `execute` streams the planned tensors into the output folder.
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from uptrain import UptrainError
+from uptrain.architecture import DECODER_SELF
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.card import card_metadata
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import ResolvedSource, resolve_source
 from uptrain.convert.conversion import Calibration, Conversion, conversion_for
+from uptrain.convert.kv_heads import resolved_allocation_cost
 from uptrain.convert.outputs import copy_side_files, model_card, provenance, write_config
 from uptrain.convert.plan import DTYPES, ConversionPlan
 from uptrain.convert.pooling import Strategy, get_strategy
@@ -103,6 +106,8 @@ def prepare(
             "--allocation calibrated measures what each layer's merge loses on calibration data "
             "(--calibration-data FILE)"
         )
+    if conversion.pending_budget is not None:  # refuses --allocation-cost loss for an encoder–decoder
+        resolved_allocation_cost(spec.allocation_cost, conversion.arch.encoder_decoder)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         cast = DTYPES[spec.dtype] if spec.dtype is not None else None
@@ -198,16 +203,54 @@ def calibrate(
     return Calibration({}, info, solver.solutions, _solved_for(prepared))
 
 
+def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> list[dict[int, float]]:
+    """`--allocation-cost loss`: the source model, whole on the calibration device, scored on the
+    calibration blocks (the same blocks, at the length calibration read them) with each layer alone
+    converted to each candidate G (`layer_loss.layer_alone_costs`)."""
+    from uptrain.convert.calibration import calibration_device, first_calibration_blocks, load_calibration_tokenizer
+    from uptrain.convert.in_memory import convert_model
+    from uptrain.convert.layer_loss import layer_alone_costs
+    from uptrain.loading import load_model
+
+    folder, spec = prepared.source.folder, prepared.spec
+    # The blocks calibration read, at the length it read them (at most the model's positions).
+    seq_len = calibration.info.get("seq_len", spec.calibration_seq_len)
+    settings = replace(CalibrationSettings.of(spec), calibration_seq_len=seq_len)
+    blocks, _ = first_calibration_blocks(
+        load_calibration_tokenizer(folder), spec.calibration_data, settings, settings.calibration_seq_len
+    )
+    device, dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
+    model = load_model(folder, "the allocation's source", dtype=dtype).to(device)
+    geometry = prepared.conversion.stacks[DECODER_SELF].geometry
+    convert = functools.partial(
+        convert_model, model, pooling=spec.pooling, grouping=spec.grouping, seed=spec.seed, calibration=calibration
+    )
+    return layer_alone_costs(model, blocks, geometry.layer_kv_heads(), convert)
+
+
 def settle_allocation(prepared: PreparedConversion, calibration: Calibration) -> None:
-    """`--allocation calibrated`: choose each layer's KV heads from the calibration's moments
-    (`allocation.settle_allocation`), plan `prepared` again for them, and keep the cost table that
+    """`--allocation calibrated`: choose each layer's KV heads by the spec's cost
+    (`kv_heads.resolved_allocation_cost`): the model's loss with each layer merged, measured on the
+    calibration blocks, or the merge's own loss from the calibration's moments
+    (`allocation.settle_allocation`); plan `prepared` again for them, and keep the cost table that
     chose them in `calibration` (for uptrain.json and the card)."""
     from uptrain.convert.allocation import settle_allocation as settled
 
-    cast = DTYPES[prepared.spec.dtype] if prepared.spec.dtype is not None else None
+    spec = prepared.spec
+    cost = resolved_allocation_cost(spec.allocation_cost, prepared.conversion.arch.encoder_decoder)
+    if cost == "loss":
+        if spec.calibration_data is None:
+            raise UptrainError(
+                "--allocation-cost loss measures the model's loss on the calibration blocks (--calibration-data FILE)"
+            )
+        costs = {DECODER_SELF: _measured_costs(prepared, calibration)}
+    else:
+        costs = None
+    cast = DTYPES[spec.dtype] if spec.dtype is not None else None
     prepared.conversion, calibration.allocation_costs = settled(
-        prepared.conversion, prepared.checkpoint, calibration.moments, cast
+        prepared.conversion, prepared.checkpoint, calibration.moments, cast, costs
     )
+    calibration.allocation_cost = cost
 
 
 def budget_record(spec: ConversionSpec, calibration: Calibration | None = None) -> dict | None:
@@ -218,6 +261,7 @@ def budget_record(spec: ConversionSpec, calibration: Calibration | None = None) 
         return None
     record = {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
     if calibration is not None and calibration.allocation_costs is not None:
+        record["allocation_cost"] = calibration.allocation_cost
         record["allocation_costs"] = {
             name: [{str(g): cost for g, cost in layer.items()} for layer in layers]
             for name, layers in calibration.allocation_costs.items()

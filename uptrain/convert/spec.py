@@ -16,7 +16,12 @@ from typing import Literal
 
 from uptrain import UptrainError
 from uptrain.architecture import DEFAULT_ATTENTIONS, STACK_KV_HEADS
-from uptrain.convert.kv_heads import KVHeadsRequest, kv_heads_problem, parse_kv_heads_per_layer
+from uptrain.convert.kv_heads import (
+    KVHeadsRequest,
+    allocation_cost_problem,
+    kv_heads_problem,
+    parse_kv_heads_per_layer,
+)
 from uptrain.options import Schema, option, validated
 
 Grouping = Literal["contiguous", "similarity"]
@@ -88,6 +93,7 @@ def _per_layer_problem(value: str) -> str | None:
 
 
 Allocation = Literal["uniform", "calibrated"]
+AllocationCost = Literal["loss", "merge"]
 
 
 def kv_heads_per_layer_text(value):
@@ -131,6 +137,17 @@ def allocation_option():
         "uniform",
         help="how --kv-budget is spent: uniform (one G for every layer, which must give F exactly) or calibrated "
         "(each layer's KV heads chosen by what its merge loses on calibration data)",
+    )
+
+
+def allocation_cost_option():
+    """The `allocation_cost` key of a schema."""
+    return option(
+        None,
+        help="what --allocation calibrated minimises: loss (the model's loss on the calibration blocks with each "
+        "layer alone merged to each G: layers × divisors forward passes; decoder-only) or merge (what each layer's "
+        "calibrated merge loses, in closed form from the moments); default: loss for decoder-only models, merge "
+        "for encoder–decoders",
     )
 
 
@@ -227,6 +244,7 @@ class ConversionSpec(ConversionOptions):
     kv_heads_per_layer: str | None = kv_heads_per_layer_option("KV heads after conversion, layer by layer")
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
+    allocation_cost: AllocationCost | None = allocation_cost_option()
     seed: int = seed_option("seed of `random` pooling")
     dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")
     calibration_data: str | list[str] | None = option(
@@ -273,6 +291,8 @@ class ConversionSpec(ConversionOptions):
         found = super().problems()
         if problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
             found.append(problem)
+        elif problem := allocation_cost_problem(self.allocation, self.allocation_cost):
+            found.append(problem)
         return found
 
     @property
@@ -291,6 +311,7 @@ class KVHeadsKeys(Schema):
     kv_heads_per_layer: str | None = kv_heads_per_layer_option()
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
+    allocation_cost: AllocationCost | None = allocation_cost_option()
 
     def problems(self) -> list[str]:
         found = super().problems()

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.kv_heads import kv_heads_problem
+from uptrain.convert.kv_heads import allocation_cost_problem, kv_heads_problem
 from uptrain.convert.spec import (
     Allocation,
+    AllocationCost,
     ConversionOptions,
     ConversionSpec,
+    allocation_cost_option,
     allocation_option,
     conversion_spec,
     kv_budget_option,
@@ -307,6 +309,7 @@ class RunTarget(Schema):
     kv_heads_per_layer: str | None = kv_heads_per_layer_option("KV heads after conversion of `source`, layer by layer")
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
+    allocation_cost: AllocationCost | None = allocation_cost_option()
 
     # The keys that choose the converted KV heads, each applied to `source` only.
     KV_HEADS_KEYS = ("num_kv_heads", "kv_heads_per_layer", "kv_budget")
@@ -320,12 +323,14 @@ class RunTarget(Schema):
             )
         elif self.source is not None and not given:
             found.append("`source` needs `num_kv_heads` (or `kv_heads_per_layer`, or `kv_budget`)")
-        elif self.source is None and (given or self.allocation != "uniform"):
-            key = given[0] if given else "allocation"
+        elif self.source is None and (given or self.allocation != "uniform" or self.allocation_cost is not None):
+            key = given[0] if given else "allocation" if self.allocation != "uniform" else "allocation_cost"
             found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
         elif self.source is not None and (
             problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
         ):
+            found.append(problem)
+        elif self.source is not None and (problem := allocation_cost_problem(self.allocation, self.allocation_cost)):
             found.append(problem)
         return found
 
@@ -377,7 +382,7 @@ class TrainConfig(
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, "allocation")}
+        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, "allocation", "allocation_cost")}
         return training_conversion(self, source=self.source, **kv_heads)
 
     @property

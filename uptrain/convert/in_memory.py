@@ -19,7 +19,7 @@ import torch
 from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, DEFAULT_ATTENTIONS
 from uptrain.convert.conversion import Calibration, conversion_for
-from uptrain.convert.kv_heads import KVHeadsRequest, allocation_cost_problem
+from uptrain.convert.kv_heads import KVHeadsRequest, allocation_cost_problem, resolved_allocation_cost
 from uptrain.convert.plan import ConversionPlan
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import ConversionOptions, KVHeadsKeys, kv_heads_per_layer_text

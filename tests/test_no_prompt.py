@@ -28,8 +28,15 @@ from uptrain.convert import convert_checkpoint
 ENCODER_DECODERS = ("t5", "umt5", "bart", "marian", "m2m_100", "pegasus", "whisper")  # test_seq2seq's builders
 
 
+# The Llama family's converted type (nemotron-nas) is its per-layer layout: a tiny Llama, converted
+# with layers of different KV heads (at one G it stays a plain llama).
+LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+PER_LAYER = {"llama": "4,2"}
+
+
 def _decoder_only(model_type: str, folder: Path, tokenizer) -> Path:
-    config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **SHARED, "vocab_size": len(tokenizer)})
+    settings = LLAMA if model_type == "llama" else CONFIGS[model_type]
+    config = AutoConfig.for_model(model_type, **{**settings, **SHARED, "vocab_size": len(tokenizer)})
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -64,7 +71,12 @@ def conversions(tmp_path_factory) -> dict[str, Path]:
             for k in ("decoder_attention_heads", "num_heads", "n_head", "n_heads", "num_attention_heads")
             if k in heads
         )
-        found[gqa_type] = convert_checkpoint(src, root / gqa_type, g, progress=False)
+        if source_type in PER_LAYER:
+            kv = {"kv_heads_per_layer": PER_LAYER[source_type]}
+            found[gqa_type] = convert_checkpoint(src, root / gqa_type, None, progress=False, **kv)
+        else:
+            found[gqa_type] = convert_checkpoint(src, root / gqa_type, g, progress=False)
+        assert json.loads((found[gqa_type] / "config.json").read_text())["model_type"] == gqa_type
     return found
 
 

@@ -25,7 +25,7 @@ import math
 import torch
 from safetensors.torch import load_file
 
-from uptrain.convert.allocation import allocate, candidate_heads, layer_costs, layer_losses, relative_cost
+from uptrain.convert.allocation import allocate, layer_costs, layer_losses, relative_cost
 from uptrain.convert.calibrated import LayerAttention, apply_calibrated, solve_calibrated
 from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.conversion import Calibration
@@ -34,6 +34,7 @@ from uptrain.convert.layer_loss import layer_alone_costs, mean_loss
 from uptrain.data.corpus import split_path
 from uptrain.data.text import load_blocks
 from uptrain.loading import load_model, load_tokenizer
+from uptrain.model_info import divisors
 
 REFERENCE = "uptrain/assets/reference"
 
@@ -100,7 +101,7 @@ def main() -> None:
     layers, kv, d = config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]
     losses = [layer_losses(layer_attention(state, i, config), moments[i].double()) for i in range(layers)]
     costs = [layer_costs(layer_attention(state, i, config), moments[i].double()) for i in range(layers)]
-    print("layer | " + " | ".join(f"G={g}: cost (values, keys share)" for g in candidate_heads(kv)))
+    print("layer | " + " | ".join(f"G={g}: cost (values, keys share)" for g in divisors(kv)))
     for i, loss in enumerate(losses):
         cells = [
             f"{relative_cost(x):.4f} ({x.values / x.values_energy:.4f}, {x.keys / x.keys_energy:.4f})"

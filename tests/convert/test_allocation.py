@@ -22,7 +22,6 @@ from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.convert.allocation import (
     allocate,
     calibration_costs,
-    candidate_heads,
     choose_allocation,
     layer_losses,
 )
@@ -41,7 +40,7 @@ from uptrain.convert.calibration_seq2seq import seq2seq_moments
 from uptrain.convert.conversion import conversion_for
 from uptrain.convert.pooling import get_strategy
 from uptrain.convert.spec import CalibrationSettings
-from uptrain.model_info import read_config
+from uptrain.model_info import divisors, read_config
 
 # ---------------------------------------------------------------- the merge loss, in closed form
 
@@ -189,7 +188,7 @@ def instances(draw, integer_costs: bool):
         for _ in range(layers):
             kv = draw(st.sampled_from([1, 2, 4, 6, 8, 12]))
             value = st.integers(0, 6).map(float) if integer_costs else st.floats(0, 10, allow_nan=False)
-            costs[name].append({g: draw(value) for g in candidate_heads(kv)})
+            costs[name].append({g: draw(value) for g in divisors(kv)})
     smallest = sum(min(o) * dims[n] for n in names for o in costs[n])
     largest = sum(max(o) * dims[n] for n in names for o in costs[n])
     budget = draw(st.integers(smallest, largest + 16))
@@ -221,7 +220,7 @@ def test_knapsack_reaches_the_least_cost(instance):
 def test_one_convex_cost_for_every_layer_gives_the_uniform_allocation(layers, kv, groups):
     """The same strictly convex, decreasing cost in every layer: at a budget of exactly kv/G no
     uneven allocation can do better (Jensen), so the knapsack must return uniform G."""
-    costs = {"decoder-self": [{g: 3.0 / g + 0.1 * layer for g in candidate_heads(kv)} for layer in range(layers)]}
+    costs = {"decoder-self": [{g: 3.0 / g + 0.1 * layer for g in divisors(kv)} for layer in range(layers)]}
     chosen = allocate(costs, {"decoder-self": (kv,) * layers}, {"decoder-self": 32}, groups / kv)
     assert chosen == {"decoder-self": (groups,) * layers}
 
@@ -296,7 +295,7 @@ def test_costs_of_an_encoder_decoder_cover_every_chosen_attention(tmp_path):
         heads = config["encoder_attention_heads" if name == "encoder" else "decoder_attention_heads"]
         assert len(layers) == config["encoder_layers" if name == "encoder" else "decoder_layers"]
         for layer in layers:
-            assert set(layer) == set(candidate_heads(heads))
+            assert set(layer) == set(divisors(heads))
             assert layer[1] > 1e-3 and layer[2] < 1e-6 * layer[1], (name, layer)
             assert layer[heads] == 0
     assert math.isfinite(sum(c for layers in costs.values() for layer in layers for c in layer.values()))

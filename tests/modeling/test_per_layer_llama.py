@@ -9,8 +9,6 @@ greedy tokens, each layer's heads in its cache and the capacity they give."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers nemotron-nas: the in-process side loads without trust_remote_code
-from tests.modeling import load_without_uptrain, serve_in_vllm
+from tests.modeling import load_without_uptrain
 from tests.modeling.second_environment import transformers4_python
 from tests.modeling.test_transformers_versions import run_in
-from tests.modeling.vllm_environment import vllm_python
+from tests.modeling.vllm_environment import served as vllm_served
 from uptrain import UptrainError
 from uptrain.architecture import architecture, find_architecture, modeling_of
 from uptrain.architecture.converted import copy_modeling_files, native_per_layer_config
@@ -242,7 +240,6 @@ KV_SPACE_GIB = 1
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> tuple[dict, dict]:
     """(case → folder, what serve_in_vllm.py reports of each) from one process in the vLLM environment."""
-    python = vllm_python()
     root = tmp_path_factory.mktemp("decilm-vllm")
     folders = {}
     for case, width in SERVED_WIDTHS.items():
@@ -261,25 +258,7 @@ def served(tmp_path_factory) -> tuple[dict, dict]:
         copy_modeling_files("nemotron-nas", root / case)
         folders[case] = str(root / case)
     spec = {"cases": folders, "prompts": PROMPTS, "new_tokens": 8, "max_model_len": 64}
-    (root / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_", "VLLM_"))}
-    env.update(
-        HF_HOME=str(root / "hf"),
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH="",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB),
-    )
-    result = subprocess.run(
-        [str(python), serve_in_vllm.__file__, str(root / "spec.json")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return folders, json.loads(result.stdout.splitlines()[-1])
+    return folders, vllm_served(spec, root, KV_SPACE_GIB, timeout=900)
 
 
 @pytest.mark.slow

@@ -22,10 +22,6 @@ paid once. vLLM's CPU attention takes head sizes of 32 and up: 4 heads of 32 her
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import numpy as np
 import pytest
 import torch
@@ -33,9 +29,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSpeechSeq2Seq, LlamaConfig, LlamaForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: transformers' side loads without trust_remote_code
-from tests.modeling import serve_in_vllm
 from tests.modeling.classic_models import build
-from tests.modeling.vllm_environment import vllm_python
+from tests.modeling.vllm_environment import served as vllm_served
 from uptrain.architecture.converted import gqa_config
 from uptrain.convert import convert_checkpoint
 from uptrain.modeling import CLASSES
@@ -213,33 +208,12 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def served(checkpoints, speech_checkpoints, tmp_path_factory) -> dict:
     """What serve_in_vllm.py reports of every case, from one process in the vLLM environment."""
-    python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-run")
     np.save(root / "waveforms.npy", waveforms())
     spec = {"cases": checkpoints, "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "max_model_len": 64}
     speech = {"waveforms": str(root / "waveforms.npy"), "sampling_rate": SAMPLING_RATE}
     spec.update(speech_cases=speech_checkpoints, speech={**speech, "decoder_prompts": DECODER_PROMPTS})
-    (root / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_", "VLLM_"))}
-    env.update(
-        HF_HOME=str(root / "hf"),
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH="",
-        # The engine core in this process (no second process to start), and a fixed KV space.
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB),
-    )
-    result = subprocess.run(
-        [str(python), serve_in_vllm.__file__, str(root / "spec.json")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (root / "served.json").write_text(result.stdout.splitlines()[-1])  # each engine's start time, for a look
-    return json.loads(result.stdout.splitlines()[-1])
+    return vllm_served(spec, root, KV_SPACE_GIB, timeout=1500)
 
 
 def transformers_tokens(folder: str) -> list[list[int]]:

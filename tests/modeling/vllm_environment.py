@@ -16,6 +16,8 @@ build removes each one that does not import: vLLM's text models do not need them
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -58,3 +60,31 @@ def vllm_python() -> Path:
     pins = requirements()
     digest = hashlib.sha256("\n".join([*pins, CONSTRAINTS.read_text(), sys.version]).encode()).hexdigest()[:12]
     return cached_environment(CACHE / f"vllm-{digest}", pins, "vLLM", BUILD_TIMEOUT, finish=_remove_unloadable)
+
+
+def served(spec: dict, root: Path, kv_space_gib: float, timeout: float) -> dict:
+    """What `serve_in_vllm.py` reports of every case of `spec` (written to `root/spec.json`), from one
+    process in the vLLM environment: offline, its own HF_HOME under `root`, none of this process's
+    Python, Hub or vLLM settings, the engine core in that process and a fixed KV space."""
+    from tests.modeling import serve_in_vllm  # imports vLLM only when run as a script
+
+    (root / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_", "VLLM_"))}
+    env.update(
+        HF_HOME=str(root / "hf"),
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH="",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # no second process to start
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+    )
+    result = subprocess.run(
+        [str(vllm_python()), serve_in_vllm.__file__, str(root / "spec.json")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (root / "served.json").write_text(result.stdout.splitlines()[-1])  # each engine's start time, for a look
+    return json.loads(result.stdout.splitlines()[-1])

@@ -64,15 +64,11 @@ from uptrain.convert.calibrated import (
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
 from uptrain.convert.kv_heads import BUDGET_TOLERANCE
 from uptrain.convert.layer_merge import SiteMergers
+from uptrain.model_info import divisors
 
 # Per converted attention (model order: encoder, decoder-self, cross), per layer, G → cost.
 Costs = Mapping[str, Sequence[Mapping[int, float]]]
 Allocation = dict[str, tuple[int, ...]]
-
-
-def candidate_heads(kv_heads: int) -> tuple[int, ...]:
-    """The KV heads a layer with `kv_heads` source KV heads can be merged to: its divisors."""
-    return tuple(g for g in range(1, kv_heads + 1) if kv_heads % g == 0)
 
 
 def relative_cost(loss: MergeLoss) -> float:
@@ -98,7 +94,7 @@ def layer_losses(
         c, c_query, c_values = moment.keys_values, moment.queries, moment.values
     else:
         c, c_query, c_values = moment, None, None
-    groups = candidate_heads(attention.num_kv_heads) if candidates is None else candidates
+    groups = divisors(attention.num_kv_heads) if candidates is None else candidates
     similarity = head_similarity(attention, input_moment(moment)).cpu() if grouping == "similarity" else None
     losses = {}
     for g in groups:

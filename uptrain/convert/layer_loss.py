@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from uptrain.convert.allocation import candidate_heads
+from uptrain.model_info import divisors
 
 
 def mean_loss(model, blocks: torch.Tensor, batch_size: int = 8) -> float:
@@ -54,7 +54,7 @@ def layer_alone_costs(
         costs: list[dict[int, float]] = []
         for layer, kv in enumerate(source_heads):
             costs.append({})
-            for g in candidate_heads(kv):
+            for g in divisors(kv):
                 if g == kv:  # a group of one head per KV head: nothing merged
                     costs[layer][g] = 0.0
                     continue

@@ -43,14 +43,16 @@ def layer_kv_heads(config, prefix: str, key: str = "num_key_value_heads", *, lay
     return per_layer[extract_layer_index(prefix)]
 
 
-def qkv_of_grouped_rows(weights, heads: int, kv_heads):
+def qkv_of_grouped_rows(weights, config, *, layers: int, heads: int):
     """The checkpoint's tensors, each `query_key_value` (weight or bias) whose rows are grouped
     per KV head, `[G, r + 2, d]` (its r = h / G query heads, its K, its V: BLOOM's and Falcon's
-    GQA layout), repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits. `kv_heads(name)`
-    is the G of the layer the tensor's name is in (layers may differ)."""
+    GQA layout), repacked to the `[Q | K | V]` vLLM's fused-QKV loader splits. G is that of the
+    layer the tensor's name is in (layers may differ), read once from `config` as `layer_kv_heads`
+    reads it."""
+    per_layer = model_info.layer_kv_heads(config.to_dict(), "num_key_value_heads", layers, heads)
     for name, w in weights:
         if "query_key_value" in name:
-            g = kv_heads(name)
+            g = per_layer[extract_layer_index(name)]
             r = heads // g
             grouped = w.view(g, r + 2, -1, *w.shape[1:])
             q, k, v = (part.reshape(-1, *w.shape[1:]) for part in (grouped[:, :r], grouped[:, r], grouped[:, r + 1]))

@@ -68,11 +68,8 @@ class BloomGQAModel(nn.Module):
     def load_weights(self, weights):
         """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` repacked to `[Q | K | V]`."""
         config = self.config
-
-        def kv_heads(name: str) -> int:
-            return layer_kv_heads(config, name, layers=config.num_hidden_layers, heads=config.n_head)
-
-        return AutoWeightsLoader(self).load_weights(qkv_of_grouped_rows(weights, config.n_head, kv_heads))
+        grouped = qkv_of_grouped_rows(weights, config, layers=config.num_hidden_layers, heads=config.n_head)
+        return AutoWeightsLoader(self).load_weights(grouped)
 
 
 class BloomGQAForCausalLM(bloom.BloomForCausalLM):

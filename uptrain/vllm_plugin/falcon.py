@@ -129,11 +129,8 @@ class FalconGQAModel(nn.Module):
         """The checkpoint's tensors, each fused QKV's rows `[G, r + 2, d]` repacked to `[Q | K | V]`."""
         config = self.config
         heads = config.num_attention_heads
-
-        def kv_heads(name: str) -> int:
-            return layer_kv_heads(config, name, layers=config.num_hidden_layers, heads=heads)
-
-        return AutoWeightsLoader(self).load_weights(qkv_of_grouped_rows(weights, heads, kv_heads))
+        grouped = qkv_of_grouped_rows(weights, config, layers=config.num_hidden_layers, heads=heads)
+        return AutoWeightsLoader(self).load_weights(grouped)
 
 
 class FalconGQAForCausalLM(falcon.FalconForCausalLM):

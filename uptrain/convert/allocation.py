@@ -184,12 +184,13 @@ def allocate(
     below one KV head per layer is refused in one line naming the smallest fraction reachable."""
     whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
     smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
-    if budget_units(fraction, source_heads, head_dims) < smallest:
+    units = budget_units(fraction, source_heads, head_dims)
+    if units < smallest:
         raise UptrainError(
             f"--kv-budget {fraction:g} is below what any allocation reaches: 1 KV head in every layer keeps "
             f"{smallest / whole:.4g} of the source's KV bytes (give at least that)"
         )
-    return choose_allocation(costs, head_dims, budget_units(fraction, source_heads, head_dims))
+    return choose_allocation(costs, head_dims, units)
 
 
 def calibration_costs(

@@ -10,7 +10,10 @@ Rows: the MHA model (G = h = 8 for Whisper base) and, for each G of --kv-heads, 
 and cross-attention (the paper's setting, `--attention decoder-self,cross`) converted with mean,
 first, random and calibrated pooling, calibrated + distillation (the calibrated conversion uptrained
 with distillation from the MHA original, train's `teacher`), and one row with the encoder's
-self-attention converted too (calibrated, at the first G). Conversions, calibration (on the
+self-attention converted too (calibrated, at the first G); with --kv-budgets F, calibrated pooling at
+`--kv-budget F` of the decoder's self + cross KV bytes, spent uniformly and by the calibrated
+allocation (`--allocation-cost merge`, the cost encoder–decoders have), each layer's heads read
+from the cache. Conversions, calibration (on the
 training pairs, with the `--language` prompt) and uptraining are `uptrain compare`'s own
 (`run_compare`: every run the same clips, order, seed and schedule; the MHA model trained alike as
 the reference row); distilled and encoder rows take the `TrainConfig` the compare gives its runs.
@@ -59,6 +62,7 @@ from uptrain.checkpoint.atomic import atomic_directory, atomic_file, write_file
 from uptrain.data.speech import speak, write_pcm_wav
 
 POOLINGS = ("mean", "first", "random", "calibrated")
+ALLOCATIONS = ("uniform", "calibrated")
 DECODER = "decoder-self,cross"
 WITH_ENCODER = "encoder,decoder-self,cross"
 # --quick: a tiny Whisper built from a config, espeak clips of the words it knows, 4 steps.
@@ -73,19 +77,39 @@ class Row:
     """One row of the table: where its model starts, how it is uptrained."""
 
     name: str
-    num_kv_heads: int | None  # None: the MHA model
+    num_kv_heads: int | None  # None: the MHA model, or a budget row's per-layer heads
     pooling: str
     distillation: bool = False
     attention: str = DECODER
     weighting: str = "uniform"  # the calibrated merge's `calibration_weighting`
+    budget: float | None = None  # `--kv-budget`: a share of the converted attentions' KV bytes
+    allocation: str = "uniform"  # how the budget is spent (`--allocation`)
+
+    @property
+    def mha(self) -> bool:
+        return self.num_kv_heads is None and self.budget is None
 
     @property
     def in_compare(self) -> bool:
         """Made and trained by `run_compare` (the others take its TrainConfig by hand)."""
-        return not self.distillation and self.attention == DECODER and self.weighting == "uniform"
+        plain = self.budget is None and self.weighting == "uniform"
+        return plain and not self.distillation and self.attention == DECODER
 
 
-def rows_of(kv_heads: list[int], poolings: list[str], encoder_row: bool, weighted: bool = False) -> list[Row]:
+def budget_rows(budgets: list[float], allocations: list[str]) -> list[Row]:
+    """Per budget F and allocation: calibrated pooling at `--kv-budget F --allocation A` (the
+    calibrated allocation by the merge's cost, the one encoder–decoders have)."""
+    return [Row(f"kv{f:g}-{a}", None, "calibrated", budget=f, allocation=a) for f in budgets for a in allocations]
+
+
+def rows_of(
+    kv_heads: list[int],
+    poolings: list[str],
+    encoder_row: bool,
+    weighted: bool = False,
+    budgets: list[float] = (),
+    allocations: list[str] = ALLOCATIONS,
+) -> list[Row]:
     rows = [Row("mha", None, "mha")]
     for g in kv_heads:
         rows += [Row(f"g{g}-{p}", g, p) for p in poolings]
@@ -95,11 +119,13 @@ def rows_of(kv_heads: list[int], poolings: list[str], encoder_row: bool, weighte
             rows.append(Row(f"g{g}-calibrated-attention", g, "calibrated", weighting="attention"))
     if encoder_row and kv_heads:
         rows.append(Row(f"g{kv_heads[0]}-calibrated-encoder", kv_heads[0], "calibrated", attention=WITH_ENCODER))
-    return rows
+    return rows + budget_rows(budgets, allocations)
 
 
 def study_rows(args: argparse.Namespace) -> list[Row]:
-    return rows_of(args.kv_heads, args.poolings, not args.no_encoder_row, args.weighted_rows)
+    return rows_of(
+        args.kv_heads, args.poolings, not args.no_encoder_row, args.weighted_rows, args.kv_budgets, args.allocations
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,6 +146,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--weighted-rows",
         action="store_true",
         help="also, per G, calibrated with --calibration-weighting attention (errors weighed where attention goes)",
+    )
+    parser.add_argument(
+        "--kv-budgets",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="F",
+        help="also, per F, calibrated pooling at --kv-budget F of the decoder's self + cross KV bytes",
+    )
+    parser.add_argument(
+        "--allocations",
+        nargs="+",
+        default=list(ALLOCATIONS),
+        choices=ALLOCATIONS,
+        help="how each --kv-budgets row spends its budget (default: both; calibrated: the merge's cost)",
     )
     parser.add_argument("--steps", type=int, default=None, help="uptraining steps (default 20; --quick 4)")
     parser.add_argument("--batch-size", type=int, default=2, help="clips per uptraining step (default 2)")
@@ -285,9 +326,9 @@ def study_spec(args: argparse.Namespace, kv_heads: list[int], poolings: list[str
 
 
 def start_folder(row: Row, spec, root: Path) -> Path:
-    if row.num_kv_heads is None:
+    if row.mha:
         return Path(spec.model)
-    if row.attention != DECODER or row.weighting != "uniform":
+    if not row.in_compare:
         return root / "extra" / "converted" / row.name
     return Path(spec.output_dir) / "converted" / f"g{row.num_kv_heads}-{row.pooling}"
 
@@ -306,16 +347,15 @@ def train_folder(row: Row, spec, root: Path) -> Path:
 def convert_starts(rows: list[Row], spec, root: Path, log) -> None:
     """Each row's start, converted where it is not yet (compare's calibration, shared by all)."""
     from uptrain.compare.study import hold_compare_dir, shared_calibration
-    from uptrain.convert.pipeline import execute, prepare
+    from uptrain.convert.pipeline import execute, prepare, settle_allocation
 
     with hold_compare_dir(spec):
         for row in rows:
             out = start_folder(row, spec, root)
-            if row.num_kv_heads is None or out.exists():
+            if row.mha or out.exists():
                 continue
             log(f"[whisper] converting {row.name}")
-            conversion = spec.conversion_spec(row.num_kv_heads, row.pooling)
-            conversion = dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
+            conversion = row_conversion(row, spec)
             out.parent.mkdir(parents=True, exist_ok=True)
             began = time.perf_counter()
             with prepare(conversion, out) as prepared:
@@ -325,8 +365,26 @@ def convert_starts(rows: list[Row], spec, root: Path, log) -> None:
                     place = Path(spec.output_dir) if row.weighting == "uniform" else root / "extra" / row.weighting
                     place.mkdir(parents=True, exist_ok=True)
                     calibration = shared_calibration(prepared, place, log)
+                if prepared.conversion.pending_budget is not None:  # the budget's heads, from the moments
+                    settle_allocation(prepared, calibration)
                 execute(prepared, out, calibration=calibration, progress=False)
             log(f"[whisper] {row.name}: converted in {time.perf_counter() - began:.0f} s")
+
+
+def row_conversion(row: Row, spec):
+    """The `ConversionSpec` of a row's start: compare's, with the row's attention, weighting and budget."""
+    from uptrain import UptrainError
+
+    conversion = spec.conversion_spec(row.num_kv_heads or 1, row.pooling)
+    conversion = dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
+    if row.budget is not None:
+        cost = "merge" if row.allocation == "calibrated" else None  # encoder–decoders' only cost
+        conversion = dataclasses.replace(
+            conversion, num_kv_heads=None, kv_budget=row.budget, allocation=row.allocation, allocation_cost=cost
+        )
+        if problems := conversion.problems():
+            raise UptrainError(f"{row.name}: " + "; ".join(problems))
+    return conversion
 
 
 def uptrain_row(row: Row, args: argparse.Namespace, root: Path, log) -> None:
@@ -340,14 +398,14 @@ def uptrain_row(row: Row, args: argparse.Namespace, root: Path, log) -> None:
     folder = train_folder(row, spec, root)
     if not (folder / "final" / "config.json").is_file():
         with hold_compare_dir(spec):
-            name = "mha" if row.num_kv_heads is None else row.name
+            name = "mha" if row.mha else row.name
             config = spec.train_config(start_folder(row, spec, root), folder, name)
             config = dataclasses.replace(config, keep_checkpoints=spec.max_steps // spec.eval_every + 1)
             if row.distillation:
                 config = dataclasses.replace(config, teacher=str(spec.model))
             log(f"[whisper] {row.name}: uptraining" + (" with distillation" if row.distillation else ""))
             run_training(config)
-    if row.in_compare and row.num_kv_heads is not None:
+    if row.in_compare and not row.mha:
         run_compare(study_spec(args, [row.num_kv_heads], [row.pooling]), log)
     elif not row.in_compare:
         write_file(folder.parent / RESULT, json.dumps({"name": row.name}) + "\n")
@@ -537,6 +595,8 @@ def cache_bytes(cache, batch: int, target_len: int) -> dict:
         "kv_cross_bytes_per_clip": cross // batch,
         "kv_cache_heads": cache.self_attention_cache.layers[0].keys.shape[1],
         "cross_cache_heads": cache.cross_attention_cache.layers[0].keys.shape[1],
+        "kv_cache_heads_per_layer": [layer.keys.shape[1] for layer in cache.self_attention_cache.layers],
+        "cross_cache_heads_per_layer": [layer.keys.shape[1] for layer in cache.cross_attention_cache.layers],
     }
 
 
@@ -665,7 +725,7 @@ def _summary(path: Path) -> dict | None:
 
 def _gaps(rows: list[dict]) -> None:
     """Per converted row at α = 0: the share of mean's log-perplexity gap to MHA it closes."""
-    mha = next((r["start"] for r in rows if r["num_kv_heads"] is None), None)
+    mha = next((r["start"] for r in rows if r["num_kv_heads"] is None and r["budget"] is None), None)
     means = {r["num_kv_heads"]: r["start"] for r in rows if r["pooling"] == "mean" and r["start"]}
     for r in rows:
         mean = means.get(r["num_kv_heads"])
@@ -709,8 +769,9 @@ def table_rows(result: dict) -> list[list[str]]:
         lines.append(
             [
                 r["name"],
-                "h (MHA)" if r["num_kv_heads"] is None else str(r["num_kv_heads"]),
+                _heads_column(r),
                 r["pooling"]
+                + (f", {r['allocation']} allocation" if r["budget"] is not None else "")
                 + (" + distillation" if r["distillation"] else "")
                 + (" (+ encoder)" if r["attention"] != DECODER else "")
                 + (", attention-weighted" if r["weighting"] != "uniform" else ""),
@@ -728,6 +789,16 @@ def table_rows(result: dict) -> list[list[str]]:
             ]
         )
     return lines
+
+
+def _heads_column(r: dict) -> str:
+    """G, or a budget row's budget and each layer's heads (decoder self / cross) as its cache holds them."""
+    if r["budget"] is None:
+        return "h (MHA)" if r["num_kv_heads"] is None else str(r["num_kv_heads"])
+    s = r["start"] or {}
+    lists = [s.get(k) for k in ("kv_cache_heads_per_layer", "cross_cache_heads_per_layer")]
+    heads = " / ".join(",".join(map(str, x)) for x in lists) if all(lists) else "?"
+    return f"budget {r['budget']:g}: {heads}"
 
 
 def report(result: dict, root: Path) -> None:

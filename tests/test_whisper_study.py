@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.evaluation.test_metric_environment import eval_python
+from uptrain.model_info import layer_kv_heads
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "whisper_study.py"
 
@@ -29,7 +30,17 @@ def test_whisper_study_quick(tmp_path):
     python = str(eval_python())
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "study"
-    argv = [python, str(SCRIPT), "--quick", "--poolings", "mean", "calibrated", "--weighted-rows"]
+    argv = [
+        python,
+        str(SCRIPT),
+        "--quick",
+        "--poolings",
+        "mean",
+        "calibrated",
+        "--weighted-rows",
+        "--kv-budgets",
+        "0.25",
+    ]
     argv += ["--output-dir", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,14 +48,22 @@ def test_whisper_study_quick(tmp_path):
     rows = {r["name"]: r for r in study["rows"]}
     scored = []  # (wer, cer, [references, predictions]) of every row and time, checked with jiwer below
     names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-attention"]
-    assert list(rows) == [*names, "g2-calibrated-encoder"]
+    budgets = ["kv0.25-uniform", "kv0.25-calibrated"]
+    assert list(rows) == [*names, "g2-calibrated-encoder", *budgets]
     # The tiny model: 2 decoder layers, 8 heads of 8 dims, float32; 3 s of audio = 150 frames.
     for name, row in rows.items():
-        heads = 8 if name == "mha" else 2
         for when in ("start", "final"):
             s = row[when]
-            assert s["kv_self_bytes_per_token"] == 2 * 2 * heads * 8 * 4, (name, when)
-            assert s["kv_cross_bytes_per_frame"] == 2 * 2 * heads * 8 * 4
+            own, cross = s["kv_cache_heads_per_layer"], s["cross_cache_heads_per_layer"]
+            if name in budgets:  # each layer's heads as the converted config lists them
+                config = json.loads((out / "extra" / "converted" / name / "config.json").read_text())
+                assert tuple(own) == layer_kv_heads(config, "decoder_num_key_value_heads", 2, 8)
+                assert tuple(cross) == layer_kv_heads(config, "cross_attention_num_key_value_heads", 2, 8)
+                assert sum(own) + sum(cross) == (8 + 8 + 8 + 8) // 4  # 1/4 of the self + cross heads
+            else:
+                assert own == cross == [8 if name == "mha" else 2] * 2, (name, when)
+            assert s["kv_self_bytes_per_token"] == 2 * sum(own) * 8 * 4, (name, when)
+            assert s["kv_cross_bytes_per_frame"] == 2 * sum(cross) * 8 * 4
             assert s["kv_cross_bytes_per_clip"] == 150 * s["kv_cross_bytes_per_frame"]
             assert s["perplexity"] > 1 and s["time_per_sample_s"] > 0
             kept = out / "scores" / when / f"{name.removesuffix('-distill') if when == 'start' else name}.json"
@@ -65,6 +84,15 @@ def test_whisper_study_quick(tmp_path):
     for (wer, cer, _), (again_wer, again_cer) in zip(scored, json.loads(recomputed.stdout)):
         assert wer == pytest.approx(100 * again_wer) and cer == pytest.approx(100 * again_cer)
     assert rows["g2-mean"]["gap_closed"] == 0.0
+    # A quarter of the bytes spent uniformly is G = 2 (the same merge, the same scores); the
+    # calibrated allocation spends it unevenly, chosen by the merge's cost (what uptrain.json records).
+    assert rows["kv0.25-uniform"]["start"]["kv_cache_heads_per_layer"] == [2, 2]
+    same = ("wer", "cer", "perplexity")
+    assert [rows["kv0.25-uniform"]["start"][k] for k in same] == [rows["g2-calibrated"]["start"][k] for k in same]
+    record = json.loads((out / "extra" / "converted" / "kv0.25-calibrated" / "uptrain.json").read_text())
+    assert (record["kv_budget"], record["allocation"], record["allocation_cost"]) == (0.25, "calibrated", "merge")
+    chosen = rows["kv0.25-calibrated"]["start"]
+    assert chosen["kv_cache_heads_per_layer"] + chosen["cross_cache_heads_per_layer"] != [2, 2, 2, 2]
     assert rows["g2-calibrated-distill"]["start"] == rows["g2-calibrated"]["start"]
     # Distillation and the encoder's conversion change what is trained: their ends differ from calibrated's.
     ends = {rows[n]["final"]["perplexity"] for n in ("g2-calibrated", "g2-calibrated-distill", "g2-calibrated-encoder")}

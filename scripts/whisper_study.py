@@ -328,7 +328,7 @@ def study_spec(args: argparse.Namespace, kv_heads: list[int], poolings: list[str
 def start_folder(row: Row, spec, root: Path) -> Path:
     if row.mha:
         return Path(spec.model)
-    if not row.in_compare:
+    if row.attention != DECODER or row.weighting != "uniform" or row.budget is not None:
         return root / "extra" / "converted" / row.name
     return Path(spec.output_dir) / "converted" / f"g{row.num_kv_heads}-{row.pooling}"
 

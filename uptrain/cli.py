@@ -37,6 +37,11 @@ def convert(options: ConvertCommand) -> int:
     # allocation (see above), and faulting it in 4 KiB pages cost 0.2 s per 2 GB converted.
     # Read by torch at its first allocation, which has not happened yet.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if options.target == "mla":
+        from uptrain.convert.mla import convert_mla
+
+        print(f"wrote {convert_mla(options.spec(), options.out, options.overwrite)}")
+        return 0
     with prepare(options.spec(), options.out, options.overwrite) as prepared:  # every check, before any work
         calibration = calibrate(prepared)
         # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall

@@ -1,0 +1,155 @@
+"""`uptrain convert --target mla`: a tiny Llama written as DeepSeek-V2 multi-head latent attention,
+loaded by transformers' own `DeepseekV2ForCausalLM` (no uptrain modeling registered for it).
+
+What is exact, and why only there: the layout has one rotary key for all heads, so a source's
+keys survive whole only when the source has one KV head and every rotary column is kept (D = d);
+the latent RMSNorm divides each token's latent by its rms, which the conversion makes the rms of
+the input RMSNorm's output n — exactly 1 only when that norm's ε is negligible against the
+residual's mean square (the source here has ε = 1e-12), and only at full rank (R = hidden), where
+the latent is n rotated. Below full rank the written tensors are checked against the truncated
+SVD of the stacked non-rotary keys and values, recomputed here from the source's weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from uptrain.cli import main
+from uptrain.convert import convert_checkpoint
+
+HEADS, HEAD_DIM, HIDDEN = 4, 32, 128
+
+
+def tiny_llama(folder, kv_heads: int, eps: float = 1e-12):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=HIDDEN,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=eps,
+        initializer_range=0.5,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # gains other than 1: the latent must absorb the input norm's gain
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_one_kv_head_at_full_rank_with_every_rotary_column_is_the_source(tmp_path):
+    source = tiny_llama(tmp_path / "src", kv_heads=1)
+    out = convert_checkpoint(
+        tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=HIDDEN, rope_dims=HEAD_DIM, source_hash="none"
+    )
+    mla = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(mla).__name__ == "DeepseekV2ForCausalLM"
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = source(ids).logits, mla(ids).logits
+        reference = source.double()(ids).logits.float()  # what float32 itself costs the source
+    noise = (expected - reference).abs().max().item()
+    assert (got - expected).abs().max().item() <= 20 * noise + 1e-4, "logits differ beyond float32 rounding"
+    prompt = ids[:, :6]
+    with torch.no_grad():
+        assert torch.equal(
+            source.float().generate(prompt, max_new_tokens=8, do_sample=False),
+            mla.generate(prompt, max_new_tokens=8, do_sample=False),
+        )
+
+
+def llama_rope_rows(rope_dims: int) -> list[int]:
+    """Llama rotates column i with i + d/2; DeepSeek-V2 rotates (2j, 2j + 1): the first D/2 pairs."""
+    pairs = [(i, i + HEAD_DIM // 2) for i in range(rope_dims // 2)]
+    return [row for pair in pairs for row in pair]
+
+
+def test_lower_rank_is_the_truncated_svd_of_the_stacked_keys_and_values(tmp_path):
+    rank, rope = 40, 16
+    tiny_llama(tmp_path / "src", kv_heads=2)
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=rank, rope_dims=rope)
+    written, source = load_file(out / "model.safetensors"), load_file(tmp_path / "src" / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (rank, rope, 16)
+    assert config["rope_parameters"]["rope_theta"] == pytest.approx(10000.0 ** (rope / HEAD_DIM))
+    rope_rows = llama_rope_rows(rope)
+    nope_rows = [r for r in range(HEAD_DIM) if r not in rope_rows]
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        q, k, v = (source[p + f"self_attn.{n}_proj.weight"].double() for n in "qkv")
+        gain = source[p + "input_layernorm.weight"].double()
+        heads_q, heads_k, heads_v = q.view(HEADS, HEAD_DIM, -1), k.view(2, HEAD_DIM, -1), v.view(2, HEAD_DIM, -1)
+        # q_proj: each head's source rows, non-rotary then rotary (interleaved pairs), bit for bit
+        expected_q = torch.cat([torch.cat([heads_q[h, nope_rows], heads_q[h, rope_rows]]) for h in range(HEADS)])
+        assert torch.equal(written[p + "self_attn.q_proj.weight"], expected_q.float())
+        kv_a = written[p + "self_attn.kv_a_proj_with_mqa.weight"].double()
+        assert kv_a.shape == (rank + rope, HIDDEN)
+        # the shared rotary key: the mean of the two KV heads' rotary rows
+        torch.testing.assert_close(kv_a[rank:], (heads_k[0, rope_rows] + heads_k[1, rope_rows]) / 2)
+        # the latent: the truncated SVD of [K_nope; V] per query head (its KV head's, heads 0,1 → 0),
+        # taken from the normalised hidden state (the gain folded in)
+        stacked = torch.cat([torch.cat([heads_k[h // 2, nope_rows], heads_v[h // 2]]) for h in range(HEADS)])
+        u, s, vh = torch.linalg.svd(stacked * gain, full_matrices=False)
+        truncated = u[:, :rank] @ torch.diag(s[:rank]) @ vh[:rank]
+        kv_b = written[p + "self_attn.kv_b_proj.weight"].double()
+        torch.testing.assert_close(kv_b @ (kv_a[:rank] * gain), truncated, atol=1e-5, rtol=1e-5)
+        # the latent is an orthonormal projection of n: rms ≈ 1 wherever n lies in its span
+        torch.testing.assert_close((kv_a[:rank] * gain) @ (kv_a[:rank] * gain).T, torch.eye(rank, dtype=torch.float64))
+        assert torch.equal(written[p + "self_attn.kv_a_layernorm.weight"], torch.ones(rank))
+        assert torch.equal(written[p + "self_attn.o_proj.weight"], source[p + "self_attn.o_proj.weight"])
+    record = json.loads((out / "uptrain.json").read_text())
+    assert record["target"] == "mla" and record["kv_elements_per_token_per_layer"] == {
+        "mla": rank + rope,
+        "source": 2 * 2 * HEAD_DIM,
+        "mha": 2 * HEADS * HEAD_DIM,
+    }
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--target", "mla", "--kv-rank", "40", "-g", "2"], "not -g"),
+        (["--target", "mla"], "needs --kv-rank"),
+        (["--target", "mla", "--kv-rank", "40", "--pooling", "calibrated"], "not --pooling"),
+        (["-g", "2", "--kv-rank", "40"], "give them with --target mla"),
+        (["--target", "mla", "--kv-rank", "0"], "kv_rank"),
+        (["--target", "mla", "--kv-rank", f"{HIDDEN + 1}"], "give 1 to 128"),
+        (["--target", "mla", "--kv-rank", "40", "--rope-dims", "7"], "even number from 2 to the head dimension 32"),
+        (["--target", "mla", "--kv-rank", "40", "--rope-dims", "34"], "even number from 2 to the head dimension 32"),
+    ],
+)
+def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, flags, message):
+    tiny_llama(tmp_path / "src", kv_heads=4)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), *flags]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(model_type="mistral"), "converts the Llama family"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "'linear'"),
+    ],
+)
+def test_sources_the_layout_cannot_take_are_refused(tmp_path, capsys, config, message):
+    tiny_llama(tmp_path / "src", kv_heads=4)
+    path = tmp_path / "src" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--target", "mla", "--kv-rank", "40"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert not (tmp_path / "out").exists()

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
+import uptrain
 from uptrain import UptrainError
 from uptrain.architecture import deepseek_v2
 from uptrain.checkpoint.atomic import atomic_directory, check_output_path
@@ -82,7 +84,7 @@ def mla_geometry(config: dict, kv_rank: int, rope_dims: int | None) -> MLAGeomet
         )
     if config.get("attention_bias"):
         raise UptrainError(
-            "--target mla: this model has q/k/v biases (attention_bias), and DeepSeek-V2's q_proj and kv_b_proj have none"
+            "--target mla: this model has q/k/v biases (attention_bias); DeepSeek-V2's q_proj and kv_b_proj have none"
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -239,9 +241,6 @@ def kv_elements_per_token(geo: MLAGeometry) -> dict[str, int]:
 
 def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None) -> dict:
     """The `uptrain.json` of an MLA conversion."""
-    import uptrain
-    from datetime import UTC, datetime
-
     return {
         "uptrain_version": uptrain.__version__,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -29,14 +29,13 @@ import torch
 import uptrain
 from uptrain import UptrainError
 from uptrain.architecture import deepseek_v2
-from uptrain.checkpoint.atomic import atomic_directory, check_output_path
+from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.card import card_metadata, front_matter
 from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
 from uptrain.checkpoint.writer import OutputEntry, ShardedWriter
 from uptrain.convert.outputs import copy_side_files
-from uptrain.convert.pipeline import check_not_overlapping
 from uptrain.convert.plan import DTYPES
 from uptrain.convert.spec import ConversionSpec, parse_size
 from uptrain.model_info import read_config
@@ -288,7 +287,7 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
     out = Path(out).absolute()
     check_output_path(out, overwrite)
     source = resolve_source(spec.source)
-    check_not_overlapping(out, source.folder)
+    check_apart(out, [("source checkpoint", source.folder)])
     config = read_config(source.folder)
     geo = mla_geometry(config, spec.kv_rank, spec.rope_dims)
     cast = DTYPES[spec.dtype] if spec.dtype is not None else None

@@ -153,3 +153,27 @@ def test_sources_the_layout_cannot_take_are_refused(tmp_path, capsys, config, me
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_dtype_cast_card_and_record(tmp_path):
+    tiny_llama(tmp_path / "src", kv_heads=4)
+    out = convert_checkpoint(
+        tmp_path / "src",
+        tmp_path / "mla",
+        target="mla",
+        kv_rank=24,
+        rope_dims=8,
+        dtype="bfloat16",
+        max_shard_size="100KB",
+    )
+    assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded, with its index
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    record = json.loads((out / "uptrain.json").read_text())
+    assert (record["kv_lora_rank"], record["qk_rope_head_dim"], record["rotary_frequencies_kept"]) == (
+        24,
+        8,
+        [0, 1, 2, 3],
+    )
+    assert "a latent of rank 24 and one rotary key of 8 columns" in (out / "README.md").read_text()

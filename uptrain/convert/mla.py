@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-import uptrain
 from uptrain import UptrainError
 from uptrain.architecture import deepseek_v2
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
@@ -35,7 +33,7 @@ from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
 from uptrain.checkpoint.writer import OutputEntry, ShardedWriter
-from uptrain.convert.outputs import copy_side_files
+from uptrain.convert.outputs import copy_side_files, set_dtype, source_record
 from uptrain.convert.plan import DTYPES
 from uptrain.convert.spec import ConversionSpec, parse_size
 from uptrain.model_info import read_config
@@ -241,12 +239,7 @@ def kv_elements_per_token(geo: MLAGeometry) -> dict[str, int]:
 def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None) -> dict:
     """The `uptrain.json` of an MLA conversion."""
     return {
-        "uptrain_version": uptrain.__version__,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "source": source.name,
-        "source_revision": source.revision,
-        "base_model": source.base_model,
-        "source_files": source_files,
+        **source_record(source, source_files),
         "model_type": "llama",
         "target": "mla",
         "initialisation": "svd",
@@ -304,8 +297,7 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
                     writer.begin(name)
                     writer.write(tensor_bytes(tensor.contiguous()))
             written = deepseek_v2.mla_config(config, geo.kv_rank, geo.rope_dims, geo.head_dim, geo.rope_theta)
-            if spec.dtype is not None:
-                written["dtype"] = spec.dtype
+            set_dtype(written, spec.dtype)
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
             copy_side_files(source.folder, tmp, written)
             record = mla_record(source, hasher.result(), geo, spec.dtype)

@@ -177,3 +177,22 @@ def test_dtype_cast_card_and_record(tmp_path):
         [0, 1, 2, 3],
     )
     assert "a latent of rank 24 and one rotary key of 8 columns" in (out / "README.md").read_text()
+
+
+def test_inspect_shows_the_latents_bytes_per_token(tmp_path, capsys):
+    tiny_llama(tmp_path / "src", kv_heads=4)
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=24, rope_dims=8)
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json", "--context", "10"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    per_token = 2 * (24 + 8) * 4  # layers × (latent + shared rotary key) × float32
+    assert (info["kv_cache_bytes_per_token"], info["kv_cache_bytes"]) == (per_token, per_token * 10)
+    mha = 2 * 2 * HEADS * HEAD_DIM * 4  # layers × K and V × heads × head_dim × float32
+    assert info["expanded"][0] == {
+        "num_kv_heads": HEADS,
+        "kv_cache_bytes_per_token": mha,
+        "latent_share": per_token / mha,
+    }
+    assert [row["num_kv_heads"] for row in info["expanded"]] == [4, 2, 1]
+    assert main(["inspect", str(out)]) == 0
+    assert "a latent of rank 24 + one rotary key of 8 shared by all heads" in capsys.readouterr().out

@@ -118,10 +118,17 @@ def test_lower_rank_is_the_truncated_svd_of_the_stacked_keys_and_values(tmp_path
     ("flags", "message"),
     [
         (["--target", "mla", "--kv-rank", "40", "-g", "2"], "not -g"),
-        (["--target", "mla"], "needs --kv-rank"),
+        (["--target", "mla"], "needs one of --kv-rank R"),
+        (["--target", "mla", "--kv-rank", "40", "--kv-budget", "0.25"], "needs one of --kv-rank R"),
+        (["--target", "mla", "--kv-budget", "0.3"], "is 76.8, which must be a whole number above --rope-dims 16"),
+        (["--target", "mla", "--kv-budget", "0.0625", "--rope-dims", "16"], "is 16, which must be a whole number"),
         (["--target", "mla", "--kv-rank", "40", "--pooling", "calibrated"], "not --pooling"),
         (["-g", "2", "--kv-rank", "40"], "give them with --target mla"),
         (["--target", "mla", "--kv-rank", "0"], "kv_rank"),
+        (
+            ["--target", "mla", "--kv-budget", "1", "--rope-dims", "2"],
+            "latent rank 254 (--kv-rank, or what --kv-budget",
+        ),
         (["--target", "mla", "--kv-rank", f"{HIDDEN + 1}"], "give 1 to 128"),
         (["--target", "mla", "--kv-rank", "40", "--rope-dims", "7"], "even number from 2 to the head dimension 32"),
         (["--target", "mla", "--kv-rank", "40", "--rope-dims", "34"], "even number from 2 to the head dimension 32"),
@@ -177,6 +184,14 @@ def test_dtype_cast_card_and_record(tmp_path):
         [0, 1, 2, 3],
     )
     assert "a latent of rank 24 and one rotary key of 8 columns" in (out / "README.md").read_text()
+
+
+def test_kv_budget_spends_the_sources_kv_elements_on_the_latent_and_the_rotary_key(tmp_path):
+    tiny_llama(tmp_path / "src", kv_heads=2)  # 2 KV heads × 32: 128 K/V elements per token and layer
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_budget=0.5, rope_dims=16)
+    assert json.loads((out / "config.json").read_text())["kv_lora_rank"] == 64 - 16
+    record = json.loads((out / "uptrain.json").read_text())
+    assert record["kv_budget"] == 0.5 and record["kv_elements_per_token_per_layer"]["mla"] == 64
 
 
 def test_inspect_shows_the_latents_bytes_per_token(tmp_path, capsys):

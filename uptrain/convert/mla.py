@@ -71,8 +71,23 @@ def default_rope_dims(head_dim: int) -> int:
     return max(2, head_dim // 2 // 2 * 2)
 
 
-def mla_geometry(config: dict, kv_rank: int, rope_dims: int | None) -> MLAGeometry:
-    """The geometry, or one line saying what of the source or the flags this layout cannot take."""
+def rank_for_budget(kv_budget: float, source_elements: int, rope_dims: int) -> int:
+    """`--kv-budget F`: the rank whose latent and rotary key cache F of the source's K/V elements
+    per token and layer, which must be a whole number of them."""
+    elements = kv_budget * source_elements
+    if abs(elements - round(elements)) > 1e-9 * source_elements or round(elements) <= rope_dims:
+        raise UptrainError(
+            f"--kv-budget {kv_budget}: {kv_budget} of the source's {source_elements} K/V elements per token and "
+            f"layer is {elements:g}, which must be a whole number above --rope-dims {rope_dims} (latent + rotary key)"
+        )
+    return round(elements) - rope_dims
+
+
+def mla_geometry(
+    config: dict, kv_rank: int | None, rope_dims: int | None, kv_budget: float | None = None
+) -> MLAGeometry:
+    """The geometry, or one line saying what of the source or the flags this layout cannot take;
+    the rank is `kv_rank`, or what `kv_budget` leaves after the rotary key."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UptrainError(
@@ -95,10 +110,13 @@ def mla_geometry(config: dict, kv_rank: int, rope_dims: int | None) -> MLAGeomet
     rope_dims = default_rope_dims(head_dim) if rope_dims is None else rope_dims
     if rope_dims % 2 or not 2 <= rope_dims <= head_dim:
         raise UptrainError(f"--rope-dims {rope_dims}: give an even number from 2 to the head dimension {head_dim}")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if kv_rank is None:
+        kv_rank = rank_for_budget(kv_budget, 2 * kv_heads * head_dim, rope_dims)
     geometry = MLAGeometry(
         num_layers=config["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         hidden=hidden,
         kv_rank=kv_rank,
@@ -107,8 +125,8 @@ def mla_geometry(config: dict, kv_rank: int, rope_dims: int | None) -> MLAGeomet
     )
     if not 1 <= kv_rank <= geometry.max_rank:
         raise UptrainError(
-            f"--kv-rank {kv_rank}: give 1 to {geometry.max_rank} (the hidden size, or the stacked non-rotary key "
-            "and value columns if fewer)"
+            f"latent rank {kv_rank} (--kv-rank, or what --kv-budget leaves after the rotary key): give 1 to "
+            f"{geometry.max_rank} (the hidden size, or the stacked non-rotary key and value columns if fewer)"
         )
     return geometry
 
@@ -282,7 +300,7 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
     source = resolve_source(spec.source)
     check_apart(out, [("source checkpoint", source.folder)])
     config = read_config(source.folder)
-    geo = mla_geometry(config, spec.kv_rank, spec.rope_dims)
+    geo = mla_geometry(config, spec.kv_rank, spec.rope_dims, spec.kv_budget)
     cast = DTYPES[spec.dtype] if spec.dtype is not None else None
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
@@ -301,6 +319,8 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
             copy_side_files(source.folder, tmp, written)
             record = mla_record(source, hasher.result(), geo, spec.dtype)
+            if spec.kv_budget is not None:
+                record["kv_budget"] = spec.kv_budget
             (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
             (tmp / "README.md").write_text(mla_card(record, card_metadata(source.folder)))
     finally:

@@ -239,7 +239,7 @@ class ConversionSpec(ConversionOptions):
     target: Target = option(
         "gqa",
         help="what the attention becomes: gqa (fewer KV heads: -g, --kv-heads-per-layer or --kv-budget) or mla "
-        "(multi-head latent attention in the DeepSeek-V2 layout, Llama family: --kv-rank, --rope-dims)",
+        "(multi-head latent attention in the DeepSeek-V2 layout, Llama family: --kv-rank or --kv-budget, --rope-dims)",
     )
     kv_rank: int | None = option(
         None,
@@ -329,7 +329,6 @@ class ConversionSpec(ConversionOptions):
 _GQA_ONLY = {
     "num_kv_heads": (None, "-g"),
     "kv_heads_per_layer": (None, "--kv-heads-per-layer"),
-    "kv_budget": (None, "--kv-budget"),
     "allocation": ("uniform", "--allocation"),
     "allocation_cost": (None, "--allocation-cost"),
     "pooling": ("mean", "--pooling"),
@@ -339,11 +338,12 @@ _GQA_ONLY = {
 
 
 def mla_problems(spec: ConversionSpec) -> list[str]:
-    """What `--target mla` refuses: the GQA route's keys, and a conversion without --kv-rank."""
+    """What `--target mla` refuses: the GQA route's keys, and a conversion without exactly one of
+    --kv-rank and --kv-budget."""
     given = [flag for key, (default, flag) in _GQA_ONLY.items() if getattr(spec, key) != default]
-    found = [f"--target mla takes --kv-rank (and --rope-dims), not {', '.join(given)}"] if given else []
-    if spec.kv_rank is None:
-        found.append("--target mla needs --kv-rank R (the latent's rank)")
+    found = [f"--target mla takes --kv-rank or --kv-budget (and --rope-dims), not {', '.join(given)}"] if given else []
+    if (spec.kv_rank is None) == (spec.kv_budget is None):
+        found.append("--target mla needs one of --kv-rank R (the latent's rank) and --kv-budget F")
     return found
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from uptrain import UptrainError
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
 
@@ -160,6 +161,16 @@ def test_sources_the_layout_cannot_take_are_refused(tmp_path, capsys, config, me
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_zero_input_norm_gain_is_refused_before_anything_is_written(tmp_path):
+    model = tiny_llama(tmp_path / "src", kv_heads=4)
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight[3] = 0
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(UptrainError, match="layer 1's input_layernorm has a weight of 0"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=40)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_dtype_cast_card_and_record(tmp_path):

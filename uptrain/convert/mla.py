@@ -175,11 +175,6 @@ def joint_svd(kv: torch.Tensor, gain: torch.Tensor, rank: int) -> tuple[torch.Te
 
 def layer_attention(tensors: dict[str, torch.Tensor], gain: torch.Tensor, geo: MLAGeometry) -> dict[str, torch.Tensor]:
     """One layer's source q/k/v_proj weights as the DeepSeek-V2 attention's (`o_proj` is unchanged)."""
-    if (gain == 0).any():
-        raise UptrainError(
-            "--target mla: an input_layernorm weight is 0, so the latent cannot be written as a rotation "
-            "of the normalised hidden state"
-        )
     dtype = tensors["q"].dtype
     down, up = joint_svd(stacked_kv(tensors["k"], tensors["v"], geo), gain, geo.kv_rank)
     kv_a = torch.cat([down, shared_rope_key(tensors["k"], geo)])
@@ -189,6 +184,17 @@ def layer_attention(tensors: dict[str, torch.Tensor], gain: torch.Tensor, geo: M
         deepseek_v2.KV_A_NORM: torch.ones(geo.kv_rank, dtype=dtype),
         deepseek_v2.KV_B_PROJ: up.to(dtype),
     }
+
+
+def check_gains(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> None:
+    """The latent is written from n = x / g (`joint_svd`): every input RMSNorm gain must be nonzero.
+    Read before anything is written (a hidden size of numbers per layer)."""
+    for layer in range(geo.num_layers):
+        if (checkpoint.read_tensor(INPUT_NORM.format(layer)) == 0).any():
+            raise UptrainError(
+                f"--target mla: layer {layer}'s input_layernorm has a weight of 0, so its latent cannot be written "
+                "as a rotation of the normalised hidden state"
+            )
 
 
 def _output_names(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> list[tuple[str, str | None]]:
@@ -305,6 +311,7 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
         names = _output_names(checkpoint, geo)
+        check_gains(checkpoint, geo)
         entries = _entries(names, checkpoint, geo, cast)
         with (
             atomic_directory(out, overwrite) as tmp,

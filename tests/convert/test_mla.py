@@ -77,7 +77,9 @@ def llama_rope_rows(rope_dims: int) -> list[int]:
 def test_lower_rank_is_the_truncated_svd_of_the_stacked_keys_and_values(tmp_path):
     rank, rope = 40, 16
     tiny_llama(tmp_path / "src", kv_heads=2)
-    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=rank, rope_dims=rope)
+    out = convert_checkpoint(
+        tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=rank, rope_dims=rope, rotary_key="mean"
+    )
     written, source = load_file(out / "model.safetensors"), load_file(tmp_path / "src" / "model.safetensors")
     config = json.loads((out / "config.json").read_text())
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (rank, rope, 16)
@@ -115,6 +117,72 @@ def test_lower_rank_is_the_truncated_svd_of_the_stacked_keys_and_values(tmp_path
     }
 
 
+def complex_rows(rows: torch.Tensor, i: int, half: int) -> torch.Tensor:
+    """A rotary pair's two rows (Llama's i and i + d/2, or DeepSeek-V2's 2i and 2i + 1 when half is
+    given as 1 from 2i) as one complex row: the pair's rotation is a complex multiplication."""
+    return torch.complex(rows[i], rows[i + half])
+
+
+def test_principal_rotary_key_is_exact_when_each_frequencys_keys_are_multiples_of_one(tmp_path):
+    """Every head's rotary key pair is a complex multiple (a turn and a scale) of head 0's, frequency
+    by frequency: one shared key reproduces them all, the queries turned to match. With every
+    rotary column kept and the rank full, the model is the source (the mean key is not)."""
+    source = tiny_llama(tmp_path / "src", kv_heads=HEADS)
+    half, generator = HEAD_DIM // 2, torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in source.model.layers:
+            heads = layer.self_attn.k_proj.weight.view(HEADS, HEAD_DIM, -1)
+            for h in range(1, HEADS):
+                for i in range(half):
+                    turn = torch.complex(*torch.randn(2, generator=generator))
+                    pair = turn * complex_rows(heads[0], i, half)
+                    heads[h, i], heads[h, i + half] = pair.real, pair.imag
+    source.save_pretrained(tmp_path / "src")
+    ids = torch.randint(0, 96, (2, 24), generator=generator)
+    with torch.no_grad():
+        expected = source(ids).logits
+        noise = (expected - source.double()(ids).logits.float()).abs().max().item()
+    errors = {}
+    for key in ("principal", "mean"):
+        out = convert_checkpoint(
+            tmp_path / "src", tmp_path / key, target="mla", kv_rank=HIDDEN, rope_dims=HEAD_DIM, rotary_key=key
+        )
+        with torch.no_grad():
+            errors[key] = (AutoModelForCausalLM.from_pretrained(out)(ids).logits - expected).abs().max().item()
+    assert errors["principal"] <= 20 * noise + 1e-4 < errors["mean"], errors
+
+
+def test_principal_rotary_key_is_the_best_rank_one_fit(tmp_path):
+    """On a source whose heads' rotary keys are unrelated: each query head's rotary rows are its
+    source rows turned and scaled (a complex multiple), and the shared key leaves exactly the
+    Eckart–Young residual of the query-weighted heads' keys — all but the top singular value."""
+    rank, rope, half = 40, 16, HEAD_DIM // 2
+    tiny_llama(tmp_path / "src", kv_heads=2)
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=rank, rope_dims=rope)
+    written, source = load_file(out / "model.safetensors"), load_file(tmp_path / "src" / "model.safetensors")
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        gain = source[p + "input_layernorm.weight"].double()
+        q_src = source[p + "self_attn.q_proj.weight"].double().view(HEADS, HEAD_DIM, -1)
+        k_src = source[p + "self_attn.k_proj.weight"].double().view(2, HEAD_DIM, -1)
+        q_out = written[p + "self_attn.q_proj.weight"].double().view(HEADS, HEAD_DIM, -1)[:, HEAD_DIM - rope :]
+        k_out = written[p + "self_attn.kv_a_proj_with_mqa.weight"].double()[rank:]
+        for i in range(rope // 2):
+            shared = torch.complex(k_out[2 * i], k_out[2 * i + 1]) * gain  # the key, read from n = x / g
+            residual, rows = 0.0, []
+            for h in range(HEADS):
+                alpha, query = complex_rows(q_src[h], i, half), torch.complex(q_out[h, 2 * i], q_out[h, 2 * i + 1])
+                turn = (query * alpha.conj()).sum() / (alpha.abs() ** 2).sum()
+                torch.testing.assert_close(query, turn * alpha)  # the source's query, turned and scaled
+                weight = (alpha * gain).abs().pow(2).sum().sqrt()
+                beta = complex_rows(k_src[h // 2], i, half) * gain
+                rows.append(weight * beta)
+                # the score map conj(q') k must approximate conj(α) β: here β ≈ conj(turn) · shared
+                residual += ((weight * (beta - turn.conj() * shared)).abs() ** 2).sum().item()
+            singular = torch.linalg.svdvals(torch.stack(rows))
+            assert residual == pytest.approx((singular[1:] ** 2).sum().item(), rel=1e-6, abs=1e-9)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -125,6 +193,7 @@ def test_lower_rank_is_the_truncated_svd_of_the_stacked_keys_and_values(tmp_path
         (["--target", "mla", "--kv-budget", "0.0625", "--rope-dims", "16"], "is 16, which must be a whole number"),
         (["--target", "mla", "--kv-rank", "40", "--pooling", "calibrated"], "not --pooling"),
         (["-g", "2", "--kv-rank", "40"], "give them with --target mla"),
+        (["-g", "2", "--rotary-key", "mean"], "give them with --target mla"),
         (["--target", "mla", "--kv-rank", "0"], "kv_rank"),
         (
             ["--target", "mla", "--kv-budget", "1", "--rope-dims", "2"],

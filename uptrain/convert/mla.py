@@ -5,8 +5,10 @@ of the non-rotary keys and the values (MHA2MLA's ablation). docs/concepts/mla.md
 Per layer, with n = x / g the input RMSNorm's output before its gain g (rms 1 per token):
 - rotary: the source's first D/2 frequencies stay rotary (Llama rotates column i with i + d/2 at
   θ^(−2i/d); DeepSeek-V2 rotates (2j, 2j+1) at θ'^(−2j/D), θ' = θ^(D/d)). DeepSeek-V2 has one
-  rotary key for all heads: it is the mean of the source's KV heads' rotary columns (mean pooling
-  to one head, exact for a source with one KV head); each query head keeps its own rotary columns;
+  rotary key for all heads: per frequency the best complex rank-1 fit of the heads' rotary keys,
+  each query head's rotary rows rescaled and turned to read it (`principal_rope_key`; exact when
+  the heads' keys of a frequency are complex multiples of one, as with one KV head), or the mean
+  of the KV heads' rotary rows (`mean_rope_key`, the ablation);
 - the other d − D columns of every head's query and key lose their rotation (partial RoPE);
 - latent: the stacked non-rotary keys and values, per query head, W = [K_nope; V] · diag(g) =
   U S Vᵀ; the latent is c = V_Rᵀ n (`kv_a_proj_with_mqa` = V_Rᵀ diag(1/g)), `kv_b_proj` = U_R S_R.
@@ -55,6 +57,7 @@ class MLAGeometry:
     kv_rank: int
     rope_dims: int
     rope_theta: float
+    rotary_key: str = "principal"  # a name of ROTARY_KEYS
 
     @property
     def nope_dims(self) -> int:
@@ -84,7 +87,11 @@ def rank_for_budget(kv_budget: float, source_elements: int, rope_dims: int) -> i
 
 
 def mla_geometry(
-    config: dict, kv_rank: int | None, rope_dims: int | None, kv_budget: float | None = None
+    config: dict,
+    kv_rank: int | None,
+    rope_dims: int | None,
+    kv_budget: float | None = None,
+    rotary_key: str = "principal",
 ) -> MLAGeometry:
     """The geometry, or one line saying what of the source or the flags this layout cannot take;
     the rank is `kv_rank`, or what `kv_budget` leaves after the rotary key."""
@@ -122,6 +129,7 @@ def mla_geometry(
         kv_rank=kv_rank,
         rope_dims=rope_dims,
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rotary_key=rotary_key,
     )
     if not 1 <= kv_rank <= geometry.max_rank:
         raise UptrainError(
@@ -144,16 +152,47 @@ def nope_rows(head_dim: int, rope_dims: int) -> list[int]:
     return [row for row in range(head_dim) if row not in kept]
 
 
-def query_weight(q: torch.Tensor, geo: MLAGeometry) -> torch.Tensor:
-    """`q_proj`: each head's non-rotary columns, then its rotary ones (rows of the source's)."""
-    order = nope_rows(geo.head_dim, geo.rope_dims) + rope_rows(geo.head_dim, geo.rope_dims)
-    return q.reshape(geo.num_heads, geo.head_dim, -1)[:, order].reshape(-1, q.shape[-1])
-
-
-def shared_rope_key(k: torch.Tensor, geo: MLAGeometry) -> torch.Tensor:
-    """The one rotary key: the mean of the KV heads' rotary rows (float64)."""
+def mean_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo: MLAGeometry):
+    """`--rotary-key mean`: the one rotary key is the mean of the KV heads' rotary rows, each query
+    head keeps its own (the GQA paper's mean pooling, to one head). Returns each query head's rotary
+    rows (heads × D × hidden) and the key's (D × hidden), float64."""
+    rows = rope_rows(geo.head_dim, geo.rope_dims)
     heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
-    return heads[:, rope_rows(geo.head_dim, geo.rope_dims)].mean(dim=0)
+    return q.double().reshape(geo.num_heads, geo.head_dim, -1)[:, rows], heads[:, rows].mean(dim=0)
+
+
+def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo: MLAGeometry):
+    """`--rotary-key principal`: per kept frequency, the shared key that best carries every head's
+    rotary score. A pair's rotation is a complex multiplication, so head h's score is
+    Re(conj(α_h·x) (β_h·y) e^{iθΔ}) with α_h, β_h ∈ ℂ^hidden its query's and key's rows (a + ib).
+    A shared key β·y and queries c_h α_h reproduce it exactly when every β_h = λ_h β; otherwise
+    the best β (in n = x / g, weighting each head by its query's norm ‖α_h g‖) is the top right
+    singular vector of the matrix whose rows are ‖α_h g‖ β_h g (Eckart–Young), and c_h = conj(λ_h).
+    Returns as `mean_rope_key`."""
+    half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
+    gain = gain.double()
+    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
+    k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
+    q_rope = torch.empty(geo.num_heads, geo.rope_dims, q.shape[-1], dtype=torch.float64)
+    k_rope = torch.empty(geo.rope_dims, k.shape[-1], dtype=torch.float64)
+    for i in range(geo.rope_dims // 2):
+        alpha = torch.complex(q_heads[:, i], q_heads[:, i + half])
+        beta = torch.complex(k_heads[:, i], k_heads[:, i + half]).repeat_interleave(group, dim=0) * gain
+        weight = (alpha * gain).abs().pow(2).sum(-1).sqrt()
+        u, s, vh = torch.linalg.svd(weight[:, None] * beta, full_matrices=False)
+        scale = s[0] * u[:, 0] / weight.clamp_min(torch.finfo(torch.float64).tiny)  # β_h ≈ scale_h · vh[0]
+        query = scale.conj()[:, None] * alpha
+        key = vh[0] / gain
+        q_rope[:, 2 * i], q_rope[:, 2 * i + 1] = query.real, query.imag
+        k_rope[2 * i], k_rope[2 * i + 1] = key.real, key.imag
+    return q_rope, k_rope
+
+
+ROTARY_KEYS = {"principal": principal_rope_key, "mean": mean_rope_key}
+ROTARY_KEY_TEXT = {
+    "principal": "per frequency, the best rank-1 (complex) fit of the heads' rotary keys in weight space",
+    "mean": "the mean of the source's KV heads' rotary rows",
+}
 
 
 def stacked_kv(k: torch.Tensor, v: torch.Tensor, geo: MLAGeometry) -> torch.Tensor:
@@ -177,9 +216,12 @@ def layer_attention(tensors: dict[str, torch.Tensor], gain: torch.Tensor, geo: M
     """One layer's source q/k/v_proj weights as the DeepSeek-V2 attention's (`o_proj` is unchanged)."""
     dtype = tensors["q"].dtype
     down, up = joint_svd(stacked_kv(tensors["k"], tensors["v"], geo), gain, geo.kv_rank)
-    kv_a = torch.cat([down, shared_rope_key(tensors["k"], geo)])
+    q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
+    q_nope = tensors["q"].double().reshape(geo.num_heads, geo.head_dim, -1)[:, nope_rows(geo.head_dim, geo.rope_dims)]
+    query = torch.cat([q_nope, q_rope], dim=1).reshape(-1, tensors["q"].shape[-1])
+    kv_a = torch.cat([down, k_rope])
     return {
-        deepseek_v2.Q_PROJ: query_weight(tensors["q"], geo),
+        deepseek_v2.Q_PROJ: query.to(dtype),
         deepseek_v2.KV_A_PROJ: kv_a.to(dtype),
         deepseek_v2.KV_A_NORM: torch.ones(geo.kv_rank, dtype=dtype),
         deepseek_v2.KV_B_PROJ: up.to(dtype),
@@ -274,7 +316,7 @@ def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None) 
         "kv_lora_rank": geo.kv_rank,
         "qk_rope_head_dim": geo.rope_dims,
         "rotary_frequencies_kept": list(range(geo.rope_dims // 2)),
-        "rotary_key": "mean of the source's KV heads' rotary columns",
+        "rotary_key": geo.rotary_key,
         "kv_elements_per_token_per_layer": kv_elements_per_token(geo),
     }
 
@@ -290,7 +332,8 @@ to multi-head latent attention: a latent of rank {p["kv_lora_rank"]} and one rot
 against the source's {elements["source"]} ({elements["mla"] / elements["mha"]:.4g} of multi-head attention's).
 
 Initialisation: {p["initialisation_reference"]}. Rotary frequencies kept: the first {p["qk_rope_head_dim"] // 2} \
-of each head; the rotary key is the {p["rotary_key"]}. Loads with transformers' own `DeepseekV2ForCausalLM`.
+of each head; the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`). \
+Loads with transformers' own `DeepseekV2ForCausalLM`.
 
 The weights have not been trained since conversion: uptrain them before use.
 `uptrain.json` records the source files' digests and the uptrain version ({p["uptrain_version"]}).
@@ -306,7 +349,7 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
     source = resolve_source(spec.source)
     check_apart(out, [("source checkpoint", source.folder)])
     config = read_config(source.folder)
-    geo = mla_geometry(config, spec.kv_rank, spec.rope_dims, spec.kv_budget)
+    geo = mla_geometry(config, spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
     cast = DTYPES[spec.dtype] if spec.dtype is not None else None
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:

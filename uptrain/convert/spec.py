@@ -29,6 +29,7 @@ DType = Literal["float32", "float16", "bfloat16"]
 SourceHash = Literal["blake3", "sha256", "none"]
 CalibrationWeighting = Literal["uniform", "attention"]
 Target = Literal["gqa", "mla"]
+RotaryKey = Literal["principal", "mean"]
 
 
 def parse_size(size: int | str) -> int:
@@ -254,6 +255,11 @@ class ConversionSpec(ConversionOptions):
         help="--target mla: columns of the shared rotary key (qk_rope_head_dim; the source's first D/2 "
         "frequencies stay rotary, the rest lose their rotation); default: half the head dimension",
     )
+    rotary_key: RotaryKey = option(
+        "principal",
+        help="--target mla: the one rotary key all heads share: principal (per frequency, the best complex "
+        "rank-1 fit of the heads' rotary keys, each query head turned to read it) or mean (the KV heads' mean)",
+    )
     num_kv_heads: int | None = kv_heads_option(
         None,
         "KV heads after conversion, every layer alike; must divide the attention heads and the current KV heads "
@@ -310,8 +316,10 @@ class ConversionSpec(ConversionOptions):
         found = super().problems()
         if self.target == "mla":
             found += mla_problems(self)
-        elif self.kv_rank is not None or self.rope_dims is not None:
-            found.append("--kv-rank and --rope-dims shape a latent attention: give them with --target mla")
+        elif self.kv_rank is not None or self.rope_dims is not None or self.rotary_key != "principal":
+            found.append(
+                "--kv-rank, --rope-dims and --rotary-key shape a latent attention: give them with --target mla"
+            )
         elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
             found.append(problem)
         elif problem := allocation_cost_problem(self.allocation, self.allocation_cost):

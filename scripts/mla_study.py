@@ -1,5 +1,6 @@
 """MLA (`uptrain convert --target mla`, joint-SVD initialisation) against GQA (mean, calibrated) at
-equal KV bytes, on the shipped reference Llama, at α = 0 (no uptraining).
+equal KV bytes, on the shipped reference Llama, at α = 0 (no uptraining); the shared rotary key
+principal (the default) and mean (the ablation).
 
     python scripts/mla_study.py [--eval-blocks 64] [--rope-dims 8 16 32] [--out DIR]
 
@@ -24,6 +25,7 @@ import torch
 
 from uptrain.convert import convert_checkpoint
 from uptrain.convert.layer_loss import mean_loss
+from uptrain.convert.mla import ROTARY_KEYS
 from uptrain.data.corpus import split_path
 from uptrain.data.text import load_blocks
 from uptrain.loading import load_model, load_tokenizer
@@ -73,8 +75,10 @@ def main() -> None:
     source = load_model(REFERENCE, "the reference", dtype=torch.float32).eval()
     row("MHA (source)", MHA_ELEMENTS, math.exp(mean_loss(source, blocks)))
     for d in args.rope_dims:
-        out = convert_checkpoint(REFERENCE, root / f"mla-full-{d}", target="mla", kv_rank=256, rope_dims=d, **convert)
-        row(f"MLA full rank R=256, D={d}", 256 + d, perplexity(out, blocks))
+        for key in ROTARY_KEYS:
+            mla = dict(target="mla", kv_rank=256, rope_dims=d, rotary_key=key)
+            out = convert_checkpoint(REFERENCE, root / f"mla-full-{d}-{key}", **mla, **convert)
+            row(f"MLA full rank R=256, D={d}, {key} rotary key", 256 + d, perplexity(out, blocks))
     train = str(split_path("train"))
     for fraction, g in ((1 / 4, 2), (1 / 8, 1)):
         budget = round(fraction * MHA_ELEMENTS)

@@ -88,11 +88,13 @@ def main() -> None:
             row(f"GQA {pooling} G={g}", 2 * g * 32, perplexity(out, blocks))
         for d in args.rope_dims:
             rank = budget - d
-            out = convert_checkpoint(
-                REFERENCE, root / f"mla-{rank}-{d}", target="mla", kv_rank=rank, rope_dims=d, **convert
-            )
-            row(f"MLA SVD R={rank}, D={d}", budget, perplexity(out, blocks))
-            row(f"MLA SVD R={rank}, D={d}, no latent norm (not the layout)", budget, perplexity(out, blocks, True))
+            for key in ROTARY_KEYS:
+                mla = dict(target="mla", kv_rank=rank, rope_dims=d, rotary_key=key)
+                out = convert_checkpoint(REFERENCE, root / f"mla-{rank}-{d}-{key}", **mla, **convert)
+                row(f"MLA SVD R={rank}, D={d}, {key} rotary key", budget, perplexity(out, blocks))
+                if key == "principal":
+                    name = f"MLA SVD R={rank}, D={d}, {key}, no latent norm (not the layout)"
+                    row(name, budget, perplexity(out, blocks, True))
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 

@@ -13,7 +13,7 @@ Per layer, with n = x / g the input RMSNorm's output before its gain g (rms 1 pe
 - latent: the stacked non-rotary keys and values, per query head, W = [K_nope; V] · diag(g) =
   U S Vᵀ; the latent is c = V_Rᵀ n (`kv_a_proj_with_mqa` = V_Rᵀ diag(1/g)), `kv_b_proj` = U_R S_R.
   V_R has orthonormal columns, so at R = hidden c is n rotated and its rms is n's, 1: the latent
-  RMSNorm (weight 1) then divides by ~1 and the layer is the source's. Below, it divides each
+  RMSNorm (weight 1) then divides by ~1 and keys and values are the source's. Below, it divides each
   token's latent by its own rms, which the weights cannot undo (measured in the docs).
 
 Streams: one layer's attention in memory at a time; everything else copied tensor by tensor.

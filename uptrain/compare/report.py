@@ -395,6 +395,7 @@ def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
         ax.plot(mha.kv_cache_bytes_per_token / 1024, math.exp(mha_loss), marker="*", ms=11, color="black", ls="none")
         ax.axhline(math.exp(mha_loss), color="black", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x:g}")  # 1.5, 3, 12: not 2^1
         ax.set_xlabel("KV cache KiB per token (log scale)")
         ax.set_title(
             "right after conversion (α = 0)"

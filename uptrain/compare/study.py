@@ -135,7 +135,7 @@ def validate(spec: CompareSpec) -> None:
     speed_setting(spec)  # the speed measurement's refusals too
     check_task_scoring(spec)  # and the task scoring's, on the model and every line of the task data
     for run in planned_runs(spec):
-        if run.kind != MHA:
+        if run.converts:
             # A --kv-budget that no single G gives (uniform) or that no allocation reaches: refused here.
             prepare(run.conversion_spec(spec)).close()
 
@@ -152,18 +152,23 @@ class PlannedRun:
     allocation: str | None = None
 
     @property
-    def kind(self) -> str:
-        return MHA if self.pooling == MHA else "g" if self.num_kv_heads is not None else "budget"
+    def converts(self) -> bool:
+        """Every run but the MHA reference converts the model."""
+        return self.pooling != MHA
+
+    @property
+    def spends_budget(self) -> bool:
+        return self.kv_budget is not None
 
     def conversion_spec(self, spec: CompareSpec):
-        if self.kind == "g":
+        if not self.spends_budget:
             return spec.conversion_spec(self.num_kv_heads, self.pooling)
         return spec.budget_conversion_spec(self.kv_budget, self.allocation, self.pooling)
 
     def describe(self) -> str:
-        if self.kind == MHA:
+        if not self.converts:
             return "MHA reference"
-        if self.kind == "g":
+        if not self.spends_budget:
             return f"G = {self.num_kv_heads}, {self.pooling} pooling"
         return f"KV budget {self.kv_budget:g}, {self.allocation} allocation, {self.pooling} pooling"
 
@@ -403,8 +408,8 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     for run in planned_runs(spec):
         name, g, pooling = run.name, run.num_kv_heads, run.pooling
         run_dir = root / "runs" / name
-        model = Path(spec.model) if run.kind == MHA else root / "converted" / name
-        if run.kind == "budget":
+        model = root / "converted" / name if run.converts else Path(spec.model)
+        if run.spends_budget:
             # Its heads are known once converted (a calibrated allocation is chosen then): a finished
             # row is checked against its conversion where that is still there.
             expected = {"name": name, "pooling": pooling, "kv_budget": run.kv_budget, "allocation": run.allocation}
@@ -419,7 +424,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
             results.append(earlier)
             continue
         log(f"[compare] {name}: {run.describe()}")
-        if run.kind != MHA and not model.exists():
+        if run.converts and not model.exists():
             model.parent.mkdir(parents=True, exist_ok=True)
             with prepare(run.conversion_spec(spec), model) as prepared:
                 calibration = shared_calibration(prepared, root, log) if prepared.needs_calibration else None
@@ -428,7 +433,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                     settle_allocation(prepared, calibration)
                 execute(prepared, model, calibration=calibration, progress=False)
         run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
-        if run.kind == "budget":
+        if run.spends_budget:
             fields = budget_fields(run, model, attentions, dtype_bytes)
             g_eff, kv_bytes = fields.pop("num_kv_heads"), fields.pop("kv_cache_bytes_per_token")
             result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes, **fields)

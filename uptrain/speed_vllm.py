@@ -9,6 +9,13 @@ buy. Throughput is measured at a fixed concurrency: `batch` requests submitted a
 the wall time of that batch, from submission to its last token (every request of it finishes
 in the same step). One warm-up batch, then `repeats` timed ones; medians, with min and max.
 
+`--concurrency max` asks what the capacity buys where the KV space, not the batch, is the limit:
+each model is given as many requests of the measured shape as its cache holds (the blocks vLLM
+allocated, less the one its block pool keeps empty, over a request's whole blocks), all
+submitted at once, every batch fresh prompts (vLLM's prefix cache would find the last batch's).
+vLLM's own record of each request (its engine's timestamps, kept with its stats on) gives the
+most that ran at once, any preemption, and the decode steps' own rate.
+
 Decoder-only models are given random prompts of `context` tokens; a request holds
 `context + new_tokens` positions of the cache. Whisper (the one encoder–decoder vLLM 0.32 serves:
 uptrain's plugin for a conversion, vLLM's own class for MHA) is served audio, as users serve it:
@@ -183,7 +190,7 @@ def measure_vllm_speed(
     `compile`: vLLM's torch.compile'd model, its default when serving (minutes per engine on a
     CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start.
     `concurrency`: "batch" (the above), or "max": each model is given as many requests as its KV
-    cache holds (`uptrain.speed_capacity`); its results also hold requests, in_flight,
+    cache holds (`measure_at_capacity`); its results also hold requests, in_flight,
     preemptions and decode_tokens_per_s, and its batch is its requests."""
     check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=context or DEFAULT_CONTEXT)
     if kv_cache_gib <= 0:
@@ -279,9 +286,9 @@ def _start_engine(vllm, folder, served: Requests, batch: int, engine: dict):
     return llm, round(start_s, 2), capacity
 
 
-def _stop_engine(llm) -> None:
-    """Tear an engine down, its KV cache and its distributed state, before the next one starts."""
-    del llm
+def _release_engine() -> None:
+    """Free an engine its caller has dropped (`del llm`: its KV cache, its distributed state)
+    before the next one starts."""
     gc.collect()
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -308,7 +315,8 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
         llm.generate(batch_prompts, greedy, use_tqdm=False)
         if i:
             times.append(time.perf_counter() - began)
-    _stop_engine(llm)
+    del llm
+    _release_engine()
     per_sample = statistics.median(times)
     throughput = [batch * served.new_tokens / t for t in times]
     return {
@@ -367,7 +375,8 @@ def measure_at_capacity(vllm, folder, shape: ModelShape, served: Requests, repea
     blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     requests = requests_held(blocks, served, capacity["block_size"])
     if requests < 1:
-        _stop_engine(llm)
+        del llm
+        _release_engine()
         raise UptrainError(
             f"{shape.label}: vLLM's KV cache of --kv-cache-gib {engine['kv_cache_memory_bytes'] / 2**30:g} is "
             f"{blocks} blocks of {capacity['block_size']} positions, one kept empty, and a request of "
@@ -385,7 +394,8 @@ def measure_at_capacity(vllm, folder, shape: ModelShape, served: Requests, repea
         outputs = llm.generate(batch_prompts, greedy, use_tqdm=False)
         if i:
             batches.append((time.perf_counter() - began, *_in_flight(outputs)))
-    _stop_engine(llm)
+    del llm
+    _release_engine()
     times, in_flight, preemptions, decode_spans = zip(*batches)
     tokens = requests * served.new_tokens
     decode_tokens = requests * (served.new_tokens - 1)  # all but each request's first (its prompt's pass)

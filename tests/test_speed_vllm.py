@@ -204,3 +204,20 @@ def test_max_concurrency_gives_each_model_the_requests_its_kv_bytes_hold(tmp_pat
     assert expected == {"mha": 4, "g2": 19, "per-layer": 13}
     table = format_vllm_table(rows)
     assert " 8,4,2,1,1,1 " in table and "as many sequences at once as each KV cache" in table
+
+
+@pytest.mark.slow
+def test_max_concurrency_refuses_a_space_whose_whole_blocks_hold_no_request(tmp_path):
+    """Two of MHA's blocks: a request of 248 + 8 positions fits their bytes (no refusal before
+    vLLM), but takes both blocks, and vLLM keeps one empty."""
+    from uptrain.demo import REFERENCE
+
+    flags = ["--concurrency", "max", "--context", "248", "--new-tokens", "8", "--dtype", "float32"]
+    command = [str(vllm_python()), "-m", "uptrain", "speed", "--engine", "vllm", str(REFERENCE), *flags]
+    command += ["--kv-cache-gib", str(2 * CAPACITY_BLOCK / 2**30)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "VLLM_"))}
+    result = subprocess.run(command, env=env | {"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and error.startswith("uptrain speed: error: "), result.stderr[-2000:]
+    assert "vLLM finds no room for one request of 256 positions in --kv-cache-gib 0.00292969" in error
+    assert "give a larger --kv-cache-gib" in error

@@ -274,7 +274,14 @@ def _start_engine(vllm, folder, served: Requests, batch: int, engine: dict):
     except Exception as error:  # noqa: BLE001  vLLM's refusal, in one line
         # The last line that says something (pydantic's errors end with a link to its docs).
         lines = [line for line in str(error).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
-        raise UptrainError(f"{folder}: vLLM cannot serve it: {lines[-1] if lines else type(error).__name__}") from None
+        said = lines[-1] if lines else type(error).__name__
+        if "KV cache" in said or "cache blocks" in said:  # its advice names its own settings, not uptrain's flag
+            raise UptrainError(
+                f"{folder}: vLLM finds no room for one request of {served.kv_tokens} positions in --kv-cache-gib "
+                f"{engine['kv_cache_memory_bytes'] / 2**30:g} (whole blocks, one kept empty): give a larger "
+                f"--kv-cache-gib (vLLM: {said})"
+            ) from None
+        raise UptrainError(f"{folder}: vLLM cannot serve it: {said}") from None
     start_s = time.monotonic() - started
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = {

@@ -20,7 +20,7 @@ import sys
 import pytest
 from transformers import WhisperFeatureExtractor
 
-from tests.modeling.test_vllm import HEADS, LAYERS, MEL_BINS, tiny_llama, tiny_whisper
+from tests.modeling.test_vllm import HEADS, LAYERS, MEL_BINS, tiny_llama, tiny_whisper, tiny_whisper_per_layer
 from tests.modeling.vllm_environment import vllm_python
 from tests.test_inspect import tiny_whisper as whisper_without_processor
 from tests.test_speed import build_seq2seq
@@ -163,6 +163,10 @@ def test_max_concurrency_refuses_what_cannot_work_in_one_line_before_vllm_is_nee
     error = refusal(capsys, llama, *flags, "--kv-cache-gib", (one_request - 1) / 2**30)
     assert f"one request of 40 positions fills {one_request / 2**20:.2f} MiB of KV cache (float32)" in error
     assert "give a larger --kv-cache-gib" in error
+    # A Whisper whose decoder layers differ in KV heads: vLLM keeps their caches in pools apart.
+    tiny_whisper_per_layer(tmp_path / "whisper")
+    error = refusal(capsys, tmp_path / "whisper", "--concurrency", "max", "--new-tokens", 8)
+    assert "self- and cross-attention caches differ in KV heads" in error and "--concurrency batch" in error
 
 
 # The reference Llama (8 heads of 32, 6 layers) served at max concurrency: MHA, G = 2 (a quarter

@@ -218,6 +218,7 @@ def measure_vllm_speed(
     space = int(kv_cache_gib * 2**30)
     if concurrency == "max":  # each refused before vLLM loads anything
         for shape, served in zip(shapes, requests):
+            check_one_pool(shape)
             check_one_request_fits(shape, served, space, dtype)
     vllm = import_vllm()
     results = []
@@ -346,6 +347,19 @@ def check_concurrency(concurrency: str, batch: int) -> None:
         raise UptrainError(
             f"--concurrency max gives each model as many requests as its KV cache holds, not --batch {batch}: "
             "drop --batch"
+        )
+
+
+def check_one_pool(shape: ModelShape) -> None:
+    """One line for a Whisper whose decoder layers' caches (self- and cross-attention) differ in KV
+    heads: vLLM 0.32 then keeps them in groups of their own block sizes, and a request's blocks
+    are no longer counted in one pool (decoder-only models' layers share one pool whatever their
+    heads)."""
+    if shape.cross is not None and len({*shape.geometry.layer_kv_heads(), *shape.cross.layer_kv_heads()}) > 1:
+        raise UptrainError(
+            f"{shape.label}: its decoder's self- and cross-attention caches differ in KV heads, which vLLM 0.32 "
+            "keeps in groups of their own block sizes: --concurrency max counts a request's blocks in one pool; "
+            "measure it with --concurrency batch"
         )
 
 

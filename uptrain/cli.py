@@ -84,15 +84,20 @@ def speed(options: SpeedOptions) -> int:
         return speed_in_vllm(options)
     from uptrain.speed import format_speed_table, measure_speed
 
-    results = measure_speed(**_measured(options, "kv_cache_gib"))
+    if options.concurrency != "batch":
+        raise UptrainError(
+            f"--concurrency {options.concurrency} is --engine vllm's (requests at once as its KV cache holds "
+            "them); transformers decodes --batch sequences: add --engine vllm or drop --concurrency"
+        )
+    results = measure_speed(**_measured(options, "kv_cache_gib", "concurrency"))
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
     return 0
 
 
-def _measured(options: SpeedOptions, other_engine_key: str) -> dict:
+def _measured(options: SpeedOptions, *other_engine_keys: str) -> dict:
     """The options as the engine's measuring function's keywords: all of them, less how to print
-    (`json`), the engine's choice, and the key of the other engine's own."""
-    not_measured = ("json", "engine", other_engine_key)
+    (`json`), the engine's choice, and the keys of the other engine's own."""
+    not_measured = ("json", "engine", *other_engine_keys)
     return {name: value for name, value in options.to_dict().items() if name not in not_measured}
 
 

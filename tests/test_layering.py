@@ -46,7 +46,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("evaluation", ("uptrain.evaluation.*",)),
     ("compare", ("uptrain.compare.*",)),
     # The commands.
-    ("commands", ("uptrain.cli", "uptrain.__main__", "uptrain.demo", "uptrain.inspect_checkpoint")),
+    (
+        "commands",
+        ("uptrain.cli", "uptrain.__main__", "uptrain.demo", "uptrain.inspect_checkpoint", "uptrain.inspect_latent"),
+    ),
 ]
 
 

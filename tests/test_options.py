@@ -162,8 +162,8 @@ def test_compare_embeds_train_keys_with_their_bounds():
     for key in shared:
         train = train_keys[key.name]
         assert [getattr(key.option, c) for c in checks] == [getattr(train.option, c) for c in checks], key.name
-        # Several G and strategies to try, each as train takes one; the model is required.
-        if key.name not in ("num_kv_heads", "pooling", "model"):
+        # Several G, budgets, allocations and strategies to try, each as train takes one; the model is required.
+        if key.name not in ("num_kv_heads", "kv_budget", "allocation", "pooling", "model"):
             assert key.annotation == train.annotation, key.name
     values = {"model": "m", "num_kv_heads": [2], "output_dir": "o", "max_steps": 1}
     for bad, message in (
@@ -171,6 +171,8 @@ def test_compare_embeds_train_keys_with_their_bounds():
         ({"adam_beta2": 1}, "`adam_beta2`: must be less than 1 (got 1"),
         ({"seq_len": 1}, "`seq_len`: must be at least 2 (got 1)"),
         ({"num_kv_heads": [2, 0]}, "`num_kv_heads`: must be at least 1 (got 0)"),
+        ({"kv_budget": [0.25, 0]}, "`kv_budget`: must be more than 0 (got 0"),
+        ({"kv_budget": [0.25], "allocation": ["calibrated", "even"]}, "`allocation`: must be a list of"),
         ({"objective": "causall"}, "`objective`: unknown objective 'causall'; choose from causal, pairs"),
         ({"report_to": ["none", "jsonl"]}, "`report_to: none` cannot be combined"),
     ):

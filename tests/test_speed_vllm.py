@@ -20,7 +20,7 @@ import sys
 import pytest
 from transformers import WhisperFeatureExtractor
 
-from tests.modeling.test_vllm import HEADS, LAYERS, MEL_BINS, tiny_llama, tiny_whisper
+from tests.modeling.test_vllm import HEADS, LAYERS, MEL_BINS, tiny_llama, tiny_whisper, tiny_whisper_per_layer
 from tests.modeling.vllm_environment import vllm_python
 from tests.test_inspect import tiny_whisper as whisper_without_processor
 from tests.test_speed import build_seq2seq
@@ -143,3 +143,85 @@ def test_speed_in_vllm_serves_whisper_audio_and_its_cross_attention_cache_holds_
         assert r["time_per_sample_s"] > 0 and r["output_tokens_per_s"] == 2 * 8 / r["time_per_sample_s"]
     table = format_vllm_table(rows)
     assert "30 s of audio (1500 encoder frames" in table and " 4.00 " in table.splitlines()[-1]
+
+
+def test_max_concurrency_refuses_what_cannot_work_in_one_line_before_vllm_is_needed(tmp_path, capsys):
+    tiny_llama(tmp_path / "llama")
+    llama = tmp_path / "llama"
+    assert "unknown concurrency 'often'; choose from batch, max" in refusal(capsys, llama, "--concurrency", "often")
+    # max sets each model's requests itself.
+    error = refusal(capsys, llama, "--concurrency", "max", "--batch", 4)
+    assert "as many requests as its KV cache holds, not --batch 4: drop --batch" in error
+    # transformers decodes a batch; the requests its cache holds are vLLM's.
+    capsys.readouterr()
+    assert main(["speed", str(llama), "--concurrency", "max", "--context", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "--concurrency max is --engine vllm's" in error, error
+    # A space under one request's K and V: float32, 2 layers × 4 heads of 32, K and V, 32 + 8 positions.
+    one_request = 2 * LAYERS * HEADS * 32 * 4 * (32 + 8)
+    flags = ["--concurrency", "max", "--context", 32, "--new-tokens", 8, "--dtype", "float32"]
+    error = refusal(capsys, llama, *flags, "--kv-cache-gib", (one_request - 1) / 2**30)
+    assert f"one request of 40 positions fills {one_request / 2**20:.2f} MiB of KV cache (float32)" in error
+    assert "give a larger --kv-cache-gib" in error
+    # A Whisper whose decoder layers differ in KV heads: vLLM keeps their caches in pools apart.
+    tiny_whisper_per_layer(tmp_path / "whisper")
+    error = refusal(capsys, tmp_path / "whisper", "--concurrency", "max", "--new-tokens", 8)
+    assert "self- and cross-attention caches differ in KV heads" in error and "--concurrency batch" in error
+
+
+# The reference Llama (8 heads of 32, 6 layers) served at max concurrency: MHA, G = 2 (a quarter
+# of its KV bytes) and a per-layer conversion (17 of MHA's 48 KV heads), in a KV space of exactly
+# 5 of MHA's blocks (float32: 128 positions × 2 × 48 heads × 32 × 4 bytes = 1.5 MiB a block).
+SERVED_HEADS = {"mha": [8] * 6, "g2": [2] * 6, "per-layer": [8, 4, 2, 1, 1, 1]}
+CAPACITY_BLOCK = 128 * 2 * 48 * 32 * 4
+CAPACITY_SPACE = 5 * CAPACITY_BLOCK
+
+
+@pytest.mark.slow
+def test_max_concurrency_gives_each_model_the_requests_its_kv_bytes_hold(tmp_path):
+    """Each model gets, and vLLM runs at once, the requests whole blocks of its own KV bytes hold
+    (summed layer by layer), less vLLM's null block; G = 2 has 4 times MHA's blocks."""
+    from uptrain.demo import REFERENCE
+
+    models = [
+        REFERENCE,
+        convert_checkpoint(REFERENCE, tmp_path / "g2", 2, progress=False),
+        convert_checkpoint(
+            REFERENCE, tmp_path / "per-layer", kv_heads_per_layer=SERVED_HEADS["per-layer"], progress=False
+        ),
+    ]
+    # A request of 120 + 8 positions: one block of 128.
+    flags = ["--concurrency", "max", "--context", "120", "--new-tokens", "8", "--repeats", "1"]
+    rows = speed_rows(tmp_path, models, *flags, "--kv-cache-gib", str(CAPACITY_SPACE / 2**30), "--dtype", "float32")
+    assert [r["kv_heads_per_layer"] for r in rows] == [None, None, SERVED_HEADS["per-layer"]]
+    expected = {}
+    for r, (case, heads) in zip(rows, SERVED_HEADS.items()):
+        assert r["block_size"] == 128 and r["kv_tokens_per_request"] == 120 + 8
+        blocks = CAPACITY_SPACE // (128 * 2 * sum(heads) * 32 * 4)  # float32 K and V of each layer's heads
+        assert r["kv_cache_tokens"] == blocks * 128
+        expected[case] = blocks - 1  # one block a request; vLLM keeps one block empty
+        assert r["requests"] == r["batch"] == expected[case], case
+        # vLLM ran them all at once, none evicted and recomputed.
+        assert (r["in_flight"], r["preemptions"]) == (expected[case], 0), case
+        assert r["output_tokens_per_s"] == r["requests"] * 8 / r["time_per_sample_s"]
+    # MHA: 5 blocks, 4 requests; G = 2: 20 blocks, 19 requests; 17 heads: 14 blocks, 13 requests.
+    assert expected == {"mha": 4, "g2": 19, "per-layer": 13}
+    table = format_vllm_table(rows)
+    assert " 8,4,2,1,1,1 " in table and "as many sequences at once as each KV cache" in table
+
+
+@pytest.mark.slow
+def test_max_concurrency_refuses_a_space_whose_whole_blocks_hold_no_request(tmp_path):
+    """Two of MHA's blocks: a request of 248 + 8 positions fits their bytes (no refusal before
+    vLLM), but takes both blocks, and vLLM keeps one empty."""
+    from uptrain.demo import REFERENCE
+
+    flags = ["--concurrency", "max", "--context", "248", "--new-tokens", "8", "--dtype", "float32"]
+    command = [str(vllm_python()), "-m", "uptrain", "speed", "--engine", "vllm", str(REFERENCE), *flags]
+    command += ["--kv-cache-gib", str(2 * CAPACITY_BLOCK / 2**30)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "VLLM_"))}
+    result = subprocess.run(command, env=env | {"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and error.startswith("uptrain speed: error: "), result.stderr[-2000:]
+    assert "vLLM finds no room for one request of 256 positions in --kv-cache-gib 0.00292969" in error
+    assert "give a larger --kv-cache-gib" in error

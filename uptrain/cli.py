@@ -37,6 +37,11 @@ def convert(options: ConvertCommand) -> int:
     # allocation (see above), and faulting it in 4 KiB pages cost 0.2 s per 2 GB converted.
     # Read by torch at its first allocation, which has not happened yet.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if options.target == "mla":
+        from uptrain.convert.mla import convert_mla
+
+        print(f"wrote {convert_mla(options.spec(), options.out, options.overwrite)}")
+        return 0
     with prepare(options.spec(), options.out, options.overwrite) as prepared:  # every check, before any work
         calibration = calibrate(prepared)
         # Streaming conversion does little arithmetic per byte; torch's OpenMP threads only stall
@@ -79,15 +84,20 @@ def speed(options: SpeedOptions) -> int:
         return speed_in_vllm(options)
     from uptrain.speed import format_speed_table, measure_speed
 
-    results = measure_speed(**_measured(options, "kv_cache_gib"))
+    if options.concurrency != "batch":
+        raise UptrainError(
+            f"--concurrency {options.concurrency} is --engine vllm's (requests at once as its KV cache holds "
+            "them); transformers decodes --batch sequences: add --engine vllm or drop --concurrency"
+        )
+    results = measure_speed(**_measured(options, "kv_cache_gib", "concurrency"))
     print("\n".join(json.dumps(r) for r in results) if options.json else format_speed_table(results))
     return 0
 
 
-def _measured(options: SpeedOptions, other_engine_key: str) -> dict:
+def _measured(options: SpeedOptions, *other_engine_keys: str) -> dict:
     """The options as the engine's measuring function's keywords: all of them, less how to print
-    (`json`), the engine's choice, and the key of the other engine's own."""
-    not_measured = ("json", "engine", other_engine_key)
+    (`json`), the engine's choice, and the keys of the other engine's own."""
+    not_measured = ("json", "engine", *other_engine_keys)
     return {name: value for name, value in options.to_dict().items() if name not in not_measured}
 
 
@@ -266,10 +276,11 @@ COMMANDS = {
     "compare": Command(
         compare,
         schema=_compare_schema,
-        help="compare pooling strategies and KV-head counts, before and after uptraining",
-        description="For every (G, pooling): convert, evaluate at α = 0, uptrain with identical data, seed and "
-        "budget, evaluate along the way. The MHA model, trained with the same budget, is the reference "
-        "row. Writes results.csv, results.md and PNG plots; a killed compare resumes where it stopped.",
+        help="compare pooling strategies, KV-head counts and KV budgets, before and after uptraining",
+        description="For every (G, pooling) and every (KV budget, allocation, pooling): convert, evaluate at α = 0, "
+        "uptrain with identical data, seed and budget, evaluate along the way. The MHA model, trained with the "
+        "same budget, is the reference row. Writes results.csv, results.md and PNG plots; a killed compare "
+        "resumes where it stopped.",
     ),
     "demo": Command(
         demo,

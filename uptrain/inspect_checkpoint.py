@@ -23,10 +23,11 @@ import math
 from dataclasses import dataclass
 
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, Architecture, config_geometry, find_architecture
+from uptrain.architecture import DECODER_SELF, Architecture, config_geometry, deepseek_v2, find_architecture
 from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, read_provenance
 from uptrain.checkpoint.reader import SourceCheckpoint
 from uptrain.checkpoint.source import resolve_source
+from uptrain.inspect_latent import format_latent, latent_report
 from uptrain.model_info import DTYPE_BYTES, config_dtype, divisors, read_config, show
 from uptrain.options import Schema, option
 
@@ -71,6 +72,10 @@ def inspect_checkpoint(src: str, context: int | None = None, batch: int = 1, dty
         weights.close()
     except UptrainError:  # pickle-only or weightless folders: the layout is still worth showing
         parameters = None
+    if model_type == deepseek_v2.MODEL_TYPE:  # the latent and the shared rotary key, not K/V heads
+        context = DEFAULT_CONTEXT if context is None else context
+        run = {"parameters": parameters, "dtype": dtype, "context": context, "batch": batch}
+        return {"source": label, "model_type": model_type, **latent_report(config, dtype_bytes, context, batch), **run}
     grouping = conversion_grouping(folder)
     if arch is not None and arch.encoder_decoder:
         given, (context, limit) = context, _decoder_context(config, arch, context, label)
@@ -282,6 +287,8 @@ def human_bytes(n: float) -> str:
 def format_report(info: dict) -> str:
     if info.get("encoder_decoder"):
         return _format_encoder_decoder(info)
+    if info.get("latent"):
+        return format_latent(info, human_bytes)
     params = "unknown" if info["parameters"] is None else f"{info['parameters']:,}"
     lines = [
         f"source        {info['source']}",

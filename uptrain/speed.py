@@ -39,6 +39,12 @@ from uptrain.speed_checks import DEFAULT_CONTEXT, check_counts, model_shape, par
 
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("transformers", "vllm")
+# `--engine vllm`'s requests at once: a fixed number, or as many as each model's KV cache holds.
+CONCURRENCIES = {
+    "batch": "--batch requests, the same for every model",
+    "max": "as many requests as each model's KV cache (--kv-cache-gib) holds, all submitted at once: "
+    "what its capacity buys in throughput",
+}
 
 
 @dataclass(kw_only=True)
@@ -78,10 +84,15 @@ class SpeedOptions(Schema):
         "transformers",
         choices=ENGINES,
         help="what serves the models: transformers (this process's forward) or vllm (a vLLM engine per model, "
-        "`uptrain[vllm]`: throughput at --batch sequences at once, KV capacity vLLM reports)",
+        "`uptrain[vllm]`: throughput at --batch sequences at once, or --concurrency max, KV capacity vLLM reports)",
     )
     kv_cache_gib: float = option(
         1.0, help="--engine vllm: the KV-cache space each engine gets, the same for all, in GiB"
+    )
+    concurrency: str = option(
+        "batch",
+        choices=CONCURRENCIES,
+        help="--engine vllm: how many requests each model is given at once",
     )
     json: bool = option(False, help="one JSON object per model, for scripts")
 

@@ -9,6 +9,13 @@ buy. Throughput is measured at a fixed concurrency: `batch` requests submitted a
 the wall time of that batch, from submission to its last token (every request of it finishes
 in the same step). One warm-up batch, then `repeats` timed ones; medians, with min and max.
 
+`--concurrency max` asks what the capacity buys where the KV space, not the batch, is the limit:
+each model is given as many requests of the measured shape as its cache holds (the blocks vLLM
+allocated, less the one its block pool keeps empty, over a request's whole blocks), all
+submitted at once, every batch fresh prompts (vLLM's prefix cache would find the last batch's).
+vLLM's own record of each request (its engine's timestamps, kept with its stats on) gives the
+most that ran at once, any preemption, and the decode steps' own rate.
+
 Decoder-only models are given random prompts of `context` tokens; a request holds
 `context + new_tokens` positions of the cache. Whisper (the one encoder–decoder vLLM 0.32 serves:
 uptrain's plugin for a conversion, vLLM's own class for MHA) is served audio, as users serve it:
@@ -42,8 +49,8 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.checkpoint.source import resolve_source
-from uptrain.model_info import read_config
-from uptrain.speed import format_table, spread_cell
+from uptrain.model_info import DTYPE_BYTES, read_config
+from uptrain.speed import CONCURRENCIES, format_table, spread_cell
 from uptrain.speed_checks import DEFAULT_CONTEXT, ModelShape, check_counts, model_shape
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -84,14 +91,21 @@ class Requests:
 
     @property
     def kv_tokens(self) -> int:
-        return sum(self._caches())
+        return sum(self.caches())
 
     def kv_blocks(self, block_size: int) -> int:
         """The blocks of `block_size` positions one request holds: vLLM gives each cache whole
         blocks, all from one pool (Whisper: the cross-attention's frames in blocks of their own)."""
-        return sum(-(-positions // block_size) for positions in self._caches())
+        return sum(-(-positions // block_size) for positions in self.caches())
 
-    def _caches(self) -> tuple[int, ...]:
+    def kv_bytes(self, shape: ModelShape, dtype: str) -> int:
+        """The bytes of K and V one request's caches hold, each layer's own heads (summed layer
+        by layer), before vLLM rounds them up to whole blocks."""
+        attentions = (shape.geometry,) if self.audio_seconds is None else (shape.geometry, shape.cross)
+        size = DTYPE_BYTES[dtype]
+        return sum(a.kv_cache_bytes_per_token(size) * n for a, n in zip(attentions, self.caches(), strict=True))
+
+    def caches(self) -> tuple[int, ...]:
         """The positions of each cache a request fills: the decoder's, and Whisper's cross-attention's."""
         if self.audio_seconds is None:
             return (self.context + self.new_tokens,)
@@ -160,6 +174,7 @@ def measure_vllm_speed(
     repeats: int = 3,
     kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
     compile: bool = False,
+    concurrency: str = "batch",
 ) -> list[dict]:
     """Serve each checkpoint in `models` in vLLM in turn and measure it (see the module
     docstring); one result dict per model, in order: model, num_kv_heads (the decoder
@@ -173,10 +188,14 @@ def measure_vllm_speed(
     (batch · new_tokens / time per sample), with their spread (min, max); Whisper's also
     audio_seconds.
     `compile`: vLLM's torch.compile'd model, its default when serving (minutes per engine on a
-    CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start."""
+    CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start.
+    `concurrency`: "batch" (the above), or "max": each model is given as many requests as its KV
+    cache holds (`measure_at_capacity`); its results also hold requests, in_flight,
+    preemptions and decode_tokens_per_s, and its batch is its requests."""
     check_counts(new_tokens=new_tokens, batch=batch, repeats=repeats, context=context or DEFAULT_CONTEXT)
     if kv_cache_gib <= 0:
         raise UptrainError(f"--kv-cache-gib {kv_cache_gib}: give a positive size")
+    check_concurrency(concurrency, batch)
     if not models:
         raise UptrainError("give at least one checkpoint to measure")
     sources = [resolve_source(m) for m in models]
@@ -190,25 +209,36 @@ def measure_vllm_speed(
             "requests of different kinds"
         )
     requests = [served_requests(s.folder, shape, context, new_tokens) for s, shape in zip(sources, shapes)]
-    vllm = import_vllm()
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise UptrainError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    space = int(kv_cache_gib * 2**30)
+    if concurrency == "max":  # each refused before vLLM loads anything
+        for shape, served in zip(shapes, requests):
+            check_one_pool(shape)
+            check_one_request_fits(shape, served, space, dtype)
+    vllm = import_vllm()
     results = []
     for source, shape, served in zip(sources, shapes, requests):
-        engine = {"dtype": dtype, "kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "enforce_eager": not compile}
-        measured = _measure_one(vllm, source.folder, served, batch, repeats, engine)
+        engine = {"dtype": dtype, "kv_cache_memory_bytes": space, "enforce_eager": not compile}
+        if concurrency == "max":
+            measured = measure_at_capacity(vllm, source.folder, shape, served, repeats, engine)
+        else:
+            measured = _measure_one(vllm, source.folder, served, batch, repeats, engine)
+        per_layer = shape.geometry.kv_heads_per_layer
         results.append(
             {
                 "model": shape.label,
                 "num_kv_heads": shape.geometry.num_kv_heads,
+                "kv_heads_per_layer": None if per_layer is None else list(per_layer),
                 "cross_attention_num_kv_heads": None if shape.cross is None else shape.cross.num_kv_heads,
                 "context": served.context,
                 "new_tokens": new_tokens,
                 "batch": batch,
+                "concurrency": concurrency,
                 "dtype": dtype,
                 "device": device,
                 "repeats": repeats,
@@ -221,19 +251,20 @@ def measure_vllm_speed(
     return results
 
 
-def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engine: dict) -> dict:
-    """Start one engine on `folder` (`engine`: the LLM's settings that are the same for every
-    model), measure it, and tear it down."""
+def _start_engine(vllm, folder, served: Requests, batch: int, engine: dict):
+    """One engine on `folder` (`engine`: the LLM's settings that are the same for every model),
+    scheduling at most `batch` requests, all their prompts read in one step; with the seconds its
+    start took and its KV capacity (read now: the engine's teardown clears it)."""
     # The engine core in this process: engines start one after another, and each is torn down
     # before the next (a separate engine process would outlive `del`).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    audio = served.audio_seconds is not None
     started = time.monotonic()
     try:
         llm = vllm.LLM(
             model=str(folder),
             trust_remote_code=True,
-            skip_tokenizer_init=not audio,  # random token ids: no tokenizer; vLLM's Whisper processor loads one
+            # random token ids: no tokenizer; vLLM's Whisper processor loads one
+            skip_tokenizer_init=served.audio_seconds is None,
             max_model_len=served.decoder_prompt + served.new_tokens,
             max_num_seqs=batch,
             # Whisper: every request's audio encoded in one step (vLLM does not split an audio's frames).
@@ -244,15 +275,38 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
     except Exception as error:  # noqa: BLE001  vLLM's refusal, in one line
         # The last line that says something (pydantic's errors end with a link to its docs).
         lines = [line for line in str(error).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
-        raise UptrainError(f"{folder}: vLLM cannot serve it: {lines[-1] if lines else type(error).__name__}") from None
+        said = lines[-1] if lines else type(error).__name__
+        if "KV cache" in said or "cache blocks" in said:  # its advice names its own settings, not uptrain's flag
+            raise UptrainError(
+                f"{folder}: vLLM finds no room for one request of {served.kv_tokens} positions in --kv-cache-gib "
+                f"{engine['kv_cache_memory_bytes'] / 2**30:g} (whole blocks, one kept empty): give a larger "
+                f"--kv-cache-gib (vLLM: {said})"
+            ) from None
+        raise UptrainError(f"{folder}: vLLM cannot serve it: {said}") from None
     start_s = time.monotonic() - started
     cache = llm.llm_engine.vllm_config.cache_config
-    capacity = {  # read now: the engine's teardown clears it
+    capacity = {
         "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
         "block_size": cache.block_size,
         "kv_tokens_per_request": served.kv_tokens,
         "max_concurrency": cache.num_gpu_blocks / served.kv_blocks(cache.block_size),
     }
+    return llm, round(start_s, 2), capacity
+
+
+def _release_engine() -> None:
+    """Free an engine its caller has dropped (`del llm`: its KV cache, its distributed state)
+    before the next one starts."""
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engine: dict) -> dict:
+    """Start one engine on `folder`, measure it at `batch` requests at once, and tear it down."""
+    audio = served.audio_seconds is not None
+    llm, start_s, capacity = _start_engine(vllm, folder, served, batch, engine)
     if audio:
         prompts = _audio_prompts(served, batch)
     else:
@@ -270,15 +324,12 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
         if i:
             times.append(time.perf_counter() - began)
     del llm
-    gc.collect()
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
+    _release_engine()
     per_sample = statistics.median(times)
     throughput = [batch * served.new_tokens / t for t in times]
     return {
         **capacity,
-        "start_s": round(start_s, 2),
+        "start_s": start_s,
         "time_per_sample_s": per_sample,
         "output_tokens_per_s": batch * served.new_tokens / per_sample,
         "spread": {
@@ -286,6 +337,129 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
             "output_tokens_per_s": {"min": min(throughput), "max": max(throughput)},
         },
     }
+
+
+def check_concurrency(concurrency: str, batch: int) -> None:
+    """One line for a concurrency that is not one, or a --batch beside max (which sets its own)."""
+    if concurrency not in CONCURRENCIES:
+        raise UptrainError(f"--concurrency {concurrency!r} is not one of {', '.join(CONCURRENCIES)}")
+    if concurrency == "max" and batch != 1:
+        raise UptrainError(
+            f"--concurrency max gives each model as many requests as its KV cache holds, not --batch {batch}: "
+            "drop --batch"
+        )
+
+
+def check_one_pool(shape: ModelShape) -> None:
+    """One line for a Whisper whose decoder layers' caches (self- and cross-attention) differ in KV
+    heads: vLLM 0.32 then keeps them in groups of their own block sizes, and a request's blocks
+    are no longer counted in one pool (decoder-only models' layers share one pool whatever their
+    heads)."""
+    if shape.cross is not None and len({*shape.geometry.layer_kv_heads(), *shape.cross.layer_kv_heads()}) > 1:
+        raise UptrainError(
+            f"{shape.label}: its decoder's self- and cross-attention caches differ in KV heads, which vLLM 0.32 "
+            "keeps in groups of their own block sizes: --concurrency max counts a request's blocks in one pool; "
+            "measure it with --concurrency batch"
+        )
+
+
+def check_one_request_fits(shape: ModelShape, served: Requests, space: int, dtype: str) -> None:
+    """One line, before vLLM loads anything, when `space` bytes of KV cache cannot hold one
+    request's K and V even before vLLM rounds them up to whole blocks."""
+    need = served.kv_bytes(shape, dtype)
+    if need > space:
+        raise UptrainError(
+            f"{shape.label}: one request of {served.kv_tokens} positions fills {need / 2**20:.2f} MiB of KV cache "
+            f"({dtype}), more than --kv-cache-gib {space / 2**30:g} holds; give a larger --kv-cache-gib "
+            "(vLLM also rounds each request up to whole blocks and keeps one block empty)"
+        )
+
+
+def requests_held(blocks: int, served: Requests, block_size: int) -> int:
+    """The requests of `served`'s shape that vLLM runs at once in a cache of `blocks` blocks:
+    each takes its whole blocks (`Requests.kv_blocks`), and vLLM's block pool keeps one block
+    for itself (its null block, never given to a request)."""
+    return (blocks - 1) // served.kv_blocks(block_size)
+
+
+def measure_at_capacity(vllm, folder, shape: ModelShape, served: Requests, repeats: int, engine: dict) -> dict:
+    """Start one engine on `folder`, give it as many requests at once as its KV cache holds
+    (`requests_held` of the blocks vLLM allocated), each batch fresh random prompts (vLLM's prefix
+    cache would otherwise find the last batch's), and tear it down. One warm-up batch, then
+    `repeats` timed ones. Besides the times, vLLM's own record of each request (its engine
+    core's timestamps, kept when its stats are on) says how many ran at once and whether any
+    was preempted (evicted from the cache and recomputed)."""
+    # The scheduler's cap on sequences, which the cache's blocks, not the cap, must bind: the
+    # requests the space holds at a request's exact bytes is at least the whole blocks' count.
+    ceiling = engine["kv_cache_memory_bytes"] // served.kv_bytes(shape, engine["dtype"])
+    llm, start_s, capacity = _start_engine(vllm, folder, served, ceiling, engine | {"disable_log_stats": False})
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    requests = requests_held(blocks, served, capacity["block_size"])
+    if requests < 1:
+        del llm
+        _release_engine()
+        raise UptrainError(
+            f"{shape.label}: vLLM's KV cache of --kv-cache-gib {engine['kv_cache_memory_bytes'] / 2**30:g} is "
+            f"{blocks} blocks of {capacity['block_size']} positions, one kept empty, and a request of "
+            f"{served.kv_tokens} positions takes {served.kv_blocks(capacity['block_size'])}: none runs; "
+            "give a larger --kv-cache-gib"
+        )
+    if served.audio_seconds is None:
+        prompts = _fresh_token_prompts(llm.llm_engine.model_config.get_vocab_size(), served.context, requests)
+    else:
+        prompts = _audio_prompts(served, requests)  # a new waveform for every request
+    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=served.new_tokens, ignore_eos=True, detokenize=False)
+    batches = []
+    for i, batch_prompts in zip(range(repeats + 1), prompts):  # the first is the warm-up
+        began = time.perf_counter()
+        outputs = llm.generate(batch_prompts, greedy, use_tqdm=False)
+        if i:
+            batches.append((time.perf_counter() - began, *_in_flight(outputs)))
+    del llm
+    _release_engine()
+    times, in_flight, preemptions, decode_spans = zip(*batches)
+    tokens = requests * served.new_tokens
+    decode_tokens = requests * (served.new_tokens - 1)  # all but each request's first (its prompt's pass)
+    per_sample, decode_span = statistics.median(times), statistics.median(decode_spans)
+    return {
+        **capacity,
+        "batch": requests,
+        "requests": requests,
+        "in_flight": min(in_flight),
+        "preemptions": sum(preemptions),
+        "start_s": start_s,
+        "time_per_sample_s": per_sample,
+        "output_tokens_per_s": tokens / per_sample,
+        "decode_tokens_per_s": decode_tokens / decode_span,
+        "spread": {
+            "time_per_sample_s": {"min": min(times), "max": max(times)},
+            "output_tokens_per_s": {"min": tokens / max(times), "max": tokens / min(times)},
+            "decode_tokens_per_s": {"min": decode_tokens / max(decode_spans), "max": decode_tokens / min(decode_spans)},
+        },
+    }
+
+
+def _in_flight(outputs) -> tuple[int, int, float]:
+    """From vLLM's record of each request of one batch: the most requests running at once (each
+    from its first scheduling to its last token; a preempted one counts throughout, hence the
+    preemptions beside), the preemptions, and the decode span: from the last first token (all
+    prompts are read in one step, so every request decodes from there on) to the last token."""
+    stats = [output.metrics for output in outputs]
+    # At equal times a request that ends is counted out before one that starts is counted in.
+    events = sorted([(m.scheduled_ts, 1) for m in stats] + [(m.last_token_ts, -1) for m in stats])
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    span = max(m.last_token_ts for m in stats) - max(m.first_token_ts for m in stats)
+    return most, sum(m.num_preemptions for m in stats), span
+
+
+def _fresh_token_prompts(vocab: int, context: int, requests: int):
+    """Batches of `requests` random prompts of `context` token ids, new ones each time."""
+    generator = random.Random(0)
+    while True:
+        yield [_token_prompt([generator.randrange(vocab) for _ in range(context)]) for _ in range(requests)]
 
 
 def _token_prompt(ids: list[int]):
@@ -332,19 +506,14 @@ VLLM_COLUMNS = (
 def format_vllm_table(results: list[dict]) -> str:
     """The results of `measure_vllm_speed` as a table for people, each model's KV capacity also
     as a multiple of the first's. G: the KV heads, `self/cross` where Whisper's decoder
-    self-attention and cross-attention have different ones."""
+    self-attention and cross-attention have different ones, each layer's where they differ."""
     if not results:
         return ""
     first = results[0]
-    if "audio_seconds" in first:
-        served = (
-            f"{first['audio_seconds']:g} s of audio ({first['context']} encoder frames, cached by the "
-            f"cross-attention), start token + {first['new_tokens']} new tokens"
-        )
-    else:
-        served = f"context {first['context']}, {first['new_tokens']} new tokens"
+    if first.get("concurrency") == "max":
+        return _format_capacity_table(results)
     title = (
-        f"vLLM {first['device']} {first['dtype']}: {served}, {first['batch']} sequences at once, KV cache "
+        f"vLLM {first['device']} {first['dtype']}: {_served(first)}, {first['batch']} sequences at once, KV cache "
         f"{first['kv_cache_gib']:g} GiB ({first['kv_tokens_per_request']} a sequence), "
         f"{'compiled' if first['compiled'] else 'eager'}, median of {first['repeats']} (min–max)"
     )
@@ -364,7 +533,62 @@ def format_vllm_table(results: list[dict]) -> str:
     return format_table(title, VLLM_COLUMNS, rows)
 
 
+CAPACITY_COLUMNS = (
+    ("model", 32),
+    ("G", 11),
+    ("KV tokens", 10),
+    ("requests", 8),
+    ("in flight", 9),
+    ("tokens/s", 22),
+    ("× first", 7),
+    ("decode tokens/s", 22),
+    ("× first", 7),
+    ("time s", 22),
+)
+
+
+def _format_capacity_table(results: list[dict]) -> str:
+    """`--concurrency max`'s results: each model's requests (as many as its KV cache holds), the
+    most vLLM ran at once, and its throughput, also as a multiple of the first model's."""
+    first = results[0]
+    title = (
+        f"vLLM {first['device']} {first['dtype']}: {_served(first)}, as many sequences at once as each KV cache "
+        f"of {first['kv_cache_gib']:g} GiB holds ({first['kv_tokens_per_request']} positions a sequence, in whole "
+        f"blocks of {first['block_size']}), {'compiled' if first['compiled'] else 'eager'}, "
+        f"median of {first['repeats']} (min–max)"
+    )
+    rows = [
+        (
+            r["model"],
+            _kv_heads_cell(r),
+            r["kv_cache_tokens"],
+            r["requests"],
+            r["in_flight"] if not r["preemptions"] else f"{r['in_flight']} ({r['preemptions']} preempted)",
+            spread_cell(r, "output_tokens_per_s", ".1f"),
+            f"{r['output_tokens_per_s'] / first['output_tokens_per_s']:.2f}",
+            spread_cell(r, "decode_tokens_per_s", ".1f"),
+            f"{r['decode_tokens_per_s'] / first['decode_tokens_per_s']:.2f}",
+            spread_cell(r, "time_per_sample_s", ".3f"),
+        )
+        for r in results
+    ]
+    return format_table(title, CAPACITY_COLUMNS, rows)
+
+
+def _served(result: dict) -> str:
+    """What each request was: its prompt (Whisper: its audio) and its new tokens."""
+    if "audio_seconds" in result:
+        return (
+            f"{result['audio_seconds']:g} s of audio ({result['context']} encoder frames, cached by the "
+            f"cross-attention), start token + {result['new_tokens']} new tokens"
+        )
+    return f"context {result['context']}, {result['new_tokens']} new tokens"
+
+
 def _kv_heads_cell(result: dict) -> str:
+    per_layer = result.get("kv_heads_per_layer")
+    if per_layer:
+        return ",".join(map(str, per_layer))
     cross = result.get("cross_attention_num_kv_heads")
     own = result["num_kv_heads"]
     return str(own) if cross in (None, own) else f"{own}/{cross}"

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -160,7 +162,26 @@ def test_load_without_uptrain_under_transformers_5_and_4_57(sources, tmp_path):
         found = run_in(python, tmp_path)
         assert sorted(found["results"]) == sorted(registered), found["transformers"]
         for case, expected in registered.items():
-            assert found["results"][case] == expected, f"{case} under transformers {found['transformers']}"
+            got, where = found["results"][case], f"{case} under transformers {found['transformers']}"
+            if case.startswith("falcon") and case.endswith("/eager") and arithmetic_differs(found["transformers"]):
+                # falcon_gqa's eager follows the installed transformers' Falcon, bit for bit at G = h
+                # (test_backends): before 5.25 it divides the scores by √d, from 5.25 it multiplies
+                # by 1/√d: the same model, one rounding apart.
+                assert (got["generated"], got["cache"]) == (expected["generated"], expected["cache"]), where
+                for key in ("logits", "padded"):
+                    torch.testing.assert_close(floats(got[key]), floats(expected[key]), rtol=1e-5, atol=1e-5, msg=where)
+            else:
+                assert got == expected, where
+
+
+def arithmetic_differs(version: str) -> bool:
+    """Whether transformers `version`'s Falcon attention is the other side of 5.25's rewrite
+    from the installed one's."""
+    return (Version(version) < Version("5.25")) != (Version(transformers.__version__) < Version("5.25"))
+
+
+def floats(hexes: list[str]) -> torch.Tensor:
+    return torch.tensor([float.fromhex(h) for h in hexes])
 
 
 REFUSED = [

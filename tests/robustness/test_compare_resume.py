@@ -21,6 +21,7 @@ from tests.robustness.compare_helpers import compare_argv, leftovers, results, r
 from tests.robustness.faults import EVERY_STEP, run_and_kill_at
 from tests.robustness.opened_files import _writes
 from tests.robustness.test_kill_anywhere import snapshot
+from tests.train.train_helpers import reset_accelerate
 from uptrain.checkpoint.atomic import OutputLock
 from uptrain.cli import main
 
@@ -292,3 +293,43 @@ def test_an_unfinished_run_resumes_however_the_folder_is_spelled(tmp_path, asset
     (tmp_path / "x").mkdir()
     assert run_compare_cli(assets, other) == 0  # (a str: Path("cmp/") would drop the slash)
     assert results(tmp_path / "cmp") == results(finished)
+
+
+def test_a_budget_compare_killed_around_its_allocation_resumes_to_the_same_results(assets, tmp_path):
+    """kill -9 as the shared calibration lands (the rerun chooses the allocation from the file), as a
+    calibrated allocation's conversion lands (its heads chosen, nothing trained yet) and as its row
+    is written: the same command then ends with the results of a compare never
+    killed (the heads, the KV bytes, the curves), and nothing left behind."""
+    budget = ["--kv-budget", "0.5", "--allocation", "calibrated", "--allocation-cost", "merge"]
+    argv = compare_argv(assets, "OUT", *budget)
+    at = argv.index("--num-kv-heads")
+    del argv[at : at + 2]  # the budget run alone beside MHA
+
+    def body(out: Path) -> int:
+        reset_accelerate()
+        return main([str(out) if a == "OUT" else a for a in argv])
+
+    out = tmp_path / "cmp"
+    steps = compare_steps(out, lambda: body(out))  # run to the end: the results of a compare never killed
+    expected = results(out)
+    assert ",calibrated,0.5,calibrated," in expected  # the budget row: pooling, budget, allocation
+    landing = [
+        n
+        for n, (event, path) in enumerate(steps, 1)
+        if event == "os.rename"
+        and path.startswith(
+            (
+                ".calibration.safetensors",
+                "converted/.b0.5-calibrated-calibrated",
+                "runs/b0.5-calibrated-calibrated/.result.json",
+            )
+        )
+    ]
+    assert len(landing) == 3, steps
+    for n in landing:
+        shutil.rmtree(out, ignore_errors=True)
+        code, _ = run_and_kill_at(n, out, lambda: body(out))
+        assert code == -signal.SIGKILL, f"step {n} {steps[n - 1]}: the child was not killed ({code})"
+        assert body(out) == 0, f"killed at step {n} {steps[n - 1]}"
+        assert results(out) == expected, f"killed at step {n} {steps[n - 1]}"
+        assert leftovers(out) == [], f"killed at step {n} {steps[n - 1]}: {leftovers(out)}"

@@ -34,6 +34,39 @@ COLUMNS = [
 ]
 
 
+# A --kv-budget compare's own columns, after `pooling` (absent from a compare of -g runs alone).
+BUDGET_COLUMNS = ["kv_budget", "allocation", "kv_heads_per_layer", "same_heads_as"]
+BUDGET_PLOT = "quality_vs_kv_bytes.png"
+
+
+def budget_runs(results: list[RunResult]) -> list[RunResult]:
+    """The --kv-budget runs of a compare."""
+    return [r for r in results if r.kv_budget is not None]
+
+
+def _heads(r: RunResult) -> str | tuple:
+    """What identifies a run's conversion shape, for `same_heads_as`: one G in every converted layer
+    (a -g run or a budget run that resolved to one G), else its heads layer by layer."""
+    if r.kv_heads_per_layer is None:
+        return ("G", r.num_kv_heads)
+    heads = set(r.kv_heads_per_layer.replace("/", ",").split(","))
+    return ("G", int(heads.pop())) if len(heads) == 1 else r.kv_heads_per_layer
+
+
+def same_heads_as(results: list[RunResult]) -> dict[str, str]:
+    """Each budget run whose KV heads (every layer's) and pooling equal an earlier row's → that
+    row's name: the same conversion, so the same model to train (a budget that leaves no choice, a
+    calibrated allocation that chose uniform). Such rows are still trained and shown, marked."""
+    same = {}
+    for i, r in enumerate(results):
+        if r.kv_budget is None:
+            continue
+        earlier = next((e for e in results[:i] if e.pooling == r.pooling and _heads(e) == _heads(r)), None)
+        if earlier is not None:
+            same[r.name] = earlier.name
+    return same
+
+
 def task_columns(results: list[RunResult]) -> dict[str, str]:
     """Each --task scored in the comparison → its column (`qa:f1`), in the order the tasks were given."""
     columns: dict[str, str] = {}
@@ -44,8 +77,13 @@ def task_columns(results: list[RunResult]) -> dict[str, str]:
 
 
 def columns_of(results: list[RunResult]) -> list[str]:
-    """The results table's columns: COLUMNS, then one per task."""
-    return COLUMNS + list(task_columns(results).values())
+    """The results table's columns: COLUMNS (with BUDGET_COLUMNS after `pooling` where there are
+    budget runs), then one per task."""
+    columns = list(COLUMNS)
+    if budget_runs(results):
+        at = columns.index("pooling") + 1
+        columns[at:at] = BUDGET_COLUMNS
+    return columns + list(task_columns(results).values())
 
 
 def table_rows(results: list[RunResult]) -> list[dict]:
@@ -54,10 +92,22 @@ def table_rows(results: list[RunResult]) -> list[dict]:
     column holds the uptrained checkpoint's score (empty where it was not scored)."""
     mha = next(r for r in results if r.pooling == MHA)
     tasks = task_columns(results)
+    same = same_heads_as(results)
+    budget = bool(budget_runs(results))
     return [
         {
             "num_kv_heads": r.num_kv_heads,
             "pooling": r.pooling,
+            **(
+                {
+                    "kv_budget": r.kv_budget,
+                    "allocation": r.allocation,
+                    "kv_heads_per_layer": r.kv_heads_per_layer,
+                    "same_heads_as": same.get(r.name),
+                }
+                if budget
+                else {}
+            ),
             "eval_loss_before": r.eval_loss_before,
             "perplexity_before": r.perplexity_before,
             "eval_loss_after": r.eval_loss_after,
@@ -87,32 +137,56 @@ def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> Non
 
 def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
     """The table for people; with the rows' speed measurements, a line saying how and where the
-    speed columns were measured."""
+    speed columns were measured. With budget runs, their budget, allocation and heads per layer."""
+    budget = "kv_budget" in rows[0]
     head = (
         "| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
         "| KV bytes/token | uptrain tokens | time/sample s | decode tokens/s | KV cache MiB |"
     )
-    lines = [head, "|" + "---:|" * 2 + "---:|" * 11]
+    if budget:
+        head = head.replace("| G | pooling |", "| G | budget | allocation | KV heads per layer | pooling |")
+    lines = [head, "|" + "---:|" * 2 + "---|" * (3 * budget) + "---:|" * 11]
     for r in rows:
         measured = (
             "— | — | —"
             if r["time_per_sample_s"] is None
             else f"{r['time_per_sample_s']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['kv_cache_bytes'] / 2**20:.2f}"
         )
+        first = f"| {r['num_kv_heads']} | {r['pooling']} |"
+        if budget:
+            first = f"| {_budget_cells(r)} | {r['pooling']} |"
         lines.append(
-            f"| {r['num_kv_heads']} | {r['pooling']} | {r['eval_loss_before']:.4f} | "
+            f"{first} {r['eval_loss_before']:.4f} | "
             f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
             f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
             f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} | {measured} |"
         )
+    if budget and any(r["same_heads_as"] for r in rows):
+        lines += [
+            "",
+            "= ROW: the same KV heads in every layer and the same pooling as ROW, so the same conversion (a "
+            "budget that leaves no other allocation, or a calibrated one that chose uniform); trained again all "
+            "the same.",
+        ]
     if speeds:  # a resumed compare may have measured some G elsewhere: name every machine
         machines = " and ".join(sorted({s["machine"] for s in speeds}))
         lines += [
             "",
             f"Speed: {speed_setting_text(speeds[0])}, measured on {machines}; one measurement per G "
-            "(speed does not depend on the weights' values).",
+            + ("or allocation of KV heads " if budget else "")
+            + "(speed does not depend on the weights' values).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _budget_cells(r: dict) -> str:
+    """A row's G, budget, allocation and heads cells: a -g row's budget is its G's fraction, shown
+    as —; a mixed allocation's G is the largest layer's (the config's scalar), shown as its heads."""
+    if r["kv_budget"] is None:
+        return f"{r['num_kv_heads']} | — | — | {r['num_kv_heads']} in every layer"
+    mixed = len(set(r["kv_heads_per_layer"].replace("/", ",").split(","))) > 1
+    allocation = r["allocation"] + (f" (= {r['same_heads_as']})" if r["same_heads_as"] else "")
+    return f"{'mixed' if mixed else r['num_kv_heads']} | {r['kv_budget']:g} | {allocation} | {r['kv_heads_per_layer']}"
 
 
 def table1_markdown(results: list[RunResult]) -> str:
@@ -167,15 +241,13 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | No
 
 def against_mean(results: list[RunResult]) -> list[dict]:
     """For each strategy other than mean, per G: the share of mean pooling's loss gap to MHA it
-    closes (before and after uptraining), and the tokens it needs to reach mean's final loss."""
+    closes (before and after uptraining), and the tokens it needs to reach mean's final loss.
+    The -g runs only (a budget run's G is not one G: `against_uniform` compares those)."""
     mha = next(r for r in results if r.pooling == MHA)
+    results = [r for r in results if r.kv_budget is None]
     rows = []
     for mean in (r for r in results if r.pooling == "mean"):
         for other in (r for r in results if r.num_kv_heads == mean.num_kv_heads and r.pooling not in (MHA, "mean")):
-
-            def closed(loss_other: float, loss_mean: float, loss_mha: float) -> float:
-                return (loss_mean - loss_other) / (loss_mean - loss_mha) if loss_mean != loss_mha else math.nan
-
             rows.append(
                 {
                     "num_kv_heads": mean.num_kv_heads,
@@ -187,6 +259,53 @@ def against_mean(results: list[RunResult]) -> list[dict]:
                 }
             )
     return rows
+
+
+def closed(loss_other: float, loss_base: float, loss_mha: float) -> float:
+    """The share of the baseline's eval-loss (log-perplexity) gap to MHA that `loss_other` closes."""
+    return (loss_base - loss_other) / (loss_base - loss_mha) if loss_base != loss_mha else math.nan
+
+
+def against_uniform(results: list[RunResult]) -> list[dict]:
+    """For each budget and pooling run with both allocations: the share of the uniform allocation's
+    eval-loss (log-perplexity) gap to MHA that the calibrated allocation closes, before and after
+    uptraining (the issue's measure: at equal KV bytes, what spending them per layer buys)."""
+    mha = next(r for r in results if r.pooling == MHA)
+    runs = budget_runs(results)
+    rows = []
+    for uniform in (r for r in runs if r.allocation == "uniform"):
+        for other in runs:
+            if (other.kv_budget, other.pooling, other.allocation) != (uniform.kv_budget, uniform.pooling, "calibrated"):
+                continue
+            rows.append(
+                {
+                    "kv_budget": uniform.kv_budget,
+                    "pooling": uniform.pooling,
+                    "uniform_heads": uniform.kv_heads_per_layer,
+                    "calibrated_heads": other.kv_heads_per_layer,
+                    "gap_closed_before": closed(other.eval_loss_before, uniform.eval_loss_before, mha.eval_loss_before),
+                    "gap_closed_after": closed(other.eval_loss_after, uniform.eval_loss_after, mha.eval_loss_after),
+                }
+            )
+    return rows
+
+
+def against_uniform_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| budget | pooling | uniform heads | calibrated heads | share of uniform's gap to MHA closed, α = 0 "
+        "| same, after uptraining |",
+        "|---:|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        same = r["uniform_heads"] == r["calibrated_heads"]
+        shown = (
+            ("— (the same heads)",) * 2 if same else (f"{r['gap_closed_before']:.1%}", f"{r['gap_closed_after']:.1%}")
+        )
+        lines.append(
+            f"| {r['kv_budget']:g} | {r['pooling']} | {r['uniform_heads']} | {r['calibrated_heads']} | "
+            f"{shown[0]} | {shown[1]} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def against_mean_markdown(rows: list[dict]) -> str:
@@ -222,25 +341,81 @@ class _Drawn:
 
 
 def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
+    """The paper's figures over MHA and the -g runs (where there are any), the quality against KV
+    bytes plot where there are budget runs, and each task's plot."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
 
     mha = next(r for r in results if r.pooling == MHA)
-    runs = [r for r in results if r.pooling != MHA]
-    strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
-    groups = sorted({r.num_kv_heads for r in runs}, reverse=True)
-    colors = {p: f"C{i}" for i, p in enumerate(strategies)}
-    drawn = _Drawn(results, mha, runs, strategies, groups, colors)
-    paths = [draw(plt, drawn, folder) for draw in (_loss_curves, _quality_vs_kv_heads, _strategies)]
+    grouped = [r for r in results if r.kv_budget is None]  # MHA and the -g runs: one G each
+    runs = [r for r in grouped if r.pooling != MHA]
+    paths = []
+    if runs:
+        strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
+        groups = sorted({r.num_kv_heads for r in runs}, reverse=True)
+        colors = {p: f"C{i}" for i, p in enumerate(strategies)}
+        drawn = _Drawn(grouped, mha, runs, strategies, groups, colors)
+        paths += [draw(plt, drawn, folder) for draw in (_loss_curves, _quality_vs_kv_heads, _strategies)]
+    if budget_runs(results):
+        paths.append(_quality_vs_kv_bytes(plt, results, folder))
     paths += write_task_plots(results, list(task_columns(results)), folder, _save)
-    if all(r.speed for r in results):
+    if runs and all(r.speed for r in grouped):
         paths += _speed_plots(mha, runs, strategies, colors, folder)
     else:  # a rerun without speed: no plot left from an earlier one contradicts the table
         for name in SPEED_PLOTS:
             (folder / name).unlink(missing_ok=True)
     return paths
+
+
+def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
+    """Quality against the KV cache it costs: each run's perplexity at α = 0 and after uptraining
+    against its KV bytes per token (measured on its converted checkpoint, summed layer by layer);
+    colour = pooling, marker = how the heads were chosen (one G, or a budget's allocation)."""
+    mha = next(r for r in results if r.pooling == MHA)
+    runs = [r for r in results if r.pooling != MHA]
+    strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
+    colors = {p: f"C{i}" for i, p in enumerate(strategies)}
+    markers = {None: "o", "uniform": "s", "calibrated": "^"}
+    kinds = {None: "one G (-g)", "uniform": "budget, uniform", "calibrated": "budget, calibrated"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, when in zip(axes, ("before", "after")):
+        for r in runs:
+            loss = r.eval_loss_before if when == "before" else r.eval_loss_after
+            x = r.kv_cache_bytes_per_token / 1024
+            # Two runs at one point (equal bytes, close quality) stay apart: uniform left, calibrated right.
+            x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03}[r.allocation]
+            ax.plot(x, math.exp(loss), marker=markers[r.allocation], color=colors[r.pooling], ms=7, ls="none")
+            if r.allocation == "calibrated":
+                ax.annotate(
+                    r.kv_heads_per_layer, (x, math.exp(loss)), fontsize=7, xytext=(5, 2), textcoords="offset points"
+                )
+        mha_loss = mha.eval_loss_before if when == "before" else mha.eval_loss_after
+        ax.plot(mha.kv_cache_bytes_per_token / 1024, math.exp(mha_loss), marker="*", ms=11, color="black", ls="none")
+        ax.axhline(math.exp(mha_loss), color="black", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x:g}")  # 1.5, 3, 12: not 2^1
+        ax.set_xlabel("KV cache KiB per token (log scale)")
+        ax.set_title(
+            "right after conversion (α = 0)"
+            if when == "before"
+            else f"after uptraining ({mha.uptrain_tokens:,} tokens)"
+        )
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("eval perplexity (lower is better)")
+    handles = (
+        [plt.Line2D([], [], color=colors[p], marker="o", ls="none", label=f"{p} pooling") for p in strategies]
+        + [
+            plt.Line2D([], [], color="grey", marker=markers[a], ls="none", label=kinds[a])
+            for a in kinds
+            if any(r.allocation == a for r in runs)
+        ]
+        + [plt.Line2D([], [], color="black", marker="*", ls="none", label="MHA (dashed)")]
+    )
+    axes[1].legend(handles=handles, fontsize=8)
+    fig.tight_layout()
+    return _save(fig, folder / BUDGET_PLOT)
 
 
 def _loss_curves(plt, drawn: _Drawn, folder: Path) -> Path:
@@ -440,10 +615,13 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
         rows, columns = table_rows(results), columns_of(results)
         logged = {"results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}
         logged.update(prediction_tables(results, list(task_columns(results)), wandb))
-        comparisons = against_mean(results)
-        if comparisons:
-            columns = list(comparisons[0])
-            logged["against_mean"] = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in comparisons])
+        for key, comparisons in (
+            ("against_mean", against_mean(results)),
+            ("against_uniform", against_uniform(results)),
+        ):
+            if comparisons:
+                columns = list(comparisons[0])
+                logged[key] = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in comparisons])
         for name, path in files.items():
             if path.suffix == ".png":
                 logged[name] = wandb.Image(str(path))
@@ -468,6 +646,10 @@ def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dic
     if comparisons:
         text += "\nAgainst mean pooling (gap = eval loss − MHA eval loss at the same point):\n\n"
         text += against_mean_markdown(comparisons)
+    allocations = against_uniform(results)
+    if allocations:
+        text += "\nCalibrated against uniform allocation at each budget (gap = eval loss − MHA eval loss):\n\n"
+        text += against_uniform_markdown(allocations)
     write_file(folder / "results.md", text)
     plots = write_plots(results, folder)
     files = {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}

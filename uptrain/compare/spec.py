@@ -13,10 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.spec import ConversionOptions, ConversionSpec, kv_heads_option, seed_option
+from uptrain.convert.kv_heads import allocation_cost_problem
+from uptrain.convert.spec import (
+    Allocation,
+    AllocationCost,
+    ConversionOptions,
+    ConversionSpec,
+    kv_heads_option,
+    seed_option,
+)
 from uptrain.data.corpus import split_path
 from uptrain.evaluation.tasks import HARNESS_PREFIX, task_problem
-from uptrain.options import REQUIRED, InvalidOptions, names_of, option, option_like, validated_values
+from uptrain.options import InvalidOptions, names_of, option, option_like, validated_values
 from uptrain.train.config import (
     Execution,
     Optimization,
@@ -48,12 +56,31 @@ def _speed_option(default, metavar: str, help: str, **bounds):
 class CompareSpec(
     Timeouts, Reporting, Execution, UptrainingBudget, Optimization, StepShape, TrainData, ConversionOptions
 ):
-    """Every (G, pooling) run of one comparison, trained alike: `uptrain train`'s keys of
-    `TRAINED_ALIKE` (the budget under the same rule) and the conversion keys, then the
-    comparison's own."""
+    """Every (G, pooling) and (KV budget, allocation, pooling) run of one comparison, trained
+    alike: `uptrain train`'s keys of `TRAINED_ALIKE` (the budget under the same rule) and the
+    conversion keys, then the comparison's own."""
 
     model: str = option(help="the MHA (or GQA) checkpoint folder")
-    num_kv_heads: list[int] = kv_heads_option(REQUIRED, "KV head counts to try")
+    num_kv_heads: list[int] = kv_heads_option(
+        [], "KV head counts to try, every layer alike (and/or --kv-budget)", flags=("-g",)
+    )
+    # `uptrain convert`'s --kv-budget and --allocation, several of each: one run per (budget,
+    # allocation, pooling), beside the runs per (G, pooling).
+    kv_budget: list[float] = option_like(
+        ConversionSpec,
+        "kv_budget",
+        [],
+        help="KV budgets to try, each a fraction of the source's KV bytes per token (0.25 0.125), spent per "
+        "layer as each --allocation says",
+    )
+    allocation: list[Allocation] = option_like(
+        ConversionSpec,
+        "allocation",
+        ["uniform"],
+        help="how each --kv-budget is spent: uniform (one G, which must give the budget exactly) and/or calibrated "
+        "(each layer's KV heads chosen by --allocation-cost on the training data)",
+    )
+    allocation_cost: AllocationCost | None = option_like(ConversionSpec, "allocation_cost", None)
     # The conversion's `pooling`, several strategies: one run each.
     pooling: list[str] = option_like(
         ConversionOptions,
@@ -134,6 +161,16 @@ class CompareSpec(
 
     def problems(self) -> list[str]:
         found = super().problems()
+        if not self.num_kv_heads and not self.kv_budget:
+            found.append("give the runs to compare: -g/--num-kv-heads G … and/or --kv-budget F …")
+        if set(self.allocation) != {"uniform"} and not self.kv_budget:
+            found.append(f"--allocation {' '.join(self.allocation)} spends a --kv-budget; give one (--kv-budget F …)")
+        spent = "calibrated" if "calibrated" in self.allocation else "uniform"
+        if (problem := allocation_cost_problem(spent, self.allocation_cost)) is not None:
+            found.append(problem)
+        for flag, values in (("--kv-budget", self.kv_budget), ("--allocation", self.allocation)):
+            if len(set(values)) != len(values):
+                found.append(f"{flag} {' '.join(map(str, values))} names a value twice (each is one run)")
         wanted = sum(not t.startswith(HARNESS_PREFIX) for t in self.task)
         if len(self.task_data) != wanted:
             found.append(
@@ -145,6 +182,20 @@ class CompareSpec(
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
         """The conversion of one run (calibrated on the training data, as `uptrain train` does)."""
         return training_conversion(self, source=self.model, num_kv_heads=num_kv_heads, pooling=pooling)
+
+    def budget_conversion_spec(self, kv_budget: float, allocation: str, pooling: str) -> ConversionSpec:
+        """The conversion of one budget run: `uptrain convert --kv-budget F --allocation A` (the
+        compare's --allocation-cost for a calibrated allocation), calibrated on the training data."""
+        cost = self.allocation_cost if allocation == "calibrated" else None
+        return training_conversion(
+            self,
+            source=self.model,
+            num_kv_heads=None,
+            kv_budget=kv_budget,
+            allocation=allocation,
+            allocation_cost=cost,
+            pooling=pooling,
+        )
 
     def train_config(self, model: str | Path, output_dir: str | Path, run: str, group: str | None = None):
         """The `uptrain train` config (`TrainConfig`) of the run named `run`: the keys of

@@ -1,12 +1,12 @@
 """Speed beside quality in `uptrain compare`: each row's time per sample, decode tokens/s and
 measured KV-cache bytes (the paper's Table 1, Fig. 3 and Fig. 6).
 
-Speed depends on a checkpoint's shape, not on its weight values, so the runs at one G share one
-measurement: one checkpoint per G is measured (the source model at its own G, else the first
-run's conversion).
+Speed depends on a checkpoint's shape, not on its weight values, so the runs at one G (or one
+allocation of KV heads per layer: `speed_key`) share one measurement: one checkpoint per shape is
+measured (the source model at its own G, else the first run's conversion).
 Every G still to measure is measured in one `measure_speed` call, which samples the checkpoints
 in turn, so that a noisy moment on a shared machine hits them all alike. Each G's measurement
-is kept whole in `speed-g{G}.json` (temp file, then rename): a resumed compare reuses it unless
+is kept whole in `speed-g{G}.json` (`speed-heads-….json`) (temp file, then rename): a resumed compare reuses it unless
 the speed options changed.
 """
 
@@ -98,32 +98,52 @@ def _measurement(spec: CompareSpec, context: int, new_tokens: int, device) -> di
     }
 
 
+def speed_key(r) -> str:
+    """What one speed measurement stands for, and its file's name (speed-KEY.json): `gG` for a row
+    with G KV heads in every converted layer (a -g run, MHA, a uniform budget run), else its heads
+    layer by layer (`heads-4-1-1-2-2-2`; an encoder–decoder's attentions split by `_`)."""
+    heads = r.kv_heads_per_layer
+    if heads is None or len(set(heads.replace("/", ",").split(","))) == 1:
+        return f"g{r.num_kv_heads}"
+    return "heads-" + heads.replace(",", "-").replace("/", "_")
+
+
+def _shown(*keys: str) -> str:
+    """'G = 4, 2, 1; KV heads 4-1-1-2-2-2': the measurements `keys` stand for."""
+    uniform = [k[1:] for k in keys if k.startswith("g")]
+    shown = [f"G = {', '.join(uniform)}"] if uniform else []
+    return "; ".join(shown + [f"KV heads {k.removeprefix('heads-')}" for k in keys if not k.startswith("g")])
+
+
 def with_speed(spec: CompareSpec, results: list, log=print) -> list:
-    """`results` (study's RunResults) with each row's `speed`: the measurement of its G, stored
-    or taken now."""
+    """`results` (study's RunResults) with each row's `speed`: the measurement of its G (its
+    per-layer heads), stored or taken now."""
     setting = speed_setting(spec)
     if setting is None:
         return results
     root = Path(spec.output_dir)
-    speeds: dict[int, dict] = {}
-    to_measure: dict[int, Path] = {}
+    speeds: dict[str, dict] = {}
+    to_measure: dict[str, Path] = {}
     for r in results:
-        g = r.num_kv_heads
-        if g in speeds or g in to_measure:
+        key = speed_key(r)
+        if key in speeds or key in to_measure:
             continue
-        stored = _stored(root / f"speed-g{g}.json", setting)
+        stored = _stored(root / f"speed-{key}.json", setting)
         if stored is not None:
-            log(f"[compare] speed at G = {g}: measured earlier, reusing {root / f'speed-g{g}.json'}")
-            speeds[g] = stored
+            log(f"[compare] speed at {_shown(key)}: measured earlier, reusing {root / f'speed-{key}.json'}")
+            speeds[key] = stored
             continue
-        checkpoint = _checkpoint(spec, root, g, [s.name for s in results if s.num_kv_heads == g])
+        checkpoint = _checkpoint(spec, root, key, [s.name for s in results if speed_key(s) == key])
         if checkpoint is None:
-            log(f"[compare] speed at G = {g}: no checkpoint of it left (converted/ and final/ removed); not measured")
+            log(
+                f"[compare] speed at {_shown(key)}: no checkpoint of it left (converted/ and final/ removed); "
+                "not measured"
+            )
             continue
-        to_measure[g] = checkpoint
+        to_measure[key] = checkpoint
     if to_measure:
         log(
-            f"[compare] speed: measuring G = {', '.join(map(str, to_measure))} (context {setting['context']} + "
+            f"[compare] speed: measuring {_shown(*to_measure)} (context {setting['context']} + "
             f"{setting['new_tokens']} new tokens, batch {setting['batch']}, {setting['device']}, "
             f"median of {setting['repeats']})"
         )
@@ -136,12 +156,12 @@ def with_speed(spec: CompareSpec, results: list, log=print) -> list:
             device=setting["device"],
             repeats=setting["repeats"],
         )
-        for (g, checkpoint), m in zip(to_measure.items(), measured):
+        for (key, checkpoint), m in zip(to_measure.items(), measured):
             # Named as the compare names it (a folder inside the output is named relative to it).
             name = checkpoint.relative_to(root) if checkpoint.is_relative_to(root) else checkpoint
-            speeds[g] = {**m, "model": str(name), "machine": machine(setting["device"])}
-            _write_json(root / f"speed-g{g}.json", speeds[g])
-    return [replace(r, speed=speeds.get(r.num_kv_heads)) for r in results]
+            speeds[key] = {**m, "model": str(name), "machine": machine(setting["device"])}
+            _write_json(root / f"speed-{key}.json", speeds[key])
+    return [replace(r, speed=speeds.get(speed_key(r))) for r in results]
 
 
 def _stored(path: Path, setting: dict) -> dict | None:
@@ -155,10 +175,10 @@ def _stored(path: Path, setting: dict) -> dict | None:
     return stored if isinstance(stored, dict) and all(stored.get(k) == setting[k] for k in SETTING) else None
 
 
-def _checkpoint(spec: CompareSpec, root: Path, g: int, names: list[str]) -> Path | None:
-    """A checkpoint with G KV heads: the source model at its own G (the MHA row), else a run's
-    conversion or, where that was removed, its uptrained final/."""
-    if model_shape(Path(spec.model), spec.model).geometry.num_kv_heads == g:
+def _checkpoint(spec: CompareSpec, root: Path, key: str, names: list[str]) -> Path | None:
+    """A checkpoint of the shape `key` stands for: the source model at its own G (the MHA row),
+    else a run's conversion or, where that was removed, its uptrained final/."""
+    if key == f"g{model_shape(Path(spec.model), spec.model).geometry.num_kv_heads}":
         return Path(spec.model)
     for name in names:
         for folder in (root / "converted" / name, root / "runs" / name / "train" / "final"):

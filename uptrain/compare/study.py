@@ -1,9 +1,11 @@
 """`uptrain compare`: convert one MHA model every way asked, uptrain each run identically, collect.
 
-For every (G, pooling) the model is converted, evaluated at α = 0 (the training loop's step-0
-evaluation) and uptrained with the same data, seed, schedule and token budget. The MHA model
-itself is trained with the same budget as the reference row, so that what uptraining alone buys
-an undertrained model is not credited to GQA. Each finished run leaves `result.json`; a killed
+For every (G, pooling), and every (KV budget, allocation, pooling), the model is converted,
+evaluated at α = 0 (the training loop's step-0 evaluation) and uptrained with the same data, seed,
+schedule and token budget. The MHA model itself is trained with the same budget as the reference
+row, so that what uptraining alone buys an undertrained model is not credited to GQA. A budget
+run's KV heads per layer and its KV bytes per token are read from its converted checkpoint (a
+calibrated allocation is chosen during its conversion). Each finished run leaves `result.json`; a killed
 compare picks those up and resumes the unfinished run from its last checkpoint.
 
     output_dir/
@@ -41,8 +43,8 @@ from uptrain.checkpoint.resumable import ResumeRule, unreadable_record
 from uptrain.compare.spec import SPEED, TASKS, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.compare.task_rows import check_task_scoring, with_tasks
-from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare
-from uptrain.convert.spec import parse_attention
+from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare, settle_allocation
+from uptrain.convert.spec import kv_heads_per_layer_text, parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
 from uptrain.options import keys_of, names_of
 from uptrain.speed_checks import ModelShape, model_shape
@@ -61,7 +63,7 @@ MHA = "mha"
 # `uptrain train` lets a resumed run change (how the compare is reported, how often the runs
 # evaluate, where calibration runs, how a step is computed), but for the keys of the global batch:
 # train allows those only with the batch kept, and a finished run keeps the batch it was made with.
-OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "pooling", "overwrite", "output_dir"})
+OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "kv_budget", "allocation", "pooling", "overwrite", "output_dir"})
 
 
 def operational_keys(keys) -> frozenset[str]:
@@ -103,6 +105,14 @@ class RunResult:
     # Per --task, the uptrained checkpoint's score summary (`task_rows`, runs/NAME/tasks/); None in
     # result.json, which is written before it, and without --task.
     tasks: dict | None = None
+    # A --kv-budget run's budget and allocation (None: a -g run, or MHA), the cost a calibrated one
+    # minimised (uptrain.json's `allocation_cost`), and the converted attentions' KV heads layer by
+    # layer as --kv-heads-per-layer spells them ("4,1,1,2,2,2"), read from the converted checkpoint;
+    # `num_kv_heads` is then its config's scalar, the largest layer's.
+    kv_budget: float | None = None
+    allocation: str | None = None
+    allocation_cost: str | None = None
+    kv_heads_per_layer: str | None = None
 
     @property
     def perplexity_before(self) -> float:
@@ -124,16 +134,56 @@ def validate(spec: CompareSpec) -> None:
     spec.train_config(spec.model, Path(spec.output_dir) / "runs" / MHA / "train", MHA)  # its keys, now
     speed_setting(spec)  # the speed measurement's refusals too
     check_task_scoring(spec)  # and the task scoring's, on the model and every line of the task data
-    for _, g, pooling in run_names(spec):
-        if g is not None:
-            prepare(spec.conversion_spec(g, pooling)).close()
+    for run in planned_runs(spec):
+        if run.converts:
+            # A --kv-budget that no single G gives (uniform) or that no allocation reaches: refused here.
+            prepare(run.conversion_spec(spec)).close()
 
 
-def run_names(spec: CompareSpec) -> list[tuple[str, int | None, str]]:
-    """(run folder name, G or None for the MHA reference, pooling) in the order they run."""
-    runs = [(MHA, None, MHA)]
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a compare: the MHA reference, a conversion to one G (-g), or a conversion to a
+    KV budget spent by an allocation (--kv-budget, --allocation); each with its pooling."""
+
+    name: str  # the run's folder under runs/ (and converted/)
+    pooling: str
+    num_kv_heads: int | None = None  # a -g run's G
+    kv_budget: float | None = None  # a budget run's budget and allocation
+    allocation: str | None = None
+
+    @property
+    def converts(self) -> bool:
+        """Every run but the MHA reference converts the model."""
+        return self.pooling != MHA
+
+    @property
+    def spends_budget(self) -> bool:
+        return self.kv_budget is not None
+
+    def conversion_spec(self, spec: CompareSpec):
+        if not self.spends_budget:
+            return spec.conversion_spec(self.num_kv_heads, self.pooling)
+        return spec.budget_conversion_spec(self.kv_budget, self.allocation, self.pooling)
+
+    def describe(self) -> str:
+        if not self.converts:
+            return "MHA reference"
+        if not self.spends_budget:
+            return f"G = {self.num_kv_heads}, {self.pooling} pooling"
+        return f"KV budget {self.kv_budget:g}, {self.allocation} allocation, {self.pooling} pooling"
+
+
+def planned_runs(spec: CompareSpec) -> list[PlannedRun]:
+    """Every run in the order they run: MHA, each (G, pooling), each (budget, allocation, pooling)."""
+    runs = [PlannedRun(MHA, MHA)]
     for g in spec.num_kv_heads:
-        runs += [(f"g{g}-{p}", g, p) for p in spec.pooling]
+        runs += [PlannedRun(f"g{g}-{p}", p, num_kv_heads=g) for p in spec.pooling]
+    for budget in spec.kv_budget:
+        for allocation in spec.allocation:
+            runs += [
+                PlannedRun(f"b{budget:g}-{allocation}-{p}", p, kv_budget=budget, allocation=allocation)
+                for p in spec.pooling
+            ]
     return runs
 
 
@@ -182,12 +232,39 @@ def kv_cache_bytes_per_token(shape: ModelShape, dtype_bytes: int, g: int | None,
     return own + shape.cross.kv_cache_bytes_per_token(dtype_bytes, g if "cross" in attentions else None)
 
 
-def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int) -> RunResult:
+def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int, **budget) -> RunResult:
+    """The run's row from its metrics; `budget`: a budget run's RunResult fields (kv_budget, …)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     curve = [(r["train/tokens_seen"], r["eval/loss"]) for r in records if "eval/loss" in r]
     if not curve or curve[0][0] != 0:
         raise UptrainError(f"{run_dir}/metrics.jsonl lacks the step-0 evaluation")
-    return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], kv_bytes, curve)
+    return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], kv_bytes, curve, **budget)
+
+
+def converted_heads(shape: ModelShape, attentions: tuple[str, ...]) -> str:
+    """A converted checkpoint's KV heads, layer by layer, of the attentions the compare converts
+    (model order), as --kv-heads-per-layer spells them: "4,1,1,2,2,2", an encoder–decoder's "4,4/2,2"."""
+    if shape.cross is None:  # a decoder-only model: its one attention, whatever --attention says
+        attentions = ("decoder-self",)
+    geometries = {"encoder": shape.encoder, "decoder-self": shape.geometry, "cross": shape.cross}
+    return kv_heads_per_layer_text([list(geometries[a].layer_kv_heads()) for a in attentions])
+
+
+def budget_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int) -> dict:
+    """What a budget run's row records of its conversion, read from the converted checkpoint: its
+    config's scalar KV heads (the largest layer's), its KV bytes per token summed layer by layer
+    (`kv_cache_bytes_per_token` on its own geometry, as `uptrain inspect` and `uptrain speed` count
+    them), each layer's heads and the cost that chose them (uptrain.json)."""
+    shape = model_shape(converted, run.name)
+    record = read_json(converted / "uptrain.json")
+    return {
+        "num_kv_heads": shape.geometry.num_kv_heads,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(shape, dtype_bytes, None),
+        "kv_budget": run.kv_budget,
+        "allocation": run.allocation,
+        "allocation_cost": record.get("allocation_cost") if isinstance(record, dict) else None,
+        "kv_heads_per_layer": converted_heads(shape, attentions),
+    }
 
 
 def _as_recorded(model: Path, train_dir: Path) -> Path:
@@ -205,9 +282,11 @@ def _as_recorded(model: Path, train_dir: Path) -> Path:
     return model
 
 
-def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -> RunResult | None:
+def _finished(path: Path, expected: dict, log) -> RunResult | None:
     """The row an earlier compare recorded for this run, or None to make it (again) from the run:
-    absent, or damaged (a kill cannot leave a part of one, but a full disk or a hand can)."""
+    absent, damaged (a kill cannot leave a part of one, but a full disk or a hand can), or not
+    holding `expected` (RunResult fields: name, G, pooling, KV bytes; a budget run's budget, …)."""
+    name = expected["name"]
     if not path.exists():
         return None
     try:
@@ -227,12 +306,7 @@ def _finished(path: Path, name: str, g: int, pooling: str, kv_bytes: int, log) -
             and result.curve
             and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in result.curve)
         )
-        if whole and (result.name, result.num_kv_heads, result.pooling, result.kv_cache_bytes_per_token) == (
-            name,
-            g,
-            pooling,
-            kv_bytes,
-        ):
+        if whole and all(getattr(result, k) == v for k, v in expected.items()):
             return result
         problem = "not a record of this run"
     log(f"[compare] {name}: {path} is damaged ({problem}); making it again from the run")
@@ -331,25 +405,40 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
     attentions = parse_attention(spec.attention)
     dtype_bytes = DTYPE_BYTES.get(config_dtype(read_config(spec.model)), 4)
     results = []
-    for name, g, pooling in run_names(spec):
+    for run in planned_runs(spec):
+        name, g, pooling = run.name, run.num_kv_heads, run.pooling
         run_dir = root / "runs" / name
-        g_eff = shape.geometry.num_kv_heads if g is None else g
-        kv_bytes = kv_cache_bytes_per_token(shape, dtype_bytes, g, attentions)
-        if (earlier := _finished(run_dir / RESULT, name, g_eff, pooling, kv_bytes, log)) is not None:
+        model = root / "converted" / name if run.converts else Path(spec.model)
+        if run.spends_budget:
+            # Its heads are known once converted (a calibrated allocation is chosen then): a finished
+            # row is checked against its conversion where that is still there.
+            expected = {"name": name, "pooling": pooling, "kv_budget": run.kv_budget, "allocation": run.allocation}
+            if model.exists():
+                expected.update(budget_fields(run, model, attentions, dtype_bytes))
+        else:
+            g_eff = shape.geometry.num_kv_heads if g is None else g
+            kv_bytes = kv_cache_bytes_per_token(shape, dtype_bytes, g, attentions)
+            expected = {"name": name, "num_kv_heads": g_eff, "pooling": pooling, "kv_cache_bytes_per_token": kv_bytes}
+        if (earlier := _finished(run_dir / RESULT, expected, log)) is not None:
             log(f"[compare] {name}: finished earlier, reusing {run_dir / RESULT}")
             results.append(earlier)
             continue
-        log(f"[compare] {name}: " + ("MHA reference" if g is None else f"G = {g}, {pooling} pooling"))
-        model = Path(spec.model)
-        if g is not None:
-            model = root / "converted" / name
-            if not model.exists():
-                model.parent.mkdir(parents=True, exist_ok=True)
-                with prepare(spec.conversion_spec(g, pooling), model) as prepared:
-                    calibration = shared_calibration(prepared, root, log) if prepared.needs_calibration else None
-                    execute(prepared, model, calibration=calibration, progress=False)
+        log(f"[compare] {name}: {run.describe()}")
+        if run.converts and not model.exists():
+            model.parent.mkdir(parents=True, exist_ok=True)
+            with prepare(run.conversion_spec(spec), model) as prepared:
+                calibration = shared_calibration(prepared, root, log) if prepared.needs_calibration else None
+                if prepared.conversion.pending_budget is not None:
+                    # A calibrated allocation, the moments read from the shared file: chosen here.
+                    settle_allocation(prepared, calibration)
+                execute(prepared, model, calibration=calibration, progress=False)
         run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
-        result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
+        if run.spends_budget:
+            fields = budget_fields(run, model, attentions, dtype_bytes)
+            g_eff, kv_bytes = fields.pop("num_kv_heads"), fields.pop("kv_cache_bytes_per_token")
+            result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes, **fields)
+        else:
+            result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)
     return with_tasks(spec, with_speed(spec, results, log), log)

@@ -51,9 +51,7 @@ def write_config(src: Path, dst: Path, config: dict, num_kv_heads: int | Mapping
     dtype when cast) edited in place; an encoder–decoder's KV heads per attention, a per-layer
     Llama's layout (`gqa_config`)."""
     # Edit the JSON itself, not a transformers config object: every other field stays as it was.
-    config = gqa_config(config, num_kv_heads)  # + model_type/auto_map for uptrain's modeling (gpt2_gqa, …)
-    if dtype is not None:
-        config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
+    config = set_dtype(gqa_config(config, num_kv_heads), dtype)  # + model_type/auto_map for gpt2_gqa, …
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config
 
@@ -123,6 +121,26 @@ def heads_record(geo: AttentionGeometry, kv_heads: int | tuple[int, ...], kv_ord
     }
 
 
+def source_record(source: ResolvedSource, source_files: dict[str, dict]) -> dict:
+    """The head of every conversion's `uptrain.json`: which uptrain, when, and from what (the
+    source named portably, its Hub revision and base model where known, its files' digests)."""
+    return {
+        "uptrain_version": uptrain.__version__,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "source": source.name,
+        "source_revision": source.revision,
+        "base_model": source.base_model,
+        "source_files": source_files,
+    }
+
+
+def set_dtype(config: dict, dtype: str | None) -> dict:
+    """`config` (a config.json dict, edited in place) naming `dtype` under the key it already uses."""
+    if dtype is not None:
+        config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
+    return config
+
+
 def provenance(
     source: ResolvedSource,
     source_files: dict[str, dict],
@@ -147,12 +165,7 @@ def provenance(
     if plan.encoder_decoder:  # the top-level fields are the decoder self-attention's
         site_orders, kv_orders = kv_orders or {}, (kv_orders or {}).get(DECODER_SELF)
     record = {
-        "uptrain_version": uptrain.__version__,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "source": source.name,
-        "source_revision": source.revision,
-        "base_model": source.base_model,
-        "source_files": source_files,
+        **source_record(source, source_files),
         "model_type": geo.model_type,
         "pooling": strategy.name,
         "pooling_reference": strategy.reference,

@@ -328,7 +328,7 @@ def convert_checkpoint(
     **options: Any,
 ) -> Path:
     """Convert the checkpoint at `src` to `num_kv_heads` KV heads (or, instead, `kv_heads_per_layer`
-    or `kv_budget` among `options`) and write it to `out`.
+    or `kv_budget` among `options`; or `target="mla"` with `kv_rank`) and write it to `out`.
 
     `options` are the keys of `ConversionSpec` (pooling, grouping, seed, dtype, calibration_data,
     calibration_tokens, calibration_device, source_hash, max_shard_size, …). Pass `calibration`
@@ -337,6 +337,10 @@ def convert_checkpoint(
     succeeded. Returns the output folder.
     """
     spec = conversion_spec(source=str(src), num_kv_heads=num_kv_heads, **options)
+    if spec.target == "mla":
+        from uptrain.convert.mla import convert_mla
+
+        return convert_mla(spec, out, overwrite)
     with prepare(spec, out, overwrite, calibration_given=calibration is not None) as prepared:
         if calibration is None:
             calibration = calibrate(prepared, progress)

@@ -28,6 +28,8 @@ Grouping = Literal["contiguous", "similarity"]
 DType = Literal["float32", "float16", "bfloat16"]
 SourceHash = Literal["blake3", "sha256", "none"]
 CalibrationWeighting = Literal["uniform", "attention"]
+Target = Literal["gqa", "mla"]
+RotaryKey = Literal["principal", "mean"]
 
 
 def parse_size(size: int | str) -> int:
@@ -235,6 +237,29 @@ class ConversionSpec(ConversionOptions):
     source: str = option(
         positional=True, metavar="src", help="checkpoint folder (safetensors, single or sharded) or a Hub id"
     )
+    target: Target = option(
+        "gqa",
+        help="what the attention becomes: gqa (fewer KV heads: -g, --kv-heads-per-layer or --kv-budget) or mla "
+        "(multi-head latent attention in the DeepSeek-V2 layout, Llama family: --kv-rank or --kv-budget, --rope-dims)",
+    )
+    kv_rank: int | None = option(
+        None,
+        at_least=1,
+        metavar="R",
+        help="--target mla: the latent's rank (kv_lora_rank), cached per token with the shared rotary key",
+    )
+    rope_dims: int | None = option(
+        None,
+        at_least=2,
+        metavar="D",
+        help="--target mla: columns of the shared rotary key (qk_rope_head_dim; the source's first D/2 "
+        "frequencies stay rotary, the rest lose their rotation); default: half the head dimension",
+    )
+    rotary_key: RotaryKey = option(
+        "principal",
+        help="--target mla: the one rotary key all heads share: principal (per frequency, the best complex "
+        "rank-1 fit of the heads' rotary keys, each query head turned to read it) or mean (the KV heads' mean)",
+    )
     num_kv_heads: int | None = kv_heads_option(
         None,
         "KV heads after conversion, every layer alike; must divide the attention heads and the current KV heads "
@@ -289,7 +314,13 @@ class ConversionSpec(ConversionOptions):
 
     def problems(self) -> list[str]:
         found = super().problems()
-        if problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
+        if self.target == "mla":
+            found += mla_problems(self)
+        elif self.kv_rank is not None or self.rope_dims is not None or self.rotary_key != "principal":
+            found.append(
+                "--kv-rank, --rope-dims and --rotary-key shape a latent attention: give them with --target mla"
+            )
+        elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
             found.append(problem)
         elif problem := allocation_cost_problem(self.allocation, self.allocation_cost):
             found.append(problem)
@@ -299,6 +330,29 @@ class ConversionSpec(ConversionOptions):
     def kv_heads(self) -> KVHeadsRequest:
         """The KV heads asked for (-g, --kv-heads-per-layer or --kv-budget), for `resolve_allocation`."""
         return KVHeadsRequest.of(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
+
+
+# The keys of the GQA route, at their defaults, that --target mla does not take (its
+# initialisation is the joint SVD; a calibrated one is to come).
+_GQA_ONLY = {
+    "num_kv_heads": (None, "-g"),
+    "kv_heads_per_layer": (None, "--kv-heads-per-layer"),
+    "allocation": ("uniform", "--allocation"),
+    "allocation_cost": (None, "--allocation-cost"),
+    "pooling": ("mean", "--pooling"),
+    "grouping": ("contiguous", "--grouping"),
+    "calibration_data": (None, "--calibration-data"),
+}
+
+
+def mla_problems(spec: ConversionSpec) -> list[str]:
+    """What `--target mla` refuses: the GQA route's keys, and a conversion without exactly one of
+    --kv-rank and --kv-budget."""
+    given = [flag for key, (default, flag) in _GQA_ONLY.items() if getattr(spec, key) != default]
+    found = [f"--target mla takes --kv-rank or --kv-budget (and --rope-dims), not {', '.join(given)}"] if given else []
+    if (spec.kv_rank is None) == (spec.kv_budget is None):
+        found.append("--target mla needs one of --kv-rank R (the latent's rank) and --kv-budget F")
+    return found
 
 
 @dataclass(kw_only=True)

@@ -159,7 +159,11 @@ class GroupedHeadsConfig:
             if self.num_key_value_heads is None:
                 per_layer = kwargs.get(KV_HEADS + PER_LAYER)  # an attribute only once the base class has run
                 self.num_key_value_heads = _largest(per_layer) or self.num_attention_heads
+            heads = self.num_key_value_heads
             super().__post_init__(**kwargs)
+            # The base config may derive its own (Falcon's, from 5.25, from its `num_kv_heads`,
+            # which a converted config.json holds as the source had it): the GQA count stands.
+            self.num_key_value_heads = heads
             self._grouped_heads()
 
 

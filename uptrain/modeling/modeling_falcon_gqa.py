@@ -81,6 +81,10 @@ class FalconGQAAttention(FalconAttention):
         self.queries_per_group = self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         rows = (self.num_heads + 2 * self.num_key_value_heads) * self.head_dim
         self.query_key_value = FalconLinear(self.hidden_size, rows, bias=config.bias)
+        # transformers' Falcon before 5.25 (4.57 included) has an attention of its own: eager
+        # divides the scores by √d, and only ALiBi drops attention weights out (`attention_dropout`
+        # a module). From 5.25 it is the common one (`scaling`, dropout a rate, on every path).
+        self.legacy_falcon = not hasattr(self, "scaling")
 
     def forward(self, hidden_states, alibi=None, attention_mask=None, position_embeddings=None, **kwargs):
         cache = pop_cache(kwargs)
@@ -94,7 +98,9 @@ class FalconGQAAttention(FalconAttention):
         qkv = self.query_key_value(hidden_states).view(b, t, self.num_key_value_heads, r + 2, d)
         q = qkv[..., :r, :].reshape(b, t, -1, d).transpose(1, 2)
         k, v = qkv[..., r, :].transpose(1, 2), qkv[..., r + 1, :].transpose(1, 2)
-        if alibi is None:
+        # By the config, not by `alibi`: transformers 5.25's Falcon passes the attention no
+        # `alibi` (it is in the mask) and computes rotary embeddings for ALiBi models too.
+        if not self.config.alibi:
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = update_cache(cache, k, v, self.layer_idx, kwargs)
@@ -102,8 +108,8 @@ class FalconGQAAttention(FalconAttention):
         # With ALiBi, transformers' Falcon has added ALiBi / √d into the 4D mask: every backend
         # here adds the mask to the scaled scores, once. (Its own eager attention adds ALiBi a
         # second time, unscaled, before scaling; its SDPA, its default, once, as here.)
-        if self.config._attn_implementation in (None, "eager"):
-            kwargs["score_divisor"] = math.sqrt(d)  # Falcon's eager divides by √d: bit for bit at G = h
+        if self.legacy_falcon and self.config._attn_implementation in (None, "eager"):
+            kwargs["score_divisor"] = math.sqrt(d)  # that eager's division: bit for bit at G = h
         # Dispatched here, as transformers' attentions do: vLLM's transformers backend looks in `forward`.
         attention_interface = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
@@ -113,11 +119,15 @@ class FalconGQAAttention(FalconAttention):
             v,
             attention_mask,
             scaling=self.inv_norm_factor,
-            # transformers' Falcon drops attention weights out only with ALiBi.
-            dropout=self.attention_dropout.p if self.training and alibi is not None else 0.0,
+            dropout=self._dropout(),
             **kwargs,
         )
         return self.dense(out.reshape(b, t, -1)), weights
+
+    def _dropout(self) -> float:
+        if not self.training or (self.legacy_falcon and not self.config.alibi):
+            return 0.0
+        return getattr(self.attention_dropout, "p", self.attention_dropout)
 
 
 def _use_gqa_attention(model: FalconModel, config: FalconGQAConfig) -> None:

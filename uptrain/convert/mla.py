@@ -1,0 +1,378 @@
+"""`uptrain convert --target mla`: a Llama-family checkpoint as multi-head latent attention in the
+DeepSeek-V2 layout (`uptrain.architecture.deepseek_v2`), initialised by the weight-space joint SVD
+of the non-rotary keys and the values (MHA2MLA's ablation). docs/concepts/mla.md has the math.
+
+Per layer, with n = x / g the input RMSNorm's output before its gain g (rms 1 per token):
+- rotary: the source's first D/2 frequencies stay rotary (Llama rotates column i with i + d/2 at
+  θ^(−2i/d); DeepSeek-V2 rotates (2j, 2j+1) at θ'^(−2j/D), θ' = θ^(D/d)). DeepSeek-V2 has one
+  rotary key for all heads: per frequency the best complex rank-1 fit of the heads' rotary keys,
+  each query head's rotary rows rescaled and turned to read it (`principal_rope_key`; exact when
+  the heads' keys of a frequency are complex multiples of one, as with one KV head), or the mean
+  of the KV heads' rotary rows (`mean_rope_key`, the ablation);
+- the other d − D columns of every head's query and key lose their rotation (partial RoPE);
+- latent: the stacked non-rotary keys and values, per query head, W = [K_nope; V] · diag(g) =
+  U S Vᵀ; the latent is c = V_Rᵀ n (`kv_a_proj_with_mqa` = V_Rᵀ diag(1/g)), `kv_b_proj` = U_R S_R.
+  V_R has orthonormal columns, so at R = hidden c is n rotated and its rms is n's, 1: the latent
+  RMSNorm (weight 1) then divides by ~1 and keys and values are the source's. Below, it divides each
+  token's latent by its own rms, which the weights cannot undo (measured in the docs).
+
+Streams: one layer's attention in memory at a time; everything else copied tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from uptrain import UptrainError
+from uptrain.architecture import deepseek_v2
+from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
+from uptrain.checkpoint.card import card_metadata, front_matter
+from uptrain.checkpoint.hashing import BackgroundHasher
+from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
+from uptrain.checkpoint.source import resolve_source
+from uptrain.checkpoint.writer import OutputEntry, ShardedWriter
+from uptrain.convert.outputs import copy_side_files, set_dtype, source_record
+from uptrain.convert.plan import DTYPES
+from uptrain.convert.spec import ConversionSpec, parse_size
+from uptrain.model_info import read_config
+
+FAMILIES = ("llama",)  # rotary decoders whose attention is q/k/v/o_proj without bias
+LAYER = "model.layers.{}.self_attn."
+INPUT_NORM = "model.layers.{}.input_layernorm.weight"
+
+
+@dataclass(frozen=True)
+class MLAGeometry:
+    """The source's attention and the latent it becomes."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    kv_rank: int
+    rope_dims: int
+    rope_theta: float
+    rotary_key: str = "principal"  # a name of ROTARY_KEYS
+
+    @property
+    def nope_dims(self) -> int:
+        return self.head_dim - self.rope_dims
+
+    @property
+    def max_rank(self) -> int:
+        """The latent holds at most what the stacked K_nope/V rows span, and never more than the hidden size."""
+        return min(self.hidden, self.num_heads * (self.nope_dims + self.head_dim))
+
+
+def default_rope_dims(head_dim: int) -> int:
+    """Half of each head's frequencies stay rotary unless told (DeepSeek-V2's own split is 64 of 192)."""
+    return max(2, head_dim // 2 // 2 * 2)
+
+
+def rank_for_budget(kv_budget: float, source_elements: int, rope_dims: int) -> int:
+    """`--kv-budget F`: the rank whose latent and rotary key cache F of the source's K/V elements
+    per token and layer, which must be a whole number of them."""
+    elements = kv_budget * source_elements
+    if abs(elements - round(elements)) > 1e-9 * source_elements or round(elements) <= rope_dims:
+        raise UptrainError(
+            f"--kv-budget {kv_budget}: {kv_budget} of the source's {source_elements} K/V elements per token and "
+            f"layer is {elements:g}, which must be a whole number above --rope-dims {rope_dims} (latent + rotary key)"
+        )
+    return round(elements) - rope_dims
+
+
+def mla_geometry(
+    config: dict,
+    kv_rank: int | None,
+    rope_dims: int | None,
+    kv_budget: float | None = None,
+    rotary_key: str = "principal",
+) -> MLAGeometry:
+    """The geometry, or one line saying what of the source or the flags this layout cannot take;
+    the rank is `kv_rank`, or what `kv_budget` leaves after the rotary key."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise UptrainError(
+            f"--target mla converts the Llama family (model_type {', '.join(FAMILIES)}); {model_type!r} is not "
+            "supported yet (use --target gqa)"
+        )
+    if config.get("attention_bias"):
+        raise UptrainError(
+            "--target mla: this model has q/k/v biases (attention_bias); DeepSeek-V2's q_proj and kv_b_proj have none"
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UptrainError(
+            f"--target mla keeps the source's rotary frequencies by rescaling rope_theta; rope_type {rope_type!r} "
+            "(scaled rotary) is not converted yet"
+        )
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    rope_dims = default_rope_dims(head_dim) if rope_dims is None else rope_dims
+    if rope_dims % 2 or not 2 <= rope_dims <= head_dim:
+        raise UptrainError(f"--rope-dims {rope_dims}: give an even number from 2 to the head dimension {head_dim}")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if kv_rank is None:
+        kv_rank = rank_for_budget(kv_budget, 2 * kv_heads * head_dim, rope_dims)
+    geometry = MLAGeometry(
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rotary_key=rotary_key,
+    )
+    if not 1 <= kv_rank <= geometry.max_rank:
+        raise UptrainError(
+            f"latent rank {kv_rank} (--kv-rank, or what --kv-budget leaves after the rotary key): give 1 to "
+            f"{geometry.max_rank} (the hidden size, or the stacked non-rotary key and value columns if fewer)"
+        )
+    return geometry
+
+
+def rope_rows(head_dim: int, rope_dims: int) -> list[int]:
+    """A head's columns that stay rotary, in DeepSeek-V2's interleaved order: the first
+    `rope_dims / 2` frequencies, Llama's pair (i, i + d/2) becoming (2i, 2i + 1)."""
+    half = head_dim // 2
+    return [row for i in range(rope_dims // 2) for row in (i, i + half)]
+
+
+def nope_rows(head_dim: int, rope_dims: int) -> list[int]:
+    """A head's columns that lose their rotation, in the source's order."""
+    kept = set(rope_rows(head_dim, rope_dims))
+    return [row for row in range(head_dim) if row not in kept]
+
+
+def mean_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo: MLAGeometry):
+    """`--rotary-key mean`: the one rotary key is the mean of the KV heads' rotary rows, each query
+    head keeps its own (the GQA paper's mean pooling, to one head). Returns each query head's rotary
+    rows (heads × D × hidden) and the key's (D × hidden), float64."""
+    rows = rope_rows(geo.head_dim, geo.rope_dims)
+    heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
+    return q.double().reshape(geo.num_heads, geo.head_dim, -1)[:, rows], heads[:, rows].mean(dim=0)
+
+
+def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo: MLAGeometry):
+    """`--rotary-key principal`: per kept frequency, the shared key that best carries every head's
+    rotary score. A pair's rotation is a complex multiplication, so head h's score is
+    Re(conj(α_h·x) (β_h·y) e^{iθΔ}) with α_h, β_h ∈ ℂ^hidden its query's and key's rows (a + ib).
+    A shared key β·y and queries c_h α_h reproduce it exactly when every β_h = λ_h β; otherwise
+    the best β (in n = x / g, weighting each head by its query's norm ‖α_h g‖) is the top right
+    singular vector of the matrix whose rows are ‖α_h g‖ β_h g (Eckart–Young), and c_h = conj(λ_h).
+    Returns as `mean_rope_key`."""
+    half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
+    gain = gain.double()
+    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
+    k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
+    q_rope = torch.empty(geo.num_heads, geo.rope_dims, q.shape[-1], dtype=torch.float64)
+    k_rope = torch.empty(geo.rope_dims, k.shape[-1], dtype=torch.float64)
+    for i in range(geo.rope_dims // 2):
+        alpha = torch.complex(q_heads[:, i], q_heads[:, i + half])
+        beta = torch.complex(k_heads[:, i], k_heads[:, i + half]).repeat_interleave(group, dim=0) * gain
+        weight = (alpha * gain).abs().pow(2).sum(-1).sqrt()
+        u, s, vh = torch.linalg.svd(weight[:, None] * beta, full_matrices=False)
+        scale = s[0] * u[:, 0] / weight.clamp_min(torch.finfo(torch.float64).tiny)  # β_h ≈ scale_h · vh[0]
+        query = scale.conj()[:, None] * alpha
+        key = vh[0] / gain
+        q_rope[:, 2 * i], q_rope[:, 2 * i + 1] = query.real, query.imag
+        k_rope[2 * i], k_rope[2 * i + 1] = key.real, key.imag
+    return q_rope, k_rope
+
+
+ROTARY_KEYS = {"principal": principal_rope_key, "mean": mean_rope_key}
+ROTARY_KEY_TEXT = {
+    "principal": "per frequency, the best rank-1 (complex) fit of the heads' rotary keys in weight space",
+    "mean": "the mean of the source's KV heads' rotary rows",
+}
+
+
+def stacked_kv(k: torch.Tensor, v: torch.Tensor, geo: MLAGeometry) -> torch.Tensor:
+    """Rows `kv_b_proj` must produce, as the source computes them: per query head its KV head's
+    non-rotary key rows, then its value rows (float64)."""
+    group = geo.num_heads // geo.num_kv_heads
+    k_nope = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)[:, nope_rows(geo.head_dim, geo.rope_dims)]
+    per_kv = torch.cat([k_nope, v.double().reshape(geo.num_kv_heads, geo.head_dim, -1)], dim=1)
+    return per_kv.repeat_interleave(group, dim=0).reshape(-1, k.shape[-1])
+
+
+def joint_svd(kv: torch.Tensor, gain: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent's down- and up-projection (float64): the truncated SVD of `kv · diag(gain)`, the
+    map from the normalised hidden state n, as V_Rᵀ diag(1/gain) (so the latent is V_Rᵀ n, of rms
+    ≈ 1 when the rank is full) and U_R S_R."""
+    u, s, vh = torch.linalg.svd(kv * gain.double(), full_matrices=False)
+    return vh[:rank] / gain.double(), u[:, :rank] * s[:rank]
+
+
+def layer_attention(tensors: dict[str, torch.Tensor], gain: torch.Tensor, geo: MLAGeometry) -> dict[str, torch.Tensor]:
+    """One layer's source q/k/v_proj weights as the DeepSeek-V2 attention's (`o_proj` is unchanged)."""
+    dtype = tensors["q"].dtype
+    down, up = joint_svd(stacked_kv(tensors["k"], tensors["v"], geo), gain, geo.kv_rank)
+    q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
+    q_nope = tensors["q"].double().reshape(geo.num_heads, geo.head_dim, -1)[:, nope_rows(geo.head_dim, geo.rope_dims)]
+    query = torch.cat([q_nope, q_rope], dim=1).reshape(-1, tensors["q"].shape[-1])
+    kv_a = torch.cat([down, k_rope])
+    return {
+        deepseek_v2.Q_PROJ: query.to(dtype),
+        deepseek_v2.KV_A_PROJ: kv_a.to(dtype),
+        deepseek_v2.KV_A_NORM: torch.ones(geo.kv_rank, dtype=dtype),
+        deepseek_v2.KV_B_PROJ: up.to(dtype),
+    }
+
+
+def check_gains(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> None:
+    """The latent is written from n = x / g (`joint_svd`): every input RMSNorm gain must be nonzero.
+    Read before anything is written (a hidden size of numbers per layer)."""
+    for layer in range(geo.num_layers):
+        if (checkpoint.read_tensor(INPUT_NORM.format(layer)) == 0).any():
+            raise UptrainError(
+                f"--target mla: layer {layer}'s input_layernorm has a weight of 0, so its latent cannot be written "
+                "as a rotation of the normalised hidden state"
+            )
+
+
+def _output_names(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> list[tuple[str, str | None]]:
+    """(output name, source name or None for a computed tensor), in the source's file order with
+    each layer's attention in place of its q/k/v_proj."""
+    replaced = {LAYER.format(i) + f"{p}_proj.weight": i for i in range(geo.num_layers) for p in "qkv"}
+    missing = sorted(name for name in replaced if name not in checkpoint.tensors)
+    if missing:
+        raise UptrainError(f"--target mla: the checkpoint has no {missing[0]} (not a Llama checkpoint)")
+    names: list[tuple[str, str | None]] = []
+    for info in checkpoint.order():
+        layer = replaced.get(info.name)
+        if layer is None:
+            names.append((info.name, info.name))
+        elif info.name.endswith("q_proj.weight"):
+            prefix = LAYER.format(layer)
+            names += [(prefix + part, None) for part in deepseek_v2.LAYER_TENSORS]
+    return names
+
+
+def _entries(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast) -> list[OutputEntry]:
+    attention_dtype = checkpoint.tensors[LAYER.format(0) + "q_proj.weight"].dtype
+    shapes = {
+        deepseek_v2.Q_PROJ: (geo.num_heads * geo.head_dim, geo.hidden),
+        deepseek_v2.KV_A_PROJ: (geo.kv_rank + geo.rope_dims, geo.hidden),
+        deepseek_v2.KV_A_NORM: (geo.kv_rank,),
+        deepseek_v2.KV_B_PROJ: (geo.num_heads * (geo.nope_dims + geo.head_dim), geo.kv_rank),
+    }
+    entries = []
+    for name, source in names:
+        if source is None:
+            entries.append(OutputEntry(name, cast or attention_dtype, shapes[name.rsplit("self_attn.", 1)[1]]))
+        else:
+            info = checkpoint.tensors[source]
+            floating = isinstance(info.dtype, torch.dtype) and info.dtype.is_floating_point
+            entries.append(OutputEntry(name, cast if cast and floating else info.dtype, info.shape))
+    return entries
+
+
+def _tensors(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast):
+    """Each output tensor in order; a layer's attention computed when its first tensor is due."""
+    done: dict[str, torch.Tensor] = {}
+    for name, source in names:
+        if source is not None:
+            tensor = checkpoint.read_tensor(source)
+            yield tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor
+            continue
+        prefix, part = name.rsplit("self_attn.", 1)
+        if part == deepseek_v2.Q_PROJ:
+            layer = int(prefix.split(".")[2])
+            read = {p: checkpoint.read_tensor(LAYER.format(layer) + f"{p}_proj.weight") for p in "qkv"}
+            done = layer_attention(read, checkpoint.read_tensor(INPUT_NORM.format(layer)), geo)
+        tensor = done.pop(part)
+        yield tensor.to(cast) if cast is not None else tensor
+
+
+def kv_elements_per_token(geo: MLAGeometry) -> dict[str, int]:
+    """KV-cache elements per token per layer: the latent and shared rotary key, against the source's K/V."""
+    return {
+        "mla": deepseek_v2.latent_elements_per_token(geo.kv_rank, geo.rope_dims),
+        "source": 2 * geo.num_kv_heads * geo.head_dim,
+        "mha": 2 * geo.num_heads * geo.head_dim,
+    }
+
+
+def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None) -> dict:
+    """The `uptrain.json` of an MLA conversion."""
+    return {
+        **source_record(source, source_files),
+        "model_type": "llama",
+        "target": "mla",
+        "initialisation": "svd",
+        "initialisation_reference": "joint SVD of the non-rotary keys and values in weight space (MHA2MLA's ablation)",
+        "dtype": dtype,
+        "num_attention_heads": geo.num_heads,
+        "source_num_key_value_heads": geo.num_kv_heads,
+        "kv_lora_rank": geo.kv_rank,
+        "qk_rope_head_dim": geo.rope_dims,
+        "rotary_frequencies_kept": list(range(geo.rope_dims // 2)),
+        "rotary_key": geo.rotary_key,
+        "kv_elements_per_token_per_layer": kv_elements_per_token(geo),
+    }
+
+
+def mla_card(p: dict, source_card: dict) -> str:
+    """README.md of an MLA conversion."""
+    elements = p["kv_elements_per_token_per_layer"]
+    body = f"""# llama as multi-head latent attention (DeepSeek-V2 layout, converted by uptrain)
+
+Converted from `{p["source"]}` ({p["num_attention_heads"]} query heads, {p["source_num_key_value_heads"]} KV heads) \
+to multi-head latent attention: a latent of rank {p["kv_lora_rank"]} and one rotary key of \
+{p["qk_rope_head_dim"]} columns shared by every head, {elements["mla"]} cached elements per token and layer \
+against the source's {elements["source"]} ({elements["mla"] / elements["mha"]:.4g} of multi-head attention's).
+
+Initialisation: {p["initialisation_reference"]}. Rotary frequencies kept: the first {p["qk_rope_head_dim"] // 2} \
+of each head; the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`). \
+Loads with transformers' own `DeepseekV2ForCausalLM`.
+
+The weights have not been trained since conversion: uptrain them before use.
+`uptrain.json` records the source files' digests and the uptrain version ({p["uptrain_version"]}).
+"""
+    return front_matter(p["base_model"], source_card, ["llama", "mla"]) + "\n" + body
+
+
+def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) -> Path:
+    """Every check first (nothing written on a refusal), then stream the conversion into `out`."""
+    max_shard_bytes = parse_size(spec.max_shard_size)
+    out = Path(out).absolute()
+    check_output_path(out, overwrite)
+    source = resolve_source(spec.source)
+    check_apart(out, [("source checkpoint", source.folder)])
+    config = read_config(source.folder)
+    geo = mla_geometry(config, spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
+    cast = DTYPES[spec.dtype] if spec.dtype is not None else None
+    checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
+    try:
+        names = _output_names(checkpoint, geo)
+        check_gains(checkpoint, geo)
+        entries = _entries(names, checkpoint, geo, cast)
+        with (
+            atomic_directory(out, overwrite) as tmp,
+            BackgroundHasher(checkpoint.files, spec.source_hash) as hasher,
+        ):
+            with ShardedWriter(tmp, entries, max_shard_bytes) as writer:
+                for (name, _), tensor in zip(names, _tensors(names, checkpoint, geo, cast), strict=True):
+                    writer.begin(name)
+                    writer.write(tensor_bytes(tensor.contiguous()))
+            written = deepseek_v2.mla_config(config, geo.kv_rank, geo.rope_dims, geo.head_dim, geo.rope_theta)
+            set_dtype(written, spec.dtype)
+            (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+            copy_side_files(source.folder, tmp, written)
+            record = mla_record(source, hasher.result(), geo, spec.dtype)
+            if spec.kv_budget is not None:
+                record["kv_budget"] = spec.kv_budget
+            (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
+            (tmp / "README.md").write_text(mla_card(record, card_metadata(source.folder)))
+    finally:
+        checkpoint.close()
+    return out

@@ -372,19 +372,14 @@ def convert_starts(rows: list[Row], spec, root: Path, log) -> None:
 
 
 def row_conversion(row: Row, spec):
-    """The `ConversionSpec` of a row's start: compare's, with the row's attention, weighting and budget."""
-    from uptrain import UptrainError
-
-    conversion = spec.conversion_spec(row.num_kv_heads or 1, row.pooling)
-    conversion = dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
+    """The `ConversionSpec` of a row's start: compare's (its budget conversion for a budget row:
+    the allocation cost is compare's default, `merge` for encoder–decoders, the only one they
+    have), with the row's attention and weighting."""
     if row.budget is not None:
-        cost = "merge" if row.allocation == "calibrated" else None  # encoder–decoders' only cost
-        conversion = dataclasses.replace(
-            conversion, num_kv_heads=None, kv_budget=row.budget, allocation=row.allocation, allocation_cost=cost
-        )
-        if problems := conversion.problems():
-            raise UptrainError(f"{row.name}: " + "; ".join(problems))
-    return conversion
+        conversion = spec.budget_conversion_spec(row.budget, row.allocation, row.pooling)
+    else:
+        conversion = spec.conversion_spec(row.num_kv_heads, row.pooling)
+    return dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
 
 
 def uptrain_row(row: Row, args: argparse.Namespace, root: Path, log) -> None:

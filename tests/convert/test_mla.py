@@ -194,6 +194,13 @@ def test_principal_rotary_key_is_the_best_rank_one_fit(tmp_path):
         (["--target", "mla", "--kv-rank", "40", "--pooling", "calibrated"], "not --pooling"),
         (["-g", "2", "--kv-rank", "40"], "give them with --target mla"),
         (["-g", "2", "--rotary-key", "mean"], "give them with --target mla"),
+        (["-g", "2", "--mla-init", "calibrated"], "give them with --target mla"),
+        (["--target", "mla", "--kv-rank", "40", "--mla-init", "calibrated"], "needs calibration data"),
+        (["--target", "mla", "--kv-rank", "40", "--calibration-data", "text.txt"], "--mla-init svd reads no"),
+        (
+            ["--target", "mla", "--kv-rank", "40", "--mla-init", "calibrated", "--calibration-data", "missing.txt"],
+            "missing.txt",
+        ),
         (["--target", "mla", "--kv-rank", "0"], "kv_rank"),
         (
             ["--target", "mla", "--kv-budget", "1", "--rope-dims", "2"],
@@ -291,3 +298,68 @@ def test_inspect_shows_the_latents_bytes_per_token(tmp_path, capsys):
     assert [row["num_kv_heads"] for row in info["expanded"]] == [4, 2, 1]
     assert main(["inspect", str(out)]) == 0
     assert "a latent of rank 24 + one rotary key of 8 shared by all heads" in capsys.readouterr().out
+
+
+def subspace_llama(folder, tokenizer, rank: int):
+    """A one-KV-head tiny Llama whose residual stream lies in a `rank`-dimensional subspace S for
+    every input: the embeddings, o_proj's and down_proj's outputs are projected onto S, so every
+    attention input is diag(g) of a vector of S."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-12,
+        initializer_range=0.5,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config).eval()
+    basis, _ = torch.linalg.qr(torch.randn(HIDDEN, rank))
+    onto = basis @ basis.T
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight @ onto)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.o_proj.weight.copy_(onto @ layer.self_attn.o_proj.weight)
+            layer.mlp.down_proj.weight.copy_(onto @ layer.mlp.down_proj.weight)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def test_calibrated_latent_is_exact_when_the_attention_inputs_span_its_rank(tmp_path, tokenizer, calibration_text):
+    """Hidden states in an R-dimensional subspace: the calibrated latent of rank R spans them, so
+    B A x = W x and, its basis orthonormal in n = x / g, every token's latent has the norm of n
+    (√hidden): the latent norm's measured weight √(hidden / R) undoes its division exactly and the
+    model is the source (every rotary column kept, one KV head: the rotary key is exact too).
+    The weight-space SVD at the same rank keeps the values' top singular directions, not S: far off."""
+    rank = 24
+    source = subspace_llama(tmp_path / "src", tokenizer, rank)
+    mla = dict(target="mla", kv_rank=rank, rope_dims=HEAD_DIM, source_hash="none", progress=False)
+    calibrated = convert_checkpoint(
+        tmp_path / "src",
+        tmp_path / "calibrated",
+        mla_init="calibrated",
+        calibration_data=str(calibration_text),
+        calibration_tokens=1024,
+        calibration_device="cpu",
+        **mla,
+    )
+    svd = convert_checkpoint(tmp_path / "src", tmp_path / "svd", **mla)
+    weights = load_file(calibrated / "model.safetensors")
+    expected_weight = torch.full((rank,), (HIDDEN / rank) ** 0.5)
+    assert torch.allclose(weights["model.layers.1.self_attn.kv_a_layernorm.weight"], expected_weight, rtol=1e-5)
+    record = json.loads((calibrated / "uptrain.json").read_text())
+    assert record["initialisation"] == "calibrated" and record["calibration"]["tokens"] == 1024
+    ids = torch.randint(0, len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = source(ids).logits
+        noise = (expected - source.double()(ids).logits.float()).abs().max().item()
+        got = AutoModelForCausalLM.from_pretrained(calibrated).eval()(ids).logits
+        off = AutoModelForCausalLM.from_pretrained(svd).eval()(ids).logits
+    assert (got - expected).abs().max().item() <= 20 * noise + 1e-4, "the calibrated latent is not the source"
+    assert (off - expected).abs().max().item() > 1000 * (20 * noise + 1e-4)

@@ -30,6 +30,7 @@ SourceHash = Literal["blake3", "sha256", "none"]
 CalibrationWeighting = Literal["uniform", "attention"]
 Target = Literal["gqa", "mla"]
 RotaryKey = Literal["principal", "mean"]
+MLAInit = Literal["svd", "calibrated"]
 
 
 def parse_size(size: int | str) -> int:
@@ -260,6 +261,12 @@ class ConversionSpec(ConversionOptions):
         help="--target mla: the one rotary key all heads share: principal (per frequency, the best complex "
         "rank-1 fit of the heads' rotary keys, each query head turned to read it) or mean (the KV heads' mean)",
     )
+    mla_init: MLAInit = option(
+        "svd",
+        help="--target mla: the latent's initialisation: svd (the joint SVD of the non-rotary keys and values in "
+        "weight space) or calibrated (from their activations on --calibration-data, weighted by what the queries "
+        "and o_proj read; the latent norm's weight set to the latent's measured rms)",
+    )
     num_kv_heads: int | None = kv_heads_option(
         None,
         "KV heads after conversion, every layer alike; must divide the attention heads and the current KV heads "
@@ -316,9 +323,15 @@ class ConversionSpec(ConversionOptions):
         found = super().problems()
         if self.target == "mla":
             found += mla_problems(self)
-        elif self.kv_rank is not None or self.rope_dims is not None or self.rotary_key != "principal":
+        elif (
+            self.kv_rank is not None
+            or self.rope_dims is not None
+            or self.rotary_key != "principal"
+            or self.mla_init != "svd"
+        ):
             found.append(
-                "--kv-rank, --rope-dims and --rotary-key shape a latent attention: give them with --target mla"
+                "--kv-rank, --rope-dims, --rotary-key and --mla-init shape a latent attention: "
+                "give them with --target mla"
             )
         elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
             found.append(problem)
@@ -332,8 +345,8 @@ class ConversionSpec(ConversionOptions):
         return KVHeadsRequest.of(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
 
 
-# The keys of the GQA route, at their defaults, that --target mla does not take (its
-# initialisation is the joint SVD; a calibrated one is to come).
+# The keys of the GQA route, at their defaults, that --target mla does not take (calibration
+# data it takes with --mla-init calibrated).
 _GQA_ONLY = {
     "num_kv_heads": (None, "-g"),
     "kv_heads_per_layer": (None, "--kv-heads-per-layer"),
@@ -341,7 +354,6 @@ _GQA_ONLY = {
     "allocation_cost": (None, "--allocation-cost"),
     "pooling": ("mean", "--pooling"),
     "grouping": ("contiguous", "--grouping"),
-    "calibration_data": (None, "--calibration-data"),
 }
 
 
@@ -352,6 +364,13 @@ def mla_problems(spec: ConversionSpec) -> list[str]:
     found = [f"--target mla takes --kv-rank or --kv-budget (and --rope-dims), not {', '.join(given)}"] if given else []
     if (spec.kv_rank is None) == (spec.kv_budget is None):
         found.append("--target mla needs one of --kv-rank R (the latent's rank) and --kv-budget F")
+    if spec.mla_init == "calibrated" and spec.calibration_data is None:
+        found.append("--mla-init calibrated needs calibration data (--calibration-data FILE)")
+    elif spec.mla_init != "calibrated" and spec.calibration_data is not None:
+        found.append(
+            f"--mla-init {spec.mla_init} reads no calibration data: drop --calibration-data "
+            "(or give --mla-init calibrated)"
+        )
     return found
 
 

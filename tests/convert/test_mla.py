@@ -8,6 +8,8 @@ the input RMSNorm's output n — exactly 1 only when that norm's ε is negligibl
 residual's mean square (the source here has ε = 1e-12), and only at full rank (R = hidden), where
 the latent is n rotated. Below full rank the written tensors are checked against the truncated
 SVD of the stacked non-rotary keys and values, recomputed here from the source's weights.
+`--mla-init calibrated` is exact below full rank where the attention inputs span the latent's rank
+(a source built so), and the weight-space SVD there is not.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """MLA (`uptrain convert --target mla`, initialisations svd and calibrated) against GQA (mean,
 calibrated) at equal KV bytes, on the shipped reference Llama, at α = 0 (no uptraining); the shared
-rotary key principal (the default) and mean (the ablation, SVD rows only).
+rotary key principal (the default), mean (the ablation, SVD rows only) and calibrated (calibrated
+rows only).
 
     python scripts/mla_study.py [--eval-blocks 64] [--rope-dims 8 16 32] [--out DIR]
 
@@ -99,6 +100,9 @@ def main() -> None:
             row(f"MLA calibrated R={rank}, D={d}, principal rotary key", budget, perplexity(out, blocks))
             name = f"MLA calibrated R={rank}, D={d}, principal, no latent norm (not the layout)"
             row(name, budget, perplexity(out, blocks, True))
+            both = dict(calibrated, rotary_key="calibrated")
+            out = convert_checkpoint(REFERENCE, root / f"mla-{rank}-{d}-calibrated-key", **both, **convert)
+            row(f"MLA calibrated R={rank}, D={d}, calibrated rotary key", budget, perplexity(out, blocks))
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 

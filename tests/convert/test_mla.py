@@ -198,6 +198,7 @@ def test_principal_rotary_key_is_the_best_rank_one_fit(tmp_path):
         (["-g", "2", "--rotary-key", "mean"], "give them with --target mla"),
         (["-g", "2", "--mla-init", "calibrated"], "give them with --target mla"),
         (["--target", "mla", "--kv-rank", "40", "--mla-init", "calibrated"], "needs calibration data"),
+        (["--target", "mla", "--kv-rank", "40", "--rotary-key", "calibrated"], "give it with --mla-init calibrated"),
         (["--target", "mla", "--kv-rank", "40", "--calibration-data", "text.txt"], "--mla-init svd reads no"),
         (
             ["--target", "mla", "--kv-rank", "40", "--mla-init", "calibrated", "--calibration-data", "missing.txt"],
@@ -302,10 +303,11 @@ def test_inspect_shows_the_latents_bytes_per_token(tmp_path, capsys):
     assert "a latent of rank 24 + one rotary key of 8 shared by all heads" in capsys.readouterr().out
 
 
-def subspace_llama(folder, tokenizer, rank: int):
-    """A one-KV-head tiny Llama whose residual stream lies in a `rank`-dimensional subspace S for
-    every input: the embeddings, o_proj's and down_proj's outputs are projected onto S, so every
-    attention input is diag(g) of a vector of S."""
+def subspace_llama(folder, tokenizer, rank: int, kv_heads: int = 1, keys_alike_on_s: bool = False):
+    """A tiny Llama whose residual stream lies in a `rank`-dimensional subspace S for every input:
+    the embeddings, o_proj's and down_proj's outputs are projected onto S, so every attention input
+    is diag(g) of a vector of S. `keys_alike_on_s`: per frequency, every KV head's complex key row
+    is a complex multiple of head 0's plus a part that reads nothing of diag(g) S."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -313,7 +315,7 @@ def subspace_llama(folder, tokenizer, rank: int):
         intermediate_size=192,
         num_hidden_layers=2,
         num_attention_heads=HEADS,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         rms_norm_eps=1e-12,
         initializer_range=0.5,
         max_position_embeddings=64,
@@ -328,6 +330,15 @@ def subspace_llama(folder, tokenizer, rank: int):
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
             layer.self_attn.o_proj.weight.copy_(onto @ layer.self_attn.o_proj.weight)
             layer.mlp.down_proj.weight.copy_(onto @ layer.mlp.down_proj.weight)
+            if keys_alike_on_s:
+                gain, half = layer.input_layernorm.weight, HEAD_DIM // 2
+                k = layer.self_attn.k_proj.weight.view(kv_heads, HEAD_DIM, HIDDEN)
+                for i in range(half):
+                    first = torch.complex(k[0, i], k[0, i + half])
+                    for s in range(1, kv_heads):
+                        unseen = torch.complex(*(torch.randn(2, HIDDEN) @ (torch.eye(HIDDEN) - onto) / gain))
+                        row = torch.complex(*torch.randn(2)) * first + unseen
+                        k[s, i], k[s, i + half] = row.real, row.imag
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
@@ -365,3 +376,30 @@ def test_calibrated_latent_is_exact_when_the_attention_inputs_span_its_rank(tmp_
         off = AutoModelForCausalLM.from_pretrained(svd).eval()(ids).logits
     assert (got - expected).abs().max().item() <= 20 * noise + 1e-4, "the calibrated latent is not the source"
     assert (off - expected).abs().max().item() > 1000 * (20 * noise + 1e-4)
+
+
+def test_calibrated_rotary_key_is_exact_where_the_keys_are_multiples_of_one_on_the_data(
+    tmp_path, tokenizer, calibration_text
+):
+    """Four KV heads whose rotary keys, frequency by frequency, are complex multiples of one on
+    every attention input (they differ only where no input reaches): the calibrated rotary key,
+    fitted under C, is exact (with the calibrated latent at the inputs' rank, the model is the
+    source), the weight-space principal key, which sees the differences, is not."""
+    rank = 24
+    source = subspace_llama(tmp_path / "src", tokenizer, rank, kv_heads=HEADS, keys_alike_on_s=True)
+    common = dict(target="mla", kv_rank=rank, rope_dims=HEAD_DIM, source_hash="none", progress=False)
+    calibration = dict(calibration_data=str(calibration_text), calibration_tokens=1024, calibration_device="cpu")
+    ids = torch.randint(0, len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = source(ids).logits
+        noise = (expected - source.double()(ids).logits.float()).abs().max().item()
+    gaps = {}
+    for key in ("calibrated", "principal"):
+        out = convert_checkpoint(
+            tmp_path / "src", tmp_path / key, rotary_key=key, mla_init="calibrated", **calibration, **common
+        )
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        gaps[key] = (got - expected).abs().max().item()
+    assert gaps["calibrated"] <= 20 * noise + 1e-4, gaps
+    assert gaps["principal"] > 100 * (20 * noise + 1e-4), gaps

@@ -37,7 +37,7 @@ from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
 from uptrain.checkpoint.writer import OutputEntry, ShardedWriter
-from uptrain.convert.mla_calibrated import LatentSolution, LatentSolutions, layer_solver
+from uptrain.convert.mla_calibrated import LatentSolution, LatentSolutions, layer_solver, turned_queries
 from uptrain.convert.outputs import copy_side_files, set_dtype, source_record
 from uptrain.convert.plan import DTYPES
 from uptrain.convert.spec import CalibrationSettings, ConversionSpec, parse_size
@@ -195,6 +195,8 @@ ROTARY_KEYS = {"principal": principal_rope_key, "mean": mean_rope_key}
 ROTARY_KEY_TEXT = {
     "principal": "per frequency, the best rank-1 (complex) fit of the heads' rotary keys in weight space",
     "mean": "the mean of the source's KV heads' rotary rows",
+    "calibrated": "per frequency, the best rank-1 (complex) fit of the KV heads' rotary keys on calibration data, "
+    "weighted by the queries' energy",
 }
 
 
@@ -238,7 +240,10 @@ def layer_attention(
         (down, up), rms = joint_svd(kv, gain, geo.kv_rank), 1.0
     else:
         down, up, rms = solution.down, kv @ solution.fit, solution.rms
-    q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
+    if geo.rotary_key == "calibrated":  # solved from the calibration's moments (`mla_calibrated`)
+        q_rope, k_rope = turned_queries(tensors["q"], solution.rope_turns, geo), solution.rope_key
+    else:
+        q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
     q_nope = tensors["q"].double().reshape(geo.num_heads, geo.head_dim, -1)[:, nope_rows(geo.head_dim, geo.rope_dims)]
     query = torch.cat([q_nope, q_rope], dim=1).reshape(-1, tensors["q"].shape[-1])
     kv_a = torch.cat([down, k_rope])

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from uptrain.convert.calibrated import regularised
+from uptrain.convert.calibrated import _shared_vector, _solve_rank_one, regularised
 from uptrain.convert.calibration import SpilledMoments
 
 
@@ -46,6 +46,8 @@ class LatentSolution:
     down: torch.Tensor
     fit: torch.Tensor
     rms: float
+    rope_key: torch.Tensor | None = None  # `--rotary-key calibrated`: the shared key's rows (D × hidden)
+    rope_turns: torch.Tensor | None = None  # … and each KV head's complex scale per frequency [D/2, kv]
 
 
 def reader_weighted_gram(
@@ -84,21 +86,54 @@ def solve_latent(g: torch.Tensor, c: torch.Tensor, gain: torch.Tensor, rank: int
     return LatentSolution(down, fit, rms)
 
 
+def solve_rope_key(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, geo) -> tuple[torch.Tensor, torch.Tensor]:
+    """`--rotary-key calibrated`: per kept frequency, the calibrated GQA merge's rank-1 fit of the
+    KV heads' complex key rows to one (`calibrated._solve_rank_one`: Σ_s α_s ‖β_s − σ_s β‖²_C, α_s
+    the pair's query energy E|q|² summed over the heads reading s). Returns the shared key's rows in
+    DeepSeek-V2's interleaved order (D × hidden) and σ [D/2, kv], conj(σ_s) folded into the queries."""
+    half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
+    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
+    k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
+    pairs = range(geo.rope_dims // 2)
+    keys = torch.stack([torch.complex(k_heads[:, i], k_heads[:, i + half]) for i in pairs])  # [D/2, kv, hidden]
+    energy = torch.einsum("hdx,xy,hdy->hd", q_heads, c, q_heads)  # E[q_d²] per query head
+    alpha = torch.stack([(energy[:, i] + energy[:, i + half]).reshape(-1, group).sum(1) for i in pairs])
+    solved = _solve_rank_one(keys, alpha, regularised(c))
+    shared = _shared_vector(keys, solved)  # [D/2, hidden]
+    rows = torch.stack([shared.real, shared.imag], dim=1).reshape(geo.rope_dims, -1)
+    return rows, solved.sigma
+
+
+def turned_queries(q: torch.Tensor, turns: torch.Tensor, geo) -> torch.Tensor:
+    """Each query head's rotary rows (interleaved, heads × D × hidden) times conj(σ) of its KV head."""
+    half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
+    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
+    out = torch.empty(geo.num_heads, geo.rope_dims, q_heads.shape[-1], dtype=torch.float64)
+    for i in range(geo.rope_dims // 2):
+        pair = torch.complex(q_heads[:, i], q_heads[:, i + half]) * turns[i].repeat_interleave(group).conj()[:, None]
+        out[:, 2 * i], out[:, 2 * i + 1] = pair.real, pair.imag
+    return out
+
+
 class LatentSolutions:
     """{layer: LatentSolution}, the matrices spilled to a temporary file as calibration's moments
     are (`SpilledMoments`): a 7B model's at R = 1024 are 2 GB in float64, held one layer at a time."""
 
     def __init__(self) -> None:
         self._matrices = SpilledMoments()
-        self._rms: dict[int, float] = {}
+        self._small: dict[int, tuple[float, torch.Tensor | None]] = {}  # rms, rope_turns
 
     def add(self, layer: int, solution: LatentSolution) -> None:
-        self._matrices.add(layer, torch.cat([solution.down, solution.fit.mT]))
-        self._rms[layer] = solution.rms
+        rope = [] if solution.rope_key is None else [solution.rope_key]
+        self._matrices.add(layer, torch.cat([solution.down, solution.fit.mT, *rope]))
+        self._small[layer] = (solution.rms, solution.rope_turns)
 
     def __getitem__(self, layer: int) -> LatentSolution:
-        down, fit_t = self._matrices[layer].chunk(2)
-        return LatentSolution(down, fit_t.mT, self._rms[layer])
+        rms, turns = self._small[layer]
+        matrices = self._matrices[layer]
+        rank = (len(matrices) - (0 if turns is None else 2 * turns.shape[0])) // 2
+        down, fit_t, rope = matrices[:rank], matrices[rank : 2 * rank], matrices[2 * rank :]
+        return LatentSolution(down, fit_t.mT, rms, None if turns is None else rope, turns)
 
 
 def layer_solver(
@@ -113,6 +148,10 @@ def layer_solver(
         c = moment[:-1, :-1].to("cpu", torch.float64)
         tensors, gain = read_layer(layer)
         g = reader_weighted_gram(*reader_rows(tensors, geo), c)
-        solutions.add(layer, solve_latent(g, c, gain.double(), geo.kv_rank))
+        solution = solve_latent(g, c, gain.double(), geo.kv_rank)
+        if geo.rotary_key == "calibrated":
+            rope_key, rope_turns = solve_rope_key(tensors["q"], tensors["k"], c, geo)
+            solution = LatentSolution(solution.down, solution.fit, solution.rms, rope_key, rope_turns)
+        solutions.add(layer, solution)
 
     return solve

@@ -29,7 +29,7 @@ DType = Literal["float32", "float16", "bfloat16"]
 SourceHash = Literal["blake3", "sha256", "none"]
 CalibrationWeighting = Literal["uniform", "attention"]
 Target = Literal["gqa", "mla"]
-RotaryKey = Literal["principal", "mean"]
+RotaryKey = Literal["principal", "mean", "calibrated"]
 MLAInit = Literal["svd", "calibrated"]
 
 
@@ -259,7 +259,8 @@ class ConversionSpec(ConversionOptions):
     rotary_key: RotaryKey = option(
         "principal",
         help="--target mla: the one rotary key all heads share: principal (per frequency, the best complex "
-        "rank-1 fit of the heads' rotary keys, each query head turned to read it) or mean (the KV heads' mean)",
+        "rank-1 fit of the heads' rotary keys, each query head turned to read it), mean (the KV heads' mean) or "
+        "calibrated (principal's fit weighted by the queries' energy on the calibration data: --mla-init calibrated)",
     )
     mla_init: MLAInit = option(
         "svd",
@@ -364,6 +365,8 @@ def mla_problems(spec: ConversionSpec) -> list[str]:
     found = [f"--target mla takes --kv-rank or --kv-budget (and --rope-dims), not {', '.join(given)}"] if given else []
     if (spec.kv_rank is None) == (spec.kv_budget is None):
         found.append("--target mla needs one of --kv-rank R (the latent's rank) and --kv-budget F")
+    if spec.rotary_key == "calibrated" and spec.mla_init != "calibrated":
+        found.append("--rotary-key calibrated is fitted on calibration data: give it with --mla-init calibrated")
     if spec.mla_init == "calibrated" and spec.calibration_data is None:
         found.append("--mla-init calibrated needs calibration data (--calibration-data FILE)")
     elif spec.mla_init != "calibrated" and spec.calibration_data is not None:

@@ -9,8 +9,9 @@ Per layer, with n = x / g the input RMSNorm's output before its gain g (rms 1 pe
   θ^(−2i/d); DeepSeek-V2 rotates (2j, 2j+1) at θ'^(−2j/D), θ' = θ^(D/d)). DeepSeek-V2 has one
   rotary key for all heads: per frequency the best complex rank-1 fit of the heads' rotary keys,
   each query head's rotary rows rescaled and turned to read it (`principal_rope_key`; exact when
-  the heads' keys of a frequency are complex multiples of one, as with one KV head), or the mean
-  of the KV heads' rotary rows (`mean_rope_key`, the ablation);
+  the heads' keys of a frequency are complex multiples of one, as with one KV head), the mean
+  of the KV heads' rotary rows (`mean_rope_key`, the ablation), or the same fit under the
+  calibration's moments (`mla_calibrated.solve_rope_key`, `--rotary-key calibrated`);
 - the other d − D columns of every head's query and key lose their rotation (partial RoPE);
 - latent: the stacked non-rotary keys and values, per query head, W = [K_nope; V] · diag(g) =
   U S Vᵀ; the latent is c = V_Rᵀ n (`kv_a_proj_with_mqa` = V_Rᵀ diag(1/g)), `kv_b_proj` = U_R S_R.

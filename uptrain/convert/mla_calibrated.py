@@ -25,6 +25,9 @@ G_K = Σ_h K_hᵀ Q_h K_h, G_V = Σ_h V_hᵀ O_hᵀ O_h V_h: the two relative er
 
 Exact when every calibration (and later) attention input lies in an R-dimensional subspace: then
 B A x = W x for those x and the norm is the identity (tests/convert/test_mla.py).
+
+`--rotary-key calibrated` fits the shared rotary key on the same C (`solve_rope_key`): the
+calibrated GQA merge's rank-1 fit of the KV heads' complex key rows, per frequency.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""MLA (`uptrain convert --target mla`, joint-SVD initialisation) against GQA (mean, calibrated) at
-equal KV bytes, on the shipped reference Llama, at α = 0 (no uptraining); the shared rotary key
-principal (the default) and mean (the ablation).
+"""MLA (`uptrain convert --target mla`, initialisations svd and calibrated) against GQA (mean,
+calibrated) at equal KV bytes, on the shipped reference Llama, at α = 0 (no uptraining); the shared
+rotary key principal (the default), mean (the ablation, SVD rows only) and calibrated (calibrated
+rows only).
 
     python scripts/mla_study.py [--eval-blocks 64] [--rope-dims 8 16 32] [--out DIR]
 
@@ -8,8 +9,10 @@ The reference caches 2 · 8 heads · 32 = 512 elements per token and layer. At 1
 G = 2) and 1/8 (64: G = 1), each MLA row spends the budget as rank R = budget − D on the latent and
 D on the shared rotary key. Rows at full rank (R = 256, the hidden size) isolate what the rotary
 choices cost (the shared, head-averaged rotary key; the frequencies that lose their rotation);
-rows "no latent norm" score the same weights with `kv_a_layernorm` replaced by its weight alone
-(the layout cannot do that: it measures what the norm costs). Perplexity on the validation
+rows "no latent norm" score the same weights with `kv_a_layernorm` removed, the latent going
+straight to `kv_b_proj`, which both initialisations fit to the latent before the norm (the layout
+cannot do that: it measures what the norm costs). The calibrated rows (MLA's and GQA's) read the
+default 32,768 tokens of the train split. Perplexity on the validation
 split's first blocks of 256 tokens, as scripts/allocation_study.py scores them.
 """
 
@@ -34,22 +37,19 @@ REFERENCE = "uptrain/assets/reference"
 MHA_ELEMENTS = 2 * 8 * 32  # per token and layer
 
 
-class GainOnly(torch.nn.Module):
-    """`kv_a_layernorm` without the normalisation: what a latent without the norm computes."""
-
-    def __init__(self, norm: torch.nn.Module):
-        super().__init__()
-        self.weight = norm.weight
+class NoNorm(torch.nn.Module):
+    """In place of `kv_a_layernorm`: the latent as `kv_a_proj_with_mqa` computes it, which is what
+    `kv_b_proj` was fitted to (the norm's weight is 1 for svd, the latent's rms for calibrated)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x
+        return x
 
 
 def perplexity(folder: Path, blocks: torch.Tensor, without_norm: bool = False) -> float:
     model = load_model(folder, "a conversion", dtype=torch.float32).eval()
     if without_norm:
         for layer in model.model.layers:
-            layer.self_attn.kv_a_layernorm = GainOnly(layer.self_attn.kv_a_layernorm)
+            layer.self_attn.kv_a_layernorm = NoNorm()
     return math.exp(mean_loss(model, blocks))
 
 
@@ -95,6 +95,14 @@ def main() -> None:
                 if key == "principal":
                     name = f"MLA SVD R={rank}, D={d}, {key}, no latent norm (not the layout)"
                     row(name, budget, perplexity(out, blocks, True))
+            calibrated = dict(target="mla", kv_rank=rank, rope_dims=d, mla_init="calibrated", calibration_data=train)
+            out = convert_checkpoint(REFERENCE, root / f"mla-{rank}-{d}-calibrated", **calibrated, **convert)
+            row(f"MLA calibrated R={rank}, D={d}, principal rotary key", budget, perplexity(out, blocks))
+            name = f"MLA calibrated R={rank}, D={d}, principal, no latent norm (not the layout)"
+            row(name, budget, perplexity(out, blocks, True))
+            both = dict(calibrated, rotary_key="calibrated")
+            out = convert_checkpoint(REFERENCE, root / f"mla-{rank}-{d}-calibrated-key", **both, **convert)
+            row(f"MLA calibrated R={rank}, D={d}, calibrated rotary key", budget, perplexity(out, blocks))
     print(f"wall time {time.perf_counter() - start:.0f} s")
 
 

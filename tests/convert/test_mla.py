@@ -8,6 +8,8 @@ the input RMSNorm's output n — exactly 1 only when that norm's ε is negligibl
 residual's mean square (the source here has ε = 1e-12), and only at full rank (R = hidden), where
 the latent is n rotated. Below full rank the written tensors are checked against the truncated
 SVD of the stacked non-rotary keys and values, recomputed here from the source's weights.
+`--mla-init calibrated` is exact below full rank where the attention inputs span the latent's rank
+(a source built so), and the weight-space SVD there is not.
 """
 
 from __future__ import annotations
@@ -194,6 +196,14 @@ def test_principal_rotary_key_is_the_best_rank_one_fit(tmp_path):
         (["--target", "mla", "--kv-rank", "40", "--pooling", "calibrated"], "not --pooling"),
         (["-g", "2", "--kv-rank", "40"], "give them with --target mla"),
         (["-g", "2", "--rotary-key", "mean"], "give them with --target mla"),
+        (["-g", "2", "--mla-init", "calibrated"], "give them with --target mla"),
+        (["--target", "mla", "--kv-rank", "40", "--mla-init", "calibrated"], "needs calibration data"),
+        (["--target", "mla", "--kv-rank", "40", "--rotary-key", "calibrated"], "give it with --mla-init calibrated"),
+        (["--target", "mla", "--kv-rank", "40", "--calibration-data", "text.txt"], "--mla-init svd reads no"),
+        (
+            ["--target", "mla", "--kv-rank", "40", "--mla-init", "calibrated", "--calibration-data", "missing.txt"],
+            "missing.txt",
+        ),
         (["--target", "mla", "--kv-rank", "0"], "kv_rank"),
         (
             ["--target", "mla", "--kv-budget", "1", "--rope-dims", "2"],
@@ -291,3 +301,105 @@ def test_inspect_shows_the_latents_bytes_per_token(tmp_path, capsys):
     assert [row["num_kv_heads"] for row in info["expanded"]] == [4, 2, 1]
     assert main(["inspect", str(out)]) == 0
     assert "a latent of rank 24 + one rotary key of 8 shared by all heads" in capsys.readouterr().out
+
+
+def subspace_llama(folder, tokenizer, rank: int, kv_heads: int = 1, keys_alike_on_s: bool = False):
+    """A tiny Llama whose residual stream lies in a `rank`-dimensional subspace S for every input:
+    the embeddings, o_proj's and down_proj's outputs are projected onto S, so every attention input
+    is diag(g) of a vector of S. `keys_alike_on_s`: per frequency, every KV head's complex key row
+    is a complex multiple of head 0's plus a part that reads nothing of diag(g) S."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-12,
+        initializer_range=0.5,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config).eval()
+    basis, _ = torch.linalg.qr(torch.randn(HIDDEN, rank))
+    onto = basis @ basis.T
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight @ onto)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.o_proj.weight.copy_(onto @ layer.self_attn.o_proj.weight)
+            layer.mlp.down_proj.weight.copy_(onto @ layer.mlp.down_proj.weight)
+            if keys_alike_on_s:
+                gain, half = layer.input_layernorm.weight, HEAD_DIM // 2
+                k = layer.self_attn.k_proj.weight.view(kv_heads, HEAD_DIM, HIDDEN)
+                for i in range(half):
+                    first = torch.complex(k[0, i], k[0, i + half])
+                    for s in range(1, kv_heads):
+                        unseen = torch.complex(*(torch.randn(2, HIDDEN) @ (torch.eye(HIDDEN) - onto) / gain))
+                        row = torch.complex(*torch.randn(2)) * first + unseen
+                        k[s, i], k[s, i + half] = row.real, row.imag
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def test_calibrated_latent_is_exact_when_the_attention_inputs_span_its_rank(tmp_path, tokenizer, calibration_text):
+    """Hidden states in an R-dimensional subspace: the calibrated latent of rank R spans them, so
+    B A x = W x and, its basis orthonormal in n = x / g, every token's latent has the norm of n
+    (√hidden): the latent norm's measured weight √(hidden / R) undoes its division exactly and the
+    model is the source (every rotary column kept, one KV head: the rotary key is exact too).
+    The weight-space SVD at the same rank keeps the values' top singular directions, not S: far off."""
+    rank = 24
+    source = subspace_llama(tmp_path / "src", tokenizer, rank)
+    mla = dict(target="mla", kv_rank=rank, rope_dims=HEAD_DIM, source_hash="none", progress=False)
+    calibrated = convert_checkpoint(
+        tmp_path / "src",
+        tmp_path / "calibrated",
+        mla_init="calibrated",
+        calibration_data=str(calibration_text),
+        calibration_tokens=1024,
+        calibration_device="cpu",
+        **mla,
+    )
+    svd = convert_checkpoint(tmp_path / "src", tmp_path / "svd", **mla)
+    weights = load_file(calibrated / "model.safetensors")
+    expected_weight = torch.full((rank,), (HIDDEN / rank) ** 0.5)
+    assert torch.allclose(weights["model.layers.1.self_attn.kv_a_layernorm.weight"], expected_weight, rtol=1e-5)
+    record = json.loads((calibrated / "uptrain.json").read_text())
+    assert record["initialisation"] == "calibrated" and record["calibration"]["tokens"] == 1024
+    ids = torch.randint(0, len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = source(ids).logits
+        noise = (expected - source.double()(ids).logits.float()).abs().max().item()
+        got = AutoModelForCausalLM.from_pretrained(calibrated).eval()(ids).logits
+        off = AutoModelForCausalLM.from_pretrained(svd).eval()(ids).logits
+    assert (got - expected).abs().max().item() <= 20 * noise + 1e-4, "the calibrated latent is not the source"
+    assert (off - expected).abs().max().item() > 1000 * (20 * noise + 1e-4)
+
+
+def test_calibrated_rotary_key_is_exact_where_the_keys_are_multiples_of_one_on_the_data(
+    tmp_path, tokenizer, calibration_text
+):
+    """Four KV heads whose rotary keys, frequency by frequency, are complex multiples of one on
+    every attention input (they differ only where no input reaches): the calibrated rotary key,
+    fitted under C, is exact (with the calibrated latent at the inputs' rank, the model is the
+    source), the weight-space principal key, which sees the differences, is not."""
+    rank = 24
+    source = subspace_llama(tmp_path / "src", tokenizer, rank, kv_heads=HEADS, keys_alike_on_s=True)
+    common = dict(target="mla", kv_rank=rank, rope_dims=HEAD_DIM, source_hash="none", progress=False)
+    calibration = dict(calibration_data=str(calibration_text), calibration_tokens=1024, calibration_device="cpu")
+    ids = torch.randint(0, len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = source(ids).logits
+        noise = (expected - source.double()(ids).logits.float()).abs().max().item()
+    gaps = {}
+    for key in ("calibrated", "principal"):
+        out = convert_checkpoint(
+            tmp_path / "src", tmp_path / key, rotary_key=key, mla_init="calibrated", **calibration, **common
+        )
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        gaps[key] = (got - expected).abs().max().item()
+    assert gaps["calibrated"] <= 20 * noise + 1e-4, gaps
+    assert gaps["principal"] > 100 * (20 * noise + 1e-4), gaps

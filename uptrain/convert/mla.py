@@ -1,14 +1,17 @@
 """`uptrain convert --target mla`: a Llama-family checkpoint as multi-head latent attention in the
 DeepSeek-V2 layout (`uptrain.architecture.deepseek_v2`), initialised by the weight-space joint SVD
-of the non-rotary keys and the values (MHA2MLA's ablation). docs/concepts/mla.md has the math.
+of the non-rotary keys and the values (MHA2MLA's ablation, `--mla-init svd`, below) or from their
+activations on calibration data (`--mla-init calibrated`, `mla_calibrated`). docs/concepts/mla.md
+has the math.
 
 Per layer, with n = x / g the input RMSNorm's output before its gain g (rms 1 per token):
 - rotary: the source's first D/2 frequencies stay rotary (Llama rotates column i with i + d/2 at
   θ^(−2i/d); DeepSeek-V2 rotates (2j, 2j+1) at θ'^(−2j/D), θ' = θ^(D/d)). DeepSeek-V2 has one
   rotary key for all heads: per frequency the best complex rank-1 fit of the heads' rotary keys,
   each query head's rotary rows rescaled and turned to read it (`principal_rope_key`; exact when
-  the heads' keys of a frequency are complex multiples of one, as with one KV head), or the mean
-  of the KV heads' rotary rows (`mean_rope_key`, the ablation);
+  the heads' keys of a frequency are complex multiples of one, as with one KV head), the mean
+  of the KV heads' rotary rows (`mean_rope_key`, the ablation), or the same fit under the
+  calibration's moments (`mla_calibrated.solve_rope_key`, `--rotary-key calibrated`);
 - the other d − D columns of every head's query and key lose their rotation (partial RoPE);
 - latent: the stacked non-rotary keys and values, per query head, W = [K_nope; V] · diag(g) =
   U S Vᵀ; the latent is c = V_Rᵀ n (`kv_a_proj_with_mqa` = V_Rᵀ diag(1/g)), `kv_b_proj` = U_R S_R.
@@ -35,9 +38,10 @@ from uptrain.checkpoint.hashing import BackgroundHasher
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
 from uptrain.checkpoint.writer import OutputEntry, ShardedWriter
+from uptrain.convert.mla_calibrated import LatentSolution, LatentSolutions, layer_solver, turned_queries
 from uptrain.convert.outputs import copy_side_files, set_dtype, source_record
 from uptrain.convert.plan import DTYPES
-from uptrain.convert.spec import ConversionSpec, parse_size
+from uptrain.convert.spec import CalibrationSettings, ConversionSpec, parse_size
 from uptrain.model_info import read_config
 
 FAMILIES = ("llama",)  # rotary decoders whose attention is q/k/v/o_proj without bias
@@ -192,6 +196,8 @@ ROTARY_KEYS = {"principal": principal_rope_key, "mean": mean_rope_key}
 ROTARY_KEY_TEXT = {
     "principal": "per frequency, the best rank-1 (complex) fit of the heads' rotary keys in weight space",
     "mean": "the mean of the source's KV heads' rotary rows",
+    "calibrated": "per frequency, the best rank-1 (complex) fit of the KV heads' rotary keys on calibration data, "
+    "weighted by the queries' energy",
 }
 
 
@@ -204,6 +210,18 @@ def stacked_kv(k: torch.Tensor, v: torch.Tensor, geo: MLAGeometry) -> torch.Tens
     return per_kv.repeat_interleave(group, dim=0).reshape(-1, k.shape[-1])
 
 
+def reader_rows(tensors: dict[str, torch.Tensor], geo: MLAGeometry):
+    """What `--mla-init calibrated` weighs the latent's error by, per query head (float64): its KV
+    head's non-rotary key rows [h, d − D, hidden] and value rows [h, d, hidden], its own non-rotary
+    query rows [h, d − D, hidden] and o_proj columns [h, hidden, d]."""
+    group, nope = geo.num_heads // geo.num_kv_heads, nope_rows(geo.head_dim, geo.rope_dims)
+    k = tensors["k"].double().reshape(geo.num_kv_heads, geo.head_dim, -1).repeat_interleave(group, dim=0)
+    v = tensors["v"].double().reshape(geo.num_kv_heads, geo.head_dim, -1).repeat_interleave(group, dim=0)
+    q = tensors["q"].double().reshape(geo.num_heads, geo.head_dim, -1)
+    o = tensors["o"].double().reshape(-1, geo.num_heads, geo.head_dim).transpose(0, 1)
+    return k[:, nope], v, q[:, nope], o
+
+
 def joint_svd(kv: torch.Tensor, gain: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The latent's down- and up-projection (float64): the truncated SVD of `kv · diag(gain)`, the
     map from the normalised hidden state n, as V_Rᵀ diag(1/gain) (so the latent is V_Rᵀ n, of rms
@@ -212,18 +230,28 @@ def joint_svd(kv: torch.Tensor, gain: torch.Tensor, rank: int) -> tuple[torch.Te
     return vh[:rank] / gain.double(), u[:, :rank] * s[:rank]
 
 
-def layer_attention(tensors: dict[str, torch.Tensor], gain: torch.Tensor, geo: MLAGeometry) -> dict[str, torch.Tensor]:
-    """One layer's source q/k/v_proj weights as the DeepSeek-V2 attention's (`o_proj` is unchanged)."""
+def layer_attention(
+    tensors: dict[str, torch.Tensor], gain: torch.Tensor, geo: MLAGeometry, solution: LatentSolution | None = None
+) -> dict[str, torch.Tensor]:
+    """One layer's source q/k/v_proj weights as the DeepSeek-V2 attention's (`o_proj` is unchanged):
+    the latent by the joint SVD, or by `solution` (`--mla-init calibrated`, `mla_calibrated`)."""
     dtype = tensors["q"].dtype
-    down, up = joint_svd(stacked_kv(tensors["k"], tensors["v"], geo), gain, geo.kv_rank)
-    q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
+    kv = stacked_kv(tensors["k"], tensors["v"], geo)
+    if solution is None:
+        (down, up), rms = joint_svd(kv, gain, geo.kv_rank), 1.0
+    else:
+        down, up, rms = solution.down, kv @ solution.fit, solution.rms
+    if geo.rotary_key == "calibrated":  # solved from the calibration's moments (`mla_calibrated`)
+        q_rope, k_rope = turned_queries(tensors["q"], solution.rope_turns, geo), solution.rope_key
+    else:
+        q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
     q_nope = tensors["q"].double().reshape(geo.num_heads, geo.head_dim, -1)[:, nope_rows(geo.head_dim, geo.rope_dims)]
     query = torch.cat([q_nope, q_rope], dim=1).reshape(-1, tensors["q"].shape[-1])
     kv_a = torch.cat([down, k_rope])
     return {
         deepseek_v2.Q_PROJ: query.to(dtype),
         deepseek_v2.KV_A_PROJ: kv_a.to(dtype),
-        deepseek_v2.KV_A_NORM: torch.ones(geo.kv_rank, dtype=dtype),
+        deepseek_v2.KV_A_NORM: torch.full((geo.kv_rank,), rms, dtype=dtype),
         deepseek_v2.KV_B_PROJ: up.to(dtype),
     }
 
@@ -276,8 +304,9 @@ def _entries(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast) -> lis
     return entries
 
 
-def _tensors(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast):
-    """Each output tensor in order; a layer's attention computed when its first tensor is due."""
+def _tensors(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast, solutions: LatentSolutions | None):
+    """Each output tensor in order; a layer's attention computed when its first tensor is due
+    (its latent solved by calibration where `solutions` holds it)."""
     done: dict[str, torch.Tensor] = {}
     for name, source in names:
         if source is not None:
@@ -288,7 +317,8 @@ def _tensors(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast):
         if part == deepseek_v2.Q_PROJ:
             layer = int(prefix.split(".")[2])
             read = {p: checkpoint.read_tensor(LAYER.format(layer) + f"{p}_proj.weight") for p in "qkv"}
-            done = layer_attention(read, checkpoint.read_tensor(INPUT_NORM.format(layer)), geo)
+            gain = checkpoint.read_tensor(INPUT_NORM.format(layer))
+            done = layer_attention(read, gain, geo, None if solutions is None else solutions[layer])
         tensor = done.pop(part)
         yield tensor.to(cast) if cast is not None else tensor
 
@@ -302,14 +332,21 @@ def kv_elements_per_token(geo: MLAGeometry) -> dict[str, int]:
     }
 
 
-def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None) -> dict:
+MLA_INITS = {
+    "svd": "joint SVD of the non-rotary keys and values in weight space (MHA2MLA's ablation)",
+    "calibrated": "PCA of the non-rotary keys' and values' activations on calibration data, weighted by what the "
+    "queries and o_proj read (in the spirit of CARE and TransMLA), the latent norm's weight the latent's measured rms",
+}
+
+
+def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None, init: str = "svd") -> dict:
     """The `uptrain.json` of an MLA conversion."""
     return {
         **source_record(source, source_files),
         "model_type": "llama",
         "target": "mla",
-        "initialisation": "svd",
-        "initialisation_reference": "joint SVD of the non-rotary keys and values in weight space (MHA2MLA's ablation)",
+        "initialisation": init,
+        "initialisation_reference": MLA_INITS[init],
         "dtype": dtype,
         "num_attention_heads": geo.num_heads,
         "source_num_key_value_heads": geo.num_kv_heads,
@@ -331,8 +368,9 @@ to multi-head latent attention: a latent of rank {p["kv_lora_rank"]} and one rot
 {p["qk_rope_head_dim"]} columns shared by every head, {elements["mla"]} cached elements per token and layer \
 against the source's {elements["source"]} ({elements["mla"] / elements["mha"]:.4g} of multi-head attention's).
 
-Initialisation: {p["initialisation_reference"]}. Rotary frequencies kept: the first {p["qk_rope_head_dim"] // 2} \
-of each head; the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`). \
+Initialisation: {p["initialisation_reference"]} (`{p["initialisation"]}`). \
+Rotary frequencies kept: the first {p["qk_rope_head_dim"] // 2} of each head; \
+the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`). \
 Loads with transformers' own `DeepseekV2ForCausalLM`.
 
 The weights have not been trained since conversion: uptrain them before use.
@@ -341,8 +379,40 @@ The weights have not been trained since conversion: uptrain them before use.
     return front_matter(p["base_model"], source_card, ["llama", "mla"]) + "\n" + body
 
 
-def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) -> Path:
-    """Every check first (nothing written on a refusal), then stream the conversion into `out`."""
+def _read_layer(checkpoint: SourceCheckpoint, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A layer's q/k/v/o_proj weights and input norm gain, for `--mla-init calibrated`'s solver."""
+    tensors = {p: checkpoint.read_tensor(LAYER.format(layer) + f"{p}_proj.weight") for p in "qkvo"}
+    return tensors, checkpoint.read_tensor(INPUT_NORM.format(layer))
+
+
+def _check_calibration_inputs(spec: ConversionSpec, folder: Path) -> None:
+    """What `--mla-init calibrated` will read, checked before any of it runs (as the GQA route's)."""
+    from uptrain.convert.calibration import calibration_device, load_calibration_tokenizer
+    from uptrain.data.text import resolve_data
+
+    resolve_data(spec.calibration_data, "calibration_data")
+    load_calibration_tokenizer(folder)
+    calibration_device(spec.calibration_device, spec.calibration_dtype)
+
+
+def calibrate_latents(
+    spec: ConversionSpec, folder: Path, checkpoint: SourceCheckpoint, geo: MLAGeometry, progress: bool | None
+) -> tuple[LatentSolutions, dict]:
+    """Every layer's latent solved from the calibrated GQA merge's moments, each as soon as its
+    layer is calibrated (`collect_attention_moments(per_layer=…)`); the calibration's description."""
+    from uptrain.convert.calibration import collect_attention_moments
+
+    solutions = LatentSolutions()
+    solve = layer_solver(lambda layer: _read_layer(checkpoint, layer), geo, solutions)
+    _, info = collect_attention_moments(
+        folder, spec.calibration_data, CalibrationSettings.of(spec), progress=progress, per_layer=solve
+    )
+    return solutions, info
+
+
+def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False, progress: bool | None = None) -> Path:
+    """Every check first (nothing written on a refusal), then calibrate when asked, then stream the
+    conversion into `out`."""
     max_shard_bytes = parse_size(spec.max_shard_size)
     out = Path(out).absolute()
     check_output_path(out, overwrite)
@@ -356,19 +426,25 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False) 
         names = _output_names(checkpoint, geo)
         check_gains(checkpoint, geo)
         entries = _entries(names, checkpoint, geo, cast)
+        solutions, calibration = None, None
+        if spec.mla_init == "calibrated":
+            _check_calibration_inputs(spec, source.folder)
+            solutions, calibration = calibrate_latents(spec, source.folder, checkpoint, geo, progress)
         with (
             atomic_directory(out, overwrite) as tmp,
             BackgroundHasher(checkpoint.files, spec.source_hash) as hasher,
         ):
             with ShardedWriter(tmp, entries, max_shard_bytes) as writer:
-                for (name, _), tensor in zip(names, _tensors(names, checkpoint, geo, cast), strict=True):
+                for (name, _), tensor in zip(names, _tensors(names, checkpoint, geo, cast, solutions), strict=True):
                     writer.begin(name)
                     writer.write(tensor_bytes(tensor.contiguous()))
             written = deepseek_v2.mla_config(config, geo.kv_rank, geo.rope_dims, geo.head_dim, geo.rope_theta)
             set_dtype(written, spec.dtype)
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
             copy_side_files(source.folder, tmp, written)
-            record = mla_record(source, hasher.result(), geo, spec.dtype)
+            record = mla_record(source, hasher.result(), geo, spec.dtype, spec.mla_init)
+            if calibration is not None:
+                record["calibration"] = calibration
             if spec.kv_budget is not None:
                 record["kv_budget"] = spec.kv_budget
             (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")

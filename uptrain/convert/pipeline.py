@@ -340,7 +340,7 @@ def convert_checkpoint(
     if spec.target == "mla":
         from uptrain.convert.mla import convert_mla
 
-        return convert_mla(spec, out, overwrite)
+        return convert_mla(spec, out, overwrite, progress)
     with prepare(spec, out, overwrite, calibration_given=calibration is not None) as prepared:
         if calibration is None:
             calibration = calibrate(prepared, progress)

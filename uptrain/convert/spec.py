@@ -29,7 +29,8 @@ DType = Literal["float32", "float16", "bfloat16"]
 SourceHash = Literal["blake3", "sha256", "none"]
 CalibrationWeighting = Literal["uniform", "attention"]
 Target = Literal["gqa", "mla"]
-RotaryKey = Literal["principal", "mean"]
+RotaryKey = Literal["principal", "mean", "calibrated"]
+MLAInit = Literal["svd", "calibrated"]
 
 
 def parse_size(size: int | str) -> int:
@@ -258,7 +259,14 @@ class ConversionSpec(ConversionOptions):
     rotary_key: RotaryKey = option(
         "principal",
         help="--target mla: the one rotary key all heads share: principal (per frequency, the best complex "
-        "rank-1 fit of the heads' rotary keys, each query head turned to read it) or mean (the KV heads' mean)",
+        "rank-1 fit of the heads' rotary keys, each query head turned to read it), mean (the KV heads' mean) or "
+        "calibrated (principal's fit weighted by the queries' energy on the calibration data: --mla-init calibrated)",
+    )
+    mla_init: MLAInit = option(
+        "svd",
+        help="--target mla: the latent's initialisation: svd (the joint SVD of the non-rotary keys and values in "
+        "weight space) or calibrated (from their activations on --calibration-data, weighted by what the queries "
+        "and o_proj read; the latent norm's weight set to the latent's measured rms)",
     )
     num_kv_heads: int | None = kv_heads_option(
         None,
@@ -316,9 +324,15 @@ class ConversionSpec(ConversionOptions):
         found = super().problems()
         if self.target == "mla":
             found += mla_problems(self)
-        elif self.kv_rank is not None or self.rope_dims is not None or self.rotary_key != "principal":
+        elif (
+            self.kv_rank is not None
+            or self.rope_dims is not None
+            or self.rotary_key != "principal"
+            or self.mla_init != "svd"
+        ):
             found.append(
-                "--kv-rank, --rope-dims and --rotary-key shape a latent attention: give them with --target mla"
+                "--kv-rank, --rope-dims, --rotary-key and --mla-init shape a latent attention: "
+                "give them with --target mla"
             )
         elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
             found.append(problem)
@@ -332,8 +346,8 @@ class ConversionSpec(ConversionOptions):
         return KVHeadsRequest.of(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
 
 
-# The keys of the GQA route, at their defaults, that --target mla does not take (its
-# initialisation is the joint SVD; a calibrated one is to come).
+# The keys of the GQA route, at their defaults, that --target mla does not take (calibration
+# data it takes with --mla-init calibrated).
 _GQA_ONLY = {
     "num_kv_heads": (None, "-g"),
     "kv_heads_per_layer": (None, "--kv-heads-per-layer"),
@@ -341,7 +355,6 @@ _GQA_ONLY = {
     "allocation_cost": (None, "--allocation-cost"),
     "pooling": ("mean", "--pooling"),
     "grouping": ("contiguous", "--grouping"),
-    "calibration_data": (None, "--calibration-data"),
 }
 
 
@@ -352,6 +365,15 @@ def mla_problems(spec: ConversionSpec) -> list[str]:
     found = [f"--target mla takes --kv-rank or --kv-budget (and --rope-dims), not {', '.join(given)}"] if given else []
     if (spec.kv_rank is None) == (spec.kv_budget is None):
         found.append("--target mla needs one of --kv-rank R (the latent's rank) and --kv-budget F")
+    if spec.rotary_key == "calibrated" and spec.mla_init != "calibrated":
+        found.append("--rotary-key calibrated is fitted on calibration data: give it with --mla-init calibrated")
+    if spec.mla_init == "calibrated" and spec.calibration_data is None:
+        found.append("--mla-init calibrated needs calibration data (--calibration-data FILE)")
+    elif spec.mla_init != "calibrated" and spec.calibration_data is not None:
+        found.append(
+            f"--mla-init {spec.mla_init} reads no calibration data: drop --calibration-data "
+            "(or give --mla-init calibrated)"
+        )
     return found
 
 

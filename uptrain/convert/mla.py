@@ -379,10 +379,11 @@ The weights have not been trained since conversion: uptrain them before use.
     return front_matter(p["base_model"], source_card, ["llama", "mla"]) + "\n" + body
 
 
-def _read_layer(checkpoint: SourceCheckpoint, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A layer's q/k/v/o_proj weights and input norm gain, for `--mla-init calibrated`'s solver."""
+def _read_layer(checkpoint: SourceCheckpoint, layer: int, geo: MLAGeometry):
+    """A layer's q/k/v/o_proj weights, input norm gain and `reader_rows`, for `--mla-init
+    calibrated`'s solver."""
     tensors = {p: checkpoint.read_tensor(LAYER.format(layer) + f"{p}_proj.weight") for p in "qkvo"}
-    return tensors, checkpoint.read_tensor(INPUT_NORM.format(layer))
+    return tensors, checkpoint.read_tensor(INPUT_NORM.format(layer)), reader_rows(tensors, geo)
 
 
 def _check_calibration_inputs(spec: ConversionSpec, folder: Path) -> None:
@@ -403,7 +404,7 @@ def calibrate_latents(
     from uptrain.convert.calibration import collect_attention_moments
 
     solutions = LatentSolutions()
-    solve = layer_solver(lambda layer: _read_layer(checkpoint, layer), geo, solutions)
+    solve = layer_solver(lambda layer: _read_layer(checkpoint, layer, geo), geo, solutions)
     _, info = collect_attention_moments(
         folder, spec.calibration_data, CalibrationSettings.of(spec), progress=progress, per_layer=solve
     )

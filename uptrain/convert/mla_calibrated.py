@@ -140,17 +140,17 @@ class LatentSolutions:
 
 
 def layer_solver(
-    read_layer: Callable[[int], tuple[dict, torch.Tensor]], geo, solutions: LatentSolutions
+    read_layer: Callable[[int], tuple[dict, torch.Tensor, tuple]], geo, solutions: LatentSolutions
 ) -> Callable[[int, torch.Tensor], None]:
     """`collect_attention_moments`'s `per_layer`: solve layer i's latent from its moment (the
     constant input's row and column dropped: Llama has no biases) and keep only the solution.
-    `read_layer(i)`: the layer's q/k/v/o_proj weights and its input norm's gain."""
-    from uptrain.convert.mla import reader_rows
+    `read_layer(i)`: the layer's q/k/v/o_proj weights, its input norm's gain and the rows its
+    latent's error is weighed by (`mla.reader_rows`)."""
 
     def solve(layer: int, moment: torch.Tensor) -> None:
         c = moment[:-1, :-1].to("cpu", torch.float64)
-        tensors, gain = read_layer(layer)
-        g = reader_weighted_gram(*reader_rows(tensors, geo), c)
+        tensors, gain, rows = read_layer(layer)
+        g = reader_weighted_gram(*rows, c)
         solution = solve_latent(g, c, gain.double(), geo.kv_rank)
         if geo.rotary_key == "calibrated":
             rope_key, rope_turns = solve_rope_key(tensors["q"], tensors["k"], c, geo)

@@ -62,7 +62,7 @@ from uptrain.convert.calibrated import (
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
-from uptrain.convert.kv_heads import BUDGET_TOLERANCE
+from uptrain.convert.kv_heads import budget_units
 from uptrain.convert.layer_merge import SiteMergers
 from uptrain.model_info import divisors
 
@@ -167,14 +167,6 @@ def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -
         out[name] = chosen.heads[start : start + count]
         start += count
     return out
-
-
-def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
-    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
-    converted attentions' layers, in those units (rounded down; a typed decimal's error is forgiven
-    as `kv_heads.BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
-    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
-    return math.floor(fraction * whole * (1 + BUDGET_TOLERANCE))
 
 
 def allocate(

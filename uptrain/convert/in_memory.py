@@ -77,6 +77,8 @@ def converted_tensors(
     )
     state = model.state_dict()
     source = StateDictSource(state)
+    if isinstance(num_kv_heads, KVHeadsRequest) and num_kv_heads.needs_calibration:  # even if the budget forces it
+        resolved_allocation_cost(allocation_cost, conversion.arch.encoder_decoder)  # refuses 'loss' there
     if conversion.pending_budget is not None:  # allocation "calibrated": chosen by its cost
         from uptrain.convert.allocation import settle_allocation
 

@@ -11,7 +11,7 @@ checks its arguments with it before torch is imported.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -111,6 +111,34 @@ def resolved_allocation_cost(allocation_cost: str | None, encoder_decoder: bool)
             "(use --allocation-cost merge)"
         )
     return allocation_cost
+
+
+def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
+    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
+    converted attentions' layers, in those units (rounded down; a typed decimal's error is forgiven
+    as `BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
+    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
+    return math.floor(fraction * whole * (1 + BUDGET_TOLERANCE))
+
+
+def only_allocation(
+    geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], budget: float
+) -> dict[str, tuple[int, ...]] | None:
+    """The allocation a `--kv-budget` leaves no choice of (e.g. 1/8 of an 8-head model's cache: one
+    KV head in every layer), else None. Counted in the knapsack's units (`budget_units`): a layer
+    can take G only if G × head_dim with one KV head in every other layer fits; when every layer's
+    only such G is 1, the smallest allocation is the one allocation within the budget, and
+    `--allocation calibrated` takes it without measuring any cost."""
+    source_heads = {name: geometries[name].layer_kv_heads() for name in chosen}
+    head_dims = {name: geometries[name].head_dim for name in chosen}
+    units = budget_units(budget, source_heads, head_dims)
+    smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
+    if units < smallest:  # none fits (refused by the caller)
+        return None
+    for name, heads in source_heads.items():  # another G in any layer, every other layer at 1, fits?
+        if any(smallest + (g - 1) * head_dims[name] <= units for kv in heads for g in divisors(kv)[1:]):
+            return None
+    return {name: (1,) * len(heads) for name, heads in source_heads.items()}
 
 
 def layer_geometry(geometry: AttentionGeometry, layer: int) -> AttentionGeometry:

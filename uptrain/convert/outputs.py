@@ -260,7 +260,12 @@ def _budget_text(p: dict) -> str:
     if p.get("kv_budget") is None:
         return ""
     text = f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
-    if "allocation_costs" in p and p.get("allocation_cost") == "loss":
+    if p.get("allocation_forced"):
+        text += (
+            " The budget leaves one allocation (one KV head in every layer), so it was taken as it is:"
+            " no costs were measured."
+        )
+    elif "allocation_costs" in p and p.get("allocation_cost") == "loss":
         text += (
             " Each layer's heads were chosen by the model's loss on the calibration blocks with that layer alone"
             " converted to each candidate G, minus the source's (`--allocation-cost loss`), the allocation of least"

@@ -106,7 +106,7 @@ def prepare(
             "--allocation calibrated measures what each layer's merge loses on calibration data "
             "(--calibration-data FILE)"
         )
-    if conversion.pending_budget is not None:  # refuses --allocation-cost loss for an encoder–decoder
+    if spec.kv_heads.needs_calibration:  # refuses --allocation-cost loss for an encoder–decoder (even if forced)
         resolved_allocation_cost(spec.allocation_cost, conversion.arch.encoder_decoder)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
@@ -253,13 +253,16 @@ def settle_allocation(prepared: PreparedConversion, calibration: Calibration) ->
     calibration.allocation_cost = cost
 
 
-def budget_record(spec: ConversionSpec, calibration: Calibration | None = None) -> dict | None:
+def budget_record(spec: ConversionSpec, calibration: Calibration | None = None, forced: bool = False) -> dict | None:
     """What `uptrain.json` records of a `--kv-budget` (None without one): the budget and how it was
     spent; a calibrated allocation's cost table beside it (`allocation_costs`: per converted
-    attention, per layer, each candidate G's cost)."""
+    attention, per layer, each candidate G's cost), or `allocation_forced` where the budget left one
+    allocation and no cost was measured (`Conversion.allocation_forced`)."""
     if spec.kv_budget is None:
         return None
     record = {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
+    if forced:
+        record["allocation_forced"] = True
     if calibration is not None and calibration.allocation_costs is not None:
         record["allocation_cost"] = calibration.allocation_cost
         record["allocation_costs"] = {
@@ -310,7 +313,7 @@ def execute(
             spec.grouping,
             merger.kv_orders,
             calibration.info if calibration is not None else None,
-            budget_record(spec, calibration),
+            budget_record(spec, calibration, prepared.conversion.allocation_forced),
         )
         (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(record, card_metadata(prepared.source.folder)))

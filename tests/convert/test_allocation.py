@@ -574,3 +574,24 @@ def test_a_budget_with_one_allocation_is_taken_without_measuring(tokenizer, cali
     assert chosen.keys() == explicit.keys() and all(torch.equal(t, explicit[n]) for n, t in chosen.items())
     with pytest.raises(UptrainError, match="allocation cost 'loss' measures the model's loss on calibration blocks"):
         convert_model(model, kv_budget=0.1875, allocation="calibrated")
+
+
+def test_candidates_no_allocation_within_the_budget_can_take_are_not_measured(tokenizer, calibration_text, tmp_path):
+    """At 3/16 of an 8-KV-head, 2-layer Llama's cache a layer can take 1 or 2 heads (4 with the
+    other at 1 is 5/16): both costs record only G = 1 and 2 for each layer (2 of the loss's 6
+    passes), the allocation is the knapsack's of that table, and the card's table has those columns."""
+    from uptrain.cli import main
+
+    src = save(paired_llama(tokenizer), tokenizer, tmp_path / "src")
+    keys = ["--calibration-data", calibration_text, "--calibration-tokens", 512, "--calibration-device", "cpu"]
+    for cost in ("loss", "merge"):
+        out = tmp_path / cost
+        flags = ["--kv-budget", 0.1875, "--allocation", "calibrated", "--allocation-cost", cost, *keys]
+        assert main(["convert", str(src), str(out), "--source-hash", "none", *map(str, flags)]) == 0
+        record = json.loads((out / "uptrain.json").read_text())
+        costs = [{int(g): c for g, c in layer.items()} for layer in record["allocation_costs"]["decoder-self"]]
+        assert [sorted(layer) for layer in costs] == [[1, 2]] * 2 and "allocation_forced" not in record
+        heads = allocate({"decoder-self": costs}, {"decoder-self": (8, 8)}, {"decoder-self": 8}, 0.1875)
+        assert record["num_key_value_heads_per_layer"] == list(heads["decoder-self"])
+        assert sorted(heads["decoder-self"]) == [1, 2]
+        assert "| attention | layer | G = 1 | G = 2 |\n" in (out / "README.md").read_text()

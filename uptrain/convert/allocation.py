@@ -62,7 +62,7 @@ from uptrain.convert.calibrated import (
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
-from uptrain.convert.kv_heads import budget_units
+from uptrain.convert.kv_heads import budget_units, fitting_candidates
 from uptrain.convert.layer_merge import SiteMergers
 from uptrain.model_info import divisors
 
@@ -185,18 +185,31 @@ def allocate(
     return choose_allocation(costs, head_dims, units)
 
 
+def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]]:
+    """Per converted attention and layer, the candidate G whose cost `--allocation calibrated`
+    measures: those some allocation within `conversion.pending_budget` can give the layer
+    (`kv_heads.fitting_candidates`, in the knapsack's units); the rest could never be chosen.
+    Without a pending budget, the whole cache's: every divisor."""
+    budget = 1.0 if conversion.pending_budget is None else conversion.pending_budget
+    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
+    source_heads = {name: geo.layer_kv_heads() for name, geo in geometries.items()}
+    head_dims = {name: geo.head_dim for name, geo in geometries.items()}
+    return fitting_candidates(source_heads, head_dims, budget_units(budget, source_heads, head_dims))
+
+
 def calibration_costs(
     conversion: Conversion, source: TensorSource, moments: Mapping
 ) -> dict[str, list[dict[int, float]]]:
-    """Each converted attention's `layer_costs`, layer by layer, from calibration moments kept
-    whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`, or an encoder–decoder's
-    `collect_seq2seq_moments`): each layer's projections are read from `source` as its merge reads
-    them, one layer at a time."""
+    """Each converted attention's `layer_costs` for the `budget_candidates`, layer by layer, from
+    calibration moments kept whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`,
+    or an encoder–decoder's `collect_seq2seq_moments`): each layer's projections are read from
+    `source` as its merge reads them, one layer at a time."""
     merger = conversion.merger(source, Calibration(moments))
     mergers = merger.mergers if isinstance(merger, SiteMergers) else {DECODER_SELF: merger}
+    candidates = budget_candidates(conversion)
     return {
         name: [
-            layer_costs(site.attention(layer), site.calibration[layer], grouping=conversion.grouping)
+            layer_costs(site.attention(layer), site.calibration[layer], candidates[name][layer], conversion.grouping)
             for layer in range(site.geometry.num_layers)
         ]
         for name, site in mergers.items()

@@ -42,11 +42,14 @@ def layer_alone_costs(
     source_heads: Sequence[int],
     convert: Callable[..., torch.nn.Module],
     batch_size: int = 8,
+    candidates: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[int, float]]:
-    """Per layer l, each candidate G (the divisors of `source_heads[l]`) → the increase of
-    `mean_loss` on `blocks` when layer l alone is converted to G. `convert(kv_heads_per_layer=…)`
-    converts `model` as the conversion does: `in_memory.convert_model` with its pooling, grouping,
-    seed and calibration bound (`functools.partial`). Can be negative: a merge may happen to help."""
+    """Per layer l, each candidate G (`candidates[l]`, default the divisors of `source_heads[l]`;
+    a budget's `kv_heads.fitting_candidates` spares the passes of those no allocation within it
+    can take) → the increase of `mean_loss` on `blocks` when layer l alone is converted to G.
+    `convert(kv_heads_per_layer=…)` converts `model` as the conversion does: `in_memory.convert_model`
+    with its pooling, grouping, seed and calibration bound (`functools.partial`). Can be negative:
+    a merge may happen to help."""
     was_training = model.training
     model.eval()
     try:
@@ -54,7 +57,7 @@ def layer_alone_costs(
         costs: list[dict[int, float]] = []
         for layer, kv in enumerate(source_heads):
             costs.append({})
-            for g in divisors(kv):
+            for g in divisors(kv) if candidates is None else candidates[layer]:
                 if g == kv:  # a group of one head per KV head: nothing merged
                     costs[layer][g] = 0.0
                     continue

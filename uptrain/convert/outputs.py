@@ -301,9 +301,10 @@ def _allocation_costs_table(p: dict) -> str:
         if p.get("allocation_cost") == "loss"
         else "What the calibrated merge of each layer to G KV heads loses"
     )
-    return f"\n\n{what} (the cost `--allocation calibrated` minimised, summed over the layers):\n\n" + "\n".join(
-        [head, rule, *rows]
-    )
+    return (
+        f"\n\n{what} (the cost `--allocation calibrated` minimised, summed over the layers; a G that no "
+        "allocation within the budget can give a layer is not measured):\n\n"
+    ) + "\n".join([head, rule, *rows])
 
 
 def _grouping_text(p: dict, layout: AttentionLayout) -> str:

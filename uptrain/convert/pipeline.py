@@ -207,6 +207,7 @@ def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> l
     """`--allocation-cost loss`: the source model, whole on the calibration device, scored on the
     calibration blocks (the same blocks, at the length calibration read them) with each layer alone
     converted to each candidate G (`layer_loss.layer_alone_costs`)."""
+    from uptrain.convert.allocation import budget_candidates
     from uptrain.convert.calibration import calibration_device, first_calibration_blocks, load_calibration_tokenizer
     from uptrain.convert.in_memory import convert_model
     from uptrain.convert.layer_loss import layer_alone_costs
@@ -225,7 +226,8 @@ def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> l
     convert = functools.partial(
         convert_model, model, pooling=spec.pooling, grouping=spec.grouping, seed=spec.seed, calibration=calibration
     )
-    return layer_alone_costs(model, blocks, geometry.layer_kv_heads(), convert)
+    candidates = budget_candidates(prepared.conversion)[DECODER_SELF]
+    return layer_alone_costs(model, blocks, geometry.layer_kv_heads(), convert, candidates=candidates)
 
 
 def settle_allocation(prepared: PreparedConversion, calibration: Calibration) -> None:

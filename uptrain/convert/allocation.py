@@ -10,10 +10,12 @@ Two steps, both exact for what they decide:
    drops, so they come in closed form from the moments calibration already accumulates: no
    forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
    The alternative — the model's loss with layer l alone merged to G (`--allocation-cost loss`,
-   `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks L × (|divisors| − 1)
+   `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks up to L × (|divisors| − 1)
    forward passes of the whole model over the calibration blocks; it is the quantity the
    allocation stands for, and on the reference Llama it allocates better (below), at that price.
-   `settle_allocation` takes its table as `costs`.
+   `settle_allocation` takes its table as `costs`. Either cost is measured only for the G some
+   allocation within the budget can give the layer (`budget_candidates`); a budget that leaves
+   one allocation is taken without any (`kv_heads.only_allocation`, `Conversion.allocation_forced`).
 
    The cost is **relative**: each half is divided by what that layer's attention carries of it
    (the value half by Σ_q E‖O_q W_s x̃‖², the key half by the logits' energy Σ_q E[(q_qᵀ k_s)²]),

@@ -3,13 +3,13 @@ candidate G, the model's loss on the calibration blocks with layer l alone conve
 (every other layer kept at its source heads), minus the source model's loss on the same blocks.
 
 This is the quantity an allocation stands for — what merging a layer costs the model, not what it
-costs the layer — measured rather than estimated: L × (|divisors| − 1) forward passes of the whole
-model over the calibration blocks (G = the source's heads merges nothing and costs 0 without one),
-each after converting the model in memory as the conversion itself converts it
-(`in_memory.convert_model`: the same pooling, grouping, seed and calibration). Decoder-only models
-whose per-layer layout uptrain can run (the Llama family, the *_gqa families); an encoder–decoder's
-loss is its objective's, over pairs calibration does not keep, so it is refused there
-(`kv_heads.resolved_allocation_cost`).
+costs the layer — measured rather than estimated: at most L × (|divisors| − 1) forward passes of the
+whole model over the calibration blocks (a budget's `fitting_candidates` only; G = the source's
+heads merges nothing and costs 0 without one), each after converting the model in memory as the
+conversion itself converts it (`in_memory.convert_model`: the same pooling, grouping, seed and
+calibration). Decoder-only models whose per-layer layout uptrain can run (the Llama family, the
+*_gqa families); an encoder–decoder's loss is its objective's, over pairs calibration does not
+keep, so it is refused there (`kv_heads.resolved_allocation_cost`).
 """
 
 from __future__ import annotations

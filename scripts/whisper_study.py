@@ -863,6 +863,12 @@ def plot(result: dict, root: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from uptrain.evaluation.scores import require
+    from uptrain.evaluation.tasks import TASKS
+
+    # Every row is scored with jiwer: refuse now, not after minutes of calibration and conversion.
+    asr = TASKS["asr"]
+    require(asr.module, asr.package, "whisper_study.py's WER and CER (as uptrain evaluate --task asr)")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,15 @@ def test_whisper_study_quick(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[whisper]" not in again.stderr and "uptraining" not in again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["rows"] == study["rows"]
+
+
+def test_whisper_study_refuses_at_start_without_jiwer(tmp_path):
+    """In the main environment (no `uptrain[eval]`): one line naming the extra, before anything is
+    built, converted or written — not at the first score, minutes in."""
+    out = tmp_path / "study"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--output-dir", str(out)], capture_output=True, text=True, timeout=300
+    )
+    needs = "whisper_study.py's WER and CER (as uptrain evaluate --task asr) needs jiwer, which is not installed"
+    assert proc.returncode != 0 and proc.stderr == f"error: {needs}: pip install 'uptrain[eval]'\n"
+    assert proc.stdout == "" and not out.exists()

@@ -167,7 +167,15 @@ def _budget(record: dict, where: str) -> dict:
         raise UptrainError(f"{where}: `kv_budget` is {show(budget)}, not a fraction in (0, 1]")
     if not isinstance(allocation, str):
         raise UptrainError(f"{where}: `allocation` is {show(allocation)}, not a name")
-    return {"kv_budget": budget, "allocation": allocation, "allocation_costs": "allocation_costs" in record}
+    forced = record.get("allocation_forced", False)
+    if not isinstance(forced, bool):
+        raise UptrainError(f"{where}: `allocation_forced` is {show(forced)}, not true or false")
+    return {
+        "kv_budget": budget,
+        "allocation": allocation,
+        "allocation_costs": "allocation_costs" in record,
+        "allocation_forced": forced,
+    }
 
 
 def _groups(record: dict, where: str) -> dict:
@@ -325,6 +333,8 @@ def _grouping_lines(conversion: dict | None) -> list[str]:
     ]
     if "kv_budget" in conversion:
         costs = "; each layer's costs in uptrain.json" if conversion["allocation_costs"] else ""
+        if conversion["allocation_forced"]:
+            costs = "; forced: the only allocation within the budget, no costs measured"
         lines.append(
             f"budget        {conversion['kv_budget']:g} of the source's KV bytes ({conversion['allocation']} "
             f"allocation{costs})"

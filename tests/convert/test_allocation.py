@@ -534,3 +534,64 @@ def test_the_measured_cost_is_refused_where_it_is_not_measured(tokenizer, tmp_pa
             calibration_data="text.jsonl",
         )
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_a_budget_with_one_allocation_is_taken_without_measuring(tokenizer, calibration_text, tmp_path, capsys):
+    """At 1/8 of an 8-KV-head Llama's cache every layer must take 1 head: `--allocation calibrated`
+    (its default cost, the model's loss with each layer merged, L × 3 conversions) takes that
+    allocation as it is — no calibration pass (uptrain.json records none), no cost table, and
+    uptrain.json, the card and `uptrain inspect` say it was forced — and its weights are `-g 1`'s,
+    bit for bit. In memory it needs no blocks to measure on; at 3/16 (a layer may take 2) it does."""
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+    from uptrain.convert.in_memory import convert_model
+
+    model = paired_llama(tokenizer)
+    src = save(model, tokenizer, tmp_path / "src")
+    keys = ["--calibration-data", calibration_text, "--calibration-device", "cpu", "--source-hash", "none"]
+
+    def convert(out, *flags):
+        assert main(["convert", str(src), str(tmp_path / out), *map(str, flags), *map(str, keys)]) == 0
+        return tmp_path / out
+
+    forced = convert("forced", "--kv-budget", 0.125, "--allocation", "calibrated")
+    record = json.loads((forced / "uptrain.json").read_text())
+    assert (record["kv_budget"], record["allocation"], record["allocation_forced"]) == (0.125, "calibrated", True)
+    assert "allocation_costs" not in record and "allocation_cost" not in record and "calibration" not in record
+    assert record["num_key_value_heads"] == 1
+    card = (forced / "README.md").read_text()
+    assert "no costs were measured" in card and "allocation_costs" not in card
+    capsys.readouterr()
+    assert main(["inspect", str(forced)]) == 0
+    assert "(calibrated allocation; forced: the only allocation within the budget, no costs measured)" in (
+        capsys.readouterr().out
+    )
+    uniform = tensors(convert("uniform", "-g", 1))
+    assert tensors(forced).keys() == uniform.keys()
+    assert all(torch.equal(t, uniform[name]) for name, t in tensors(forced).items())
+    chosen = convert_model(model, kv_budget=0.125, allocation="calibrated").state_dict()
+    explicit = convert_model(model, num_kv_heads=1).state_dict()
+    assert chosen.keys() == explicit.keys() and all(torch.equal(t, explicit[n]) for n, t in chosen.items())
+    with pytest.raises(UptrainError, match="allocation cost 'loss' measures the model's loss on calibration blocks"):
+        convert_model(model, kv_budget=0.1875, allocation="calibrated")
+
+
+def test_candidates_no_allocation_within_the_budget_can_take_are_not_measured(tokenizer, calibration_text, tmp_path):
+    """At 3/16 of an 8-KV-head, 2-layer Llama's cache a layer can take 1 or 2 heads (4 with the
+    other at 1 is 5/16): both costs record only G = 1 and 2 for each layer (2 of the loss's 6
+    passes), the allocation is the knapsack's of that table, and the card's table has those columns."""
+    from uptrain.cli import main
+
+    src = save(paired_llama(tokenizer), tokenizer, tmp_path / "src")
+    keys = ["--calibration-data", calibration_text, "--calibration-tokens", 512, "--calibration-device", "cpu"]
+    for cost in ("loss", "merge"):
+        out = tmp_path / cost
+        flags = ["--kv-budget", 0.1875, "--allocation", "calibrated", "--allocation-cost", cost, *keys]
+        assert main(["convert", str(src), str(out), "--source-hash", "none", *map(str, flags)]) == 0
+        record = json.loads((out / "uptrain.json").read_text())
+        costs = [{int(g): c for g, c in layer.items()} for layer in record["allocation_costs"]["decoder-self"]]
+        assert [sorted(layer) for layer in costs] == [[1, 2]] * 2 and "allocation_forced" not in record
+        heads = allocate({"decoder-self": costs}, {"decoder-self": (8, 8)}, {"decoder-self": 8}, 0.1875)
+        assert record["num_key_value_heads_per_layer"] == list(heads["decoder-self"])
+        assert sorted(heads["decoder-self"]) == [1, 2]
+        assert "| attention | layer | G = 1 | G = 2 |\n" in (out / "README.md").read_text()

@@ -10,10 +10,12 @@ Two steps, both exact for what they decide:
    drops, so they come in closed form from the moments calibration already accumulates: no
    forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
    The alternative — the model's loss with layer l alone merged to G (`--allocation-cost loss`,
-   `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks L × (|divisors| − 1)
+   `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks up to L × (|divisors| − 1)
    forward passes of the whole model over the calibration blocks; it is the quantity the
    allocation stands for, and on the reference Llama it allocates better (below), at that price.
-   `settle_allocation` takes its table as `costs`.
+   `settle_allocation` takes its table as `costs`. Either cost is measured only for the G some
+   allocation within the budget can give the layer (`budget_candidates`); a budget that leaves
+   one allocation is taken without any (`kv_heads.only_allocation`, `Conversion.allocation_forced`).
 
    The cost is **relative**: each half is divided by what that layer's attention carries of it
    (the value half by Σ_q E‖O_q W_s x̃‖², the key half by the logits' energy Σ_q E[(q_qᵀ k_s)²]),
@@ -62,7 +64,7 @@ from uptrain.convert.calibrated import (
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
-from uptrain.convert.kv_heads import BUDGET_TOLERANCE
+from uptrain.convert.kv_heads import budget_units, fitting_candidates
 from uptrain.convert.layer_merge import SiteMergers
 from uptrain.model_info import divisors
 
@@ -169,14 +171,6 @@ def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -
     return out
 
 
-def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
-    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
-    converted attentions' layers, in those units (rounded down; a typed decimal's error is forgiven
-    as `kv_heads.BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
-    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
-    return math.floor(fraction * whole * (1 + BUDGET_TOLERANCE))
-
-
 def allocate(
     costs: Costs, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int], fraction: float
 ) -> Allocation:
@@ -193,18 +187,31 @@ def allocate(
     return choose_allocation(costs, head_dims, units)
 
 
+def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]]:
+    """Per converted attention and layer, the candidate G whose cost `--allocation calibrated`
+    measures: those some allocation within `conversion.pending_budget` can give the layer
+    (`kv_heads.fitting_candidates`, in the knapsack's units); the rest could never be chosen.
+    Without a pending budget, the whole cache's: every divisor."""
+    budget = 1.0 if conversion.pending_budget is None else conversion.pending_budget
+    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
+    source_heads = {name: geo.layer_kv_heads() for name, geo in geometries.items()}
+    head_dims = {name: geo.head_dim for name, geo in geometries.items()}
+    return fitting_candidates(source_heads, head_dims, budget_units(budget, source_heads, head_dims))
+
+
 def calibration_costs(
     conversion: Conversion, source: TensorSource, moments: Mapping
 ) -> dict[str, list[dict[int, float]]]:
-    """Each converted attention's `layer_costs`, layer by layer, from calibration moments kept
-    whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`, or an encoder–decoder's
-    `collect_seq2seq_moments`): each layer's projections are read from `source` as its merge reads
-    them, one layer at a time."""
+    """Each converted attention's `layer_costs` for the `budget_candidates`, layer by layer, from
+    calibration moments kept whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`,
+    or an encoder–decoder's `collect_seq2seq_moments`): each layer's projections are read from
+    `source` as its merge reads them, one layer at a time."""
     merger = conversion.merger(source, Calibration(moments))
     mergers = merger.mergers if isinstance(merger, SiteMergers) else {DECODER_SELF: merger}
+    candidates = budget_candidates(conversion)
     return {
         name: [
-            layer_costs(site.attention(layer), site.calibration[layer], grouping=conversion.grouping)
+            layer_costs(site.attention(layer), site.calibration[layer], candidates[name][layer], conversion.grouping)
             for layer in range(site.geometry.num_layers)
         ]
         for name, site in mergers.items()

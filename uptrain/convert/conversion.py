@@ -20,7 +20,7 @@ import torch
 from uptrain.architecture import DECODER_SELF, Architecture, AttentionStack, architecture
 from uptrain.architecture.converted import check_per_layer_layout
 from uptrain.convert.calibration_seq2seq import site_moments
-from uptrain.convert.kv_heads import Allocation, KVHeadsRequest, per_layer, resolve_allocation
+from uptrain.convert.kv_heads import Allocation, KVHeadsRequest, only_allocation, per_layer, resolve_allocation
 from uptrain.convert.layer_merge import LayerMerger, LayerSolution, SiteMergers, merges_whole_layers
 from uptrain.convert.layer_tensors import join_qkv, split_qkv
 from uptrain.convert.plan import ConversionPlan, PlannedTensor, choose_attentions, plan_conversion
@@ -80,6 +80,9 @@ class Conversion:
     # `--allocation calibrated`'s budget until calibration chooses the allocation (`allocation.py`,
     # `settle_allocation`); meanwhile `allocation` is the smallest (one KV head per layer).
     pending_budget: float | None = None
+    # `--allocation calibrated` at a budget that leaves one allocation (`kv_heads.only_allocation`):
+    # taken as it is, no cost measured (uptrain.json and the card say so).
+    allocation_forced: bool = False
 
     @property
     def geometry(self) -> AttentionGeometry:
@@ -175,12 +178,18 @@ def conversion_for(
     read. `kv_heads`: what was asked for (one G, per-layer lists or a budget), resolved here once."""
     arch = architecture(config.get("model_type"))
     stacks, chosen = choose_attentions(config, arch, attention)
-    allocation = resolve_allocation({name: stack.geometry for name, stack in stacks.items()}, chosen, kv_heads)
+    geometries = {name: stack.geometry for name, stack in stacks.items()}
+    allocation = resolve_allocation(geometries, chosen, kv_heads)
     pending = kv_heads.budget if isinstance(kv_heads, KVHeadsRequest) and kv_heads.needs_calibration else None
+    # A budget with one allocation within it needs no cost to choose it (nor the calibration that measures one).
+    forced = pending is not None and (only := only_allocation(geometries, chosen, pending)) is not None
+    if forced:
+        allocation, pending = only, None
     if per_layer(allocation) or pending is not None:  # a calibrated allocation may give layers their own heads
         check_per_layer_layout(arch)
     strategy.check_source(config, arch)
-    return Conversion(config, arch, strategy, grouping, allocation, seed, stacks, chosen, pending_budget=pending)
+    planning = {"pending_budget": pending, "allocation_forced": forced}
+    return Conversion(config, arch, strategy, grouping, allocation, seed, stacks, chosen, **planning)
 
 
 def pool_fused(

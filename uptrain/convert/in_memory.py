@@ -77,8 +77,10 @@ def converted_tensors(
     )
     state = model.state_dict()
     source = StateDictSource(state)
+    if isinstance(num_kv_heads, KVHeadsRequest) and num_kv_heads.needs_calibration:  # even if the budget forces it
+        resolved_allocation_cost(allocation_cost, conversion.arch.encoder_decoder)  # refuses 'loss' there
     if conversion.pending_budget is not None:  # allocation "calibrated": chosen by its cost
-        from uptrain.convert.allocation import settle_allocation
+        from uptrain.convert.allocation import budget_candidates, settle_allocation
 
         costs = None
         if resolved_allocation_cost(allocation_cost, conversion.arch.encoder_decoder) == "loss":
@@ -98,7 +100,8 @@ def converted_tensors(
                 seed=seed,
                 calibration=calibration,
             )
-            costs = {DECODER_SELF: layer_alone_costs(model, calibration_blocks, heads, convert)}
+            candidates = budget_candidates(conversion)[DECODER_SELF]
+            costs = {DECODER_SELF: layer_alone_costs(model, calibration_blocks, heads, convert, candidates=candidates)}
         elif calibration is None or not calibration.moments:
             raise UptrainError(
                 "allocation 'calibrated' measures each layer's merge on calibration moments "

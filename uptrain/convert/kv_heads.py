@@ -11,7 +11,7 @@ checks its arguments with it before torch is imported.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -111,6 +111,43 @@ def resolved_allocation_cost(allocation_cost: str | None, encoder_decoder: bool)
             "(use --allocation-cost merge)"
         )
     return allocation_cost
+
+
+def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
+    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
+    converted attentions' layers, in those units (rounded down; a typed decimal's error is forgiven
+    as `BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
+    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
+    return math.floor(fraction * whole * (1 + BUDGET_TOLERANCE))
+
+
+def fitting_candidates(
+    source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int], units: int
+) -> dict[str, list[tuple[int, ...]]]:
+    """Per attention and layer, the candidate G (divisors of the layer's source KV heads) that some
+    allocation within `units` (`budget_units`) gives it: G × head_dim with one KV head in every
+    other layer fits. The others can be in no allocation within the budget, so their costs are not
+    measured; none for any layer when even one head per layer does not fit."""
+    smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
+    return {
+        name: [tuple(g for g in divisors(kv) if smallest + (g - 1) * head_dims[name] <= units) for kv in heads]
+        for name, heads in source_heads.items()
+    }
+
+
+def only_allocation(
+    geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], budget: float
+) -> dict[str, tuple[int, ...]] | None:
+    """The allocation a `--kv-budget` leaves no choice of (e.g. 1/8 of an 8-head model's cache: one
+    KV head in every layer), else None: where every layer's only `fitting_candidates` is 1, the
+    smallest allocation is the one within the budget, and `--allocation calibrated` takes it
+    without measuring any cost."""
+    source_heads = {name: geometries[name].layer_kv_heads() for name in chosen}
+    head_dims = {name: geometries[name].head_dim for name in chosen}
+    fitting = fitting_candidates(source_heads, head_dims, budget_units(budget, source_heads, head_dims))
+    if all(layer == (1,) for layers in fitting.values() for layer in layers):
+        return {name: (1,) * len(layers) for name, layers in fitting.items()}
+    return None
 
 
 def layer_geometry(geometry: AttentionGeometry, layer: int) -> AttentionGeometry:

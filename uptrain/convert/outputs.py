@@ -260,7 +260,12 @@ def _budget_text(p: dict) -> str:
     if p.get("kv_budget") is None:
         return ""
     text = f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
-    if "allocation_costs" in p and p.get("allocation_cost") == "loss":
+    if p.get("allocation_forced"):
+        text += (
+            " The budget leaves one allocation (one KV head in every layer), so it was taken as it is:"
+            " no costs were measured."
+        )
+    elif "allocation_costs" in p and p.get("allocation_cost") == "loss":
         text += (
             " Each layer's heads were chosen by the model's loss on the calibration blocks with that layer alone"
             " converted to each candidate G, minus the source's (`--allocation-cost loss`), the allocation of least"
@@ -296,9 +301,10 @@ def _allocation_costs_table(p: dict) -> str:
         if p.get("allocation_cost") == "loss"
         else "What the calibrated merge of each layer to G KV heads loses"
     )
-    return f"\n\n{what} (the cost `--allocation calibrated` minimised, summed over the layers):\n\n" + "\n".join(
-        [head, rule, *rows]
-    )
+    return (
+        f"\n\n{what} (the cost `--allocation calibrated` minimised, summed over the layers; a G that no "
+        "allocation within the budget can give a layer is not measured):\n\n"
+    ) + "\n".join([head, rule, *rows])
 
 
 def _grouping_text(p: dict, layout: AttentionLayout) -> str:

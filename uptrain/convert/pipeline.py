@@ -106,7 +106,7 @@ def prepare(
             "--allocation calibrated measures what each layer's merge loses on calibration data "
             "(--calibration-data FILE)"
         )
-    if conversion.pending_budget is not None:  # refuses --allocation-cost loss for an encoder–decoder
+    if spec.kv_heads.needs_calibration:  # refuses --allocation-cost loss for an encoder–decoder (even if forced)
         resolved_allocation_cost(spec.allocation_cost, conversion.arch.encoder_decoder)
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
@@ -207,6 +207,7 @@ def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> l
     """`--allocation-cost loss`: the source model, whole on the calibration device, scored on the
     calibration blocks (the same blocks, at the length calibration read them) with each layer alone
     converted to each candidate G (`layer_loss.layer_alone_costs`)."""
+    from uptrain.convert.allocation import budget_candidates
     from uptrain.convert.calibration import calibration_device, first_calibration_blocks, load_calibration_tokenizer
     from uptrain.convert.in_memory import convert_model
     from uptrain.convert.layer_loss import layer_alone_costs
@@ -225,7 +226,8 @@ def _measured_costs(prepared: PreparedConversion, calibration: Calibration) -> l
     convert = functools.partial(
         convert_model, model, pooling=spec.pooling, grouping=spec.grouping, seed=spec.seed, calibration=calibration
     )
-    return layer_alone_costs(model, blocks, geometry.layer_kv_heads(), convert)
+    candidates = budget_candidates(prepared.conversion)[DECODER_SELF]
+    return layer_alone_costs(model, blocks, geometry.layer_kv_heads(), convert, candidates=candidates)
 
 
 def settle_allocation(prepared: PreparedConversion, calibration: Calibration) -> None:
@@ -253,13 +255,16 @@ def settle_allocation(prepared: PreparedConversion, calibration: Calibration) ->
     calibration.allocation_cost = cost
 
 
-def budget_record(spec: ConversionSpec, calibration: Calibration | None = None) -> dict | None:
+def budget_record(spec: ConversionSpec, calibration: Calibration | None = None, forced: bool = False) -> dict | None:
     """What `uptrain.json` records of a `--kv-budget` (None without one): the budget and how it was
     spent; a calibrated allocation's cost table beside it (`allocation_costs`: per converted
-    attention, per layer, each candidate G's cost)."""
+    attention, per layer, each candidate G's cost), or `allocation_forced` where the budget left one
+    allocation and no cost was measured (`Conversion.allocation_forced`)."""
     if spec.kv_budget is None:
         return None
     record = {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
+    if forced:
+        record["allocation_forced"] = True
     if calibration is not None and calibration.allocation_costs is not None:
         record["allocation_cost"] = calibration.allocation_cost
         record["allocation_costs"] = {
@@ -310,7 +315,7 @@ def execute(
             spec.grouping,
             merger.kv_orders,
             calibration.info if calibration is not None else None,
-            budget_record(spec, calibration),
+            budget_record(spec, calibration, prepared.conversion.allocation_forced),
         )
         (tmp / "uptrain.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(record, card_metadata(prepared.source.folder)))

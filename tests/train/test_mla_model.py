@@ -1,0 +1,28 @@
+"""`uptrain train` with a multi-head latent attention checkpoint (`uptrain convert --target mla`,
+DeepSeek-V2 layout) as its model: it loads, trains, and logs the latent's KV-cache bytes."""
+
+from __future__ import annotations
+
+import json
+
+from tests.train.train_helpers import records
+from uptrain.convert import convert_checkpoint
+from uptrain.train.config import TrainConfig
+from uptrain.train.loop import run_training
+
+RANK, ROPE = 12, 4  # the tiny Llama's heads are 8 × 8: 2 layers × 8 heads × 16 K/V elements in MHA
+
+
+def test_train_an_mla_conversion_logs_the_latents_cache_bytes(assets, base_config, tmp_path):
+    mla = convert_checkpoint(assets["mha"], tmp_path / "mla", target="mla", kv_rank=RANK, rope_dims=ROPE)
+    config = TrainConfig(**{**base_config, "model": str(mla), "max_steps": 2, "eval_every": 2, "save_every": 2})
+    final = run_training(config)
+    recs = records(config.output_dir)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    # transformers caches each layer's normalised latent and its shared rotary key: 2 layers × float32.
+    per_layer = json.loads((mla / "uptrain.json").read_text())["kv_elements_per_token_per_layer"]["mla"]
+    assert per_layer == RANK + ROPE
+    assert recs[0]["model/kv_cache_bytes_per_token"] == 2 * per_layer * 4
+    assert recs[-1]["eval/loss"] < recs[0]["eval/loss"]  # it trains (from random weights here)
+    saved = json.loads((final / "config.json").read_text())
+    assert (saved["model_type"], saved["kv_lora_rank"], saved["qk_rope_head_dim"]) == ("deepseek_v2", RANK, ROPE)

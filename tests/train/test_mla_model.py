@@ -26,3 +26,6 @@ def test_train_an_mla_conversion_logs_the_latents_cache_bytes(assets, base_confi
     assert recs[-1]["eval/loss"] < recs[0]["eval/loss"]  # it trains (from random weights here)
     saved = json.loads((final / "config.json").read_text())
     assert (saved["model_type"], saved["kv_lora_rank"], saved["qk_rope_head_dim"]) == ("deepseek_v2", RANK, ROPE)
+    card = (final / "README.md").read_text()  # says what it is, not a GQA model nor an unconverted one
+    assert "# Uptrained multi-head latent attention model" in card
+    assert f"a latent of rank {RANK} and a shared rotary key of {ROPE} columns, from 8 KV heads" in card

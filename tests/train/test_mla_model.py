@@ -68,3 +68,12 @@ def test_a_source_the_latent_layout_cannot_take_is_refused_before_the_run_folder
     with pytest.raises(UptrainError):
         run_training(TrainConfig(**run))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_calibrated_latent_calibrates_on_the_runs_training_text(base_config):
+    run = {**base_config, "model": None, "source": "s", "target": "mla", "kv_rank": 8}
+    svd = TrainConfig(**run).conversion_spec()
+    calibrated = TrainConfig(**run, mla_init="calibrated", rotary_key="calibrated").conversion_spec()
+    assert svd.calibration_data is None  # the weight-space SVD reads no data (convert refuses it any)
+    assert (calibrated.calibration_data, calibrated.calibration_seq_len) == (run["train_data"], run["seq_len"])
+    assert (calibrated.mla_init, calibrated.rotary_key, calibrated.kv_rank) == ("calibrated", "calibrated", 8)

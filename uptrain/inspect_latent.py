@@ -15,7 +15,7 @@ def latent_report(config: dict, dtype_bytes: int, context: int, batch: int) -> d
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
     key_dim, value_dim = config["qk_nope_head_dim"] + rope, config["v_head_dim"]
-    per_token = layers * deepseek_v2.latent_elements_per_token(rank, rope) * dtype_bytes
+    per_token = deepseek_v2.cache_elements_per_token(config) * dtype_bytes
 
     def expanded(g: int) -> int:  # g KV heads' keys and values, as GQA caches them
         return layers * g * (key_dim + value_dim) * dtype_bytes

@@ -131,7 +131,8 @@ def measure_speed(
       compile      GPU only: also time the served fast path, a static cache and torch.compile'd
                    decode steps; compilation time is reported apart (default: off)
 
-    Each result holds: model, num_kv_heads (an encoder–decoder's: its decoder self-attention's),
+    Each result holds: model, num_kv_heads (an encoder–decoder's: its decoder self-attention's;
+    None for multi-head latent attention, whose cache is a latent and a shared rotary key),
     cross_attention_num_kv_heads (None for a decoder-only model), context, new_tokens, batch,
     dtype, device, repeats; prefill_s (the N-token prompt's pass; an encoder–decoder's encoding
     of the source and its first decoder step), decode_s_per_token (one decode step for all B
@@ -169,7 +170,8 @@ def measure_speed(
     return [
         {
             "model": shape.label,
-            "num_kv_heads": shape.geometry.num_kv_heads,
+            # A latent-attention model caches no K/V heads: its cache is the latent (kv_cache_bytes).
+            "num_kv_heads": None if shape.latent_elements_per_token is not None else shape.geometry.num_kv_heads,
             "cross_attention_num_kv_heads": None if shape.cross is None else shape.cross.num_kv_heads,
             "context": contexts[shape.label],
             "new_tokens": new_tokens,
@@ -523,7 +525,7 @@ def format_speed_table(results: list[dict]) -> str:
             rows.append(
                 (
                     name,
-                    r["num_kv_heads"],
+                    "MLA" if r["num_kv_heads"] is None else r["num_kv_heads"],
                     f"{m['prefill_s']:.3f}",
                     spread_cell(m, "decode_s_per_token", ".2f", scale=1e3),
                     f"{m['decode_tokens_per_s']:.1f}",

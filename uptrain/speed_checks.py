@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, architecture, block_positions, find_architecture
+from uptrain.architecture import DECODER_SELF, architecture, block_positions, deepseek_v2, find_architecture
 from uptrain.model_info import DTYPE_BYTES, AttentionGeometry, attention_geometry, read_config
 
 DEFAULT_CONTEXT = 1024  # `uptrain speed --context`'s default: a decoder-only prompt's, a text source's length
@@ -66,6 +66,9 @@ class ModelShape:
     # What config.json asks of transformers (`attn_implementation`); None: its default, SDPA for
     # every family speed measures.
     attn_implementation: str | None = None
+    # Multi-head latent attention (DeepSeek-V2): what each layer caches per token, the latent and
+    # the shared rotary key (transformers caches those, not the expanded K/V); None: K/V heads.
+    latent_elements_per_token: int | None = None
 
     def source_length(self, context: int | None) -> int:
         """The prompt (source) length to measure at, given the --context asked for (None: the default)."""
@@ -104,6 +107,9 @@ class ModelShape:
         """The KV cache a sample fills: decoder-only, N + M positions; an encoder–decoder, M
         self-attention positions and N cross-attention ones (an upper bound by one position)."""
         size = DTYPE_BYTES[dtype]
+        if self.latent_elements_per_token is not None:
+            per_token = self.geometry.num_layers * self.latent_elements_per_token * size
+            return per_token * batch * (context + new_tokens)
         if self.cross is None:
             return self.geometry.kv_cache_bytes_per_token(size) * batch * (context + new_tokens)
         decoder = self.geometry.kv_cache_bytes_per_token(size) * new_tokens
@@ -167,7 +173,16 @@ def model_shape(folder: Path, label: str) -> ModelShape:
     if "cross" not in stacks:
         # No record: transformers' standard names, as `config_geometry` reads them.
         geometry = attention_geometry(config) if arch is None else stacks[DECODER_SELF].geometry
-        return ModelShape(label, geometry, block_positions(config, label)[0], attn_implementation=implementation)
+        latent = None
+        if config.get("model_type") == deepseek_v2.MODEL_TYPE:
+            latent = deepseek_v2.latent_elements_per_token(config["kv_lora_rank"], config["qk_rope_head_dim"])
+        return ModelShape(
+            label,
+            geometry,
+            block_positions(config, label)[0],
+            attn_implementation=implementation,
+            latent_elements_per_token=latent,
+        )
     # Positions as the record names them (GPT-2's n_positions, Whisper's max_target_positions).
     return ModelShape(
         label,

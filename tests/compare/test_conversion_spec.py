@@ -38,7 +38,8 @@ TRAINED = dict(
 )
 # ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),
 # and those each run sets itself.
-# target, kv_rank and rope_dims: `--target mla` is `uptrain convert`'s alone so far (issue #33).
+# target, kv_rank, rope_dims, rotary_key and mla_init: `uptrain train`'s `source` takes them too
+# (tests/train/test_mla_model.py); `uptrain compare` not yet (issue #33).
 CONVERT_ONLY = {"dtype", "max_shard_size", "allow_pickle", "target", "kv_rank", "rope_dims", "rotary_key", "mla_init"}
 PER_RUN = {"source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "pooling"}
 

@@ -403,3 +403,24 @@ def test_calibrated_rotary_key_is_exact_where_the_keys_are_multiples_of_one_on_t
         gaps[key] = (got - expected).abs().max().item()
     assert gaps["calibrated"] <= 20 * noise + 1e-4, gaps
     assert gaps["principal"] > 100 * (20 * noise + 1e-4), gaps
+
+
+def test_speed_measures_the_latent_and_the_rotary_key_in_the_cache(tmp_path, capsys):
+    """transformers caches the normalised latent and the shared rotary key, not expanded K/V: the
+    measured cache bytes are the latent's arithmetic, and so is the pre-run fit check's estimate."""
+    from uptrain.speed import format_speed_table, measure_speed
+    from uptrain.speed_checks import model_shape
+
+    tiny_llama(tmp_path / "src", kv_heads=4)
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=24, rope_dims=8)
+    per_layer = json.loads((out / "uptrain.json").read_text())["kv_elements_per_token_per_layer"]["mla"]
+    assert per_layer == 24 + 8
+    context, new_tokens, batch = 10, 3, 2
+    (result,) = measure_speed([out], context=context, new_tokens=new_tokens, batch=batch, repeats=1)
+    positions = context + new_tokens - 1  # the last token is never fed back
+    assert result["kv_cache_bytes"] == 2 * per_layer * 4 * batch * positions  # layers × elements × float32
+    assert result["num_kv_heads"] is None
+    assert model_shape(out, "mla").cache_bytes(batch, context, new_tokens, "float32") == (
+        2 * per_layer * 4 * batch * (context + new_tokens)
+    )
+    assert " MLA " in format_speed_table([result])

@@ -58,6 +58,22 @@ def test_the_comparison_can_fail(built, tmp_path, capsys):
     assert [p["prediction"] for p in pooled["predictions"]] != [p["prediction"] for p in source["predictions"]]
 
 
+def test_an_mla_conversion_is_evaluated_as_transformers_loads_it(built, tmp_path, capsys):
+    """An `uptrain convert --target mla` output (DeepSeek-V2 layout) is evaluated like any causal LM:
+    from a one-KV-head source at full rank, every rotary column kept, it generates its source's tokens."""
+    from uptrain.convert import convert_checkpoint
+
+    mqa = convert(built["llama"], tmp_path / "llama-mqa", 1)  # 4 heads × 8, hidden 32
+    mla = convert_checkpoint(mqa, tmp_path / "llama-mla", target="mla", kv_rank=32, rope_dims=8, source_hash="none")
+    args = ("--task", "qa", "--data", str(built["qa"]), "--max-new-tokens", "6", "--batch-size", "4")
+    source = evaluate_json(str(mqa), *args, capsys=capsys)
+    latent = evaluate_json(str(mla), *args, capsys=capsys)
+    assert json.loads((mla / "config.json").read_text())["model_type"] == "deepseek_v2"
+    assert latent["examples"] == 6
+    assert [p["prediction"] for p in latent["predictions"]] == [p["prediction"] for p in source["predictions"]]
+    assert latent["scores"] == source["scores"]
+
+
 def test_writes_scores_and_predictions_and_limit(built, tmp_path, capsys):
     out = tmp_path / "scores"
     args = ["evaluate", str(built["bart"]), "--task", "qa", "--data", str(built["qa"]), "--max-new-tokens", "4"]

@@ -65,3 +65,8 @@ def mla_config(config: dict, kv_rank: int, rope_dims: int, head_dim: int, rope_t
 def latent_elements_per_token(kv_rank: int, rope_dims: int) -> int:
     """What one layer caches per token: the latent and the shared rotary key."""
     return kv_rank + rope_dims
+
+
+def cache_elements_per_token(config: dict) -> int:
+    """What a DeepSeek-V2 config's model caches per token, every layer's latent and rotary key."""
+    return config["num_hidden_layers"] * latent_elements_per_token(config["kv_lora_rank"], config["qk_rope_head_dim"])

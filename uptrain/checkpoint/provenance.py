@@ -61,6 +61,18 @@ def conversion_record(record: dict | None, where: str = PROVENANCE) -> dict | No
     return None
 
 
+def latent_record(record: dict | None) -> dict | None:
+    """The multi-head latent attention conversion (`uptrain convert --target mla`) at the root of a
+    provenance chain, else None. Apart from `conversion_record`, whose readers (cards, budgets,
+    trackers) read a GQA conversion's pooling and KV heads, which an MLA record has not."""
+    while isinstance(record, dict):
+        if record.get("target") == "mla":
+            return record
+        started = record.get("started_from")
+        record = started.get("provenance") if isinstance(started, dict) else None
+    return None
+
+
 def _at(keys: list[str]) -> str:
     return f"`{'.'.join(keys)}`" if keys else "the record"
 

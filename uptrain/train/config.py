@@ -24,6 +24,9 @@ from uptrain.convert.spec import (
     AllocationCost,
     ConversionOptions,
     ConversionSpec,
+    MLAInit,
+    RotaryKey,
+    Target,
     allocation_cost_option,
     allocation_option,
     conversion_spec,
@@ -310,22 +313,45 @@ class RunTarget(Schema):
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
     allocation_cost: AllocationCost | None = allocation_cost_option()
+    # `uptrain convert --target mla`'s keys, as it takes them (`mla_init: calibrated` reads train_data).
+    target: Target = option(
+        "gqa",
+        help="what `source` becomes: gqa (fewer KV heads: num_kv_heads, kv_heads_per_layer or kv_budget) or mla "
+        "(multi-head latent attention in the DeepSeek-V2 layout, Llama family: kv_rank or kv_budget, rope_dims)",
+    )
+    kv_rank: int | None = option(None, at_least=1, help="target mla: the latent's rank (kv_lora_rank)")
+    rope_dims: int | None = option(
+        None, at_least=2, help="target mla: columns of the shared rotary key (default: half the head dimension)"
+    )
+    rotary_key: RotaryKey = option(
+        "principal", help="target mla: the one rotary key all heads share, as `uptrain convert --rotary-key`"
+    )
+    mla_init: MLAInit = option(
+        "svd", help="target mla: the latent's initialisation, svd or calibrated (calibrated on train_data)"
+    )
 
     # The keys that choose the converted KV heads, each applied to `source` only.
     KV_HEADS_KEYS = ("num_kv_heads", "kv_heads_per_layer", "kv_budget")
+    # The keys of a latent-attention conversion of `source`, at their defaults for GQA.
+    MLA_KEYS = {"target": "gqa", "kv_rank": None, "rope_dims": None, "rotary_key": "principal", "mla_init": "svd"}
 
     def problems(self) -> list[str]:
         found = super().problems()
         given = [key for key in self.KV_HEADS_KEYS if getattr(self, key) is not None]
+        latent = [key for key, default in self.MLA_KEYS.items() if getattr(self, key) != default]
         if (self.model is None) == (self.source is None):
             found.append(
                 "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
             )
+        elif self.source is None and (
+            given or latent or self.allocation != "uniform" or self.allocation_cost is not None
+        ):
+            key = (given + latent or ["allocation" if self.allocation != "uniform" else "allocation_cost"])[0]
+            found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
+        elif self.target == "mla":
+            pass  # checked with the conversion's own rules (`mla_problems`) when it is specified
         elif self.source is not None and not given:
             found.append("`source` needs `num_kv_heads` (or `kv_heads_per_layer`, or `kv_budget`)")
-        elif self.source is None and (given or self.allocation != "uniform" or self.allocation_cost is not None):
-            key = given[0] if given else "allocation" if self.allocation != "uniform" else "allocation_cost"
-            found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
         elif self.source is not None and (
             problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
         ):
@@ -383,7 +409,10 @@ class TrainConfig(
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
         kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, "allocation", "allocation_cost")}
-        return training_conversion(self, source=self.source, **kv_heads)
+        latent = {key: getattr(self, key) for key in self.MLA_KEYS}
+        if self.target == "mla" and self.mla_init != "calibrated":  # reads no calibration data
+            latent["calibration_data"] = None
+        return training_conversion(self, source=self.source, **kv_heads, **latent)
 
     @property
     def trackers(self) -> list[str]:

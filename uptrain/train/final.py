@@ -30,7 +30,7 @@ import uptrain
 from uptrain.architecture import find_architecture
 from uptrain.checkpoint.atomic import atomic_directory
 from uptrain.checkpoint.card import CARD, card_metadata, front_matter, is_hub_id
-from uptrain.checkpoint.provenance import PROVENANCE, conversion_record
+from uptrain.checkpoint.provenance import PROVENANCE, conversion_record, latent_record
 from uptrain.checkpoint.reader import SAFETENSORS_INDEX, SourceCheckpoint
 from uptrain.checkpoint.source import local_source, portable
 from uptrain.checkpoint.writer import write_tensors
@@ -260,7 +260,17 @@ def uptrained_card(record: dict, start: Path) -> str:
     encoder_decoder = arch is not None and arch.encoder_decoder
     if encoder_decoder:
         tags.append("encoder-decoder")
-    if conversion and encoder_decoder and isinstance(conversion.get("attentions"), dict):
+    latent = latent_record(record["started_from"]["provenance"])
+    if latent is not None:
+        tags = [latent["model_type"], "mla"]
+        what = (
+            f"`{portable(str(latent['source']))}` converted by uptrain to multi-head latent attention "
+            f"(DeepSeek-V2 layout: a latent of rank {latent['kv_lora_rank']} and a shared rotary key of "
+            f"{latent['qk_rope_head_dim']} columns, from {latent['source_num_key_value_heads']} KV heads; "
+            f"`{latent['initialisation']}` initialisation; details in the starting checkpoint's record, "
+            "embedded in `uptrain.json`), then uptrained."
+        )
+    elif conversion and encoder_decoder and isinstance(conversion.get("attentions"), dict):
         what = _encoder_decoder_conversion(conversion)
     elif conversion:
         # portable(): records written before sources were named portably hold the absolute path.
@@ -295,7 +305,8 @@ def uptrained_card(record: dict, start: Path) -> str:
     )
     # Recorded by runs that train an objective (span corruption, pairs, …); older ones trained causal LM.
     objective = f"\n- Objective: `{c['objective']}`" if c.get("objective") else ""
-    body = f"""# Uptrained grouped-query-attention model (uptrain)
+    kind = "multi-head latent attention" if latent is not None else "grouped-query-attention"
+    body = f"""# Uptrained {kind} model (uptrain)
 
 {what}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.architecture import DECODER_SELF, config_geometry, find_architecture
+from uptrain.architecture import DECODER_SELF, config_geometry, deepseek_v2, find_architecture
 from uptrain.objectives import Objective
 
 # Dense bf16 tensor-core peaks per device, FLOP/s, from the vendors' datasheets. Longer names
@@ -205,7 +205,11 @@ def kv_cache_metrics(model_config: dict, dtype_bytes: int) -> dict[str, int]:
     encoder–decoder's decoder self-attention), and for an encoder–decoder
     `model/cross_kv_cache_bytes_per_source_token`: the cross-attention's K and V of every decoder
     layer for each encoder position, computed once per input and held while generating. A batch
-    generating T tokens from S source positions holds T·(first) + S·(second) bytes per input."""
+    generating T tokens from S source positions holds T·(first) + S·(second) bytes per input.
+    A multi-head latent attention model (DeepSeek-V2) caches each layer's normalised latent and
+    shared rotary key, as transformers does (`uptrain speed` measures the same)."""
+    if model_config.get("model_type") == deepseek_v2.MODEL_TYPE:  # latent attention: no K/V heads cached
+        return {"model/kv_cache_bytes_per_token": deepseek_v2.cache_elements_per_token(model_config) * dtype_bytes}
     arch = find_architecture(model_config.get("model_type"))
     per_token = {"model/kv_cache_bytes_per_token": config_geometry(model_config).kv_cache_bytes_per_token(dtype_bytes)}
     if arch is None or "cross" not in arch.attentions:

@@ -102,15 +102,30 @@ class SourceConversion:
         self.config = config
         self.folder = out / "converted"
         reuse = (self.folder / "config.json").is_file() and not config.overwrite
-        self.prepared = None if reuse else prepare(config.conversion_spec())
+        spec = config.conversion_spec()
+        # `target: mla` converts in one pass (`convert_mla`); its layout's refusals are checked here,
+        # before anything is written, as `prepare` checks a GQA conversion's.
+        self.latent = None if reuse or spec.target != "mla" else _checked_latent(spec)
+        self.prepared = None if reuse or self.latent is not None else prepare(spec)
 
     @property
     def checked_folder(self) -> Path:
         """Where the model's tokenizer and positions are checked before converted/ exists: the source's."""
+        if self.latent is not None:
+            return Path(self.latent[1].folder)
         return self.folder if self.prepared is None else Path(self.prepared.source.folder)
 
     def execute(self, accelerator) -> None:
         """Main process only, once the run folder is initialised."""
+        if self.latent is not None:
+            from uptrain.convert.mla import convert_mla
+
+            spec = self.latent[0]
+            accelerator.print(
+                f"converting {spec.source} to multi-head latent attention ({spec.mla_init}) → {self.folder}"
+            )
+            convert_mla(spec, self.folder, progress=False)
+            return
         if self.prepared is None:
             return
         what = f"{self._kv_heads()} ({self.config.pooling})"
@@ -132,6 +147,15 @@ class SourceConversion:
     def __exit__(self, *exc) -> None:
         if self.prepared is not None:
             self.prepared.close()  # the source checkpoint, held open since `prepare`
+
+
+def _checked_latent(spec):
+    """(spec, its resolved source) once the source's layout takes the latent asked for."""
+    from uptrain.convert.mla import mla_geometry
+
+    source = resolve_source(spec.source)
+    mla_geometry(read_config(source.folder), spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
+    return spec, source
 
 
 def setup(config: TrainConfig) -> Run:

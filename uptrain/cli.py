@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -310,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
+    # transformers 5.25 asks the `kernels` package for hub flash-attention kernels as it sets a
+    # model up, which offline (HF_HUB_OFFLINE, as here) warns once per kernel: noise on stderr
+    # before any one-line error, about kernels a CPU run never uses. Its errors still show.
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     try:
         return COMMANDS[args.command].run(COMMANDS[args.command].options(args, args.command))
     except UptrainError as err:

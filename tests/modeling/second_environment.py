@@ -128,3 +128,15 @@ def cached_environment(
         timeout=timeout,
     )
     return python
+
+
+def falcon_rewritten_between(version: str) -> bool:
+    """Whether transformers `version` and the installed one lie on two sides of 5.25's rewrite of
+    Falcon's attention (its eager divided the scores by √d, now multiplies by 1/√d): falcon_gqa
+    follows each bit for bit at G = h (test_backends), so across the two it is the same model
+    one rounding apart, and only its tokens and cache shapes can be compared exactly."""
+    import transformers
+    from packaging.version import Version
+
+    rewritten = Version("5.25")
+    return (Version(version) < rewritten) != (Version(transformers.__version__) < rewritten)

@@ -10,16 +10,14 @@ import sys
 
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import uptrain.modeling  # noqa: F401  registers mpt_gqa, falcon_gqa
 from tests.modeling import load_without_uptrain
 from tests.modeling.classic_models import HEAD_DIM, HEADS, build, make_heads_identical, token_ids
-from tests.modeling.second_environment import transformers4_python
-from tests.modeling.test_transformers_versions import run_in
+from tests.modeling.second_environment import falcon_rewritten_between, transformers4_python
+from tests.modeling.test_transformers_versions import floats, run_in
 from uptrain import UptrainError
 from uptrain.convert import convert_checkpoint
 from uptrain.speed import output_cache
@@ -163,25 +161,12 @@ def test_load_without_uptrain_under_transformers_5_and_4_57(sources, tmp_path):
         assert sorted(found["results"]) == sorted(registered), found["transformers"]
         for case, expected in registered.items():
             got, where = found["results"][case], f"{case} under transformers {found['transformers']}"
-            if case.startswith("falcon") and case.endswith("/eager") and arithmetic_differs(found["transformers"]):
-                # falcon_gqa's eager follows the installed transformers' Falcon, bit for bit at G = h
-                # (test_backends): before 5.25 it divides the scores by √d, from 5.25 it multiplies
-                # by 1/√d: the same model, one rounding apart.
+            if case.startswith("falcon") and falcon_rewritten_between(found["transformers"]):
                 assert (got["generated"], got["cache"]) == (expected["generated"], expected["cache"]), where
                 for key in ("logits", "padded"):
                     torch.testing.assert_close(floats(got[key]), floats(expected[key]), rtol=1e-5, atol=1e-5, msg=where)
             else:
                 assert got == expected, where
-
-
-def arithmetic_differs(version: str) -> bool:
-    """Whether transformers `version`'s Falcon attention is the other side of 5.25's rewrite
-    from the installed one's."""
-    return (Version(version) < Version("5.25")) != (Version(transformers.__version__) < Version("5.25"))
-
-
-def floats(hexes: list[str]) -> torch.Tensor:
-    return torch.tensor([float.fromhex(h) for h in hexes])
 
 
 REFUSED = [

@@ -37,7 +37,7 @@ import uptrain.modeling  # noqa: F401  registers the GQA classes, as a user's `i
 from tests.modeling import test_bart_family_gqa as bart_family
 from tests.modeling import test_t5_gqa as t5_family
 from tests.modeling.classic_models import CONFIGS, SHARED, token_ids
-from tests.modeling.second_environment import transformers4_python
+from tests.modeling.second_environment import falcon_rewritten_between, transformers4_python
 from uptrain.architecture import architecture, find_architecture
 from uptrain.modeling import CLASSES
 from uptrain.modeling.attention import STACK_KV_HEADS
@@ -332,7 +332,10 @@ def test_transformers_4_57_loads_the_lists_computes_the_same_and_writes_them_bac
     assert version.startswith("4.57.") and version == versions["transformers"]
     assert sorted(results) == sorted(FAMILIES)
     for family, (logits, cached, uncached, lists) in results.items():
-        assert torch.equal(logits, expected[family][0]), f"{family}: logits differ under {version}"
+        if family.startswith("falcon") and falcon_rewritten_between(version):
+            torch.testing.assert_close(logits, expected[family][0], rtol=1e-5, atol=1e-5, msg=family)
+        else:
+            assert torch.equal(logits, expected[family][0]), f"{family}: logits differ under {version}"
         assert torch.equal(cached, expected[family][1]), f"{family}: tokens differ under {version}"
         assert torch.equal(cached, uncached), f"{family}: the cache changes the tokens under {version}"
         assert lists == expected_lists(family), f"{family}: {version} wrote {lists}"

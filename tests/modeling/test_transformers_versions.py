@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: the in-process side loads without trust_remote_code
 from tests.modeling import load_without_uptrain
 from tests.modeling.classic_models import ARCHITECTURES, build, token_ids
-from tests.modeling.second_environment import transformers4_python
+from tests.modeling.second_environment import falcon_rewritten_between, transformers4_python
 from uptrain.convert import convert_checkpoint
 
 BACKENDS = ["eager", "sdpa"]
@@ -84,6 +84,10 @@ def test_transformers_4_57_and_5_give_the_same_logits_and_tokens(transformers4, 
     for case, expected in new.items():
         got = old["results"][case]
         for what in ("logits", "padded", "generated"):
+            if what != "generated" and case.startswith("falcon") and falcon_rewritten_between(old["transformers"]):
+                close = torch.testing.assert_close
+                close(floats(got[what]), floats(expected[what]), rtol=1e-5, atol=1e-5, msg=f"{case}: {what}")
+                continue
             assert got[what] == expected[what], f"{case}: {what} differ under transformers {old['transformers']}"
     # The generation is not degenerate (one token repeated), so equal tokens say something.
     for case, result in new.items():
@@ -97,7 +101,12 @@ def test_eager_and_sdpa_agree_under_transformers_4_57(under_4_57):
     for model_type in ARCHITECTURES:
         eager, sdpa = old[f"{model_type}/eager"], old[f"{model_type}/sdpa"]
         for what in ("logits", "padded"):
-            a = torch.tensor([float.fromhex(x) for x in eager[what]])
-            b = torch.tensor([float.fromhex(x) for x in sdpa[what]])
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{model_type}: {what}")
+            a, b = floats(eager[what]), floats(sdpa[what])
+            # float32 noise is relative: 4e-6 of the largest logit (GPT-Neo's eager, unscaled
+            # scores, differs from SDPA by 1.6e-5 on logits of 14)
+            torch.testing.assert_close(a, b, rtol=0, atol=4e-6 * a.abs().max().item(), msg=f"{model_type}: {what}")
         assert eager["generated"] == sdpa["generated"], model_type
+
+
+def floats(hexes: list[str]) -> torch.Tensor:
+    return torch.tensor([float.fromhex(x) for x in hexes])

@@ -52,8 +52,9 @@ def test_a_float_flag_that_is_not_finite_is_refused_at_parse(command, name):
 @pytest.mark.parametrize("command, name", CASES)
 def test_a_float_yaml_value_that_is_not_finite_is_refused(command, name):
     schema = COMMANDS[command].schema()
+    listed = typing.get_origin(next(k for k in keys_of(schema) if k.name == name).annotation) is list
     for text in NOT_FINITE:
-        values = parse_yaml(f"{name}: {text}\n", "config.yaml")
+        values = parse_yaml(f"{name}: {f'[{text}]' if listed else text}\n", "config.yaml")  # a list key: one entry
         with pytest.raises(InvalidOptions) as err:
             validated_values(schema, values, command, "config.yaml")
         assert f"`{name}`: must be a finite number" in str(err.value), (text, str(err.value))

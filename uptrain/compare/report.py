@@ -15,6 +15,7 @@ from uptrain.checkpoint.atomic import atomic_file, write_file
 from uptrain.compare.study import MHA, RunResult, recorded_group
 from uptrain.compare.task_report import prediction_tables, write_task_plots
 from uptrain.compare.task_rows import task_column
+from uptrain.convert.spec import distinct_heads
 
 # Measured at each row's G (`uptrain.compare.speed_rows`); empty where speed was not measured.
 SPEED_COLUMNS = ["time_per_sample_s", "decode_tokens_per_s", "kv_cache_bytes"]
@@ -49,7 +50,7 @@ def _heads(r: RunResult) -> str | tuple:
     (a -g run or a budget run that resolved to one G), else its heads layer by layer."""
     if r.kv_heads_per_layer is None:
         return ("G", r.num_kv_heads)
-    heads = set(r.kv_heads_per_layer.replace("/", ",").split(","))
+    heads = distinct_heads(r.kv_heads_per_layer)
     return ("G", int(heads.pop())) if len(heads) == 1 else r.kv_heads_per_layer
 
 
@@ -184,7 +185,7 @@ def _budget_cells(r: dict) -> str:
     as —; a mixed allocation's G is the largest layer's (the config's scalar), shown as its heads."""
     if r["kv_budget"] is None:
         return f"{r['num_kv_heads']} | — | — | {r['num_kv_heads']} in every layer"
-    mixed = len(set(r["kv_heads_per_layer"].replace("/", ",").split(","))) > 1
+    mixed = len(distinct_heads(r["kv_heads_per_layer"])) > 1
     allocation = r["allocation"] + (f" (= {r['same_heads_as']})" if r["same_heads_as"] else "")
     return f"{'mixed' if mixed else r['num_kv_heads']} | {r['kv_budget']:g} | {allocation} | {r['kv_heads_per_layer']}"
 

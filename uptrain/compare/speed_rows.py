@@ -22,6 +22,7 @@ from pathlib import Path
 
 from uptrain import UptrainError
 from uptrain.compare.spec import SPEED_CONTEXT, SPEED_NEW_TOKENS, CompareSpec
+from uptrain.convert.spec import distinct_heads
 from uptrain.speed import measure_speed
 from uptrain.speed_checks import model_shape, parse_device
 
@@ -103,7 +104,7 @@ def speed_key(r) -> str:
     with G KV heads in every converted layer (a -g run, MHA, a uniform budget run), else its heads
     layer by layer (`heads-4-1-1-2-2-2`; an encoder–decoder's attentions split by `_`)."""
     heads = r.kv_heads_per_layer
-    if heads is None or len(set(heads.replace("/", ",").split(","))) == 1:
+    if heads is None or len(distinct_heads(heads)) == 1:
         return f"g{r.num_kv_heads}"
     return "heads-" + heads.replace(",", "-").replace("/", "_")
 

@@ -110,6 +110,11 @@ def kv_heads_per_layer_text(value):
     return "/".join(",".join(str(v) for v in heads) for heads in lists)
 
 
+def distinct_heads(kv_heads_per_layer: str) -> set[str]:
+    """The distinct KV-head counts of a --kv-heads-per-layer spelling ("4,1,1" or "4,4/2,2")."""
+    return set(kv_heads_per_layer.replace("/", ",").split(","))
+
+
 def kv_heads_per_layer_option(help: str = "each layer's KV heads"):
     """The `kv_heads_per_layer` key of a schema (`uptrain convert`, `uptrain train`'s `source`)."""
     return option(

@@ -1,19 +1,20 @@
-"""What tests/modeling/test_vllm.py asks of vLLM.
+"""What tests/modeling/test_vllm.py and test_vllm_mla.py ask of vLLM.
 
 Run as a script (`python serve_in_vllm.py SPEC.json`) in the cached vLLM environment
 (tests/modeling/vllm_environment.py): one process, one vLLM engine after another, each on one
-checkpoint (float32, greedy), so that vLLM's import (slow) is paid once. For each checkpoint it
-prints what the engine served: the greedy tokens of each prompt, the KV cache capacity (tokens)
-vLLM reports (and its block size), the model class it used, and how long the engine took to start,
-or the one line its failure gave. The last line of stdout is the JSON of every case. Imports only
-vLLM (and what it imports).
+checkpoint (float32 unless the spec names a dtype; greedy), so that vLLM's import (slow) is paid
+once. For each checkpoint it prints what the engine served: the greedy tokens of each prompt, the
+KV cache capacity (tokens) vLLM reports (and its block size), the model class it used, and how long
+the engine took to start, or the one line its failure gave. The last line of stdout is the JSON of
+every case. Imports only vLLM (and what it imports).
 
 SPEC = {"cases": {name: folder}, "prompts": [[…]], "new_tokens": n, "max_model_len": n,
-"speech_cases": {name: folder}, "speech": {"waveforms": file.npy, "sampling_rate": n,
-"decoder_prompts": [[…]]}}: a speech case (Whisper) is served each waveform of the .npy file
-(one a row) with its decoder prompt, through vLLM's audio processing, with the checkpoint's
-tokenizer (vLLM's Whisper processor needs one). A case also reports the KV heads of each
-attention layer vLLM cached (`kv_heads`: layer name → heads, cross-attention's too).
+"dtype": "bfloat16" (optional: vLLM's CPU MLA takes no float32), "speech_cases": {name: folder},
+"speech": {"waveforms": file.npy, "sampling_rate": n, "decoder_prompts": [[…]]}}: a speech case
+(Whisper) is served each waveform of the .npy file (one a row) with its decoder prompt, through
+vLLM's audio processing, with the checkpoint's tokenizer (vLLM's Whisper processor needs one). A
+case also reports the KV heads of each attention layer vLLM cached (`kv_heads`: layer name →
+heads, cross-attention's too).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def serve(folder: str, spec: dict, speech: bool = False) -> dict:
         llm = LLM(
             model=folder,
             trust_remote_code=True,
-            dtype="float32",
+            dtype=spec.get("dtype", "float32"),
             skip_tokenizer_init=not speech,  # vLLM's Whisper processor needs the tokenizer
             enforce_eager=True,  # no torch.compile: minutes per engine on CPU, and the same arithmetic
             max_model_len=spec["max_model_len"],

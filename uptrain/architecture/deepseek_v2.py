@@ -11,6 +11,13 @@ rank: `q_lora_rank` null), each head's rotary part last. Rotary acts on interlea
 `qk_rope_head_dim`). Layers from `first_k_dense_replace` on are MoE: set to the layer count,
 every layer has the dense `mlp.{gate,up,down}_proj` a Llama has.
 
+The rotary is written as YaRN at factor 1 (`rotary_parameters`), which is the plain rotary exactly,
+because of vLLM: its CPU build (0.32) runs `rope_type: default` through a rotary kernel
+(`torch.ops._C.rotary_embedding`) that mis-indexes DeepSeek-V2's query, a [tokens, heads, D]
+slice: row t·heads + h turns at position t·heads + h, rows past the token count not at all
+(docs/concepts/mla.md, "Serving"), where any other rope_type takes its own rotary class
+(`DeepseekScalingRotaryEmbedding`), written in PyTorch.
+
 Imports nothing from torch or transformers.
 """
 
@@ -37,6 +44,22 @@ def rope_theta_for(theta: float, rope_dims: int, head_dim: int) -> float:
     return float(theta ** (rope_dims / head_dim))
 
 
+def rotary_parameters(theta: float, max_positions: int) -> dict:
+    """`rope_parameters` for the plain rotary at base `theta` that vLLM's CPU build runs right: YaRN
+    at factor 1 over the model's whole length. transformers' YaRN (and vLLM's
+    `DeepseekScalingRotaryEmbedding`) then blends two equal frequency sets, θ^(−2j/D) with
+    θ^(−2j/D) / 1, and scales by an attention factor of 1 (given, not derived), and DeepSeek-V2's
+    softmax-scale correction `mscale_all_dim` is absent: the default rotary up to float rounding of
+    the blend (a float32 ulp of each frequency)."""
+    return {
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": max_positions,
+        "attention_factor": 1.0,
+        "rope_theta": theta,
+    }
+
+
 def mla_config(config: dict, kv_rank: int, rope_dims: int, head_dim: int, rope_theta: float) -> dict:
     """A Llama config.json (dict) as a dense DeepSeek-V2 one: every query head's key is
     `head_dim - rope_dims` columns from the latent plus the shared rotary key of `rope_dims`
@@ -56,8 +79,9 @@ def mla_config(config: dict, kv_rank: int, rope_dims: int, head_dim: int, rope_t
         v_head_dim=head_dim,
         # No MoE layer: the MoE keys keep transformers' defaults, which build nothing.
         first_k_dense_replace=config["num_hidden_layers"],
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        rope_theta=theta,  # transformers 4.57 reads the top-level key
+        rope_parameters=rotary_parameters(theta, config["max_position_embeddings"]),
+        # transformers 4.57 reads the top-level key and, with no `rope_scaling`, the plain rotary
+        rope_theta=theta,
     )
     return out
 

@@ -9,7 +9,8 @@ the engine took to start, or the one line its failure gave. The last line of std
 every case. Imports only vLLM (and what it imports).
 
 SPEC = {"cases": {name: folder}, "prompts": [[…]], "new_tokens": n, "max_model_len": n,
-"dtype": "bfloat16" (optional: vLLM's CPU MLA takes no float32), "speech_cases": {name: folder},
+"dtype": "bfloat16" (optional: vLLM's CPU MLA takes no float32), "case_prompts": {name: [[…]]}
+(optional: a case's own prompts), "speech_cases": {name: folder},
 "speech": {"waveforms": file.npy, "sampling_rate": n, "decoder_prompts": [[…]]}}: a speech case
 (Whisper) is served each waveform of the .npy file (one a row) with its decoder prompt, through
 vLLM's audio processing, with the checkpoint's tokenizer (vLLM's Whisper processor needs one). A
@@ -25,10 +26,11 @@ import sys
 import time
 
 
-def text_prompts(spec: dict) -> list:
+def text_prompts(spec: dict, name: str) -> list:
     from vllm.inputs import TokensPrompt
 
-    return [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    prompts = spec.get("case_prompts", {}).get(name, spec["prompts"])
+    return [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
 
 
 def speech_prompts(spec: dict) -> list:
@@ -56,11 +58,11 @@ def cached_kv_heads(llm) -> dict[str, int]:
     return {name: layer.num_kv_heads for name, layer in layers.items() if hasattr(layer, "num_kv_heads")}
 
 
-def serve(folder: str, spec: dict, speech: bool = False) -> dict:
+def serve(name: str, folder: str, spec: dict, speech: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    prompts = speech_prompts(spec) if speech else text_prompts(spec)
+    prompts = speech_prompts(spec) if speech else text_prompts(spec, name)
     started = time.monotonic()
     try:
         llm = LLM(
@@ -106,7 +108,7 @@ def main() -> None:
     cases = [(name, folder, False) for name, folder in spec["cases"].items()]
     cases += [(name, folder, True) for name, folder in spec.get("speech_cases", {}).items()]
     for name, folder, speech in cases:
-        results["cases"][name] = serve(folder, spec, speech)
+        results["cases"][name] = serve(name, folder, spec, speech)
         print(name, results["cases"][name], file=sys.stderr, flush=True)
     print(json.dumps(results))
 

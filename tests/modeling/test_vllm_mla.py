@@ -14,8 +14,11 @@ largest logit difference between transformers' own bfloat16 and float32 runs of 
 weights; the test checks that first, so equal tokens say the two compute the same model, not
 that the rounding happened to fall the same way.
 
-Also served, as a sentinel: the same weights with `rope_type: default`, which vLLM's CPU rotary
-kernel mis-positions (deepseek_v2.rotary_parameters): when vLLM fixes it, this fails and the
+Also served: a source with tied embeddings (the reference Llama's, Llama 3.2's), whose head the
+conversion writes as a copy (vLLM's `DeepseekV2ForCausalLM` never ties: `mla.tied_head`), with
+prompts chosen the same way for it; and, as a sentinel, the first conversion with
+`rope_type: default`, which vLLM's CPU rotary kernel mis-positions
+(`deepseek_v2.rotary_parameters`): when vLLM fixes that, the sentinel fails and the
 YaRN-at-factor-1 spelling can go.
 """
 
@@ -40,15 +43,13 @@ PROMPTS = [
     [93, 114, 11, 27, 120, 75],
     [21, 112, 92, 31, 8, 107, 76, 84, 119, 122],
 ]
+TIED_PROMPTS = [[60, 14, 13, 43, 115, 68, 122, 65], [87, 85, 92, 120, 104, 48, 13], [92, 53, 28, 36]]
 NEW_TOKENS = 8
 KV_SPACE_GIB = 1
 BFLOAT16_BYTES = 2
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[str, str]:
-    """The tiny Llama converted to MLA (bfloat16), and a copy written with the plain rotary."""
-    root = tmp_path_factory.mktemp("served-mla")
+def tiny_llama(folder, tied: bool) -> None:
     config = LlamaConfig(
         vocab_size=128,
         hidden_size=HIDDEN,
@@ -61,17 +62,27 @@ def converted(tmp_path_factory) -> dict[str, str]:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root / "src")
-    mla = convert_checkpoint(
-        root / "src", root / "mla", target="mla", kv_rank=RANK, rope_dims=ROPE_DIMS, dtype="bfloat16", progress=False
-    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, str]:
+    """The tiny Llama converted to MLA (bfloat16), a copy written with the plain rotary, and the
+    tied Llama converted."""
+    root = tmp_path_factory.mktemp("served-mla")
+    mla = {"target": "mla", "kv_rank": RANK, "rope_dims": ROPE_DIMS, "dtype": "bfloat16", "progress": False}
+    tiny_llama(root / "src", tied=False)
+    tiny_llama(root / "tied-src", tied=True)
+    tied = convert_checkpoint(root / "tied-src", root / "mla-tied", **mla)
+    mla = convert_checkpoint(root / "src", root / "mla", **mla)
     shutil.copytree(mla, root / "mla-default-rope")
     written = json.loads((mla / "config.json").read_text())
     written["rope_parameters"] = {"rope_type": "default", "rope_theta": written["rope_parameters"]["rope_theta"]}
     (root / "mla-default-rope" / "config.json").write_text(json.dumps(written))
-    return {"mla": str(mla), "mla-default-rope": str(root / "mla-default-rope")}
+    return {"mla": str(mla), "mla-default-rope": str(root / "mla-default-rope"), "mla-tied": str(tied)}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +94,7 @@ def served(converted, tmp_path_factory) -> dict:
         "new_tokens": NEW_TOKENS,
         "max_model_len": 64,
         "dtype": "bfloat16",
+        "case_prompts": {"mla-tied": TIED_PROMPTS},
     }
     return vllm_served(spec, root, KV_SPACE_GIB, timeout=600)
 
@@ -102,13 +114,14 @@ def greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
-def test_vllm_serves_the_mla_conversion_with_transformers_greedy_tokens(converted, served):
-    result = served["cases"]["mla"]
+@pytest.mark.parametrize("case, prompts", [("mla", PROMPTS), ("mla-tied", TIED_PROMPTS)])
+def test_vllm_serves_the_mla_conversion_with_transformers_greedy_tokens(case, prompts, converted, served):
+    result = served["cases"][case]
     assert "error" not in result, f"the MLA conversion does not serve in vLLM: {result.get('error')}"
     assert result["architecture"] == "DeepseekV2ForCausalLM"
-    full = AutoModelForCausalLM.from_pretrained(converted["mla"], dtype=torch.float32).eval()
-    half = AutoModelForCausalLM.from_pretrained(converted["mla"], dtype=torch.bfloat16).eval()
-    for prompt, tokens in zip(PROMPTS, result["tokens"]):
+    full = AutoModelForCausalLM.from_pretrained(converted[case], dtype=torch.float32).eval()
+    half = AutoModelForCausalLM.from_pretrained(converted[case], dtype=torch.bfloat16).eval()
+    for prompt, tokens in zip(prompts, result["tokens"], strict=True):
         expected, logits = greedy(full, prompt)
         expected_half, logits_half = greedy(half, prompt)
         assert expected_half == expected, prompt  # on the same tokens, so the logits compare step by step

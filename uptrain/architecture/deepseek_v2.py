@@ -94,3 +94,12 @@ def latent_elements_per_token(kv_rank: int, rope_dims: int) -> int:
 def cache_elements_per_token(config: dict) -> int:
     """What a DeepSeek-V2 config's model caches per token, every layer's latent and rotary key."""
     return config["num_hidden_layers"] * latent_elements_per_token(config["kv_lora_rank"], config["qk_rope_head_dim"])
+
+
+def attention_width(config: dict) -> int:
+    """What the attention term of the training FLOPs counts per layer (query heads × head width,
+    `train.metrics.train_flops_per_token`'s H·Q): transformers expands the latent into every head's
+    key of `qk_nope_head_dim + qk_rope_head_dim` columns and value of `v_head_dim`, so the scores
+    and the values read those widths; their mean is Q (the source's head_dim, as converted)."""
+    key = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    return config["num_attention_heads"] * (key + config["v_head_dim"]) // 2

@@ -29,7 +29,7 @@ from uptrain.convert import convert_checkpoint
 HEADS, HEAD_DIM, HIDDEN = 4, 32, 128
 
 
-def tiny_llama(folder, kv_heads: int, eps: float = 1e-12):
+def tiny_llama(folder, kv_heads: int, eps: float = 1e-12, tied: bool = False):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=96,
@@ -41,6 +41,7 @@ def tiny_llama(folder, kv_heads: int, eps: float = 1e-12):
         rms_norm_eps=eps,
         initializer_range=0.5,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # gains other than 1: the latent must absorb the input norm's gain
@@ -288,17 +289,7 @@ def test_a_tied_sources_head_is_written_as_a_copy_of_its_embeddings(tmp_path, ti
     """vLLM's DeepseekV2ForCausalLM never ties the head: a tied source's head is written (the
     embeddings, bit for bit), the config keeps the tie (transformers ties on load and trains one
     matrix); an untied source's head is its own, as the source wrote it."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
+    tiny_llama(tmp_path / "src", kv_heads=4, tied=tied)
     source = load_file(tmp_path / "src" / "model.safetensors")
     out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=24, rope_dims=8)
     written = load_file(out / "model.safetensors")

@@ -174,6 +174,12 @@ def _budget(record: dict, where: str) -> dict:
         "kv_budget": budget,
         "allocation": allocation,
         "allocation_costs": "allocation_costs" in record,
+        "allocation_cost": record.get("allocation_cost"),
+        # The pooling the costs priced; a record from before this key priced `merge` for the calibrated
+        # merge and `loss` for the conversion's own pooling.
+        "allocation_cost_pooling": record.get(
+            "allocation_cost_pooling", "calibrated" if record.get("allocation_cost") == "merge" else record["pooling"]
+        ),
         "allocation_forced": forced,
     }
 
@@ -332,7 +338,11 @@ def _grouping_lines(conversion: dict | None) -> list[str]:
         + (", source heads in their new order" if conversion["grouping"] == "similarity" else "")
     ]
     if "kv_budget" in conversion:
-        costs = "; each layer's costs in uptrain.json" if conversion["allocation_costs"] else ""
+        costs = ""
+        if conversion["allocation_costs"]:
+            cost, priced = conversion["allocation_cost"], conversion["allocation_cost_pooling"]
+            named = f" ({cost} cost{f', priced for {priced} pooling' if priced else ''})" if cost else ""
+            costs = f"; each layer's costs{named} in uptrain.json"
         if conversion["allocation_forced"]:
             costs = "; forced: the only allocation within the budget, no costs measured"
         lines.append(

@@ -61,11 +61,13 @@ from uptrain.convert.calibrated import (
     input_moment,
     merge_loss,
     permute_kv_heads,
+    pooled_loss,
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
 from uptrain.convert.kv_heads import budget_units, fitting_candidates
 from uptrain.convert.layer_merge import SiteMergers
+from uptrain.convert.pooling import FieldContext, Strategy
 from uptrain.model_info import divisors
 
 # Per converted attention (model order: encoder, decoder-self, cross), per layer, G → cost.
@@ -88,10 +90,15 @@ def layer_losses(
     moment: torch.Tensor | CrossMoments,
     candidates: Sequence[int] | None = None,
     grouping: str = "contiguous",
+    pooling: Strategy | None = None,
+    context: FieldContext | None = None,
 ) -> dict[int, MergeLoss]:
-    """What the calibrated merge of one layer loses at each candidate G (default: every divisor of
-    its KV heads), from the layer's moment as `CalibratedMerge.solve` reads it; with `similarity`
-    grouping, of the heads as that grouping orders them for each G."""
+    """What the conversion's pooling (default: the calibrated merge) of one layer loses at each
+    candidate G (default: every divisor of its KV heads), from the layer's moment as
+    `CalibratedMerge.solve` reads it; with `similarity` grouping, of the heads as that grouping
+    orders them for each G. A row pooling (`mean`, `first`, `random`: `context` seeds its fields as
+    the conversion's merger does) is priced by what its pooled heads leave (`pooled_loss`), in the
+    calibrated merge's terms and weighting, so that the cost is the pooling's that will be applied."""
     if isinstance(moment, CrossMoments):  # cross-attention's, or attention-weighted moments
         c, c_query, c_values = moment.keys_values, moment.queries, moment.values
     else:
@@ -101,7 +108,10 @@ def layer_losses(
     losses = {}
     for g in groups:
         ordered = attention if similarity is None else permute_kv_heads(attention, similarity_order(similarity, g))
-        losses[g] = merge_loss(ordered, g, c, c_query, c_values)
+        if pooling is None or pooling.merges_layers:
+            losses[g] = merge_loss(ordered, g, c, c_query, c_values)
+        else:
+            losses[g] = pooled_loss(ordered, pooling.pool_layer(ordered, g, None, context), c, c_query, c_values)
     return losses
 
 
@@ -110,9 +120,12 @@ def layer_costs(
     moment: torch.Tensor | CrossMoments,
     candidates: Sequence[int] | None = None,
     grouping: str = "contiguous",
+    pooling: Strategy | None = None,
+    context: FieldContext | None = None,
 ) -> dict[int, float]:
-    """Each candidate G's cost for one layer (`relative_cost` of `layer_losses`)."""
-    return {g: relative_cost(loss) for g, loss in layer_losses(attention, moment, candidates, grouping).items()}
+    """Each candidate G's cost for one layer (`relative_cost` of `layer_losses`, same arguments)."""
+    losses = layer_losses(attention, moment, candidates, grouping, pooling, context)
+    return {g: relative_cost(loss) for g, loss in losses.items()}
 
 
 @dataclass(frozen=True)
@@ -211,7 +224,14 @@ def calibration_costs(
     candidates = budget_candidates(conversion)
     return {
         name: [
-            layer_costs(site.attention(layer), site.calibration[layer], candidates[name][layer], conversion.grouping)
+            layer_costs(
+                site.attention(layer),
+                site.calibration[layer],
+                candidates[name][layer],
+                conversion.grouping,
+                conversion.strategy,
+                site.field_context(layer),
+            )
             for layer in range(site.geometry.num_layers)
         ]
         for name, site in mergers.items()

@@ -163,12 +163,16 @@ class CalibratedSolution:
 def _value_inputs(layer: LayerAttention, v_aug: torch.Tensor, j: int, r: int) -> torch.Tensor:
     """a: group j's source V heads, each weighted by the square root of its queries' o_proj Gram, [r·d, D+1]."""
     d = layer.head_dim
-    blocks = []
-    for s in range(j * r, (j + 1) * r):
-        o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
-        gram = sum(o.mT @ o for o in o_cols)
-        blocks.append(_psd_sqrt(gram) @ v_aug[s * d : (s + 1) * d])
-    return torch.cat(blocks)
+    return torch.cat(
+        [_psd_sqrt(_output_gram(layer, s)) @ v_aug[s * d : (s + 1) * d] for s in range(j * r, (j + 1) * r)]
+    )
+
+
+def _output_gram(layer: LayerAttention, s: int) -> torch.Tensor:
+    """G_s = Σ_{q→s} O_qᵀ O_q, [d, d]: how source V head s's error reaches the residual stream."""
+    d = layer.head_dim
+    o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
+    return sum(o.mT @ o for o in o_cols)
 
 
 def solve_values(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[list, list]:
@@ -395,24 +399,83 @@ def merge_loss(
         lost, whole = _unexplained(torch.linalg.eigvalsh(a @ c_values @ a.mT), d)
         values, values_energy = values + lost, values_energy + whole
     real, imag, plain = _dims(layer)
-    k_aug, q_aug = _key_heads(layer)
-    by_source = q_aug.view(kv, layer.n_rep, d, -1)
-    q_energy = torch.einsum("srdx,xy,srdy->sd", by_source, c_query, by_source)
+    k_aug = _key_heads(layer)[0]
+    pair_energy, plain_gram = _key_weights(layer, c_query)
     for j in range(groups):
         sources = list(range(j * r, (j + 1) * r))
         if len(real):  # each rotary pair: a rank-1 fit of the group's heads (`_solve_rank_one`)
-            alpha = (q_energy[sources][:, real] + q_energy[sources][:, imag]).mT
+            alpha = pair_energy[sources].mT
             weighted = _rotary_pairs(k_aug[sources], real, imag) * alpha.sqrt()[..., None]
             gram = weighted.conj() @ c.to(weighted.dtype) @ weighted.mT
             lost, whole = _unexplained(torch.linalg.eigvalsh(gram), 1)
             keys, keys_energy = keys + lost, keys_energy + whole
     if len(plain):  # the dims RoPE leaves alone: a PCA as the values' (`solve_full_maps`)
-        q_plain = by_source[:, :, plain]
-        roots = [_psd_sqrt(g) for g in torch.einsum("srdx,xy,srey->sde", q_plain, c_query, q_plain)]
+        roots = [_psd_sqrt(g) for g in plain_gram]
         for j in range(groups):
             a = torch.cat([roots[s] @ k_aug[s, plain] for s in range(j * r, (j + 1) * r)])
             lost, whole = _unexplained(torch.linalg.eigvalsh(a @ c @ a.mT), len(plain))
             keys, keys_energy = keys + lost, keys_energy + whole
+    return MergeLoss(values, values_energy, keys, keys_energy)
+
+
+def _key_weights(layer: LayerAttention, c_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """How a source K head's error reaches the scores, from the queries' input moment: per source
+    head and rotary pair, its queries' energy α = Σ_{q→s} E|q_pair|² ([kv, pairs]); per source
+    head, the plain dims' query second moment Q_s = Σ_{q→s} E[q qᵀ] ([kv, d', d'], None without
+    plain dims)."""
+    kv, d = layer.num_kv_heads, layer.head_dim
+    real, imag, plain = _dims(layer)
+    by_source = _key_heads(layer)[1].view(kv, layer.n_rep, d, -1)
+    q_energy = torch.einsum("srdx,xy,srdy->sd", by_source, c_query, by_source)
+    q_plain = by_source[:, :, plain]
+    gram = torch.einsum("srdx,xy,srey->sde", q_plain, c_query, q_plain) if len(plain) else None
+    return q_energy[:, real] + q_energy[:, imag], gram
+
+
+def pooled_loss(
+    layer: LayerAttention,
+    pooled: LayerAttention,
+    c: torch.Tensor,
+    c_query: torch.Tensor | None = None,
+    c_values: torch.Tensor | None = None,
+) -> MergeLoss:
+    """What a row pooling leaves (`pooled`: `layer` with its K and V rows pooled to G heads, its
+    Q and O untouched), in exactly `merge_loss`'s terms and weighting (same arguments), so that a
+    pooling's cost and the calibrated merge's compare: every source head s is approximated by its
+    group's pooled head with no map (M_s = I, σ_s = 1). Values: Σ_s tr(G_s ΔV_s C ΔV_sᵀ); keys, per
+    rotary pair Σ_s α_s ‖Δu_s‖²_C, on the plain dims Σ_s tr(Q_s ΔK_s C ΔK_sᵀ). The calibrated merge
+    minimises these over a family that holds every such pooling, so its loss is never larger."""
+    c = regularised(c)
+    c_query = c if c_query is None else regularised(c_query)
+    c_values = c if c_values is None else regularised(c_values)
+    d, kv = layer.head_dim, layer.num_kv_heads
+    r = kv // (pooled.k_w.shape[0] // d)
+    v_src, v_new = (_augment(a.v_w, a.v_b).view(-1, d, layer.v_w.shape[1] + 1) for a in (layer, pooled))
+    k_src, k_new = (_augment(a.k_w, a.k_b).view(-1, d, layer.k_w.shape[1] + 1) for a in (layer, pooled))
+    real, imag, plain = _dims(layer)
+    pair_energy, plain_gram = _key_weights(layer, c_query)
+
+    def weighted(gram: torch.Tensor, w: torch.Tensor, moment: torch.Tensor) -> float:
+        """tr(gram · w · moment · wᵀ): w's error under its readers' `gram` and its input's `moment`."""
+        return float(torch.trace(gram @ w @ moment @ w.mT))
+
+    def rotary(s: int, w: torch.Tensor) -> float:
+        """Σ_pairs α_s,pair ‖w_pair‖²_C, w's rotary pairs as complex rows."""
+        pairs = torch.complex(w[real], w[imag])
+        return float((pair_energy[s] * torch.einsum("px,xy,py->p", pairs.conj(), c.to(pairs.dtype), pairs).real).sum())
+
+    values = values_energy = keys = keys_energy = 0.0
+    for s in range(kv):
+        j = s // r  # source head s's group: its pooled head
+        gram = _output_gram(layer, s)
+        values += weighted(gram, v_new[j] - v_src[s], c_values)
+        values_energy += weighted(gram, v_src[s], c_values)
+        if len(real):
+            keys += rotary(s, k_new[j] - k_src[s])
+            keys_energy += rotary(s, k_src[s])
+        if len(plain):
+            keys += weighted(plain_gram[s], (k_new[j] - k_src[s])[plain], c)
+            keys_energy += weighted(plain_gram[s], k_src[s, plain], c)
     return MergeLoss(values, values_energy, keys, keys_energy)
 
 

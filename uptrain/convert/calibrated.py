@@ -449,7 +449,7 @@ def pooled_loss(
     c_query = c if c_query is None else regularised(c_query)
     c_values = c if c_values is None else regularised(c_values)
     d, kv = layer.head_dim, layer.num_kv_heads
-    r = kv // (pooled.k_w.shape[0] // d)
+    r = kv // pooled.num_kv_heads
     v_src, v_new = (_augment(a.v_w, a.v_b).view(-1, d, layer.v_w.shape[1] + 1) for a in (layer, pooled))
     k_src, k_new = (_augment(a.k_w, a.k_b).view(-1, d, layer.k_w.shape[1] + 1) for a in (layer, pooled))
     real, imag, plain = _dims(layer)

@@ -9,6 +9,10 @@ Two steps, both exact for what they decide:
    quantities the merge minimises, at their minimum. Both are sums of the eigenvalues the merge
    drops, so they come in closed form from the moments calibration already accumulates: no
    forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
+   That is the cost of `--pooling calibrated`. Another pooling is priced for itself
+   (`calibrated.pooled_loss`): the error its pooled heads leave, no map, in the same two terms,
+   weighting and energies — an allocation is only as good as its cost is of the pooling applied
+   (on the reference T5, mean pooling allocated by the merge's cost was worse than uniform).
    The alternative — the model's loss with layer l alone merged to G (`--allocation-cost loss`,
    `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks up to L × (|divisors| − 1)
    forward passes of the whole model over the calibration blocks; it is the quantity the
@@ -215,7 +219,8 @@ def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]
 def calibration_costs(
     conversion: Conversion, source: TensorSource, moments: Mapping
 ) -> dict[str, list[dict[int, float]]]:
-    """Each converted attention's `layer_costs` for the `budget_candidates`, layer by layer, from
+    """Each converted attention's `layer_costs` for the `budget_candidates`, of the conversion's own
+    pooling (its strategy, grouping and seed), layer by layer, from
     calibration moments kept whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`,
     or an encoder–decoder's `collect_seq2seq_moments`): each layer's projections are read from
     `source` as its merge reads them, one layer at a time."""

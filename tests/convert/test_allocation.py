@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 from contextlib import closing
+from fractions import Fraction
 
 import pytest
 import torch
@@ -40,9 +41,10 @@ from uptrain.convert.calibrated import (
 from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.calibration_seq2seq import seq2seq_moments
 from uptrain.convert.conversion import conversion_for
+from uptrain.convert.kv_heads import KVHeadsRequest, head_weights, kv_fraction, resolve_allocation
 from uptrain.convert.pooling import PoolingContext, get_strategy
 from uptrain.convert.spec import CalibrationSettings
-from uptrain.model_info import divisors, read_config
+from uptrain.model_info import AttentionGeometry, divisors, read_config
 
 # ---------------------------------------------------------------- the merge loss, in closed form
 
@@ -711,7 +713,6 @@ def test_a_mean_pooled_budget_is_spent_by_what_mean_pooling_loses(tokenizer, cal
     `--kv-heads-per-layer 8,4`'s bit for bit; uptrain.json, the card and inspect name the pooling priced."""
     from tests.convert.test_per_layer import tensors
     from uptrain.cli import main
-    from uptrain.convert.kv_heads import KVHeadsRequest
 
     src = save(scaled_pairs_llama(tokenizer), tokenizer, tmp_path / "src")
     settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=64)
@@ -756,3 +757,130 @@ def test_a_mean_pooled_budget_is_spent_by_what_mean_pooling_loses(tokenizer, cal
     explicit = tensors(convert("explicit", "--kv-heads-per-layer", "8,4"))
     assert tensors(chosen).keys() == explicit.keys()
     assert all(torch.equal(t, explicit[name]) for name, t in tensors(chosen).items())
+
+
+# -------------------------------------------------- --cross-kv-weight: an encoder–decoder's budget in bytes
+
+
+def geometries_of(self_heads: int, cross_heads: int, layers: int, d: int) -> dict[str, AttentionGeometry]:
+    def geometry(heads):
+        return AttentionGeometry("bart", layers, heads, heads, d, heads * d)
+
+    return {"decoder-self": geometry(self_heads), "cross": geometry(cross_heads)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    instances(integer_costs=True),
+    st.sampled_from([0.25, 0.5, 1, 1.5, 3, 37.5, 0.333333]),
+)
+def test_the_knapsack_with_head_weights_equals_brute_force(instance, ratio):
+    """The same search, a cross-attention head weighing `ratio` self-attention heads
+    (`head_weights`: p × head_dim against q × head_dim, R = p/q): exact against every allocation."""
+    drawn, dims, _ = instance  # one or two attentions, renamed: the second is the cross-attention
+    names = dict(zip(drawn, ("decoder-self", "cross"), strict=False))
+    costs = {names[old]: layers for old, layers in drawn.items()}
+    geometries = {
+        names[old]: AttentionGeometry("bart", len(drawn[old]), 12, 12, dims[old], 12 * dims[old]) for old in drawn
+    }
+    weights = head_weights(geometries, tuple(costs), ratio)
+    if "cross" in weights:
+        fraction = Fraction(ratio).limit_denominator(100)
+        per_dim = {name: Fraction(weights[name], geometries[name].head_dim) for name in costs}
+        assert per_dim["cross"] / per_dim["decoder-self"] == fraction  # a cross head weighs R self heads, per dim
+    smallest = sum(min(o) * weights[n] for n in costs for o in costs[n])
+    largest = sum(max(o) * weights[n] for n in costs for o in costs[n])
+    for budget in (smallest, (smallest + largest) // 2, largest):
+        chosen = choose_allocation(costs, weights, budget)
+        assert tuple(g for name in costs for g in chosen[name]) == brute_force(costs, weights, budget)[2]
+
+
+@pytest.mark.parametrize("ratio", [None, 0.5, 1, 37.5, 1500])
+def test_a_uniform_allocation_keeps_its_fraction_whatever_the_cross_weight(ratio):
+    """One G in every layer of every attention holds G/kv of the cache per target token and per
+    source token alike: its budget and its bytes do not depend on the weight."""
+    geometries = geometries_of(8, 8, 3, 16)
+    for g in divisors(8):
+        uniform = {name: (g,) * 3 for name in geometries}
+        assert kv_fraction(geometries, uniform, ratio) == Fraction(g, 8)
+        request = KVHeadsRequest(budget=g / 8, cross_kv_weight=ratio)
+        assert resolve_allocation(geometries, tuple(geometries), request) == uniform
+
+
+def heads_of(record: dict) -> tuple[int, ...]:
+    """One attention's KV heads per layer as uptrain.json records them (the list only where layers differ)."""
+    return tuple(record.get("num_key_value_heads_per_layer", [record["num_key_value_heads"]] * record["num_layers"]))
+
+
+def test_a_heavy_cross_weight_keeps_self_attention_heads_and_cuts_cross_ones(tmp_path, capsys):
+    """A tiny BART (decoder self + cross, 8 heads × 2 layers each) at a quarter of the cache, spent by
+    mean pooling's cost: counted in heads (the default), 8 heads in all; with each cross head
+    weighing 50 self heads (50 source positions cached per generated token), self-attention keeps
+    all 16 (they cost 1/50 as much) and cross-attention 3, within the quarter of the bytes. uptrain.json,
+    the card and inspect state the weight; uniform at the same budget is `-g 2`'s checkpoint, bit for bit."""
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+    from uptrain.convert import convert_checkpoint
+    from uptrain.convert.pipeline import Calibration
+
+    model = build_seq2seq("bart")
+    model.save_pretrained(tmp_path / "src")
+    moments = seq2seq_moments(model, architecture("bart"), calibration_batches("bart"), progress=False)
+    geometries = geometries_of(8, 8, 2, 4)
+
+    def spend(out, weight):
+        folder = convert_checkpoint(
+            tmp_path / "src",
+            tmp_path / out,
+            kv_budget=0.25,
+            allocation="calibrated",
+            cross_kv_weight=weight,
+            calibration=Calibration(moments),
+            source_hash="none",
+            progress=False,
+        )
+        record = json.loads((folder / "uptrain.json").read_text())
+        return (
+            folder,
+            record,
+            {name: heads_of(record["attentions"][name]) for name in geometries},
+        )
+
+    _, record, by_heads = spend("heads", None)
+    assert "cross_kv_weight" not in record and sum(map(sum, by_heads.values())) == 8
+    folder, record, by_bytes = spend("bytes", 50)
+    assert by_bytes["decoder-self"] == (8, 8) and sum(by_bytes["cross"]) == 3
+    assert record["cross_kv_weight"] == 50
+    assert kv_fraction(geometries, by_bytes, 50) <= Fraction(1, 4) < kv_fraction(geometries, by_bytes)
+    assert kv_fraction(geometries, by_heads, 50) > Fraction(1, 4)  # counted in heads, it held more bytes
+    assert "a cross-attention KV head weighs 50 self-attention heads" in (folder / "README.md").read_text()
+    capsys.readouterr()
+    assert main(["inspect", str(folder)]) == 0
+    assert "a cross-attention head weighing 50 self-attention heads" in capsys.readouterr().out
+
+    def convert(out, *flags):
+        assert main(["convert", str(tmp_path / "src"), str(tmp_path / out), "--source-hash", "none", *flags]) == 0
+        return tmp_path / out
+
+    uniform = tensors(convert("uniform", "--kv-budget", "0.25", "--cross-kv-weight", "37.5"))
+    g2 = tensors(convert("g2", "-g", "2"))
+    assert uniform.keys() == g2.keys() and all(torch.equal(t, g2[name]) for name, t in uniform.items())
+    assert json.loads((tmp_path / "uniform" / "uptrain.json").read_text())["cross_kv_weight"] == 37.5
+
+
+def test_a_cross_weight_that_weighs_nothing_is_refused_in_one_line(tmp_path, capsys):
+    from tests.convert.test_errors import fails
+
+    build_seq2seq("bart").save_pretrained(tmp_path / "src")
+    src = tmp_path / "src"
+    for flags, expected in (
+        (["--kv-budget", "0.25", "--cross-kv-weight", "0"], "`cross_kv_weight`: must be more than 0"),
+        (["--kv-budget", "0.25", "--cross-kv-weight", "nan"], "`cross_kv_weight`: must be a number or null"),
+        (["--kv-budget", "0.25", "--cross-kv-weight", "0.001"], "is below 0.01, the least weight"),
+        (["-g", "2", "--cross-kv-weight", "4"], "with -g or --kv-heads-per-layer the heads are already chosen"),
+        (
+            ["--kv-budget", "0.25", "--attention", "decoder-self", "--cross-kv-weight", "4"],
+            "weighs cross-attention KV heads in the budget; its --attention converts none",
+        ),
+    ):
+        fails(capsys, tmp_path, [src, *flags], expected)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.kv_heads import allocation_cost_problem
+from uptrain.convert.kv_heads import allocation_cost_problem, cross_kv_weight_problem
 from uptrain.convert.spec import (
     Allocation,
     AllocationCost,
@@ -81,6 +81,7 @@ class CompareSpec(
         "(each layer's KV heads chosen by --allocation-cost on the training data)",
     )
     allocation_cost: AllocationCost | None = option_like(ConversionSpec, "allocation_cost", None)
+    cross_kv_weight: float | None = option_like(ConversionSpec, "cross_kv_weight", None)
     # The conversion's `pooling`, several strategies: one run each.
     pooling: list[str] = option_like(
         ConversionOptions,
@@ -168,6 +169,8 @@ class CompareSpec(
         spent = "calibrated" if "calibrated" in self.allocation else "uniform"
         if (problem := allocation_cost_problem(spent, self.allocation_cost)) is not None:
             found.append(problem)
+        if (problem := cross_kv_weight_problem(self.kv_budget or None, self.cross_kv_weight)) is not None:
+            found.append(problem)
         for flag, values in (("--kv-budget", self.kv_budget), ("--allocation", self.allocation)):
             if len(set(values)) != len(values):
                 found.append(f"{flag} {' '.join(map(str, values))} names a value twice (each is one run)")
@@ -194,6 +197,7 @@ class CompareSpec(
             kv_budget=kv_budget,
             allocation=allocation,
             allocation_cost=cost,
+            cross_kv_weight=self.cross_kv_weight,
             pooling=pooling,
         )
 

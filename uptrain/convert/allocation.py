@@ -145,26 +145,27 @@ class _Best:
         return (self.cost, self.units, self.heads)
 
 
-def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -> Allocation:
+def choose_allocation(costs: Costs, weights: Mapping[str, int], budget: int) -> Allocation:
     """The allocation (per attention, each layer's G) of least summed cost with
-    Σ G_l × head_dim ≤ `budget` over every attention's layers; ties as the module docstring says.
-    `costs[attention][l]` maps each candidate G of layer l to its cost; `head_dims[attention]`
-    is that attention's head_dim. Refuses, in one line, a budget that no allocation meets."""
+    Σ G_l × weight ≤ `budget` over every attention's layers; ties as the module docstring says.
+    `costs[attention][l]` maps each candidate G of layer l to its cost; `weights[attention]` is what
+    one KV head of that attention weighs (`kv_heads.head_weights`: its head_dim, a cross-attention
+    head's times `--cross-kv-weight`). Refuses, in one line, a budget that no allocation meets."""
     names = list(costs)
     layers = [(name, layer) for name in names for layer in costs[name]]
-    unit = math.gcd(*(head_dims[name] for name in names)) if names else 1
+    unit = math.gcd(*(weights[name] for name in names)) if names else 1
     capacity = budget // unit
-    smallest = sum(min(options) * head_dims[name] for name, options in layers)
+    smallest = sum(min(options) * weights[name] for name, options in layers)
     if smallest > budget:
         raise UptrainError(
-            f"a KV budget of {budget} (KV heads × head_dim, summed over the layers) is below the smallest "
+            f"a KV budget of {budget} (KV heads × their weights, summed over the layers) is below the smallest "
             f"allocation, 1 KV head per layer ({smallest})"
         )
     # best[w]: the best choice for layers i … end within w units, built from the last layer back,
     # so that extending a suffix by layer i's choice keeps the (cost, units, heads) order.
     best: list[_Best | None] = [_Best(0.0, 0, ())] * (capacity + 1)
     for name, options in reversed(layers):
-        weight = head_dims[name] // unit
+        weight = weights[name] // unit
         step: list[_Best | None] = []
         for w in range(capacity + 1):
             found = None
@@ -189,19 +190,19 @@ def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -
 
 
 def allocate(
-    costs: Costs, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int], fraction: float
+    costs: Costs, source_heads: Mapping[str, Sequence[int]], weights: Mapping[str, int], fraction: float
 ) -> Allocation:
     """`choose_allocation` within `fraction` of the source's KV bytes (`--kv-budget F`); a budget
     below one KV head per layer is refused in one line naming the smallest fraction reachable."""
-    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
-    smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
-    units = budget_units(fraction, source_heads, head_dims)
+    whole = sum(sum(heads) * weights[name] for name, heads in source_heads.items())
+    smallest = sum(len(heads) * weights[name] for name, heads in source_heads.items())
+    units = budget_units(fraction, source_heads, weights)
     if units < smallest:
         raise UptrainError(
             f"--kv-budget {fraction:g} is below what any allocation reaches: 1 KV head in every layer keeps "
             f"{smallest / whole:.4g} of the source's KV bytes (give at least that)"
         )
-    return choose_allocation(costs, head_dims, units)
+    return choose_allocation(costs, weights, units)
 
 
 def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]]:
@@ -210,10 +211,9 @@ def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]
     (`kv_heads.fitting_candidates`, in the knapsack's units); the rest could never be chosen.
     Without a pending budget, the whole cache's: every divisor."""
     budget = 1.0 if conversion.pending_budget is None else conversion.pending_budget
-    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
-    source_heads = {name: geo.layer_kv_heads() for name, geo in geometries.items()}
-    head_dims = {name: geo.head_dim for name, geo in geometries.items()}
-    return fitting_candidates(source_heads, head_dims, budget_units(budget, source_heads, head_dims))
+    source_heads = {name: conversion.stacks[name].geometry.layer_kv_heads() for name in conversion.attention}
+    weights = conversion.head_weights
+    return fitting_candidates(source_heads, weights, budget_units(budget, source_heads, weights))
 
 
 def calibration_costs(
@@ -260,11 +260,6 @@ def settle_allocation(
             "(calibrate(..., keep_moments=True)); this calibration has none"
         )
     costs = calibration_costs(conversion, source, moments) if costs is None else {k: list(v) for k, v in costs.items()}
-    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
-    chosen = allocate(
-        costs,
-        {name: geo.layer_kv_heads() for name, geo in geometries.items()},
-        {name: geo.head_dim for name, geo in geometries.items()},
-        conversion.pending_budget,
-    )
+    source_heads = {name: conversion.stacks[name].geometry.layer_kv_heads() for name in conversion.attention}
+    chosen = allocate(costs, source_heads, conversion.head_weights, conversion.pending_budget)
     return replace(conversion, allocation=chosen, pending_budget=None).planned(source, cast), costs

@@ -260,6 +260,12 @@ def _budget_text(p: dict) -> str:
     if p.get("kv_budget") is None:
         return ""
     text = f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
+    if p.get("cross_kv_weight") is not None:
+        text += (
+            f" In that budget a cross-attention KV head weighs {p['cross_kv_weight']:g} self-attention heads"
+            f" (`--cross-kv-weight {p['cross_kv_weight']:g}`: the source positions its cache holds per generated"
+            " token)."
+        )
     if p.get("allocation_forced"):
         text += (
             " The budget leaves one allocation (one KV head in every layer), so it was taken as it is:"

@@ -264,6 +264,8 @@ def budget_record(spec: ConversionSpec, calibration: Calibration | None = None, 
     if spec.kv_budget is None:
         return None
     record = {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
+    if spec.cross_kv_weight is not None:  # absent: every head weighs its head_dim, as before the option
+        record["cross_kv_weight"] = spec.cross_kv_weight
     if forced:
         record["allocation_forced"] = True
     if calibration is not None and calibration.allocation_costs is not None:

@@ -171,7 +171,9 @@ def _budget(record: dict, where: str) -> dict:
     if not isinstance(forced, bool):
         raise UptrainError(f"{where}: `allocation_forced` is {show(forced)}, not true or false")
     weight = record.get("cross_kv_weight")
-    if weight is not None and (not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight < math.inf):
+    if weight is not None and (
+        not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight < math.inf
+    ):
         raise UptrainError(f"{where}: `cross_kv_weight` is {show(weight)}, not a positive number")
     return {
         "kv_budget": budget,

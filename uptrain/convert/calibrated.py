@@ -116,6 +116,15 @@ def regularised(c: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
     return c + ridge * scale * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
 
 
+def regularised_moments(
+    c: torch.Tensor, c_query: torch.Tensor | None, c_values: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys' moment C, the queries' and the values' (each C where not given), every one
+    `regularised`: what the merge is solved under and what its loss, and a pooling's, is counted under."""
+    c = regularised(c)
+    return c, c if c_query is None else regularised(c_query), c if c_values is None else regularised(c_values)
+
+
 @dataclass
 class RankOne:
     """One `_solve_rank_one`: query energies α [P, r], the top eigenvector e [P, r] and value λ [P]
@@ -351,9 +360,7 @@ def solve_calibrated(
     of the keys' and values' input; `c_query`: that of the queries' input where it differs
     (cross-attention reads the encoder's states, its queries the decoder's), else C; `c_values`:
     the moment the values' error is weighted by where it differs from the keys' (else C)."""
-    c = regularised(c)
-    c_query = c if c_query is None else regularised(c_query)
-    c_values = c if c_values is None else regularised(c_values)
+    c, c_query, c_values = regularised_moments(c, c_query, c_values)
     return CalibratedSolution(*solve_values(layer, groups, c_values), *solve_keys(layer, groups, c, c_query))
 
 
@@ -387,9 +394,7 @@ def merge_loss(
     """The error `solve_calibrated` (same arguments) leaves at its optimum, in closed form: each of
     its merges is a best low-rank fit under C, whose residual is the sum of the eigenvalues it
     drops. Only eigenvalues are computed, no maps. At G = kv every group is one head: exactly 0."""
-    c = regularised(c)
-    c_query = c if c_query is None else regularised(c_query)
-    c_values = c if c_values is None else regularised(c_values)
+    c, c_query, c_values = regularised_moments(c, c_query, c_values)
     d, kv = layer.head_dim, layer.num_kv_heads
     r = kv // groups
     values = values_energy = keys = keys_energy = 0.0
@@ -445,9 +450,7 @@ def pooled_loss(
     group's pooled head with no map (M_s = I, σ_s = 1). Values: Σ_s tr(G_s ΔV_s C ΔV_sᵀ); keys, per
     rotary pair Σ_s α_s ‖Δu_s‖²_C, on the plain dims Σ_s tr(Q_s ΔK_s C ΔK_sᵀ). The calibrated merge
     minimises these over a family that holds every such pooling, so its loss is never larger."""
-    c = regularised(c)
-    c_query = c if c_query is None else regularised(c_query)
-    c_values = c if c_values is None else regularised(c_values)
+    c, c_query, c_values = regularised_moments(c, c_query, c_values)
     d, kv = layer.head_dim, layer.num_kv_heads
     r = kv // pooled.num_kv_heads
     v_src, v_new = (_augment(a.v_w, a.v_b).view(-1, d, layer.v_w.shape[1] + 1) for a in (layer, pooled))

@@ -821,6 +821,7 @@ def test_a_heavy_cross_weight_keeps_self_attention_heads_and_cuts_cross_ones(tmp
     from tests.convert.test_per_layer import tensors
     from uptrain.cli import main
     from uptrain.convert import convert_checkpoint
+    from uptrain.convert.in_memory import convert_model
     from uptrain.convert.pipeline import Calibration
 
     model = build_seq2seq("bart")
@@ -851,6 +852,11 @@ def test_a_heavy_cross_weight_keeps_self_attention_heads_and_cuts_cross_ones(tmp
     folder, record, by_bytes = spend("bytes", 50)
     assert by_bytes["decoder-self"] == (8, 8) and sum(by_bytes["cross"]) == 3
     assert record["cross_kv_weight"] == 50
+    in_memory = convert_model(
+        model, kv_budget=0.25, allocation="calibrated", cross_kv_weight=50, calibration=Calibration(moments)
+    )
+    assert in_memory.config.decoder_num_key_value_heads == 8  # 8 in both self layers: no per-layer list
+    assert in_memory.config.cross_attention_num_key_value_heads_per_layer == list(by_bytes["cross"])
     assert kv_fraction(geometries, by_bytes, 50) <= Fraction(1, 4) < kv_fraction(geometries, by_bytes)
     assert kv_fraction(geometries, by_heads, 50) > Fraction(1, 4)  # counted in heads, it held more bytes
     assert "a cross-attention KV head weighs 50 self-attention heads" in (folder / "README.md").read_text()

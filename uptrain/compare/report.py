@@ -460,8 +460,8 @@ def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
         for r in runs:
             loss = r.eval_loss_before if when == "before" else r.eval_loss_after
             x = r.kv_cache_bytes_per_token / 1024
-            # Two runs at one point (equal bytes, close quality) stay apart: uniform left, calibrated right.
-            x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03, "mla": 1.0}[kind(r)]
+            # Runs at one point (equal bytes, close quality) stay apart: uniform left, calibrated right, MLA further.
+            x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03, "mla": 1.1}[kind(r)]
             ax.plot(x, math.exp(loss), marker=markers[kind(r)], color=colors[r.pooling], ms=7, ls="none")
             if kind(r) in ("calibrated", "mla"):
                 label = r.kv_heads_per_layer if kind(r) == "calibrated" else f"R={r.kv_rank}"

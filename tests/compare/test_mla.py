@@ -59,7 +59,15 @@ def test_mla_rows_at_the_gqa_rows_kv_bytes_resume_and_report(setup, tmp_path, ca
     markdown = (out / "results.md").read_text()
     assert f"| MLA | {BUDGET} | — | R = {RANK} + D = {ROPE} (calibrated key) | calibrated |" in markdown
     assert "MLA against GQA (uniform allocation, calibrated pooling)" in markdown
-    assert f"| {BUDGET} | calibrated | R = {RANK} + D = {ROPE} | 2,2 |" in markdown
+    # Each MLA row against the GQA row of uniform allocation and calibrated pooling: the share of its gap closed.
+    mha = rows[0]
+    for mla in (svd, calibrated):
+        shares = [
+            (float(gqa[k]) - float(mla[k])) / (float(gqa[k]) - float(mha[k]))
+            for k in ("eval_loss_before", "eval_loss_after")
+        ]
+        cells = f"| {BUDGET} | {mla['pooling']} | R = {RANK} + D = {ROPE} | 2,2 | {shares[0]:.1%} | {shares[1]:.1%} |"
+        assert cells in markdown, cells
 
     # Killed after the calibrated MLA run's conversion, before its training, and after the svd run's
     # training, before its row: the rerun converts nothing again and finishes both, to the same rows.

@@ -277,8 +277,9 @@ COMMANDS = {
     "compare": Command(
         compare,
         schema=_compare_schema,
-        help="compare pooling strategies, KV-head counts and KV budgets, before and after uptraining",
-        description="For every (G, pooling) and every (KV budget, allocation, pooling): convert, evaluate at α = 0, "
+        help="compare pooling strategies, KV-head counts and KV budgets (GQA and MLA), before and after uptraining",
+        description="For every (G, pooling), every (KV budget, allocation, pooling) and, with --target mla, every "
+        "(KV budget, MLA init): convert, evaluate at α = 0, "
         "uptrain with identical data, seed and budget, evaluate along the way. The MHA model, trained with the "
         "same budget, is the reference row. Writes results.csv, results.md and PNG plots; a killed compare "
         "resumes where it stopped.",

@@ -170,11 +170,23 @@ def _budget(record: dict, where: str) -> dict:
     forced = record.get("allocation_forced", False)
     if not isinstance(forced, bool):
         raise UptrainError(f"{where}: `allocation_forced` is {show(forced)}, not true or false")
+    weight = record.get("cross_kv_weight")
+    if weight is not None and (
+        not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight < math.inf
+    ):
+        raise UptrainError(f"{where}: `cross_kv_weight` is {show(weight)}, not a positive number")
     return {
         "kv_budget": budget,
         "allocation": allocation,
         "allocation_costs": "allocation_costs" in record,
+        "allocation_cost": record.get("allocation_cost"),
+        # The pooling the costs priced; a record from before this key priced `merge` for the calibrated
+        # merge and `loss` for the conversion's own pooling.
+        "allocation_cost_pooling": record.get(
+            "allocation_cost_pooling", "calibrated" if record.get("allocation_cost") == "merge" else record["pooling"]
+        ),
         "allocation_forced": forced,
+        "cross_kv_weight": weight,  # None: every head alike, as before the option
     }
 
 
@@ -332,11 +344,17 @@ def _grouping_lines(conversion: dict | None) -> list[str]:
         + (", source heads in their new order" if conversion["grouping"] == "similarity" else "")
     ]
     if "kv_budget" in conversion:
-        costs = "; each layer's costs in uptrain.json" if conversion["allocation_costs"] else ""
+        costs = ""
+        if conversion["allocation_costs"]:
+            cost, priced = conversion["allocation_cost"], conversion["allocation_cost_pooling"]
+            named = f" ({cost} cost{f', priced for {priced} pooling' if priced else ''})" if cost else ""
+            costs = f"; each layer's costs{named} in uptrain.json"
         if conversion["allocation_forced"]:
             costs = "; forced: the only allocation within the budget, no costs measured"
+        weight = conversion["cross_kv_weight"]
+        weighed = "" if weight is None else f", a cross-attention head weighing {weight:g} self-attention heads"
         lines.append(
-            f"budget        {conversion['kv_budget']:g} of the source's KV bytes ({conversion['allocation']} "
+            f"budget        {conversion['kv_budget']:g} of the source's KV bytes{weighed} ({conversion['allocation']} "
             f"allocation{costs})"
         )
     for site, record in sites.items():

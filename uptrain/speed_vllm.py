@@ -8,11 +8,15 @@ buy. Throughput is measured at a fixed concurrency: `batch` requests submitted a
 `batch` scheduled together), each decoded greedily for `new_tokens` tokens; time per sample is
 the wall time of that batch, from submission to its last token (every request of it finishes
 in the same step). One warm-up batch, then `repeats` timed ones; medians, with min and max.
+Every batch, the warm-up's too, is fresh prompts: vLLM's prefix cache (on by default, as users
+serve) would otherwise hold an earlier batch's prompts and skip their prefill (a real request's
+prompt is read in full). It is left on, so that the engine is the one users run and the run can
+show it found nothing: the prompt tokens it served from cache are reported (0).
 
 `--concurrency max` asks what the capacity buys where the KV space, not the batch, is the limit:
 each model is given as many requests of the measured shape as its cache holds (the blocks vLLM
 allocated, less the one its block pool keeps empty, over a request's whole blocks), all
-submitted at once, every batch fresh prompts (vLLM's prefix cache would find the last batch's).
+submitted at once, every batch fresh prompts as above.
 vLLM's own record of each request (its engine's timestamps, kept with its stats on) gives the
 most that ran at once, any preemption, and the decode steps' own rate.
 
@@ -185,8 +189,9 @@ def measure_vllm_speed(
     new_tokens; Whisper's frames + its start token + new_tokens), max_concurrency (requests of
     that shape the cache holds at once: its blocks over the whole blocks one request takes, each
     cache's rounded up), start_s (the engine's start), time_per_sample_s and output_tokens_per_s
-    (batch · new_tokens / time per sample), with their spread (min, max); Whisper's also
-    audio_seconds.
+    (batch · new_tokens / time per sample), with their spread (min, max), and
+    prefix_cached_tokens (the prompt tokens vLLM's prefix cache served over all batches: 0, every
+    batch fresh prompts); Whisper's also audio_seconds.
     `compile`: vLLM's torch.compile'd model, its default when serving (minutes per engine on a
     CPU); without it the engine runs eagerly (`enforce_eager`): the same arithmetic, a quick start.
     `concurrency`: "batch" (the above), or "max": each model is given as many requests as its KV
@@ -305,31 +310,17 @@ def _release_engine() -> None:
 
 def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engine: dict) -> dict:
     """Start one engine on `folder`, measure it at `batch` requests at once, and tear it down."""
-    audio = served.audio_seconds is not None
     llm, start_s, capacity = _start_engine(vllm, folder, served, batch, engine)
-    if audio:
-        prompts = _audio_prompts(served, batch)
-    else:
-        vocab = llm.llm_engine.model_config.get_vocab_size()
-        generator = random.Random(0)
-        batch_prompts = [
-            _token_prompt([generator.randrange(vocab) for _ in range(served.context)]) for _ in range(batch)
-        ]
-        prompts = (batch_prompts for _ in range(repeats + 1))
-    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=served.new_tokens, ignore_eos=True, detokenize=False)
-    times = []
-    for i, batch_prompts in zip(range(repeats + 1), prompts):  # the first is the warm-up
-        began = time.perf_counter()
-        llm.generate(batch_prompts, greedy, use_tqdm=False)
-        if i:
-            times.append(time.perf_counter() - began)
+    timed, cached = _serve_batches(vllm, llm, served, batch, repeats)
     del llm
     _release_engine()
+    times = [seconds for seconds, _ in timed]
     per_sample = statistics.median(times)
     throughput = [batch * served.new_tokens / t for t in times]
     return {
         **capacity,
         "start_s": start_s,
+        "prefix_cached_tokens": cached,
         "time_per_sample_s": per_sample,
         "output_tokens_per_s": batch * served.new_tokens / per_sample,
         "spread": {
@@ -337,6 +328,25 @@ def _measure_one(vllm, folder, served: Requests, batch: int, repeats: int, engin
             "output_tokens_per_s": {"min": min(throughput), "max": max(throughput)},
         },
     }
+
+
+def _serve_batches(vllm, llm, served: Requests, batch: int, repeats: int) -> tuple[list, int | None]:
+    """One warm-up batch of `batch` requests, then `repeats` timed ones, each fresh prompts
+    (`fresh_prompts`), every request decoded greedily for `served.new_tokens` tokens: each timed
+    batch's wall time (from submission to its last token) with vLLM's outputs, and the prompt
+    tokens vLLM's prefix cache served over all the batches, warm-up included (0: every prompt was
+    read in full, as a real request's is; None if vLLM did not say)."""
+    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=served.new_tokens, ignore_eos=True, detokenize=False)
+    timed, cached = [], []
+    # The prompts are made before each batch's clock starts (the loop asks for them first).
+    for i, prompts in zip(range(repeats + 1), fresh_prompts(llm, served, batch)):  # the first is the warm-up
+        began = time.perf_counter()
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        cached += [output.num_cached_tokens for output in outputs]
+        if i:
+            timed.append((seconds, outputs))
+    return timed, None if None in cached else sum(cached)
 
 
 def check_concurrency(concurrency: str, batch: int) -> None:
@@ -384,8 +394,8 @@ def requests_held(blocks: int, served: Requests, block_size: int) -> int:
 
 def measure_at_capacity(vllm, folder, shape: ModelShape, served: Requests, repeats: int, engine: dict) -> dict:
     """Start one engine on `folder`, give it as many requests at once as its KV cache holds
-    (`requests_held` of the blocks vLLM allocated), each batch fresh random prompts (vLLM's prefix
-    cache would otherwise find the last batch's), and tear it down. One warm-up batch, then
+    (`requests_held` of the blocks vLLM allocated), each batch fresh prompts (`_serve_batches`),
+    and tear it down. One warm-up batch, then
     `repeats` timed ones. Besides the times, vLLM's own record of each request (its engine
     core's timestamps, kept when its stats are on) says how many ran at once and whether any
     was preempted (evicted from the cache and recomputed)."""
@@ -404,20 +414,10 @@ def measure_at_capacity(vllm, folder, shape: ModelShape, served: Requests, repea
             f"{served.kv_tokens} positions takes {served.kv_blocks(capacity['block_size'])}: none runs; "
             "give a larger --kv-cache-gib"
         )
-    if served.audio_seconds is None:
-        prompts = _fresh_token_prompts(llm.llm_engine.model_config.get_vocab_size(), served.context, requests)
-    else:
-        prompts = _audio_prompts(served, requests)  # a new waveform for every request
-    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=served.new_tokens, ignore_eos=True, detokenize=False)
-    batches = []
-    for i, batch_prompts in zip(range(repeats + 1), prompts):  # the first is the warm-up
-        began = time.perf_counter()
-        outputs = llm.generate(batch_prompts, greedy, use_tqdm=False)
-        if i:
-            batches.append((time.perf_counter() - began, *_in_flight(outputs)))
+    timed, cached = _serve_batches(vllm, llm, served, requests, repeats)
     del llm
     _release_engine()
-    times, in_flight, preemptions, decode_spans = zip(*batches)
+    times, in_flight, preemptions, decode_spans = zip(*((seconds, *_in_flight(outputs)) for seconds, outputs in timed))
     tokens = requests * served.new_tokens
     decode_tokens = requests * (served.new_tokens - 1)  # all but each request's first (its prompt's pass)
     per_sample, decode_span = statistics.median(times), statistics.median(decode_spans)
@@ -428,6 +428,7 @@ def measure_at_capacity(vllm, folder, shape: ModelShape, served: Requests, repea
         "in_flight": min(in_flight),
         "preemptions": sum(preemptions),
         "start_s": start_s,
+        "prefix_cached_tokens": cached,
         "time_per_sample_s": per_sample,
         "output_tokens_per_s": tokens / per_sample,
         "decode_tokens_per_s": decode_tokens / decode_span,
@@ -455,11 +456,22 @@ def _in_flight(outputs) -> tuple[int, int, float]:
     return most, sum(m.num_preemptions for m in stats), span
 
 
-def _fresh_token_prompts(vocab: int, context: int, requests: int):
-    """Batches of `requests` random prompts of `context` token ids, new ones each time."""
+def fresh_prompts(llm, served: Requests, batch: int):
+    """Batches of `batch` requests for `llm`'s model, new ones each time it is asked, the warm-up's
+    too: random prompts of `served.context` token ids (Whisper: a new waveform for every request).
+    No prompt repeats within one engine, so vLLM's prefix cache (on by default) finds none of an
+    earlier batch's blocks and every batch reads its prompts in full, as real requests are read.
+    Seeded: each model gets the same prompts, each in its own engine, whose cache dies with it."""
+    if served.audio_seconds is not None:
+        return _audio_prompts(served, batch)
+    return _random_token_prompts(llm.llm_engine.model_config.get_vocab_size(), served.context, batch)
+
+
+def _random_token_prompts(vocab: int, context: int, batch: int):
+    """Batches of `batch` random prompts of `context` token ids, new ones each time."""
     generator = random.Random(0)
     while True:
-        yield [_token_prompt([generator.randrange(vocab) for _ in range(context)]) for _ in range(requests)]
+        yield [_token_prompt([generator.randrange(vocab) for _ in range(context)]) for _ in range(batch)]
 
 
 def _token_prompt(ids: list[int]):

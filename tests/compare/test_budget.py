@@ -127,6 +127,8 @@ def test_a_budget_compare_refuses_in_one_line_before_any_run(setup, tmp_path, ca
         ((), "give the runs to compare: -g/--num-kv-heads G … and/or --kv-budget F …"),
         (("-g", "2", "--allocation", "calibrated"), "--allocation calibrated spends a --kv-budget"),
         (("--kv-budget", "0.5", "--allocation-cost", "merge"), "--allocation-cost merge is the cost"),
+        (("-g", "2", "--cross-kv-weight", "4"), "--cross-kv-weight 4 weighs cross-attention heads in a --kv-budget"),
+        (("--kv-budget", "0.5", "--cross-kv-weight", "4"), "weighs cross-attention KV heads in the budget; the model"),
         (("--kv-budget", "0.5", "0.5"), "--kv-budget 0.5 0.5 names a value twice"),
         (("--kv-budget", "0.1", "--allocation", "calibrated"), "--kv-budget 0.1 is below what any allocation"),
     ):
@@ -143,13 +145,15 @@ def test_a_compare_made_before_budgets_resumes_and_may_add_them():
     from uptrain.compare.study import RunResult, resume_rule
 
     old = small_spec("cmp").to_dict()
-    for key in ("kv_budget", "allocation", "allocation_cost"):
+    for key in ("kv_budget", "allocation", "allocation_cost", "cross_kv_weight"):
         del old[key]
     assert resume_rule().changes(old, small_spec("cmp").to_dict()) == []
     now = small_spec("cmp", kv_budget=[0.25], allocation=["uniform", "calibrated"])
     assert resume_rule().changes(old, now.to_dict()) == []
     costed = small_spec("cmp", kv_budget=[0.25], allocation=["calibrated"], allocation_cost="merge")
     assert [c.key for c in resume_rule().changes(old, costed.to_dict())] == ["allocation_cost"]
+    weighed = small_spec("cmp", kv_budget=[0.25], allocation=["calibrated"], cross_kv_weight=4.0)
+    assert [c.key for c in resume_rule().changes(old, weighed.to_dict())] == ["cross_kv_weight"]
     row = RunResult(**{"name": "g2-mean", "num_kv_heads": 2, "pooling": "mean", "eval_loss_before": 5.0,
                        "eval_loss_after": 4.0, "uptrain_tokens": 8, "kv_cache_bytes_per_token": 64,
                        "curve": [[0, 5.0], [8, 4.0]]})  # fmt: skip

@@ -41,7 +41,10 @@ TRAINED = dict(
 # target, kv_rank, rope_dims, rotary_key and mla_init: `uptrain train`'s `source` takes them too
 # (tests/train/test_mla_model.py); `uptrain compare` not yet (issue #33).
 CONVERT_ONLY = {"dtype", "max_shard_size", "allow_pickle", "target", "kv_rank", "rope_dims", "rotary_key", "mla_init"}
-PER_RUN = {"source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "pooling"}
+PER_RUN = {
+    *("source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "cross_kv_weight"),
+    "pooling",
+}
 
 
 def both(values: dict, tmp_path) -> tuple[ConversionSpec, ConversionSpec]:
@@ -90,8 +93,9 @@ def test_train_carries_each_way_of_choosing_the_kv_heads(tmp_path):
         {"kv_budget": 0.25},
         {"kv_budget": 0.25, "allocation": "calibrated"},
         {"kv_budget": 0.25, "allocation": "calibrated", "allocation_cost": "merge"},
+        {"kv_budget": 0.25, "allocation": "calibrated", "cross_kv_weight": 37.5},
     ):
         spec = TrainConfig(**common, **chosen).conversion_spec()
-        keys = ("num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost")
+        keys = ("num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "cross_kv_weight")
         default = dict.fromkeys(keys) | {"allocation": "uniform"}
         assert {k: getattr(spec, k) for k in keys} == default | chosen

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 from contextlib import closing
+from fractions import Fraction
 
 import pytest
 import torch
@@ -26,21 +27,24 @@ from uptrain.convert.allocation import (
     layer_losses,
 )
 from uptrain.convert.calibrated import (
+    CrossMoments,
     LayerAttention,
     _augment,
     _rotary_pairs,
     _shared_vector,
     apply_calibrated,
     merge_loss,
+    pooled_loss,
     regularised,
     solve_calibrated,
 )
 from uptrain.convert.calibration import collect_attention_moments
 from uptrain.convert.calibration_seq2seq import seq2seq_moments
 from uptrain.convert.conversion import conversion_for
-from uptrain.convert.pooling import get_strategy
+from uptrain.convert.kv_heads import KVHeadsRequest, head_weights, kv_fraction, resolve_allocation
+from uptrain.convert.pooling import PoolingContext, get_strategy
 from uptrain.convert.spec import CalibrationSettings
-from uptrain.model_info import divisors, read_config
+from uptrain.model_info import AttentionGeometry, divisors, read_config
 
 # ---------------------------------------------------------------- the merge loss, in closed form
 
@@ -89,9 +93,13 @@ def value_error(source: LayerAttention, merged: LayerAttention, c: torch.Tensor)
     return total
 
 
-def logit_error(source: LayerAttention, merged: LayerAttention, c: torch.Tensor) -> float:
-    """Σ_q E[(q'_qᵀ k'_j − q_qᵀ k_s)²] with the query's and the key's inputs independent, each of
-    moment C: the score as a bilinear form B_q of (query input, key input), E = tr(B_qᵀ C B_q C)."""
+def logit_error(
+    source: LayerAttention, merged: LayerAttention, c: torch.Tensor, c_query: torch.Tensor | None = None
+) -> float:
+    """Σ_q E[(q'_qᵀ k'_j − q_qᵀ k_s)²] with the query's and the key's inputs independent, of moments
+    C_query (default C) and C: the score as a bilinear form B_q of (query input, key input),
+    E = tr(B_qᵀ C_query B_q C)."""
+    c_query = c if c_query is None else c_query
     d, n_rep = source.head_dim, source.n_rep
     q1, k1 = _augment(source.q_w, source.q_b), _augment(source.k_w, source.k_b)
     q2, k2 = _augment(merged.q_w, merged.q_b), _augment(merged.k_w, merged.k_b)
@@ -101,7 +109,7 @@ def logit_error(source: LayerAttention, merged: LayerAttention, c: torch.Tensor)
         s, j = q // n_rep, q // (n_rep * r)
         rows = slice(q * d, (q + 1) * d)
         b = q2[rows].mT @ k2[j * d : (j + 1) * d] - q1[rows].mT @ k1[s * d : (s + 1) * d]
-        total += float(torch.trace(b.mT @ c @ b @ c))
+        total += float(torch.trace(b.mT @ c_query @ b @ c))
     return total
 
 
@@ -155,6 +163,85 @@ def test_no_merge_loses_nothing_and_wider_groups_lose_more():
     for fewer, more in [(1, 2), (2, 4), (4, 8)]:  # nested groups: a coarser merge fits no better
         assert losses[fewer].values >= losses[more].values and losses[fewer].keys >= losses[more].keys
         assert losses[fewer].values_energy == pytest.approx(losses[more].values_energy)
+
+
+# ---------------------------------------------------------------- a row pooling's cost
+
+
+def field_context(field: str) -> PoolingContext:
+    return PoolingContext("bias" if field.endswith("_b") else "weight", field, 0, 0.02)
+
+
+def pooled_layer(layer: LayerAttention, pooling: str, groups: int) -> LayerAttention:
+    return get_strategy(pooling).pool_layer(layer, groups, None, field_context)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "first", "random"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_a_pooling_costs_the_error_its_pooled_heads_leave(pooling, groups):
+    """Without rotary dims, `pooled_loss` is the pooled weights' own error in the merge's terms,
+    computed here from the pooled layer (its Q and O the source's: no maps) under cross-attention's
+    three moments, each where the merge reads it; its energies are the merge's, so shares compare."""
+    layer = random_layer(rotary_dim=0)
+    c, c_query, c_values = random_moment(12), random_moment(12, seed=5), random_moment(12, seed=9)
+    out = pooled_layer(layer, pooling, groups)
+    loss = pooled_loss(layer, out, c, c_query, c_values)
+    assert loss.values == pytest.approx(value_error(layer, out, regularised(c_values)), rel=1e-9)
+    assert loss.keys == pytest.approx(logit_error(layer, out, regularised(c), regularised(c_query)), rel=1e-9)
+    merged = merge_loss(layer, groups, c, c_query, c_values)
+    assert (loss.values_energy, loss.keys_energy) == pytest.approx((merged.values_energy, merged.keys_energy), rel=1e-9)
+    assert loss.values > 0 and loss.keys > 0 or (pooling != "random" and groups == 4)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "first"])
+def test_a_pooling_costs_its_rotary_keys_as_the_merge_weighs_them(pooling):
+    """Every dim rotates: each pair (i, i + 2) of each source head s costs its queries' energy
+    Σ_{q→s} E[q_i² + q_{i+2}²] times its pooled key's error ‖Δk_i‖²_C + ‖Δk_{i+2}‖²_C (`merge_loss`'s
+    rank-one fit, at σ = 1 and the pooled key)."""
+    layer = random_layer(rotary_dim=4)
+    c, c_query = random_moment(12), random_moment(12, seed=5)
+    out = pooled_layer(layer, pooling, 2)
+    reg, reg_q = regularised(c), regularised(c_query)
+    d, r = layer.head_dim, 2
+    k, pooled_k, q = _augment(layer.k_w, layer.k_b), _augment(out.k_w, out.k_b), _augment(layer.q_w, layer.q_b)
+    total = 0.0
+    for head in range(layer.num_heads):
+        s = head // layer.n_rep
+        delta = pooled_k[s // r * d : (s // r + 1) * d] - k[s * d : (s + 1) * d]
+        for pair in ((0, 2), (1, 3)):
+            energy = sum(float(q[head * d + i] @ reg_q @ q[head * d + i]) for i in pair)
+            total += energy * sum(float(delta[i] @ reg @ delta[i]) for i in pair)
+    assert pooled_loss(layer, out, c, c_query).keys == pytest.approx(total, rel=1e-9)
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 2, 4])
+def test_heads_identical_within_groups_cost_mean_and_first_nothing_at_that_g(rotary_dim):
+    """K and V heads (and K biases) identical in pairs: pooling them to 2 heads, by mean or first,
+    changes nothing the layer computes, and its cost there is exactly 0; at 1 head it is not."""
+    layer = random_layer(rotary_dim, kv=4)
+    d = layer.head_dim
+    for t in (layer.k_w, layer.v_w, layer.k_b):
+        heads = t.view(4, d, -1)
+        heads[1::2] = heads[0::2].clone()
+    for pooling in ("mean", "first"):
+        losses = layer_losses(layer, random_moment(12), pooling=get_strategy(pooling), context=field_context)
+        assert [(losses[g].values, losses[g].keys) for g in (2, 4)] == [(0.0, 0.0)] * 2
+        assert losses[1].values > 1e-3 * losses[1].values_energy and losses[1].keys > 1e-3 * losses[1].keys_energy
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 2, 4])
+def test_the_calibrated_merge_never_loses_more_than_a_pooling(rotary_dim):
+    """The merge minimises the same two errors over a family that holds every row pooling (shared
+    heads, maps M_s = I, scales σ_s = 1): at every G its loss is at most each pooling's."""
+    for seed in range(3):
+        layer = random_layer(rotary_dim, seed=seed, kv=8, n_rep=1)
+        moment = CrossMoments(random_moment(12, seed), random_moment(12, seed + 10), random_moment(12, seed + 20))
+        merged = layer_losses(layer, moment)
+        for pooling in ("mean", "first", "random"):
+            pooled = layer_losses(layer, moment, pooling=get_strategy(pooling), context=field_context)
+            for g, loss in merged.items():
+                assert loss.values <= pooled[g].values + 1e-9 * loss.values_energy, (pooling, g)
+                assert loss.keys <= pooled[g].keys + 1e-9 * loss.keys_energy, (pooling, g)
 
 
 # ---------------------------------------------------------------- the knapsack
@@ -501,7 +588,11 @@ def test_convert_spends_a_budget_by_the_measured_loss(tokenizer, calibration_tex
 
     chosen = convert("chosen", "--kv-budget", 0.5625, "--allocation", "calibrated")
     record = json.loads((chosen / "uptrain.json").read_text())
-    assert (record["allocation"], record["allocation_cost"]) == ("calibrated", "loss")
+    assert (record["allocation"], record["allocation_cost"], record["allocation_cost_pooling"]) == (
+        "calibrated",
+        "loss",
+        "mean",
+    )
     recorded = [{int(g): c for g, c in layer.items()} for layer in record["allocation_costs"]["decoder-self"]]
     settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=record["calibration"]["seq_len"])
     blocks, _ = first_calibration_blocks(tokenizer, str(calibration_text), settings, settings.calibration_seq_len)
@@ -595,3 +686,207 @@ def test_candidates_no_allocation_within_the_budget_can_take_are_not_measured(to
         assert record["num_key_value_heads_per_layer"] == list(heads["decoder-self"])
         assert sorted(heads["decoder-self"]) == [1, 2]
         assert "| attention | layer | G = 1 | G = 2 |\n" in (out / "README.md").read_text()
+
+
+# ---------------------------------------------------------------- the merge cost of a row pooling, end to end
+
+
+def scaled_pairs_llama(tokenizer):
+    """A tiny Llama whose layer 0 K and V heads come in pairs, the second twice the first (a scale
+    the calibrated merge folds into its maps: merging to 4 heads loses nothing; the mean of a and
+    2a is 1.5a: mean pooling loses), and whose layer 1 pairs differ by 5 % noise (either loses little)."""
+    model = build("llama", tokenizer)
+    with torch.no_grad():
+        for layer, make in ((0, lambda h: 2 * h), (1, lambda h: h + 0.05 * torch.randn_like(h))):
+            attn = model.model.layers[layer].self_attn
+            for t in (attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias):
+                heads = t.view(8, 8, -1)  # biases too: the merge reads them as a column of the weights
+                heads[1::2] = make(heads[0::2].clone())
+    return model
+
+
+def test_a_mean_pooled_budget_is_spent_by_what_mean_pooling_loses(tokenizer, calibration_text, tmp_path, capsys):
+    """`--pooling mean --kv-budget 0.75 --allocation calibrated --allocation-cost merge`: the cost
+    prices mean pooling, which keeps layer 0 whole and halves layer 1 (8, 4: brute force over the
+    table agrees), where the calibrated merge's cost of the same moments, which would price a merge
+    that loses nothing in layer 0, halves layer 0 instead (4, 8). The written weights are
+    `--kv-heads-per-layer 8,4`'s bit for bit; uptrain.json, the card and inspect name the pooling priced."""
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+
+    src = save(scaled_pairs_llama(tokenizer), tokenizer, tmp_path / "src")
+    settings = CalibrationSettings(calibration_tokens=512, calibration_seq_len=64)
+    moments, _ = collect_attention_moments(src, str(calibration_text), settings, progress=False)
+    request = KVHeadsRequest(budget=0.75, allocation="calibrated")
+
+    def costs(pooling: str) -> list[dict[int, float]]:
+        conversion = conversion_for(read_config(src), request, get_strategy(pooling), "contiguous", "decoder-self", 0)
+        with closing(SourceCheckpoint(src)) as checkpoint:
+            return calibration_costs(conversion, checkpoint, moments)["decoder-self"]
+
+    mean, merged = costs("mean"), costs("calibrated")
+    assert merged[0][4] < 1e-9 < merged[1][4] < mean[1][4] < 0.5 * mean[0][4]
+    assert mean[0][8] == mean[1][8] == 0
+
+    def spent(table):
+        return allocate({"decoder-self": table}, {"decoder-self": (8, 8)}, {"decoder-self": 8}, 0.75)["decoder-self"]
+
+    assert (spent(merged), spent(mean)) == ((4, 8), (8, 4))
+    assert spent(mean) == brute_force({"decoder-self": mean}, {"decoder-self": 8}, 96)[2]
+
+    keys = ["--calibration-data", calibration_text, "--calibration-tokens", 512, "--calibration-device", "cpu"]
+    keys += ["--source-hash", "none"]
+
+    def convert(out, *flags):
+        assert main(["convert", str(src), str(tmp_path / out), *map(str, flags), *map(str, keys)]) == 0
+        return tmp_path / out
+
+    chosen = convert("chosen", "--kv-budget", 0.75, "--allocation", "calibrated", "--allocation-cost", "merge")
+    record = json.loads((chosen / "uptrain.json").read_text())
+    assert record["num_key_value_heads_per_layer"] == [8, 4]
+    assert (record["pooling"], record["allocation_cost"], record["allocation_cost_pooling"]) == (
+        "mean",
+        "merge",
+        "mean",
+    )
+    card = (chosen / "README.md").read_text()
+    assert "What `mean` pooling of each layer to G KV heads loses" in card
+    capsys.readouterr()
+    assert main(["inspect", str(chosen)]) == 0
+    assert "each layer's costs (merge cost, priced for mean pooling) in uptrain.json" in capsys.readouterr().out
+    explicit = tensors(convert("explicit", "--kv-heads-per-layer", "8,4"))
+    assert tensors(chosen).keys() == explicit.keys()
+    assert all(torch.equal(t, explicit[name]) for name, t in tensors(chosen).items())
+
+
+# -------------------------------------------------- --cross-kv-weight: an encoder–decoder's budget in bytes
+
+
+def geometries_of(self_heads: int, cross_heads: int, layers: int, d: int) -> dict[str, AttentionGeometry]:
+    def geometry(heads):
+        return AttentionGeometry("bart", layers, heads, heads, d, heads * d)
+
+    return {"decoder-self": geometry(self_heads), "cross": geometry(cross_heads)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    instances(integer_costs=True),
+    st.sampled_from([0.25, 0.5, 1, 1.5, 3, 37.5, 0.333333]),
+)
+def test_the_knapsack_with_head_weights_equals_brute_force(instance, ratio):
+    """The same search, a cross-attention head weighing `ratio` self-attention heads
+    (`head_weights`: p × head_dim against q × head_dim, R = p/q): exact against every allocation."""
+    drawn, dims, _ = instance  # one or two attentions, renamed: the second is the cross-attention
+    names = dict(zip(drawn, ("decoder-self", "cross"), strict=False))
+    costs = {names[old]: layers for old, layers in drawn.items()}
+    geometries = {
+        names[old]: AttentionGeometry("bart", len(drawn[old]), 12, 12, dims[old], 12 * dims[old]) for old in drawn
+    }
+    weights = head_weights(geometries, tuple(costs), ratio)
+    if "cross" in weights:
+        fraction = Fraction(ratio).limit_denominator(100)
+        per_dim = {name: Fraction(weights[name], geometries[name].head_dim) for name in costs}
+        assert per_dim["cross"] / per_dim["decoder-self"] == fraction  # a cross head weighs R self heads, per dim
+    smallest = sum(min(o) * weights[n] for n in costs for o in costs[n])
+    largest = sum(max(o) * weights[n] for n in costs for o in costs[n])
+    for budget in (smallest, (smallest + largest) // 2, largest):
+        chosen = choose_allocation(costs, weights, budget)
+        assert tuple(g for name in costs for g in chosen[name]) == brute_force(costs, weights, budget)[2]
+
+
+@pytest.mark.parametrize("ratio", [None, 0.5, 1, 37.5, 1500])
+def test_a_uniform_allocation_keeps_its_fraction_whatever_the_cross_weight(ratio):
+    """One G in every layer of every attention holds G/kv of the cache per target token and per
+    source token alike: its budget and its bytes do not depend on the weight."""
+    geometries = geometries_of(8, 8, 3, 16)
+    for g in divisors(8):
+        uniform = {name: (g,) * 3 for name in geometries}
+        assert kv_fraction(geometries, uniform, ratio) == Fraction(g, 8)
+        request = KVHeadsRequest(budget=g / 8, cross_kv_weight=ratio)
+        assert resolve_allocation(geometries, tuple(geometries), request) == uniform
+
+
+def heads_of(record: dict) -> tuple[int, ...]:
+    """One attention's KV heads per layer as uptrain.json records them (the list only where layers differ)."""
+    return tuple(record.get("num_key_value_heads_per_layer", [record["num_key_value_heads"]] * record["num_layers"]))
+
+
+def test_a_heavy_cross_weight_keeps_self_attention_heads_and_cuts_cross_ones(tmp_path, capsys):
+    """A tiny BART (decoder self + cross, 8 heads × 2 layers each) at a quarter of the cache, spent by
+    mean pooling's cost: counted in heads (the default), 8 heads in all; with each cross head
+    weighing 50 self heads (50 source positions cached per generated token), self-attention keeps
+    all 16 (they cost 1/50 as much) and cross-attention 3, within the quarter of the bytes. uptrain.json,
+    the card and inspect state the weight; uniform at the same budget is `-g 2`'s checkpoint, bit for bit."""
+    from tests.convert.test_per_layer import tensors
+    from uptrain.cli import main
+    from uptrain.convert import convert_checkpoint
+    from uptrain.convert.in_memory import convert_model
+    from uptrain.convert.pipeline import Calibration
+
+    model = build_seq2seq("bart")
+    model.save_pretrained(tmp_path / "src")
+    moments = seq2seq_moments(model, architecture("bart"), calibration_batches("bart"), progress=False)
+    geometries = geometries_of(8, 8, 2, 4)
+
+    def spend(out, weight):
+        folder = convert_checkpoint(
+            tmp_path / "src",
+            tmp_path / out,
+            kv_budget=0.25,
+            allocation="calibrated",
+            cross_kv_weight=weight,
+            calibration=Calibration(moments),
+            source_hash="none",
+            progress=False,
+        )
+        record = json.loads((folder / "uptrain.json").read_text())
+        return (
+            folder,
+            record,
+            {name: heads_of(record["attentions"][name]) for name in geometries},
+        )
+
+    _, record, by_heads = spend("heads", None)
+    assert "cross_kv_weight" not in record and sum(map(sum, by_heads.values())) == 8
+    folder, record, by_bytes = spend("bytes", 50)
+    assert by_bytes["decoder-self"] == (8, 8) and sum(by_bytes["cross"]) == 3
+    assert record["cross_kv_weight"] == 50
+    in_memory = convert_model(
+        model, kv_budget=0.25, allocation="calibrated", cross_kv_weight=50, calibration=Calibration(moments)
+    )
+    assert in_memory.config.decoder_num_key_value_heads == 8  # 8 in both self layers: no per-layer list
+    assert in_memory.config.cross_attention_num_key_value_heads_per_layer == list(by_bytes["cross"])
+    assert kv_fraction(geometries, by_bytes, 50) <= Fraction(1, 4) < kv_fraction(geometries, by_bytes)
+    assert kv_fraction(geometries, by_heads, 50) > Fraction(1, 4)  # counted in heads, it held more bytes
+    assert "a cross-attention KV head weighs 50 self-attention heads" in (folder / "README.md").read_text()
+    capsys.readouterr()
+    assert main(["inspect", str(folder)]) == 0
+    assert "a cross-attention head weighing 50 self-attention heads" in capsys.readouterr().out
+
+    def convert(out, *flags):
+        assert main(["convert", str(tmp_path / "src"), str(tmp_path / out), "--source-hash", "none", *flags]) == 0
+        return tmp_path / out
+
+    uniform = tensors(convert("uniform", "--kv-budget", "0.25", "--cross-kv-weight", "37.5"))
+    g2 = tensors(convert("g2", "-g", "2"))
+    assert uniform.keys() == g2.keys() and all(torch.equal(t, g2[name]) for name, t in uniform.items())
+    assert json.loads((tmp_path / "uniform" / "uptrain.json").read_text())["cross_kv_weight"] == 37.5
+
+
+def test_a_cross_weight_that_weighs_nothing_is_refused_in_one_line(tmp_path, capsys):
+    from tests.convert.test_errors import fails
+
+    build_seq2seq("bart").save_pretrained(tmp_path / "src")
+    src = tmp_path / "src"
+    for flags, expected in (
+        (["--kv-budget", "0.25", "--cross-kv-weight", "0"], "`cross_kv_weight`: must be more than 0"),
+        (["--kv-budget", "0.25", "--cross-kv-weight", "nan"], "`cross_kv_weight`: must be a number or null"),
+        (["--kv-budget", "0.25", "--cross-kv-weight", "0.001"], "is below 0.01, the least weight"),
+        (["-g", "2", "--cross-kv-weight", "4"], "with -g or --kv-heads-per-layer the heads are already chosen"),
+        (
+            ["--kv-budget", "0.25", "--attention", "decoder-self", "--cross-kv-weight", "4"],
+            "weighs cross-attention KV heads in the budget; its --attention converts none",
+        ),
+    ):
+        fails(capsys, tmp_path, [src, *flags], expected)

@@ -86,14 +86,14 @@ SAMPLING_RATE, MEL_BINS = 16000, 80
 DECODER_PROMPTS = [[3, 7, 9], [3, 20]]
 
 
-def tiny_llama(folder) -> None:
+def tiny_llama(folder, positions: int = 64) -> None:
     config = LlamaConfig(
         vocab_size=128,
         hidden_size=HIDDEN,
         intermediate_size=192,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         initializer_range=0.5,  # greedy tokens that depend on the context (classic_models.build)
         bos_token_id=1,
         eos_token_id=2,

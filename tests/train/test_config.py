@@ -98,6 +98,8 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
         ({"num_kv_heads": 2}, "only applies with `source`"),
         ({"kv_budget": 0.25}, "`kv_budget` only applies with `source`"),
         ({"allocation": "calibrated"}, "`allocation` only applies with `source`"),
+        ({"cross_kv_weight": 37.5}, "`cross_kv_weight` only applies with `source`"),
+        ({"model": None, "source": "s", "num_kv_heads": 2, "cross_kv_weight": 4}, "weighs cross-attention heads"),
         ({"model": None, "source": "s", "num_kv_heads": 2, "kv_budget": 0.5}, "give exactly one of -g/--num-kv-heads"),
         ({"model": None, "source": "s", "kv_heads_per_layer": "4,x"}, "'4,x' is not a comma list"),
         ({"resume": True, "overwrite": True}, "exclude each other"),

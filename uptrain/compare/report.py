@@ -38,6 +38,9 @@ COLUMNS = [
 # A --kv-budget compare's own columns, after `pooling` (absent from a compare of -g runs alone).
 BUDGET_COLUMNS = ["kv_budget", "allocation", "kv_heads_per_layer", "same_heads_as"]
 BUDGET_PLOT = "quality_vs_kv_bytes.png"
+# A compare with MLA runs (--target mla): their latent, after the budget columns (a GQA row's empty, its
+# target gqa); an MLA row's `pooling` is its --mla-init, its `num_kv_heads` empty (a latent has none).
+MLA_COLUMNS = ["target", "kv_rank", "rope_dims", "rotary_key"]
 
 
 def budget_runs(results: list[RunResult]) -> list[RunResult]:
@@ -45,9 +48,16 @@ def budget_runs(results: list[RunResult]) -> list[RunResult]:
     return [r for r in results if r.kv_budget is not None]
 
 
+def latent_runs(results: list[RunResult]) -> list[RunResult]:
+    """The MLA runs of a compare (--target mla)."""
+    return [r for r in results if r.target == "mla"]
+
+
 def _heads(r: RunResult) -> str | tuple:
     """What identifies a run's conversion shape, for `same_heads_as`: one G in every converted layer
-    (a -g run or a budget run that resolved to one G), else its heads layer by layer."""
+    (a -g run or a budget run that resolved to one G), else its heads layer by layer; an MLA run's latent."""
+    if r.target == "mla":
+        return ("MLA", r.kv_rank, r.rope_dims, r.rotary_key)
     if r.kv_heads_per_layer is None:
         return ("G", r.num_kv_heads)
     heads = distinct_heads(r.kv_heads_per_layer)
@@ -83,7 +93,7 @@ def columns_of(results: list[RunResult]) -> list[str]:
     columns = list(COLUMNS)
     if budget_runs(results):
         at = columns.index("pooling") + 1
-        columns[at:at] = BUDGET_COLUMNS
+        columns[at:at] = BUDGET_COLUMNS + (MLA_COLUMNS if latent_runs(results) else [])
     return columns + list(task_columns(results).values())
 
 
@@ -95,6 +105,7 @@ def table_rows(results: list[RunResult]) -> list[dict]:
     tasks = task_columns(results)
     same = same_heads_as(results)
     budget = bool(budget_runs(results))
+    latent = bool(latent_runs(results))
     return [
         {
             "num_kv_heads": r.num_kv_heads,
@@ -107,6 +118,16 @@ def table_rows(results: list[RunResult]) -> list[dict]:
                     "same_heads_as": same.get(r.name),
                 }
                 if budget
+                else {}
+            ),
+            **(
+                {
+                    "target": r.target or (None if r.pooling == MHA else "gqa"),
+                    "kv_rank": r.kv_rank,
+                    "rope_dims": r.rope_dims,
+                    "rotary_key": r.rotary_key,
+                }
+                if latent
                 else {}
             ),
             "eval_loss_before": r.eval_loss_before,
@@ -146,6 +167,10 @@ def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
     )
     if budget:
         head = head.replace("| G | pooling |", "| G | budget | allocation | KV heads per layer | pooling |")
+    if "target" in rows[0]:
+        head = head.replace(
+            "KV heads per layer | pooling |", "KV heads per layer (MLA: latent) | pooling (MLA: init) |"
+        )
     lines = [head, "|" + "---:|" * 2 + "---|" * (3 * budget) + "---:|" * 11]
     for r in rows:
         measured = (
@@ -185,6 +210,8 @@ def _budget_cells(r: dict) -> str:
     as —; a mixed allocation's G is the largest layer's (the config's scalar), shown as its heads."""
     if r["kv_budget"] is None:
         return f"{r['num_kv_heads']} | — | — | {r['num_kv_heads']} in every layer"
+    if r.get("target") == "mla":  # a latent of rank R and a rotary key of D columns in every layer
+        return f"MLA | {r['kv_budget']:g} | — | R = {r['kv_rank']} + D = {r['rope_dims']} ({r['rotary_key']} key)"
     mixed = len(distinct_heads(r["kv_heads_per_layer"])) > 1
     allocation = r["allocation"] + (f" (= {r['same_heads_as']})" if r["same_heads_as"] else "")
     return f"{'mixed' if mixed else r['num_kv_heads']} | {r['kv_budget']:g} | {allocation} | {r['kv_heads_per_layer']}"
@@ -291,6 +318,49 @@ def against_uniform(results: list[RunResult]) -> list[dict]:
     return rows
 
 
+def against_gqa(results: list[RunResult]) -> list[dict]:
+    """For each MLA run: the share of the GQA run's eval-loss (log-perplexity) gap to MHA that it
+    closes at the same budget (so the same KV bytes), before and after uptraining, against the GQA
+    run of uniform allocation and calibrated pooling (the calibrated GQA merge; negative: MLA is
+    worse). MLA runs without that GQA run in the compare are not compared."""
+    mha = next(r for r in results if r.pooling == MHA)
+    gqa = {
+        r.kv_budget: r
+        for r in budget_runs(results)
+        if (r.target, r.allocation, r.pooling) == (None, "uniform", "calibrated")
+    }
+    rows = []
+    for latent in latent_runs(results):
+        if (base := gqa.get(latent.kv_budget)) is None:
+            continue
+        rows.append(
+            {
+                "kv_budget": latent.kv_budget,
+                "mla_init": latent.pooling,
+                "kv_rank": latent.kv_rank,
+                "rope_dims": latent.rope_dims,
+                "gqa_heads": base.kv_heads_per_layer,
+                "gap_closed_before": closed(latent.eval_loss_before, base.eval_loss_before, mha.eval_loss_before),
+                "gap_closed_after": closed(latent.eval_loss_after, base.eval_loss_after, mha.eval_loss_after),
+            }
+        )
+    return rows
+
+
+def against_gqa_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| budget | MLA init | MLA latent | GQA heads (uniform, calibrated pooling) | share of GQA's gap to MHA "
+        "closed, α = 0 | same, after uptraining |",
+        "|---:|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kv_budget']:g} | {r['mla_init']} | R = {r['kv_rank']} + D = {r['rope_dims']} | {r['gqa_heads']} | "
+            f"{r['gap_closed_before']:.1%} | {r['gap_closed_after']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def against_uniform_markdown(rows: list[dict]) -> str:
     lines = [
         "| budget | pooling | uniform heads | calibrated heads | share of uniform's gap to MHA closed, α = 0 "
@@ -373,25 +443,29 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
 def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
     """Quality against the KV cache it costs: each run's perplexity at α = 0 and after uptraining
     against its KV bytes per token (measured on its converted checkpoint, summed layer by layer);
-    colour = pooling, marker = how the heads were chosen (one G, or a budget's allocation)."""
+    colour = pooling (an MLA run's: its init), marker = how the heads were chosen (one G, or a budget's
+    allocation) or an MLA latent."""
     mha = next(r for r in results if r.pooling == MHA)
     runs = [r for r in results if r.pooling != MHA]
     strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
     colors = {p: f"C{i}" for i, p in enumerate(strategies)}
-    markers = {None: "o", "uniform": "s", "calibrated": "^"}
-    kinds = {None: "one G (-g)", "uniform": "budget, uniform", "calibrated": "budget, calibrated"}
+    markers = {None: "o", "uniform": "s", "calibrated": "^", "mla": "D"}
+    kinds = {None: "one G (-g)", "uniform": "budget, uniform", "calibrated": "budget, calibrated", "mla": "MLA latent"}
+
+    def kind(r: RunResult) -> str | None:
+        return "mla" if r.target == "mla" else r.allocation
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     for ax, when in zip(axes, ("before", "after")):
         for r in runs:
             loss = r.eval_loss_before if when == "before" else r.eval_loss_after
             x = r.kv_cache_bytes_per_token / 1024
-            # Two runs at one point (equal bytes, close quality) stay apart: uniform left, calibrated right.
-            x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03}[r.allocation]
-            ax.plot(x, math.exp(loss), marker=markers[r.allocation], color=colors[r.pooling], ms=7, ls="none")
-            if r.allocation == "calibrated":
-                ax.annotate(
-                    r.kv_heads_per_layer, (x, math.exp(loss)), fontsize=7, xytext=(5, 2), textcoords="offset points"
-                )
+            # Runs at one point (equal bytes, close quality) stay apart: uniform left, calibrated right, MLA further.
+            x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03, "mla": 1.1}[kind(r)]
+            ax.plot(x, math.exp(loss), marker=markers[kind(r)], color=colors[r.pooling], ms=7, ls="none")
+            if kind(r) in ("calibrated", "mla"):
+                label = r.kv_heads_per_layer if kind(r) == "calibrated" else f"R={r.kv_rank}"
+                ax.annotate(label, (x, math.exp(loss)), fontsize=7, xytext=(5, 2), textcoords="offset points")
         mha_loss = mha.eval_loss_before if when == "before" else mha.eval_loss_after
         ax.plot(mha.kv_cache_bytes_per_token / 1024, math.exp(mha_loss), marker="*", ms=11, color="black", ls="none")
         ax.axhline(math.exp(mha_loss), color="black", ls="--", lw=0.8)
@@ -405,12 +479,17 @@ def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
         )
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("eval perplexity (lower is better)")
+
+    def what(p: str) -> str:
+        uses = {"pooling" if r.target != "mla" else "init (MLA)" for r in runs if r.pooling == p}
+        return " / ".join(sorted(uses, reverse=True))
+
     handles = (
-        [plt.Line2D([], [], color=colors[p], marker="o", ls="none", label=f"{p} pooling") for p in strategies]
+        [plt.Line2D([], [], color=colors[p], marker="o", ls="none", label=f"{p} {what(p)}") for p in strategies]
         + [
             plt.Line2D([], [], color="grey", marker=markers[a], ls="none", label=kinds[a])
             for a in kinds
-            if any(r.allocation == a for r in runs)
+            if any(kind(r) == a for r in runs)
         ]
         + [plt.Line2D([], [], color="black", marker="*", ls="none", label="MHA (dashed)")]
     )
@@ -619,6 +698,7 @@ def log_to_wandb(results: list[RunResult], files: dict[str, Path], spec) -> Path
         for key, comparisons in (
             ("against_mean", against_mean(results)),
             ("against_uniform", against_uniform(results)),
+            ("against_gqa", against_gqa(results)),
         ):
             if comparisons:
                 columns = list(comparisons[0])
@@ -651,6 +731,13 @@ def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dic
     if allocations:
         text += "\nCalibrated against uniform allocation at each budget (gap = eval loss − MHA eval loss):\n\n"
         text += against_uniform_markdown(allocations)
+    latents = against_gqa(results)
+    if latents:
+        text += (
+            "\nMLA against GQA (uniform allocation, calibrated pooling) at each budget, the same KV bytes "
+            "(gap = eval loss − MHA eval loss):\n\n"
+        )
+        text += against_gqa_markdown(latents)
     write_file(folder / "results.md", text)
     plots = write_plots(results, folder)
     files = {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.kv_heads import allocation_cost_problem
+from uptrain.convert.kv_heads import allocation_cost_problem, cross_kv_weight_problem
 from uptrain.convert.spec import (
     Allocation,
     AllocationCost,
     ConversionOptions,
     ConversionSpec,
+    MLAInit,
+    RotaryKey,
+    Target,
     kv_heads_option,
     seed_option,
 )
@@ -81,6 +84,32 @@ class CompareSpec(
         "(each layer's KV heads chosen by --allocation-cost on the training data)",
     )
     allocation_cost: AllocationCost | None = option_like(ConversionSpec, "allocation_cost", None)
+    cross_kv_weight: float | None = option_like(ConversionSpec, "cross_kv_weight", None)
+    # `uptrain convert --target`, several: each --kv-budget is spent on GQA heads (the runs per
+    # allocation and pooling) and/or on a latent (one run per --mla-init), at the same KV bytes.
+    target: list[Target] = option_like(
+        ConversionSpec,
+        "target",
+        ["gqa"],
+        help="what each --kv-budget becomes: gqa (KV heads: one run per --allocation and --pooling) and/or mla "
+        "(multi-head latent attention, Llama family: one run per --mla-init, its rank what the budget leaves after "
+        "the rotary key); -g runs are GQA's",
+    )
+    mla_init: list[MLAInit] = option_like(
+        ConversionSpec,
+        "mla_init",
+        ["svd", "calibrated"],
+        help="--target mla: the latent initialisations to try, one run each: svd (weight space) and/or calibrated "
+        "(calibrated on train_data, as calibrated pooling is)",
+    )
+    rope_dims: int | None = option_like(ConversionSpec, "rope_dims", None)
+    rotary_key: RotaryKey = option_like(
+        ConversionSpec,
+        "rotary_key",
+        "principal",
+        help="--target mla: the one rotary key all heads share, as `uptrain convert --rotary-key`; calibrated "
+        "applies to the --mla-init calibrated runs (the svd runs read no data: theirs is principal)",
+    )
     # The conversion's `pooling`, several strategies: one run each.
     pooling: list[str] = option_like(
         ConversionOptions,
@@ -165,10 +194,18 @@ class CompareSpec(
             found.append("give the runs to compare: -g/--num-kv-heads G … and/or --kv-budget F …")
         if set(self.allocation) != {"uniform"} and not self.kv_budget:
             found.append(f"--allocation {' '.join(self.allocation)} spends a --kv-budget; give one (--kv-budget F …)")
+        found += self._target_problems()
         spent = "calibrated" if "calibrated" in self.allocation else "uniform"
         if (problem := allocation_cost_problem(spent, self.allocation_cost)) is not None:
             found.append(problem)
-        for flag, values in (("--kv-budget", self.kv_budget), ("--allocation", self.allocation)):
+        if (problem := cross_kv_weight_problem(self.kv_budget or None, self.cross_kv_weight)) is not None:
+            found.append(problem)
+        for flag, values in (
+            ("--kv-budget", self.kv_budget),
+            ("--allocation", self.allocation),
+            ("--target", self.target),
+            ("--mla-init", self.mla_init),
+        ):
             if len(set(values)) != len(values):
                 found.append(f"{flag} {' '.join(map(str, values))} names a value twice (each is one run)")
         wanted = sum(not t.startswith(HARNESS_PREFIX) for t in self.task)
@@ -177,6 +214,30 @@ class CompareSpec(
                 f"`task_data`: give one file for each --task but lm-eval ones ({wanted}), in their order; "
                 f"got {len(self.task_data)}"
             )
+        return found
+
+    def _target_problems(self) -> list[str]:
+        """What --target refuses: MLA runs without a budget or beside -g (G counts KV heads, which a
+        latent has none of), and each target's own keys without that target."""
+        found = []
+        if "mla" in self.target:
+            if self.num_kv_heads:
+                found.append(
+                    "-g/--num-kv-heads counts GQA heads, which --target mla has none of: give the MLA runs' KV bytes "
+                    "as --kv-budget F (G heads' bytes are F = G / the source's KV heads)"
+                )
+            elif not self.kv_budget:
+                found.append("--target mla spends a --kv-budget: give one (--kv-budget F …)")
+        else:
+            latent = {
+                "--mla-init": self.mla_init != ["svd", "calibrated"],
+                "--rope-dims": self.rope_dims is not None,
+                "--rotary-key": self.rotary_key != "principal",
+            }
+            if given := [flag for flag, set_ in latent.items() if set_]:
+                found.append(f"{', '.join(given)} shape(s) the MLA runs: give them with --target mla")
+        if "gqa" not in self.target and (set(self.allocation) != {"uniform"} or self.allocation_cost is not None):
+            found.append("--allocation and --allocation-cost spend a budget on GQA heads: give them with --target gqa")
         return found
 
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
@@ -194,7 +255,21 @@ class CompareSpec(
             kv_budget=kv_budget,
             allocation=allocation,
             allocation_cost=cost,
+            cross_kv_weight=self.cross_kv_weight,
             pooling=pooling,
+        )
+
+    def latent_conversion_spec(self, kv_budget: float, mla_init: str) -> ConversionSpec:
+        """The conversion of one MLA run: `uptrain convert --target mla --kv-budget F --mla-init I`
+        with the compare's --rope-dims and --rotary-key (principal for svd, which reads no data), the
+        GQA route's keys at their defaults, calibrated (I = calibrated) on the training data."""
+        rotary_key = "principal" if mla_init == "svd" and self.rotary_key == "calibrated" else self.rotary_key
+        gqa_only = {"pooling": "mean", "grouping": "contiguous", "allocation": "uniform", "allocation_cost": None}
+        latent = {"target": "mla", "mla_init": mla_init, "rope_dims": self.rope_dims, "rotary_key": rotary_key}
+        if mla_init != "calibrated":  # reads no calibration data
+            latent["calibration_data"] = None
+        return training_conversion(
+            self, source=self.model, num_kv_heads=None, kv_budget=kv_budget, **gqa_only, **latent
         )
 
     def train_config(self, model: str | Path, output_dir: str | Path, run: str, group: str | None = None):

@@ -2,8 +2,8 @@
 measured KV-cache bytes (the paper's Table 1, Fig. 3 and Fig. 6).
 
 Speed depends on a checkpoint's shape, not on its weight values, so the runs at one G (or one
-allocation of KV heads per layer: `speed_key`) share one measurement: one checkpoint per shape is
-measured (the source model at its own G, else the first run's conversion).
+allocation of KV heads per layer, or one latent's rank and rotary columns: `speed_key`) share one
+measurement: one checkpoint per shape is measured (the source model at its own G, else the first run's conversion).
 Every G still to measure is measured in one `measure_speed` call, which samples the checkpoints
 in turn, so that a noisy moment on a shared machine hits them all alike. Each G's measurement
 is kept whole in `speed-g{G}.json` (`speed-heads-….json`) (temp file, then rename): a resumed compare reuses it unless
@@ -102,7 +102,10 @@ def _measurement(spec: CompareSpec, context: int, new_tokens: int, device) -> di
 def speed_key(r) -> str:
     """What one speed measurement stands for, and its file's name (speed-KEY.json): `gG` for a row
     with G KV heads in every converted layer (a -g run, MHA, a uniform budget run), else its heads
-    layer by layer (`heads-4-1-1-2-2-2`; an encoder–decoder's attentions split by `_`)."""
+    layer by layer (`heads-4-1-1-2-2-2`; an encoder–decoder's attentions split by `_`); an MLA
+    row's latent, rank and rotary columns (`mla-r112-d16`)."""
+    if r.target == "mla":
+        return f"mla-r{r.kv_rank}-d{r.rope_dims}"
     heads = r.kv_heads_per_layer
     if heads is None or len(distinct_heads(heads)) == 1:
         return f"g{r.num_kv_heads}"
@@ -110,10 +113,11 @@ def speed_key(r) -> str:
 
 
 def _shown(*keys: str) -> str:
-    """'G = 4, 2, 1; KV heads 4-1-1-2-2-2': the measurements `keys` stand for."""
+    """'G = 4, 2, 1; KV heads 4-1-1-2-2-2; MLA r112-d16': the measurements `keys` stand for."""
     uniform = [k[1:] for k in keys if k.startswith("g")]
     shown = [f"G = {', '.join(uniform)}"] if uniform else []
-    return "; ".join(shown + [f"KV heads {k.removeprefix('heads-')}" for k in keys if not k.startswith("g")])
+    shown += [f"KV heads {k.removeprefix('heads-')}" for k in keys if k.startswith("heads-")]
+    return "; ".join(shown + [f"MLA {k.removeprefix('mla-')}" for k in keys if k.startswith("mla-")])
 
 
 def with_speed(spec: CompareSpec, results: list, log=print) -> list:

@@ -1,6 +1,7 @@
 """`uptrain compare`: convert one MHA model every way asked, uptrain each run identically, collect.
 
-For every (G, pooling), and every (KV budget, allocation, pooling), the model is converted,
+For every (G, pooling), every (KV budget, allocation, pooling) and every (KV budget, MLA init)
+(`--target mla`: a latent at the budget's KV bytes), the model is converted,
 evaluated at α = 0 (the training loop's step-0 evaluation) and uptrained with the same data, seed,
 schedule and token budget. The MHA model itself is trained with the same budget as the reference
 row, so that what uptraining alone buys an undertrained model is not credited to GQA. A budget
@@ -43,6 +44,7 @@ from uptrain.checkpoint.resumable import ResumeRule, unreadable_record
 from uptrain.compare.spec import SPEED, TASKS, CompareSpec
 from uptrain.compare.speed_rows import speed_setting, with_speed
 from uptrain.compare.task_rows import check_task_scoring, with_tasks
+from uptrain.convert.mla import checked_latent, convert_mla
 from uptrain.convert.pipeline import Calibration, calibrate, execute, prepare, settle_allocation
 from uptrain.convert.spec import kv_heads_per_layer_text, parse_attention
 from uptrain.model_info import DTYPE_BYTES, config_dtype, read_config
@@ -63,7 +65,9 @@ MHA = "mha"
 # `uptrain train` lets a resumed run change (how the compare is reported, how often the runs
 # evaluate, where calibration runs, how a step is computed), but for the keys of the global batch:
 # train allows those only with the batch kept, and a finished run keeps the batch it was made with.
-OWN_OPERATIONAL_KEYS = frozenset({"num_kv_heads", "kv_budget", "allocation", "pooling", "overwrite", "output_dir"})
+OWN_OPERATIONAL_KEYS = frozenset(
+    {"num_kv_heads", "kv_budget", "allocation", "pooling", "target", "mla_init", "overwrite", "output_dir"}
+)
 
 
 def operational_keys(keys) -> frozenset[str]:
@@ -113,6 +117,14 @@ class RunResult:
     allocation: str | None = None
     allocation_cost: str | None = None
     kv_heads_per_layer: str | None = None
+    # An MLA run's (--target mla; None: GQA, MHA, and rows written before MLA runs): "mla", and its
+    # latent read from the converted checkpoint, rank R and rotary columns D (KV elements per token
+    # and layer R + D), and the rotary key it was converted with; `pooling` holds its --mla-init,
+    # `num_kv_heads` is None (a latent has no KV heads) and `allocation` None.
+    target: str | None = None
+    kv_rank: int | None = None
+    rope_dims: int | None = None
+    rotary_key: str | None = None
 
     @property
     def perplexity_before(self) -> float:
@@ -135,21 +147,26 @@ def validate(spec: CompareSpec) -> None:
     speed_setting(spec)  # the speed measurement's refusals too
     check_task_scoring(spec)  # and the task scoring's, on the model and every line of the task data
     for run in planned_runs(spec):
-        if run.converts:
+        if run.latent:
+            # Another family than Llama's, or a budget no rank gives: refused here, as convert refuses it.
+            checked_latent(run.conversion_spec(spec))
+        elif run.converts:
             # A --kv-budget that no single G gives (uniform) or that no allocation reaches: refused here.
             prepare(run.conversion_spec(spec)).close()
 
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """One run of a compare: the MHA reference, a conversion to one G (-g), or a conversion to a
-    KV budget spent by an allocation (--kv-budget, --allocation); each with its pooling."""
+    """One run of a compare: the MHA reference, a conversion to one G (-g), a conversion to a
+    KV budget spent by an allocation (--kv-budget, --allocation), each with its pooling, or a
+    conversion to a latent at a KV budget (--target mla), `pooling` holding its --mla-init."""
 
     name: str  # the run's folder under runs/ (and converted/)
     pooling: str
     num_kv_heads: int | None = None  # a -g run's G
     kv_budget: float | None = None  # a budget run's budget and allocation
     allocation: str | None = None
+    latent: bool = False  # an MLA run
 
     @property
     def converts(self) -> bool:
@@ -161,6 +178,8 @@ class PlannedRun:
         return self.kv_budget is not None
 
     def conversion_spec(self, spec: CompareSpec):
+        if self.latent:
+            return spec.latent_conversion_spec(self.kv_budget, self.pooling)
         if not self.spends_budget:
             return spec.conversion_spec(self.num_kv_heads, self.pooling)
         return spec.budget_conversion_spec(self.kv_budget, self.allocation, self.pooling)
@@ -170,20 +189,25 @@ class PlannedRun:
             return "MHA reference"
         if not self.spends_budget:
             return f"G = {self.num_kv_heads}, {self.pooling} pooling"
+        if self.latent:
+            return f"KV budget {self.kv_budget:g}, MLA, {self.pooling} init"
         return f"KV budget {self.kv_budget:g}, {self.allocation} allocation, {self.pooling} pooling"
 
 
 def planned_runs(spec: CompareSpec) -> list[PlannedRun]:
-    """Every run in the order they run: MHA, each (G, pooling), each (budget, allocation, pooling)."""
+    """Every run in the order they run: MHA, each (G, pooling), then per budget each (allocation,
+    pooling) of --target gqa and each MLA init of --target mla."""
     runs = [PlannedRun(MHA, MHA)]
     for g in spec.num_kv_heads:
         runs += [PlannedRun(f"g{g}-{p}", p, num_kv_heads=g) for p in spec.pooling]
     for budget in spec.kv_budget:
-        for allocation in spec.allocation:
+        for allocation in spec.allocation if "gqa" in spec.target else ():
             runs += [
                 PlannedRun(f"b{budget:g}-{allocation}-{p}", p, kv_budget=budget, allocation=allocation)
                 for p in spec.pooling
             ]
+        for init in spec.mla_init if "mla" in spec.target else ():
+            runs.append(PlannedRun(f"b{budget:g}-mla-{init}", init, kv_budget=budget, latent=True))
     return runs
 
 
@@ -225,7 +249,10 @@ def shared_calibration(prepared, root: Path, log=print) -> Calibration:
 def kv_cache_bytes_per_token(shape: ModelShape, dtype_bytes: int, g: int | None, attentions=("decoder-self",)) -> int:
     """A run's KV-cache bytes per token at G KV heads in `attentions` (the conversion's; G None:
     the model as it is). An encoder–decoder's is its decoder self-attention's per target token
-    plus its cross-attention's per source token (the encoder keeps no cache)."""
+    plus its cross-attention's per source token (the encoder keeps no cache). A latent attention's
+    (MLA) is its latent and shared rotary key, every layer."""
+    if shape.latent_elements_per_token is not None:
+        return shape.geometry.num_layers * shape.latent_elements_per_token * dtype_bytes
     own = shape.geometry.kv_cache_bytes_per_token(dtype_bytes, g if "decoder-self" in attentions else None)
     if shape.cross is None:
         return own
@@ -264,6 +291,24 @@ def budget_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int
         "allocation": run.allocation,
         "allocation_cost": record.get("allocation_cost") if isinstance(record, dict) else None,
         "kv_heads_per_layer": converted_heads(shape, attentions),
+    }
+
+
+def latent_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int) -> dict:
+    """What an MLA run's row records of its conversion, read from the converted checkpoint: its
+    rank and rotary columns (config.json), its rotary key (uptrain.json) and its KV bytes per token
+    (`kv_cache_bytes_per_token` on its latent, as `uptrain inspect` and `uptrain speed` count them)."""
+    shape = model_shape(converted, run.name)
+    config = read_config(converted)
+    record = read_json(converted / "uptrain.json")
+    return {
+        "num_kv_heads": None,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(shape, dtype_bytes, None),
+        "kv_budget": run.kv_budget,
+        "target": "mla",
+        "kv_rank": config["kv_lora_rank"],
+        "rope_dims": config["qk_rope_head_dim"],
+        "rotary_key": record.get("rotary_key") if isinstance(record, dict) else None,
     }
 
 
@@ -409,7 +454,11 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
         name, g, pooling = run.name, run.num_kv_heads, run.pooling
         run_dir = root / "runs" / name
         model = root / "converted" / name if run.converts else Path(spec.model)
-        if run.spends_budget:
+        if run.latent:
+            expected = {"name": name, "pooling": pooling, "kv_budget": run.kv_budget, "target": "mla"}
+            if model.exists():
+                expected.update(latent_fields(run, model, attentions, dtype_bytes))
+        elif run.spends_budget:
             # Its heads are known once converted (a calibrated allocation is chosen then): a finished
             # row is checked against its conversion where that is still there.
             expected = {"name": name, "pooling": pooling, "kv_budget": run.kv_budget, "allocation": run.allocation}
@@ -424,7 +473,11 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
             results.append(earlier)
             continue
         log(f"[compare] {name}: {run.describe()}")
-        if run.converts and not model.exists():
+        if run.latent and not model.exists():
+            model.parent.mkdir(parents=True, exist_ok=True)
+            # One pass, calibrating on the training data itself where its init asks (`convert_mla`).
+            convert_mla(run.conversion_spec(spec), model, progress=False)
+        elif run.converts and not model.exists():
             model.parent.mkdir(parents=True, exist_ok=True)
             with prepare(run.conversion_spec(spec), model) as prepared:
                 calibration = shared_calibration(prepared, root, log) if prepared.needs_calibration else None
@@ -434,7 +487,7 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                 execute(prepared, model, calibration=calibration, progress=False)
         run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         if run.spends_budget:
-            fields = budget_fields(run, model, attentions, dtype_bytes)
+            fields = (latent_fields if run.latent else budget_fields)(run, model, attentions, dtype_bytes)
             g_eff, kv_bytes = fields.pop("num_kv_heads"), fields.pop("kv_cache_bytes_per_token")
             result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes, **fields)
         else:

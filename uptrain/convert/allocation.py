@@ -9,6 +9,10 @@ Two steps, both exact for what they decide:
    quantities the merge minimises, at their minimum. Both are sums of the eigenvalues the merge
    drops, so they come in closed form from the moments calibration already accumulates: no
    forward pass beyond the one calibration pass, |divisors| eigenvalue problems per layer.
+   That is the cost of `--pooling calibrated`. Another pooling is priced for itself
+   (`calibrated.pooled_loss`): the error its pooled heads leave, no map, in the same two terms,
+   weighting and energies — an allocation is only as good as its cost is of the pooling applied
+   (on the reference T5, mean pooling allocated by the merge's cost was worse than uniform).
    The alternative — the model's loss with layer l alone merged to G (`--allocation-cost loss`,
    `layer_loss.layer_alone_costs`, the default for decoder-only models) — asks up to L × (|divisors| − 1)
    forward passes of the whole model over the calibration blocks; it is the quantity the
@@ -61,11 +65,13 @@ from uptrain.convert.calibrated import (
     input_moment,
     merge_loss,
     permute_kv_heads,
+    pooled_loss,
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
 from uptrain.convert.kv_heads import budget_units, fitting_candidates
 from uptrain.convert.layer_merge import SiteMergers
+from uptrain.convert.pooling import FieldContext, Strategy
 from uptrain.model_info import divisors
 
 # Per converted attention (model order: encoder, decoder-self, cross), per layer, G → cost.
@@ -88,10 +94,15 @@ def layer_losses(
     moment: torch.Tensor | CrossMoments,
     candidates: Sequence[int] | None = None,
     grouping: str = "contiguous",
+    pooling: Strategy | None = None,
+    context: FieldContext | None = None,
 ) -> dict[int, MergeLoss]:
-    """What the calibrated merge of one layer loses at each candidate G (default: every divisor of
-    its KV heads), from the layer's moment as `CalibratedMerge.solve` reads it; with `similarity`
-    grouping, of the heads as that grouping orders them for each G."""
+    """What the conversion's pooling (default: the calibrated merge) of one layer loses at each
+    candidate G (default: every divisor of its KV heads), from the layer's moment as
+    `CalibratedMerge.solve` reads it; with `similarity` grouping, of the heads as that grouping
+    orders them for each G. A row pooling (`mean`, `first`, `random`: `context` seeds its fields as
+    the conversion's merger does) is priced by what its pooled heads leave (`pooled_loss`), in the
+    calibrated merge's terms and weighting, so that the cost is the pooling's that will be applied."""
     if isinstance(moment, CrossMoments):  # cross-attention's, or attention-weighted moments
         c, c_query, c_values = moment.keys_values, moment.queries, moment.values
     else:
@@ -101,7 +112,10 @@ def layer_losses(
     losses = {}
     for g in groups:
         ordered = attention if similarity is None else permute_kv_heads(attention, similarity_order(similarity, g))
-        losses[g] = merge_loss(ordered, g, c, c_query, c_values)
+        if pooling is None or pooling.merges_layers:
+            losses[g] = merge_loss(ordered, g, c, c_query, c_values)
+        else:
+            losses[g] = pooled_loss(ordered, pooling.pool_layer(ordered, g, None, context), c, c_query, c_values)
     return losses
 
 
@@ -110,9 +124,12 @@ def layer_costs(
     moment: torch.Tensor | CrossMoments,
     candidates: Sequence[int] | None = None,
     grouping: str = "contiguous",
+    pooling: Strategy | None = None,
+    context: FieldContext | None = None,
 ) -> dict[int, float]:
-    """Each candidate G's cost for one layer (`relative_cost` of `layer_losses`)."""
-    return {g: relative_cost(loss) for g, loss in layer_losses(attention, moment, candidates, grouping).items()}
+    """Each candidate G's cost for one layer (`relative_cost` of `layer_losses`, same arguments)."""
+    losses = layer_losses(attention, moment, candidates, grouping, pooling, context)
+    return {g: relative_cost(loss) for g, loss in losses.items()}
 
 
 @dataclass(frozen=True)
@@ -128,26 +145,27 @@ class _Best:
         return (self.cost, self.units, self.heads)
 
 
-def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -> Allocation:
+def choose_allocation(costs: Costs, weights: Mapping[str, int], budget: int) -> Allocation:
     """The allocation (per attention, each layer's G) of least summed cost with
-    Σ G_l × head_dim ≤ `budget` over every attention's layers; ties as the module docstring says.
-    `costs[attention][l]` maps each candidate G of layer l to its cost; `head_dims[attention]`
-    is that attention's head_dim. Refuses, in one line, a budget that no allocation meets."""
+    Σ G_l × weight ≤ `budget` over every attention's layers; ties as the module docstring says.
+    `costs[attention][l]` maps each candidate G of layer l to its cost; `weights[attention]` is what
+    one KV head of that attention weighs (`kv_heads.head_weights`: its head_dim, a cross-attention
+    head's times `--cross-kv-weight`). Refuses, in one line, a budget that no allocation meets."""
     names = list(costs)
     layers = [(name, layer) for name in names for layer in costs[name]]
-    unit = math.gcd(*(head_dims[name] for name in names)) if names else 1
+    unit = math.gcd(*(weights[name] for name in names)) if names else 1
     capacity = budget // unit
-    smallest = sum(min(options) * head_dims[name] for name, options in layers)
+    smallest = sum(min(options) * weights[name] for name, options in layers)
     if smallest > budget:
         raise UptrainError(
-            f"a KV budget of {budget} (KV heads × head_dim, summed over the layers) is below the smallest "
+            f"a KV budget of {budget} (KV heads × their weights, summed over the layers) is below the smallest "
             f"allocation, 1 KV head per layer ({smallest})"
         )
     # best[w]: the best choice for layers i … end within w units, built from the last layer back,
     # so that extending a suffix by layer i's choice keeps the (cost, units, heads) order.
     best: list[_Best | None] = [_Best(0.0, 0, ())] * (capacity + 1)
     for name, options in reversed(layers):
-        weight = head_dims[name] // unit
+        weight = weights[name] // unit
         step: list[_Best | None] = []
         for w in range(capacity + 1):
             found = None
@@ -172,19 +190,19 @@ def choose_allocation(costs: Costs, head_dims: Mapping[str, int], budget: int) -
 
 
 def allocate(
-    costs: Costs, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int], fraction: float
+    costs: Costs, source_heads: Mapping[str, Sequence[int]], weights: Mapping[str, int], fraction: float
 ) -> Allocation:
     """`choose_allocation` within `fraction` of the source's KV bytes (`--kv-budget F`); a budget
     below one KV head per layer is refused in one line naming the smallest fraction reachable."""
-    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
-    smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
-    units = budget_units(fraction, source_heads, head_dims)
+    whole = sum(sum(heads) * weights[name] for name, heads in source_heads.items())
+    smallest = sum(len(heads) * weights[name] for name, heads in source_heads.items())
+    units = budget_units(fraction, source_heads, weights)
     if units < smallest:
         raise UptrainError(
             f"--kv-budget {fraction:g} is below what any allocation reaches: 1 KV head in every layer keeps "
             f"{smallest / whole:.4g} of the source's KV bytes (give at least that)"
         )
-    return choose_allocation(costs, head_dims, units)
+    return choose_allocation(costs, weights, units)
 
 
 def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]]:
@@ -193,16 +211,16 @@ def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]
     (`kv_heads.fitting_candidates`, in the knapsack's units); the rest could never be chosen.
     Without a pending budget, the whole cache's: every divisor."""
     budget = 1.0 if conversion.pending_budget is None else conversion.pending_budget
-    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
-    source_heads = {name: geo.layer_kv_heads() for name, geo in geometries.items()}
-    head_dims = {name: geo.head_dim for name, geo in geometries.items()}
-    return fitting_candidates(source_heads, head_dims, budget_units(budget, source_heads, head_dims))
+    source_heads = {name: conversion.stacks[name].geometry.layer_kv_heads() for name in conversion.attention}
+    weights = conversion.head_weights
+    return fitting_candidates(source_heads, weights, budget_units(budget, source_heads, weights))
 
 
 def calibration_costs(
     conversion: Conversion, source: TensorSource, moments: Mapping
 ) -> dict[str, list[dict[int, float]]]:
-    """Each converted attention's `layer_costs` for the `budget_candidates`, layer by layer, from
+    """Each converted attention's `layer_costs` for the `budget_candidates`, of the conversion's own
+    pooling (its strategy, grouping and seed), layer by layer, from
     calibration moments kept whole (`calibrate(..., keep_moments=True)`, `collect_attention_moments`,
     or an encoder–decoder's `collect_seq2seq_moments`): each layer's projections are read from
     `source` as its merge reads them, one layer at a time."""
@@ -211,7 +229,14 @@ def calibration_costs(
     candidates = budget_candidates(conversion)
     return {
         name: [
-            layer_costs(site.attention(layer), site.calibration[layer], candidates[name][layer], conversion.grouping)
+            layer_costs(
+                site.attention(layer),
+                site.calibration[layer],
+                candidates[name][layer],
+                conversion.grouping,
+                conversion.strategy,
+                site.field_context(layer),
+            )
             for layer in range(site.geometry.num_layers)
         ]
         for name, site in mergers.items()
@@ -235,11 +260,6 @@ def settle_allocation(
             "(calibrate(..., keep_moments=True)); this calibration has none"
         )
     costs = calibration_costs(conversion, source, moments) if costs is None else {k: list(v) for k, v in costs.items()}
-    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
-    chosen = allocate(
-        costs,
-        {name: geo.layer_kv_heads() for name, geo in geometries.items()},
-        {name: geo.head_dim for name, geo in geometries.items()},
-        conversion.pending_budget,
-    )
+    source_heads = {name: conversion.stacks[name].geometry.layer_kv_heads() for name in conversion.attention}
+    chosen = allocate(costs, source_heads, conversion.head_weights, conversion.pending_budget)
     return replace(conversion, allocation=chosen, pending_budget=None).planned(source, cast), costs

@@ -116,6 +116,15 @@ def regularised(c: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
     return c + ridge * scale * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
 
 
+def regularised_moments(
+    c: torch.Tensor, c_query: torch.Tensor | None, c_values: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys' moment C, the queries' and the values' (each C where not given), every one
+    `regularised`: what the merge is solved under and what its loss, and a pooling's, is counted under."""
+    c = regularised(c)
+    return c, c if c_query is None else regularised(c_query), c if c_values is None else regularised(c_values)
+
+
 @dataclass
 class RankOne:
     """One `_solve_rank_one`: query energies α [P, r], the top eigenvector e [P, r] and value λ [P]
@@ -163,12 +172,16 @@ class CalibratedSolution:
 def _value_inputs(layer: LayerAttention, v_aug: torch.Tensor, j: int, r: int) -> torch.Tensor:
     """a: group j's source V heads, each weighted by the square root of its queries' o_proj Gram, [r·d, D+1]."""
     d = layer.head_dim
-    blocks = []
-    for s in range(j * r, (j + 1) * r):
-        o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
-        gram = sum(o.mT @ o for o in o_cols)
-        blocks.append(_psd_sqrt(gram) @ v_aug[s * d : (s + 1) * d])
-    return torch.cat(blocks)
+    return torch.cat(
+        [_psd_sqrt(_output_gram(layer, s)) @ v_aug[s * d : (s + 1) * d] for s in range(j * r, (j + 1) * r)]
+    )
+
+
+def _output_gram(layer: LayerAttention, s: int) -> torch.Tensor:
+    """G_s = Σ_{q→s} O_qᵀ O_q, [d, d]: how source V head s's error reaches the residual stream."""
+    d = layer.head_dim
+    o_cols = [layer.o_w[:, q * d : (q + 1) * d] for q in range(s * layer.n_rep, (s + 1) * layer.n_rep)]
+    return sum(o.mT @ o for o in o_cols)
 
 
 def solve_values(layer: LayerAttention, groups: int, c: torch.Tensor) -> tuple[list, list]:
@@ -347,9 +360,7 @@ def solve_calibrated(
     of the keys' and values' input; `c_query`: that of the queries' input where it differs
     (cross-attention reads the encoder's states, its queries the decoder's), else C; `c_values`:
     the moment the values' error is weighted by where it differs from the keys' (else C)."""
-    c = regularised(c)
-    c_query = c if c_query is None else regularised(c_query)
-    c_values = c if c_values is None else regularised(c_values)
+    c, c_query, c_values = regularised_moments(c, c_query, c_values)
     return CalibratedSolution(*solve_values(layer, groups, c_values), *solve_keys(layer, groups, c, c_query))
 
 
@@ -383,9 +394,7 @@ def merge_loss(
     """The error `solve_calibrated` (same arguments) leaves at its optimum, in closed form: each of
     its merges is a best low-rank fit under C, whose residual is the sum of the eigenvalues it
     drops. Only eigenvalues are computed, no maps. At G = kv every group is one head: exactly 0."""
-    c = regularised(c)
-    c_query = c if c_query is None else regularised(c_query)
-    c_values = c if c_values is None else regularised(c_values)
+    c, c_query, c_values = regularised_moments(c, c_query, c_values)
     d, kv = layer.head_dim, layer.num_kv_heads
     r = kv // groups
     values = values_energy = keys = keys_energy = 0.0
@@ -395,24 +404,81 @@ def merge_loss(
         lost, whole = _unexplained(torch.linalg.eigvalsh(a @ c_values @ a.mT), d)
         values, values_energy = values + lost, values_energy + whole
     real, imag, plain = _dims(layer)
-    k_aug, q_aug = _key_heads(layer)
-    by_source = q_aug.view(kv, layer.n_rep, d, -1)
-    q_energy = torch.einsum("srdx,xy,srdy->sd", by_source, c_query, by_source)
+    k_aug = _key_heads(layer)[0]
+    pair_energy, plain_gram = _key_weights(layer, c_query)
     for j in range(groups):
         sources = list(range(j * r, (j + 1) * r))
         if len(real):  # each rotary pair: a rank-1 fit of the group's heads (`_solve_rank_one`)
-            alpha = (q_energy[sources][:, real] + q_energy[sources][:, imag]).mT
+            alpha = pair_energy[sources].mT
             weighted = _rotary_pairs(k_aug[sources], real, imag) * alpha.sqrt()[..., None]
             gram = weighted.conj() @ c.to(weighted.dtype) @ weighted.mT
             lost, whole = _unexplained(torch.linalg.eigvalsh(gram), 1)
             keys, keys_energy = keys + lost, keys_energy + whole
     if len(plain):  # the dims RoPE leaves alone: a PCA as the values' (`solve_full_maps`)
-        q_plain = by_source[:, :, plain]
-        roots = [_psd_sqrt(g) for g in torch.einsum("srdx,xy,srey->sde", q_plain, c_query, q_plain)]
+        roots = [_psd_sqrt(g) for g in plain_gram]
         for j in range(groups):
             a = torch.cat([roots[s] @ k_aug[s, plain] for s in range(j * r, (j + 1) * r)])
             lost, whole = _unexplained(torch.linalg.eigvalsh(a @ c @ a.mT), len(plain))
             keys, keys_energy = keys + lost, keys_energy + whole
+    return MergeLoss(values, values_energy, keys, keys_energy)
+
+
+def _key_weights(layer: LayerAttention, c_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """How a source K head's error reaches the scores, from the queries' input moment: per source
+    head and rotary pair, its queries' energy α = Σ_{q→s} E|q_pair|² ([kv, pairs]); per source
+    head, the plain dims' query second moment Q_s = Σ_{q→s} E[q qᵀ] ([kv, d', d'], None without
+    plain dims)."""
+    kv, d = layer.num_kv_heads, layer.head_dim
+    real, imag, plain = _dims(layer)
+    by_source = _key_heads(layer)[1].view(kv, layer.n_rep, d, -1)
+    q_energy = torch.einsum("srdx,xy,srdy->sd", by_source, c_query, by_source)
+    q_plain = by_source[:, :, plain]
+    gram = torch.einsum("srdx,xy,srey->sde", q_plain, c_query, q_plain) if len(plain) else None
+    return q_energy[:, real] + q_energy[:, imag], gram
+
+
+def pooled_loss(
+    layer: LayerAttention,
+    pooled: LayerAttention,
+    c: torch.Tensor,
+    c_query: torch.Tensor | None = None,
+    c_values: torch.Tensor | None = None,
+) -> MergeLoss:
+    """What a row pooling leaves (`pooled`: `layer` with its K and V rows pooled to G heads, its
+    Q and O untouched), in exactly `merge_loss`'s terms and weighting (same arguments), so that a
+    pooling's cost and the calibrated merge's compare: every source head s is approximated by its
+    group's pooled head with no map (M_s = I, σ_s = 1). Values: Σ_s tr(G_s ΔV_s C ΔV_sᵀ); keys, per
+    rotary pair Σ_s α_s ‖Δu_s‖²_C, on the plain dims Σ_s tr(Q_s ΔK_s C ΔK_sᵀ). The calibrated merge
+    minimises these over a family that holds every such pooling, so its loss is never larger."""
+    c, c_query, c_values = regularised_moments(c, c_query, c_values)
+    d, kv = layer.head_dim, layer.num_kv_heads
+    r = kv // pooled.num_kv_heads
+    v_src, v_new = (_augment(a.v_w, a.v_b).view(-1, d, layer.v_w.shape[1] + 1) for a in (layer, pooled))
+    k_src, k_new = (_augment(a.k_w, a.k_b).view(-1, d, layer.k_w.shape[1] + 1) for a in (layer, pooled))
+    real, imag, plain = _dims(layer)
+    pair_energy, plain_gram = _key_weights(layer, c_query)
+
+    def weighted(gram: torch.Tensor, w: torch.Tensor, moment: torch.Tensor) -> float:
+        """tr(gram · w · moment · wᵀ): w's error under its readers' `gram` and its input's `moment`."""
+        return float(torch.trace(gram @ w @ moment @ w.mT))
+
+    def rotary(s: int, w: torch.Tensor) -> float:
+        """Σ_pairs α_s,pair ‖w_pair‖²_C, w's rotary pairs as complex rows."""
+        pairs = torch.complex(w[real], w[imag])
+        return float((pair_energy[s] * torch.einsum("px,xy,py->p", pairs.conj(), c.to(pairs.dtype), pairs).real).sum())
+
+    values = values_energy = keys = keys_energy = 0.0
+    for s in range(kv):
+        j = s // r  # source head s's group: its pooled head
+        gram = _output_gram(layer, s)
+        values += weighted(gram, v_new[j] - v_src[s], c_values)
+        values_energy += weighted(gram, v_src[s], c_values)
+        if len(real):
+            keys += rotary(s, k_new[j] - k_src[s])
+            keys_energy += rotary(s, k_src[s])
+        if len(plain):
+            keys += weighted(plain_gram[s], (k_new[j] - k_src[s])[plain], c)
+            keys_energy += weighted(plain_gram[s], k_src[s, plain], c)
     return MergeLoss(values, values_energy, keys, keys_energy)
 
 

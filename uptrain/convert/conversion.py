@@ -20,7 +20,14 @@ import torch
 from uptrain.architecture import DECODER_SELF, Architecture, AttentionStack, architecture
 from uptrain.architecture.converted import check_per_layer_layout
 from uptrain.convert.calibration_seq2seq import site_moments
-from uptrain.convert.kv_heads import Allocation, KVHeadsRequest, only_allocation, per_layer, resolve_allocation
+from uptrain.convert.kv_heads import (
+    Allocation,
+    KVHeadsRequest,
+    head_weights,
+    only_allocation,
+    per_layer,
+    resolve_allocation,
+)
 from uptrain.convert.layer_merge import LayerMerger, LayerSolution, SiteMergers, merges_whole_layers
 from uptrain.convert.layer_tensors import join_qkv, split_qkv
 from uptrain.convert.plan import ConversionPlan, PlannedTensor, choose_attentions, plan_conversion
@@ -83,6 +90,14 @@ class Conversion:
     # `--allocation calibrated` at a budget that leaves one allocation (`kv_heads.only_allocation`):
     # taken as it is, no cost measured (uptrain.json and the card say so).
     allocation_forced: bool = False
+    # `--cross-kv-weight`: a cross-attention KV head's weight in the budget (`kv_heads.head_weights`).
+    cross_kv_weight: float | None = None
+
+    @property
+    def head_weights(self) -> dict[str, int]:
+        """What one KV head of each converted attention weighs in the budget (`kv_heads.head_weights`)."""
+        geometries = {name: self.stacks[name].geometry for name in self.attention}
+        return head_weights(geometries, self.attention, self.cross_kv_weight)
 
     @property
     def geometry(self) -> AttentionGeometry:
@@ -182,13 +197,14 @@ def conversion_for(
     allocation = resolve_allocation(geometries, chosen, kv_heads)
     pending = kv_heads.budget if isinstance(kv_heads, KVHeadsRequest) and kv_heads.needs_calibration else None
     # A budget with one allocation within it needs no cost to choose it (nor the calibration that measures one).
-    forced = pending is not None and (only := only_allocation(geometries, chosen, pending)) is not None
+    weight = kv_heads.cross_kv_weight if isinstance(kv_heads, KVHeadsRequest) else None
+    forced = pending is not None and (only := only_allocation(geometries, chosen, pending, weight)) is not None
     if forced:
         allocation, pending = only, None
     if per_layer(allocation) or pending is not None:  # a calibrated allocation may give layers their own heads
         check_per_layer_layout(arch)
     strategy.check_source(config, arch)
-    planning = {"pending_budget": pending, "allocation_forced": forced}
+    planning = {"pending_budget": pending, "allocation_forced": forced, "cross_kv_weight": weight}
     return Conversion(config, arch, strategy, grouping, allocation, seed, stacks, chosen, **planning)
 
 

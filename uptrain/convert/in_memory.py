@@ -131,6 +131,7 @@ def convert_model(
     kv_budget: float | None = None,
     allocation: str = "uniform",
     allocation_cost: str | None = None,
+    cross_kv_weight: float | None = None,
     calibration_blocks: torch.Tensor | None = None,
     grouping: str = "contiguous",
     attention: str = ",".join(DEFAULT_ATTENTIONS),
@@ -146,7 +147,8 @@ def convert_model(
     `attention`: for an encoder–decoder, the attentions pooled (as `--attention`).
     `calibrated` pooling needs `calibration` (see `uptrain.convert.calibration`); a calibrated
     allocation minimises `allocation_cost` (as `--allocation-cost`; `loss`, the default for
-    decoder-only models, is measured on `calibration_blocks`, rows of token ids). The original
+    decoder-only models, is measured on `calibration_blocks`, rows of token ids); `cross_kv_weight`
+    weighs an encoder–decoder's cross-attention heads in the budget (as `--cross-kv-weight`). The original
     model is left untouched; the copy keeps its dtype, device and train/eval mode.
     """
     options = validated(ConversionOptions, pooling=pooling, grouping=grouping, attention=attention)
@@ -157,10 +159,13 @@ def convert_model(
         kv_budget=kv_budget,
         allocation=allocation,
         allocation_cost=allocation_cost,
+        cross_kv_weight=cross_kv_weight,
     )
     if problem := allocation_cost_problem(keys.allocation, keys.allocation_cost):
         raise UptrainError(problem)
-    request = KVHeadsRequest.of(keys.num_kv_heads, keys.kv_heads_per_layer, keys.kv_budget, keys.allocation)
+    request = KVHeadsRequest.of(
+        keys.num_kv_heads, keys.kv_heads_per_layer, keys.kv_budget, keys.allocation, keys.cross_kv_weight
+    )
     converted, plan = converted_tensors(
         model, request, options, seed, calibration, keys.allocation_cost, calibration_blocks
     )

@@ -59,12 +59,22 @@ class KVHeadsRequest:
     per_layer: tuple[tuple[int, ...], ...] | None = None
     budget: float | None = None
     allocation: str = "uniform"
+    # `--cross-kv-weight R`: what one cross-attention KV head weighs in the budget, in self-attention
+    # heads (the source positions cached per generated token); None: 1, as before the option.
+    cross_kv_weight: float | None = None
 
     @classmethod
-    def of(cls, num_kv_heads: int | None, kv_heads_per_layer: str | None, kv_budget: float | None, allocation: str):
+    def of(
+        cls,
+        num_kv_heads: int | None,
+        kv_heads_per_layer: str | None,
+        kv_budget: float | None,
+        allocation: str,
+        cross_kv_weight: float | None = None,
+    ):
         """The request of a spec's keys (validated there: exactly one given)."""
         per_layer = None if kv_heads_per_layer is None else parse_kv_heads_per_layer(kv_heads_per_layer)
-        return cls(num_kv_heads, per_layer, kv_budget, allocation)
+        return cls(num_kv_heads, per_layer, kv_budget, allocation, cross_kv_weight)
 
     @property
     def needs_calibration(self) -> bool:
@@ -82,6 +92,22 @@ def kv_heads_problem(num_kv_heads, kv_heads_per_layer, kv_budget, allocation: st
         return f"give exactly one of -g/--num-kv-heads G, --kv-heads-per-layer LISTS or --kv-budget F ({said})"
     if allocation != "uniform" and kv_budget is None:
         return f"--allocation {allocation} spends a --kv-budget; with {given[0]} the heads are already chosen"
+    return None
+
+
+def cross_kv_weight_problem(kv_budget: float | None, cross_kv_weight: float | None) -> str | None:
+    """`--cross-kv-weight` weighs a `--kv-budget`'s cross-attention heads; with the heads given
+    (-g, --kv-heads-per-layer) it would weigh nothing, so it is refused."""
+    if cross_kv_weight is not None and cross_kv_weight < 1 / CROSS_WEIGHT_DENOMINATOR:
+        return (
+            f"--cross-kv-weight {cross_kv_weight:g} is below {1 / CROSS_WEIGHT_DENOMINATOR:g}, the least weight the "
+            "budget counts (a cross-attention head that weighs nothing would be kept whole for free)"
+        )
+    if cross_kv_weight is not None and kv_budget is None:
+        return (
+            f"--cross-kv-weight {cross_kv_weight:g} weighs cross-attention heads in a --kv-budget; "
+            "with -g or --kv-heads-per-layer the heads are already chosen (drop it)"
+        )
     return None
 
 
@@ -113,38 +139,65 @@ def resolved_allocation_cost(allocation_cost: str | None, encoder_decoder: bool)
     return allocation_cost
 
 
-def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int]) -> int:
-    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × head_dim summed over the
-    converted attentions' layers, in those units (rounded down; a typed decimal's error is forgiven
-    as `BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
-    whole = sum(sum(heads) * head_dims[name] for name, heads in source_heads.items())
+# `--cross-kv-weight R` is taken as the nearest fraction with a denominator up to this (37.5 is 75/2,
+# 0.333333 is 1/3): the knapsack counts heads in whole units, and its table grows with the denominator.
+CROSS_WEIGHT_DENOMINATOR = 100
+
+
+def head_weights(
+    geometries: Mapping[str, AttentionGeometry], chosen: Sequence[str], cross_kv_weight: float | None = None
+) -> dict[str, int]:
+    """What one KV head of each chosen attention weighs in a `--kv-budget`, in whole units: its
+    head_dim (K and V, and the dtype, cancel out of every fraction), a cross-attention head's times
+    `cross_kv_weight` R — its cache holds R source positions for every generated token the
+    self-attention's holds (Whisper: 1,500 frames against some 40 tokens) —, R = p/q as
+    `CROSS_WEIGHT_DENOMINATOR` allows, so cross weighs p × head_dim and the others q × head_dim.
+    Without R (None), head_dim for every attention: the budget as it was."""
+    ratio = (
+        Fraction(1)
+        if cross_kv_weight is None
+        else Fraction(cross_kv_weight).limit_denominator(CROSS_WEIGHT_DENOMINATOR)
+    )
+    return {
+        name: geometries[name].head_dim * (ratio.numerator if name == "cross" else ratio.denominator) for name in chosen
+    }
+
+
+def budget_units(fraction: float, source_heads: Mapping[str, Sequence[int]], weights: Mapping[str, int]) -> int:
+    """The budget `fraction` (0 < F ≤ 1) of the source's KV heads × their `head_weights` summed
+    over the converted attentions' layers, in those units (rounded down; a typed decimal's error is
+    forgiven as `BUDGET_TOLERANCE` forgives it, so 0.1 of 80 is 8 and 0.333333 of 96 is 32)."""
+    whole = sum(sum(heads) * weights[name] for name, heads in source_heads.items())
     return math.floor(fraction * whole * (1 + BUDGET_TOLERANCE))
 
 
 def fitting_candidates(
-    source_heads: Mapping[str, Sequence[int]], head_dims: Mapping[str, int], units: int
+    source_heads: Mapping[str, Sequence[int]], weights: Mapping[str, int], units: int
 ) -> dict[str, list[tuple[int, ...]]]:
     """Per attention and layer, the candidate G (divisors of the layer's source KV heads) that some
-    allocation within `units` (`budget_units`) gives it: G × head_dim with one KV head in every
+    allocation within `units` (`budget_units`) gives it: G × its head weight with one KV head in every
     other layer fits. The others can be in no allocation within the budget, so their costs are not
     measured; none for any layer when even one head per layer does not fit."""
-    smallest = sum(len(heads) * head_dims[name] for name, heads in source_heads.items())
+    smallest = sum(len(heads) * weights[name] for name, heads in source_heads.items())
     return {
-        name: [tuple(g for g in divisors(kv) if smallest + (g - 1) * head_dims[name] <= units) for kv in heads]
+        name: [tuple(g for g in divisors(kv) if smallest + (g - 1) * weights[name] <= units) for kv in heads]
         for name, heads in source_heads.items()
     }
 
 
 def only_allocation(
-    geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], budget: float
+    geometries: Mapping[str, AttentionGeometry],
+    chosen: tuple[str, ...],
+    budget: float,
+    cross_kv_weight: float | None = None,
 ) -> dict[str, tuple[int, ...]] | None:
     """The allocation a `--kv-budget` leaves no choice of (e.g. 1/8 of an 8-head model's cache: one
     KV head in every layer), else None: where every layer's only `fitting_candidates` is 1, the
     smallest allocation is the one within the budget, and `--allocation calibrated` takes it
     without measuring any cost."""
     source_heads = {name: geometries[name].layer_kv_heads() for name in chosen}
-    head_dims = {name: geometries[name].head_dim for name in chosen}
-    fitting = fitting_candidates(source_heads, head_dims, budget_units(budget, source_heads, head_dims))
+    weights = head_weights(geometries, chosen, cross_kv_weight)
+    fitting = fitting_candidates(source_heads, weights, budget_units(budget, source_heads, weights))
     if all(layer == (1,) for layers in fitting.values() for layer in layers):
         return {name: (1,) * len(layers) for name, layers in fitting.items()}
     return None
@@ -163,11 +216,15 @@ def per_layer(allocation: Allocation) -> bool:
     return any(len(set(heads)) > 1 for heads in allocation.values())
 
 
-def kv_fraction(geometries: Mapping[str, AttentionGeometry], allocation: Allocation) -> Fraction:
-    """The output's KV heads × head_dim summed over the converted attentions' layers, as a fraction
-    of the source's: what `--kv-budget` bounds (K and V, and the dtype, cancel)."""
-    after = sum(sum(heads) * geometries[name].head_dim for name, heads in allocation.items())
-    before = sum(sum(geometries[name].layer_kv_heads()) * geometries[name].head_dim for name in allocation)
+def kv_fraction(
+    geometries: Mapping[str, AttentionGeometry], allocation: Allocation, cross_kv_weight: float | None = None
+) -> Fraction:
+    """The output's KV heads × their `head_weights` (head_dim; a cross-attention head's times
+    `cross_kv_weight`) summed over the converted attentions' layers, as a fraction of the source's:
+    what `--kv-budget` bounds (K and V, and the dtype, cancel)."""
+    weights = head_weights(geometries, tuple(allocation), cross_kv_weight)
+    after = sum(sum(heads) * weights[name] for name, heads in allocation.items())
+    before = sum(sum(geometries[name].layer_kv_heads()) * weights[name] for name in allocation)
     return Fraction(after, before)
 
 
@@ -178,24 +235,32 @@ def resolve_allocation(
     source KV heads (and so its query heads). `geometries`: the source's attentions."""
     if isinstance(request, int):
         request = KVHeadsRequest(num_kv_heads=request)
+    if request.cross_kv_weight is not None and "cross" not in chosen:
+        what = "its --attention converts none" if "cross" in geometries else "the model has none"
+        raise UptrainError(
+            f"--cross-kv-weight {request.cross_kv_weight:g} weighs cross-attention KV heads in the budget; {what}"
+        )
     if request.num_kv_heads is not None:
         return _uniform(geometries, chosen, request.num_kv_heads, "--num-kv-heads")
     if request.per_layer is not None:
         return _explicit(geometries, chosen, request.per_layer)
     if request.allocation == "calibrated":
-        return calibrated_allocation(geometries, chosen, request.budget)
-    return _uniform_budget(geometries, chosen, request.budget)
+        return calibrated_allocation(geometries, chosen, request.budget, request.cross_kv_weight)
+    return _uniform_budget(geometries, chosen, request.budget, request.cross_kv_weight)
 
 
 def calibrated_allocation(
-    geometries: Mapping[str, AttentionGeometry], chosen: tuple[str, ...], budget: float
+    geometries: Mapping[str, AttentionGeometry],
+    chosen: tuple[str, ...],
+    budget: float,
+    cross_kv_weight: float | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """`--allocation calibrated`: the allocation with the least summed merge loss within the budget is
     chosen after calibration (`allocation.settle_allocation`, from the moments); until then the
     smallest allocation (one KV head per layer) stands in for the checks and the plan, and a budget
     below it is refused here, before anything is read."""
     smallest = {name: (1,) * geometries[name].num_layers for name in chosen}
-    least = kv_fraction(geometries, smallest)
+    least = kv_fraction(geometries, smallest, cross_kv_weight)
     if budget < least and not math.isclose(budget, least, rel_tol=BUDGET_TOLERANCE):
         raise UptrainError(
             f"--kv-budget {budget:g} is below what any allocation reaches: 1 KV head in every layer keeps "
@@ -247,14 +312,14 @@ def _explicit(geometries, chosen, lists: tuple[tuple[int, ...], ...]) -> dict[st
     return allocation
 
 
-def _uniform_budget(geometries, chosen, budget: float) -> dict[str, tuple[int, ...]]:
+def _uniform_budget(geometries, chosen, budget: float, cross_kv_weight: float | None) -> dict[str, tuple[int, ...]]:
     """`--kv-budget F --allocation uniform`: the one G (dividing every chosen layer's KV heads) whose
     fraction of the source's KV bytes is F."""
     common = math.gcd(*(kv for name in chosen for kv in geometries[name].layer_kv_heads()))
     options = {}
     for g in sorted(divisors(common), reverse=True):
         allocation = {name: (g,) * geometries[name].num_layers for name in chosen}
-        options[g] = kv_fraction(geometries, allocation)
+        options[g] = kv_fraction(geometries, allocation, cross_kv_weight)
         # A budget is a decimal the user typed (0.25, 0.125, or 0.333333 as the refusal below prints
         # 1/3): equal to a G's fraction within 1e-4, far closer than any two G's fractions lie.
         if math.isclose(options[g], budget, rel_tol=BUDGET_TOLERANCE):

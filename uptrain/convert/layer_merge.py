@@ -41,7 +41,7 @@ from uptrain.convert.layer_tensors import (
     read_fields,
     written_tensors,
 )
-from uptrain.convert.pooling import PoolingContext, Strategy
+from uptrain.convert.pooling import FieldContext, PoolingContext, Strategy
 from uptrain.model_info import AttentionGeometry
 
 
@@ -252,17 +252,23 @@ class LayerMerger:
             self.kv_orders[layer] = solution.order
             renumbered = self._query_head_tensors(prefix, query_order(solution.order, attention.n_rep))
 
-        def context(field: str) -> PoolingContext:
-            # Row pooling of a whole layer (similarity grouping): each K/V field seeded by its name.
-            role = "bias" if field.endswith("_b") else "weight"
-            return PoolingContext(role, prefix + kv_field_name(self.layout, field), self.seed, self.init_std)
-
-        attention = self.strategy.pool_layer(attention, g, solution.merge, context)
+        attention = self.strategy.pool_layer(attention, g, solution.merge, self.field_context(layer))
         fields = {f: getattr(attention, f) for f in FIELDS}
         return renumbered | {
             prefix + rel: t.to(dtypes[rel]).contiguous()
             for rel, t in written_tensors(fields, self.layout, self.geometry.head_dim).items()
         }
+
+    def field_context(self, layer: int) -> FieldContext:
+        """Each K/V field's pooling context in `layer` (row pooling of a whole layer: similarity
+        grouping, or a pooling's allocation cost): the field seeded by its tensor's name."""
+        prefix = self.attn_prefix.format(layer=layer) + "."
+
+        def context(field: str) -> PoolingContext:
+            role = "bias" if field.endswith("_b") else "weight"
+            return PoolingContext(role, prefix + kv_field_name(self.layout, field), self.seed, self.init_std)
+
+        return context
 
     def _query_head_tensors(self, prefix: str, queries: list[int]) -> dict[str, torch.Tensor]:
         """The layer's tensors indexed by query head (`AttentionLayout.query_head_tensors`, along

@@ -25,6 +25,7 @@ Streams: one layer's attention in memory at a time; everything else copied tenso
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +90,14 @@ def default_rope_dims(head_dim: int) -> int:
 
 def rank_for_budget(kv_budget: float, source_elements: int, rope_dims: int) -> int:
     """`--kv-budget F`: the rank whose latent and rotary key cache F of the source's K/V elements
-    per token and layer, which must be a whole number of them."""
+    per token and layer, which must be a whole number of them: within the GQA budgets' tolerance
+    (`kv_heads.BUDGET_TOLERANCE`), so that a typed 0.333333 gives a third here as it does a third of
+    the KV heads there, and `uptrain compare` spends the same budgets on both targets."""
+    from uptrain.convert.kv_heads import BUDGET_TOLERANCE
+
     elements = kv_budget * source_elements
-    if abs(elements - round(elements)) > 1e-9 * source_elements or round(elements) <= rope_dims:
+    whole = math.isclose(elements, round(elements), rel_tol=BUDGET_TOLERANCE)
+    if not whole or round(elements) <= rope_dims:
         raise UptrainError(
             f"--kv-budget {kv_budget}: {kv_budget} of the source's {source_elements} K/V elements per token and "
             f"layer is {elements:g}, which must be a whole number above --rope-dims {rope_dims} (latent + rotary key)"
@@ -454,6 +460,15 @@ def calibrate_latents(
         folder, spec.calibration_data, CalibrationSettings.of(spec), progress=progress, per_layer=solve
     )
     return solutions, info
+
+
+def checked_latent(spec: ConversionSpec):
+    """The resolved source once its layout takes the latent `spec` asks for (one line otherwise:
+    another family, biases, scaled rotary, a rank or budget it cannot give), reading only its
+    config: what `convert_mla` refuses, checked before anything is written elsewhere."""
+    source = resolve_source(spec.source)
+    mla_geometry(read_config(source.folder), spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
+    return source
 
 
 def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False, progress: bool | None = None) -> Path:

@@ -260,6 +260,12 @@ def _budget_text(p: dict) -> str:
     if p.get("kv_budget") is None:
         return ""
     text = f" The KV heads spend `--kv-budget {p['kv_budget']:g}` (`--allocation {p['allocation']}`)."
+    if p.get("cross_kv_weight") is not None:
+        text += (
+            f" In that budget a cross-attention KV head weighs {p['cross_kv_weight']:g} self-attention heads"
+            f" (`--cross-kv-weight {p['cross_kv_weight']:g}`: the source positions its cache holds per generated"
+            " token)."
+        )
     if p.get("allocation_forced"):
         text += (
             " The budget leaves one allocation (one KV head in every layer), so it was taken as it is:"
@@ -273,11 +279,19 @@ def _budget_text(p: dict) -> str:
         )
     elif "allocation_costs" in p:
         text += (
-            " Each layer's heads were chosen by what the calibrated merge of that layer to each candidate G loses on"
-            " the calibration data (its share of the attention's value output and logits), the allocation of least"
-            " summed cost within the budget; the costs are `allocation_costs` in `uptrain.json`."
+            f" Each layer's heads were chosen by what {_priced(p)} of that layer to each candidate G loses on"
+            " the calibration data (its share of the attention's value output and logits, weighted as the"
+            " calibrated merge weighs them), the allocation of least summed cost within the budget; the costs are"
+            " `allocation_costs` in `uptrain.json`."
         )
     return text
+
+
+def _priced(p: dict) -> str:
+    """The pooling a `merge` cost priced, as the card names it: the conversion's own
+    (`allocation_cost_pooling`); a record from before that key priced the calibrated merge."""
+    pooling = p.get("allocation_cost_pooling", "calibrated")
+    return "the calibrated merge" if pooling == "calibrated" else f"`{pooling}` pooling"
 
 
 def _allocation_costs_table(p: dict) -> str:
@@ -299,7 +313,7 @@ def _allocation_costs_table(p: dict) -> str:
     what = (
         "The model's loss (nats per token) with each layer alone converted to G KV heads, minus the source's"
         if p.get("allocation_cost") == "loss"
-        else "What the calibrated merge of each layer to G KV heads loses"
+        else f"What {_priced(p)} of each layer to G KV heads loses"
     )
     return (
         f"\n\n{what} (the cost `--allocation calibrated` minimised, summed over the layers; a G that no "

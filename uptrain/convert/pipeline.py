@@ -258,15 +258,22 @@ def settle_allocation(prepared: PreparedConversion, calibration: Calibration) ->
 def budget_record(spec: ConversionSpec, calibration: Calibration | None = None, forced: bool = False) -> dict | None:
     """What `uptrain.json` records of a `--kv-budget` (None without one): the budget and how it was
     spent; a calibrated allocation's cost table beside it (`allocation_costs`: per converted
-    attention, per layer, each candidate G's cost), or `allocation_forced` where the budget left one
-    allocation and no cost was measured (`Conversion.allocation_forced`)."""
+    attention, per layer, each candidate G's cost; `allocation_cost_pooling`: the pooling it priced),
+    or `allocation_forced` where the budget left one allocation and no cost was measured
+    (`Conversion.allocation_forced`)."""
     if spec.kv_budget is None:
         return None
     record = {"kv_budget": spec.kv_budget, "allocation": spec.allocation}
+    if spec.cross_kv_weight is not None:  # absent: every head weighs its head_dim, as before the option
+        record["cross_kv_weight"] = spec.cross_kv_weight
     if forced:
         record["allocation_forced"] = True
     if calibration is not None and calibration.allocation_costs is not None:
         record["allocation_cost"] = calibration.allocation_cost
+        # Both costs price the pooling the conversion applies (`allocation.layer_losses`,
+        # `layer_loss.layer_alone_costs`); folders from before this key priced `merge` for the
+        # calibrated merge whatever the pooling.
+        record["allocation_cost_pooling"] = spec.pooling
         record["allocation_costs"] = {
             name: [{str(g): cost for g, cost in layer.items()} for layer in layers]
             for name, layers in calibration.allocation_costs.items()

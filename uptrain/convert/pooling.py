@@ -72,7 +72,7 @@ class RowPooling:
             t = getattr(attention, field)
             if t is not None:
                 pooled[field] = pool_rows(t, groups, attention.head_dim, self, context(field))
-        return replace(attention, **pooled)
+        return replace(attention, num_kv_heads=groups, **pooled)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from uptrain.architecture import DEFAULT_ATTENTIONS, STACK_KV_HEADS
 from uptrain.convert.kv_heads import (
     KVHeadsRequest,
     allocation_cost_problem,
+    cross_kv_weight_problem,
     kv_heads_problem,
     parse_kv_heads_per_layer,
 )
@@ -145,6 +146,18 @@ def allocation_option():
         "uniform",
         help="how --kv-budget is spent: uniform (one G for every layer, which must give F exactly) or calibrated "
         "(each layer's KV heads chosen by what its merge loses on calibration data)",
+    )
+
+
+def cross_kv_weight_option():
+    """The `cross_kv_weight` key of a schema."""
+    return option(
+        None,
+        above=0,
+        metavar="R",
+        help="encoder–decoders: what one cross-attention KV head weighs in --kv-budget, in self-attention heads: the "
+        "source positions its cache holds per generated token (Whisper: 1,500 frames for ~40 tokens, about 37.5); "
+        "default 1: every head alike",
     )
 
 
@@ -283,6 +296,7 @@ class ConversionSpec(ConversionOptions):
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
     allocation_cost: AllocationCost | None = allocation_cost_option()
+    cross_kv_weight: float | None = cross_kv_weight_option()
     seed: int = seed_option("seed of `random` pooling")
     dtype: DType | None = option(None, help="cast floating-point tensors (default: keep each tensor's dtype)")
     calibration_data: str | list[str] | None = option(
@@ -343,12 +357,16 @@ class ConversionSpec(ConversionOptions):
             found.append(problem)
         elif problem := allocation_cost_problem(self.allocation, self.allocation_cost):
             found.append(problem)
+        elif problem := cross_kv_weight_problem(self.kv_budget, self.cross_kv_weight):
+            found.append(problem)
         return found
 
     @property
     def kv_heads(self) -> KVHeadsRequest:
         """The KV heads asked for (-g, --kv-heads-per-layer or --kv-budget), for `resolve_allocation`."""
-        return KVHeadsRequest.of(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation)
+        return KVHeadsRequest.of(
+            self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation, self.cross_kv_weight
+        )
 
 
 # The keys of the GQA route, at their defaults, that --target mla does not take (calibration
@@ -358,6 +376,7 @@ _GQA_ONLY = {
     "kv_heads_per_layer": (None, "--kv-heads-per-layer"),
     "allocation": ("uniform", "--allocation"),
     "allocation_cost": (None, "--allocation-cost"),
+    "cross_kv_weight": (None, "--cross-kv-weight"),
     "pooling": ("mean", "--pooling"),
     "grouping": ("contiguous", "--grouping"),
 }
@@ -393,10 +412,13 @@ class KVHeadsKeys(Schema):
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
     allocation_cost: AllocationCost | None = allocation_cost_option()
+    cross_kv_weight: float | None = cross_kv_weight_option()
 
     def problems(self) -> list[str]:
         found = super().problems()
         if problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
+            found.append(problem)
+        elif problem := cross_kv_weight_problem(self.kv_budget, self.cross_kv_weight):
             found.append(problem)
         return found
 

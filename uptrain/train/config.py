@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from uptrain.budgets import UptrainingBudget
-from uptrain.convert.kv_heads import allocation_cost_problem, kv_heads_problem
+from uptrain.convert.kv_heads import allocation_cost_problem, cross_kv_weight_problem, kv_heads_problem
 from uptrain.convert.spec import (
     Allocation,
     AllocationCost,
@@ -30,6 +30,7 @@ from uptrain.convert.spec import (
     allocation_cost_option,
     allocation_option,
     conversion_spec,
+    cross_kv_weight_option,
     kv_budget_option,
     kv_heads_option,
     kv_heads_per_layer_option,
@@ -313,6 +314,7 @@ class RunTarget(Schema):
     kv_budget: float | None = kv_budget_option()
     allocation: Allocation = allocation_option()
     allocation_cost: AllocationCost | None = allocation_cost_option()
+    cross_kv_weight: float | None = cross_kv_weight_option()
     # `uptrain convert --target mla`'s keys, as it takes them (`mla_init: calibrated` reads train_data).
     target: Target = option(
         "gqa",
@@ -343,10 +345,8 @@ class RunTarget(Schema):
             found.append(
                 "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
             )
-        elif self.source is None and (
-            given or latent or self.allocation != "uniform" or self.allocation_cost is not None
-        ):
-            key = (given + latent or ["allocation" if self.allocation != "uniform" else "allocation_cost"])[0]
+        elif self.source is None and (spent := given + latent + self._budget_keys_given()):
+            key = spent[0]
             found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
         elif self.target == "mla":
             pass  # checked with the conversion's own rules (`mla_problems`) when it is specified
@@ -358,7 +358,14 @@ class RunTarget(Schema):
             found.append(problem)
         elif self.source is not None and (problem := allocation_cost_problem(self.allocation, self.allocation_cost)):
             found.append(problem)
+        elif self.source is not None and (problem := cross_kv_weight_problem(self.kv_budget, self.cross_kv_weight)):
+            found.append(problem)
         return found
+
+    def _budget_keys_given(self) -> list[str]:
+        """The keys that say how a budget is spent, where given (each applies to `source` only)."""
+        defaults = {"allocation": "uniform", "allocation_cost": None, "cross_kv_weight": None}
+        return [key for key, default in defaults.items() if getattr(self, key) != default]
 
 
 # A dataclass lists its bases' keys last base first: the keys follow in run_config.yaml and
@@ -408,7 +415,8 @@ class TrainConfig(
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, "allocation", "allocation_cost")}
+        spending = ("allocation", "allocation_cost", "cross_kv_weight")
+        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, *spending)}
         latent = {key: getattr(self, key) for key in self.MLA_KEYS}
         if self.target == "mla" and self.mla_init != "calibrated":  # reads no calibration data
             latent["calibration_data"] = None

@@ -105,7 +105,9 @@ class SourceConversion:
         spec = config.conversion_spec()
         # `target: mla` converts in one pass (`convert_mla`); its layout's refusals are checked here,
         # before anything is written, as `prepare` checks a GQA conversion's.
-        self.latent = None if reuse or spec.target != "mla" else _checked_latent(spec)
+        from uptrain.convert.mla import checked_latent
+
+        self.latent = None if reuse or spec.target != "mla" else (spec, checked_latent(spec))
         self.prepared = None if reuse or self.latent is not None else prepare(spec)
 
     @property
@@ -147,15 +149,6 @@ class SourceConversion:
     def __exit__(self, *exc) -> None:
         if self.prepared is not None:
             self.prepared.close()  # the source checkpoint, held open since `prepare`
-
-
-def _checked_latent(spec):
-    """(spec, its resolved source) once the source's layout takes the latent asked for."""
-    from uptrain.convert.mla import mla_geometry
-
-    source = resolve_source(spec.source)
-    mla_geometry(read_config(source.folder), spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
-    return spec, source
 
 
 def setup(config: TrainConfig) -> Run:

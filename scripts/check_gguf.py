@@ -2,7 +2,7 @@
 own converter (`convert_hf_to_gguf.py`) and its own runtime, against transformers.
 
     python scripts/check_gguf.py [--cache ~/.cache/uptrain-gguf] [--version 0.3.36]
-        [--prompts 4] [--new-tokens 24] [--threads 2]
+        [--prompts 4] [--new-tokens 24] [--threads 2]      # not in CI: compiles llama.cpp once
 
 llama.cpp comes from PyPI only: the `llama-cpp-python` sdist (`pip download --no-binary`) vendors
 llama.cpp with its converter and gguf-py. Everything lives in the cache, outside the repo: the
@@ -21,12 +21,14 @@ Models, all from the shipped reference Llama (8 heads of 32, 6 layers, MLP 704):
 - `per-layer-512`: the same allocation on the reference cut to an MLP of 512 columns (a multiple
   of 256, as every published Llama's; `ffn_mult` 3.0), converted as written, through
   `block_configs`.
-Each GGUF (f32) loads in llama.cpp; on `--prompts` passages of the shipped corpus' test split,
-its greedy tokens (`--new-tokens`, no stop) are compared with transformers' on the same
-checkpoint in float32, fed the same prompt ids, with the largest logit difference on the way;
-llama.cpp's tokenizer is compared with transformers' on the same passages; its KV cache (f32,
-the model's 512 cells) against cells · 2 · head_dim · 4 bytes · Σ_l KV heads_l, and the per-layer
-KV heads it reports against the conversion's. One line per model.
+Each GGUF (f32) loads in llama.cpp, which reports each layer's KV heads (against the
+conversion's); on `--prompts` passages of the shipped corpus' test split its greedy tokens
+(`--new-tokens`, no stop) are compared with transformers' on the same checkpoint in float32, fed
+the same prompt ids, with the largest logit difference on the way, with llama.cpp's flash
+attention off (float32 throughout) and on (its default); its tokenizer is compared with
+transformers' on the same passages; its float32 K and V cache at 8,192 positions (1 MiB a head of
+32 dims) against positions · head_dim · 4 B · Σ_l KV heads_l each, except V without flash
+attention, which llama.cpp pads in every layer to the largest layer's heads. One line per model.
 
 Two registrations the converter needs for the reference's tokenizer, made in the converter's
 process (`--convert` below), neither a change to the checkpoint:
@@ -90,8 +92,13 @@ def fetch_llama_cpp(cache: Path, version: str) -> Path:
         if not sdist.is_file():
             pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python"]
             run([*pip, f"llama-cpp-python=={version}", "-d", str(cache)], cache / "pip-download.log")
+        unpacked = cache / f".unpack-{os.getpid()}"  # renamed in whole: a killed unpack leaves no half tree
+        shutil.rmtree(unpacked, ignore_errors=True)
         with tarfile.open(sdist) as tar:
-            tar.extractall(cache, filter="data")
+            tar.extractall(unpacked, filter="data")
+        shutil.rmtree(root, ignore_errors=True)
+        (unpacked / root.name).rename(root)
+        shutil.rmtree(unpacked)
     return root
 
 
@@ -192,9 +199,12 @@ def gguf_source(folder: Path) -> Path:
 
 
 def convert_to_gguf(source: Path, gguf: Path, llama_cpp: Path, site: Path) -> None:
+    """`gguf` written by llama.cpp's converter (to a sibling, renamed when complete)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(llama_cpp)])}
-    cmd = [sys.executable, __file__, "--convert", str(source), str(gguf), "--llama-cpp", str(llama_cpp)]
+    partial = gguf.with_name(gguf.name + ".partial")
+    cmd = [sys.executable, __file__, "--convert", str(source), str(partial), "--llama-cpp", str(llama_cpp)]
     run(cmd, gguf.with_suffix(".convert.log"), env)
+    partial.rename(gguf)
 
 
 def pre_tokenizer_name(spec: dict) -> str | None:

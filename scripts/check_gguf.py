@@ -353,8 +353,12 @@ def greedy_agreement(engine: LlamaCpp, expected: list[tuple[list[int], list[int]
 def check_model(name: str, folder: Path, gguf: Path, heads: tuple[int, ...], prompts, new_tokens, threads) -> str:
     """One line: llama.cpp's per-layer KV heads, tokenizer, greedy tokens (flash attention off:
     float32 throughout; on: llama.cpp's default) and KV cache bytes against the arithmetic."""
+    from transformers.utils import logging as transformers_logging
+
     import uptrain.modeling  # noqa: F401  registers the DeciLM layout's classes with transformers
     from uptrain.loading import load_model, load_tokenizer
+
+    transformers_logging.disable_progress_bar()  # one line a model, not its loading bars
 
     model = load_model(folder, "checkpoint").eval()
     tokenizer = load_tokenizer(folder, "checkpoint")

@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-clips", type=int, default=40)
     parser.add_argument("--batch-eval", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--output-blend", type=float, default=OUTPUT_BLEND, help="λ of the output variants (refit_values)"
+    )
     args = parser.parse_args(argv)
     args.quick = False
     return args
@@ -206,6 +209,9 @@ def write(module, g: int, merged) -> None:
         module.out_proj.weight.copy_(merged.o_w)
 
 
+OUTPUT_BLEND = 0.1  # λ of `refit_values`
+
+
 class OutputMoments:
     """Per query head h of one attention: Σ z'_h z'_hᵀ and Σ z_h z'_hᵀ over the kept queries, where
     z' pools the inputs with the merged keys' attention and z with MHA's."""
@@ -306,37 +312,47 @@ def reference_pooled(source, target, batches, encoded) -> list[torch.Tensor]:
     return kept
 
 
-def refit_values(layer, merged, g: int, found: OutputMoments):
+def refit_values(layer, merged, g: int, found: OutputMoments, c_inputs: torch.Tensor, blend: float):
     """`merged` with its values refitted to the attention output (the `output` variant): per group
     the shared V'_g (d × (D+1), the bias its last column) and per head h the map M_h folded into
     O_h minimising Σ_h E‖O_h (M_h V' z'_h − V_h z_h)‖². Given V', M_h = V_h X_h V'ᵀ (V' C'_h V'ᵀ)⁻¹
-    (X_h = E[z z'ᵀ], C'_h = E[z' z'ᵀ]); V' is the top-d generalized eigenvectors of
-    Σ_h X_hᵀ V_hᵀ O_hᵀ O_h V_h X_h against the group's C' (heads averaged: where every head's C'_h
-    is that average, this is the exact optimum; with p' = p and one input moment it is uptrain's
-    value merge)."""
+    (X_h = E[z z'ᵀ], C'_h = E[z' z'ᵀ]). V' is kept in the span of the group's source value heads
+    (a = √(O_hᵀ O_h) V_h stacked, as uptrain's value merge: the merged values read only what the
+    source values read; unconstrained, the fit leans on directions the pooled inputs barely
+    visit and blows up on held-out speech): V' = Lᵀ a with L the top-d generalized eigenvectors
+    of a (Σ_h X_hᵀ V_hᵀ O_hᵀ O_h V_h X_h) aᵀ against a C'_g aᵀ, C'_g the group's C' (heads
+    averaged: where every head's C'_h is that average this is the exact optimum in the span; with
+    p' = p and one input moment it is uptrain's value merge).
+
+    `blend` λ adds λ·Σ_h E‖O_h (M_h V' x − V_h x)‖² over every position x (`c_inputs`: C = E[x xᵀ],
+    uptrain's value objective): X_h + λC for X_h and C'_h + λC for C'_h. The pooled inputs of a
+    few dozen clips leave directions barely visited, where the fit alone puts large weights that
+    held-out speech then reads; λ → ∞ is uptrain's value merge."""
     from dataclasses import replace
 
-    from uptrain.convert.calibrated import _augment, _psd_sqrt, _split, regularised
+    from uptrain.convert.calibrated import _augment, _psd_sqrt, _split, _value_inputs, regularised
 
     h, d = layer.num_heads, layer.head_dim
     if layer.num_kv_heads != h:
         raise ValueError("refit_values merges MHA modules")
     r = h // g
-    c_merged, cross = found.merged / found.count, found.cross / found.count
+    c_merged = found.merged / found.count + blend * c_inputs
+    cross = found.cross / found.count + blend * c_inputs
     v_aug = _augment(layer.v_w, layer.v_b)
     o_w, shared = merged.o_w.clone(), []
     for j in range(g):
         heads = range(j * r, (j + 1) * r)
-        c_group = regularised(sum(c_merged[s] for s in heads) / r)
+        a = _value_inputs(layer, v_aug, j, r)  # [r·d, D+1]
+        c_group = regularised(a @ (sum(c_merged[s] for s in heads) / r) @ a.mT)
         target = 0.0
         for s in heads:
             o = layer.o_w[:, s * d : (s + 1) * d]
-            a = _psd_sqrt(o.mT @ o) @ v_aug[s * d : (s + 1) * d] @ cross[s]
-            target = target + a.mT @ a
+            read = _psd_sqrt(o.mT @ o) @ v_aug[s * d : (s + 1) * d] @ cross[s] @ a.mT  # [d, r·d]
+            target = target + read.mT @ read
         lower = torch.linalg.cholesky(c_group)
         whiten = torch.linalg.solve_triangular(lower, torch.eye(len(lower), dtype=lower.dtype), upper=False)
         vals, vecs = torch.linalg.eigh(whiten @ target @ whiten.mT)
-        w = (whiten.mT @ vecs[:, -d:].flip(1)).mT  # [d, D+1], w C'_g wᵀ = I
+        w = (whiten.mT @ vecs[:, -d:].flip(1)).mT @ a  # [d, D+1], w C'_g wᵀ = I
         shared.append(w)
         for s in heads:
             own = regularised(w @ c_merged[s] @ w.mT)
@@ -346,7 +362,7 @@ def refit_values(layer, merged, g: int, found: OutputMoments):
     return replace(merged, v_w=v_w, v_b=v_b, o_w=o_w)
 
 
-def output_model(source, g: int, batches, encoded, sequential: bool):
+def output_model(source, g: int, batches, encoded, sequential: bool, blend: float):
     """A copy of the MHA model merged with `uniform`'s keys and values refitted to the attention
     output (`refit_values`): all at once from the MHA model's states, or layer by layer in order."""
     import copy
@@ -359,22 +375,23 @@ def output_model(source, g: int, batches, encoded, sequential: bool):
         solved = {t: solve_merge(attention_module(model, *t), g, found[t], "uniform") for t in targets}
         outputs = collect_outputs(model, {t: m for t, (_, m) in solved.items()}, batches, encoded)
         for t, (layer, m) in solved.items():
-            write(attention_module(model, *t), g, refit_values(layer, m, g, outputs[t]))
+            write(attention_module(model, *t), g, refit_values(layer, m, g, outputs[t], found[t].get("uniform"), blend))
         return model
     for t in targets:
-        layer, m = solve_merge(attention_module(model, *t), g, collect(model, [t], batches, encoded)[t], "uniform")
+        found = collect(model, [t], batches, encoded)[t]
+        layer, m = solve_merge(attention_module(model, *t), g, found, "uniform")
         reference = {t: reference_pooled(source, t, batches, encoded)}
         outputs = collect_outputs(model, {t: m}, batches, encoded, reference)
-        write(attention_module(model, *t), g, refit_values(layer, m, g, outputs[t]))
+        write(attention_module(model, *t), g, refit_values(layer, m, g, outputs[t], found.get("uniform"), blend))
     return model
 
 
-def variant_model(source, g: int, variant: str, batches, encoded):
+def variant_model(source, g: int, variant: str, batches, encoded, blend: float = OUTPUT_BLEND):
     """A copy of the MHA model with decoder self- and cross-attention merged as `variant` says."""
     import copy
 
     if variant.endswith("output"):
-        return output_model(source, g, batches, encoded, sequential=variant.startswith("sequential"))
+        return output_model(source, g, batches, encoded, variant.startswith("sequential"), blend)
     model = copy.deepcopy(source)
     layers = len(model.model.decoder.layers)
     targets = [(s, layer) for layer in range(layers) for s in SITES]
@@ -424,10 +441,11 @@ def main(argv=None) -> None:
     results = {"mha": {**{k: mha[k] for k in ("wer", "cer", "perplexity", "wall_s")}, "loops": loops(mha)}}
     for g in args.kv_heads:
         for variant in args.variants:
-            name = f"g{g}-{variant}"
+            name = f"g{g}-{variant}" + (f"-blend{args.output_blend:g}" if variant.endswith("output") else "")
             began = time.perf_counter()
             scored = scorer.stored_or_scored(
-                root / f"{name}.json", lambda g=g, v=variant: variant_model(source, g, v, batches, encoded)
+                root / f"{name}.json",
+                lambda g=g, v=variant: variant_model(source, g, v, batches, encoded, args.output_blend),
             )
             results[name] = {**{k: scored[k] for k in ("wer", "cer", "perplexity", "wall_s")}, "loops": loops(scored)}
             log(f"[variants] {name}: {results[name]} ({time.perf_counter() - began:.0f} s)")

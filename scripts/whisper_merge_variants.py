@@ -23,7 +23,8 @@ attention goes. The variants, all solved by uptrain's own `solve_values` / `solv
   shared V'_g and each head's map M_h (folded into its o_proj columns) minimise
   Σ_{h∈g} E‖O_h (M_h V'_g z'_h − V_h z_h)‖², z'_h = Σ_t p'_{h,t} x̃_t, z_h = Σ_t p_{h,t} x̃_t (x̃: the
   inputs with a constant 1, so the bias is refitted too), from the moments E[z' z'ᵀ] and E[z z'ᵀ]
-  per head on the MHA model's states (`refit_values`);
+  per head on the MHA model's states (`refit_values`: V'_g kept in the span of the group's source
+  value heads, and blended by λ = `--output-blend` with uptrain's value objective over every position);
 - `sequential-output`: `output` layer by layer in order on the decoder merged so far: z' from the
   merged model's own states, z from the MHA model's (each layer also makes up for the error of
   the layers before it).

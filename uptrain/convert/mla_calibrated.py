@@ -97,7 +97,7 @@ def solve_rope_key(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, geo) -> tu
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
     q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
     k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
-    pairs = range(geo.rope_dims // 2)
+    pairs = geo.rope_frequencies
     keys = torch.stack([torch.complex(k_heads[:, i], k_heads[:, i + half]) for i in pairs])  # [D/2, kv, hidden]
     energy = torch.einsum("hdx,xy,hdy->hd", q_heads, c, q_heads)  # E[q_d²] per query head
     alpha = torch.stack([(energy[:, i] + energy[:, i + half]).reshape(-1, group).sum(1) for i in pairs])
@@ -112,9 +112,9 @@ def turned_queries(q: torch.Tensor, turns: torch.Tensor, geo) -> torch.Tensor:
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
     q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
     out = torch.empty(geo.num_heads, geo.rope_dims, q_heads.shape[-1], dtype=torch.float64)
-    for i in range(geo.rope_dims // 2):
-        pair = torch.complex(q_heads[:, i], q_heads[:, i + half]) * turns[i].repeat_interleave(group).conj()[:, None]
-        out[:, 2 * i], out[:, 2 * i + 1] = pair.real, pair.imag
+    for j, i in enumerate(geo.rope_frequencies):
+        pair = torch.complex(q_heads[:, i], q_heads[:, i + half]) * turns[j].repeat_interleave(group).conj()[:, None]
+        out[:, 2 * j], out[:, 2 * j + 1] = pair.real, pair.imag
     return out
 
 

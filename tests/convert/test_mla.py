@@ -134,6 +134,8 @@ def test_rotary_residual_keeps_what_the_shared_key_misses_unrotated(tmp_path):
     one = tiny_llama(tmp_path / "one", kv_heads=1)
     out = convert_checkpoint(tmp_path / "one", tmp_path / "one-mla", rope_residual=3, **options)
     assert json.loads((out / "config.json").read_text())["qk_nope_head_dim"] == 6
+    assert json.loads((out / "uptrain.json").read_text())["rotary_residual_frequencies"] == [13, 14, 15]
+    assert "at frequencies [13, 14, 15] is kept in the latent, unrotated" in (out / "README.md").read_text()
     with torch.no_grad():
         logits_close(AutoModelForCausalLM.from_pretrained(out)(ids).logits, one, ids)
 

@@ -443,8 +443,8 @@ def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None, 
 def residual_text(residual: list[int] | None) -> str:
     """The card's sentence on `--rope-residual`."""
     if not residual:
-        return "what the shared rotary key misses of each head's is dropped; "
-    return f"what it misses of each head's at frequencies {residual} is kept in the latent, unrotated; "
+        return "what it misses of each head's rotary key is dropped."
+    return f"what it misses of each head's rotary key at frequencies {residual} is kept in the latent, unrotated."
 
 
 def mla_card(p: dict, source_card: dict) -> str:
@@ -459,8 +459,8 @@ against the source's {elements["source"]} ({elements["mla"] / elements["mha"]:.4
 
 Initialisation: {p["initialisation_reference"]} (`{p["initialisation"]}`). \
 Rotary frequencies kept (the source's, 0 the highest): {p["rotary_frequencies_kept"]}; \
-{residual_text(p.get("rotary_residual_frequencies"))}\
-the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`). \
+the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`); \
+{residual_text(p.get("rotary_residual_frequencies"))} \
 Loads with transformers' own `DeepseekV2ForCausalLM`.
 
 The weights have not been trained since conversion: uptrain them before use.

@@ -18,6 +18,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -28,7 +29,7 @@ from uptrain.convert import convert_checkpoint
 HEADS, HEAD_DIM, HIDDEN = 4, 32, 128
 
 
-def tiny_llama(folder, kv_heads: int, eps: float = 1e-12):
+def tiny_llama(folder, kv_heads: int, eps: float = 1e-12, tied: bool = False):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=96,
@@ -40,6 +41,7 @@ def tiny_llama(folder, kv_heads: int, eps: float = 1e-12):
         rms_norm_eps=eps,
         initializer_range=0.5,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # gains other than 1: the latent must absorb the input norm's gain
@@ -343,7 +345,47 @@ def test_dtype_cast_card_and_record(tmp_path):
         8,
         [0, 1, 2, 3],
     )
-    assert "a latent of rank 24 and one rotary key of 8 columns" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "a latent of rank 24 and one rotary key of 8 columns" in card
+    # Latent attention's own tags, not the GQA outputs'; and where vLLM takes it (24 + 8: nowhere).
+    tags = yaml.safe_load(card.split("---\n")[1])["tags"]
+    assert {"multi-head-latent-attention", "mla", "llama"} <= set(tags) and "gqa" not in tags, tags
+    assert not {"grouped-query-attention"} & set(tags)
+    assert "vLLM does not serve it" in card and "(this one has 32)" in card
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_sources_head_is_written_as_a_copy_of_its_embeddings(tmp_path, tied):
+    """vLLM's DeepseekV2ForCausalLM never ties the head: a tied source's head is written (the
+    embeddings, bit for bit), the config keeps the tie (transformers ties on load and trains one
+    matrix); an untied source's head is its own, as the source wrote it."""
+    tiny_llama(tmp_path / "src", kv_heads=4, tied=tied)
+    source = load_file(tmp_path / "src" / "model.safetensors")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=24, rope_dims=8)
+    written = load_file(out / "model.safetensors")
+    head = source.get("lm_head.weight", source["model.embed_tokens.weight"])
+    assert torch.equal(written["lm_head.weight"], head)
+    assert ("lm_head.weight" in source) == (not tied)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == tied
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_the_rotary_is_written_as_yarn_at_factor_one_the_plain_rotary_vllm_runs_right(tmp_path):
+    """`rope_type: default` is mis-positioned by vLLM 0.32's CPU rotary kernel; YaRN at factor 1 is
+    the same rotary in transformers: the frequencies of the default at θ' = θ^(D/d), attention
+    factor 1, and no softmax-scale correction."""
+    tiny_llama(tmp_path / "src", kv_heads=4)
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", target="mla", kv_rank=24, rope_dims=8)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and "mscale_all_dim" not in config["rope_parameters"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    theta = 10000.0 ** (8 / HEAD_DIM)
+    default = 1.0 / theta ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)
+    rotary = model.model.rotary_emb
+    torch.testing.assert_close(rotary.inv_freq, default, rtol=2**-23, atol=0)
+    assert rotary.attention_scaling == 1.0
+    assert model.model.layers[0].self_attn.scaling == HEAD_DIM**-0.5
 
 
 def test_kv_budget_spends_the_sources_kv_elements_on_the_latent_and_the_rotary_key(tmp_path):

@@ -8,7 +8,9 @@ too, with uptrain's registered classes under the installed transformers 5. Impor
 torch and transformers.
 
 SPEC = {"folders": {name: path}, "ids": [[…]], "mask": [[…]], "backends": [...],
-"new_tokens": n}. Floats are written with `float.hex`: the comparison is bit for bit.
+"new_tokens": n, "native": bool}: with `native` (an MLA conversion, DeepSeek-V2) the checkpoints
+are loaded as transformers' own classes, without remote code. Floats are written with
+`float.hex`: the comparison is bit for bit (MLA's within float32 rounding).
 """
 
 from __future__ import annotations
@@ -64,9 +66,18 @@ def load_remote_code(folder: str, backend: str):
     return model
 
 
+def load_native(folder: str, backend: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend)
+    assert type(model).__module__.startswith("transformers.models."), type(model).__module__
+    return model
+
+
 if __name__ == "__main__":
     import transformers
 
-    found = results(json.loads(open(sys.argv[1]).read()), load_remote_code)
+    spec = json.loads(open(sys.argv[1]).read())
+    found = results(spec, load_native if spec.get("native") else load_remote_code)
     assert not [m for m in sys.modules if m.split(".")[0] == "uptrain"], "uptrain was imported"
     print(json.dumps({"transformers": transformers.__version__, "results": found}))

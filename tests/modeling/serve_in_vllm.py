@@ -1,19 +1,21 @@
-"""What tests/modeling/test_vllm.py asks of vLLM.
+"""What tests/modeling/test_vllm.py and test_vllm_mla.py ask of vLLM.
 
 Run as a script (`python serve_in_vllm.py SPEC.json`) in the cached vLLM environment
 (tests/modeling/vllm_environment.py): one process, one vLLM engine after another, each on one
-checkpoint (float32, greedy), so that vLLM's import (slow) is paid once. For each checkpoint it
-prints what the engine served: the greedy tokens of each prompt, the KV cache capacity (tokens)
-vLLM reports (and its block size), the model class it used, and how long the engine took to start,
-or the one line its failure gave. The last line of stdout is the JSON of every case. Imports only
-vLLM (and what it imports).
+checkpoint (float32 unless the spec names a dtype; greedy), so that vLLM's import (slow) is paid
+once. For each checkpoint it prints what the engine served: the greedy tokens of each prompt, the
+KV cache capacity (tokens) vLLM reports (and its block size), the model class it used, and how long
+the engine took to start, or the one line its failure gave. The last line of stdout is the JSON of
+every case. Imports only vLLM (and what it imports).
 
 SPEC = {"cases": {name: folder}, "prompts": [[…]], "new_tokens": n, "max_model_len": n,
-"speech_cases": {name: folder}, "speech": {"waveforms": file.npy, "sampling_rate": n,
-"decoder_prompts": [[…]]}}: a speech case (Whisper) is served each waveform of the .npy file
-(one a row) with its decoder prompt, through vLLM's audio processing, with the checkpoint's
-tokenizer (vLLM's Whisper processor needs one). A case also reports the KV heads of each
-attention layer vLLM cached (`kv_heads`: layer name → heads, cross-attention's too).
+"dtype": "bfloat16" (optional: vLLM's CPU MLA takes no float32), "case_prompts": {name: [[…]]}
+(optional: a case's own prompts), "speech_cases": {name: folder},
+"speech": {"waveforms": file.npy, "sampling_rate": n, "decoder_prompts": [[…]]}}: a speech case
+(Whisper) is served each waveform of the .npy file (one a row) with its decoder prompt, through
+vLLM's audio processing, with the checkpoint's tokenizer (vLLM's Whisper processor needs one). A
+case also reports the KV heads of each attention layer vLLM cached (`kv_heads`: layer name →
+heads, cross-attention's too).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import sys
 import time
 
 
-def text_prompts(spec: dict) -> list:
+def text_prompts(spec: dict, name: str) -> list:
     from vllm.inputs import TokensPrompt
 
-    return [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    prompts = spec.get("case_prompts", {}).get(name, spec["prompts"])
+    return [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
 
 
 def speech_prompts(spec: dict) -> list:
@@ -55,17 +58,17 @@ def cached_kv_heads(llm) -> dict[str, int]:
     return {name: layer.num_kv_heads for name, layer in layers.items() if hasattr(layer, "num_kv_heads")}
 
 
-def serve(folder: str, spec: dict, speech: bool = False) -> dict:
+def serve(name: str, folder: str, spec: dict, speech: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    prompts = speech_prompts(spec) if speech else text_prompts(spec)
+    prompts = speech_prompts(spec) if speech else text_prompts(spec, name)
     started = time.monotonic()
     try:
         llm = LLM(
             model=folder,
             trust_remote_code=True,
-            dtype="float32",
+            dtype=spec.get("dtype", "float32"),
             skip_tokenizer_init=not speech,  # vLLM's Whisper processor needs the tokenizer
             enforce_eager=True,  # no torch.compile: minutes per engine on CPU, and the same arithmetic
             max_model_len=spec["max_model_len"],
@@ -105,7 +108,7 @@ def main() -> None:
     cases = [(name, folder, False) for name, folder in spec["cases"].items()]
     cases += [(name, folder, True) for name, folder in spec.get("speech_cases", {}).items()]
     for name, folder, speech in cases:
-        results["cases"][name] = serve(folder, spec, speech)
+        results["cases"][name] = serve(name, folder, spec, speech)
         print(name, results["cases"][name], file=sys.stderr, flush=True)
     print(json.dumps(results))
 

@@ -17,11 +17,11 @@ import subprocess
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, …: the in-process side loads without trust_remote_code
 from tests.modeling import load_without_uptrain
-from tests.modeling.classic_models import ARCHITECTURES, build, token_ids
+from tests.modeling.classic_models import ARCHITECTURES, SHARED, build, token_ids
 from tests.modeling.second_environment import falcon_rewritten_between, transformers4_python
 from uptrain.convert import convert_checkpoint
 
@@ -106,6 +106,55 @@ def test_eager_and_sdpa_agree_under_transformers_4_57(under_4_57):
             # scores, differs from SDPA by 1.6e-5 on logits of 14)
             torch.testing.assert_close(a, b, rtol=0, atol=4e-6 * a.abs().max().item(), msg=f"{model_type}: {what}")
         assert eager["generated"] == sdpa["generated"], model_type
+
+
+@pytest.fixture(scope="module")
+def mla_converted(tmp_path_factory):
+    """A tiny Llama with tied embeddings (as the reference's) converted to MLA (`--target mla`)."""
+    root = tmp_path_factory.mktemp("mla")
+    config = LlamaConfig(
+        **SHARED,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        initializer_range=0.5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "llama-src")
+    out = convert_checkpoint(root / "llama-src", root / "llama-mla", target="mla", kv_rank=48, rope_dims=16)
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    spec = {"folders": {"mla": str(out)}, "ids": ids.tolist(), "mask": mask.tolist(), "backends": BACKENDS}
+    spec.update(new_tokens=8, native=True)
+    (root / "spec.json").write_text(json.dumps(spec))
+    return root, spec
+
+
+def test_an_mla_conversion_loads_under_transformers_4_57_as_under_5(transformers4, mla_converted):
+    """transformers 4.57's own DeepseekV2ForCausalLM takes the MLA output's config keys and weights
+    (the top-level `rope_theta` with no `rope_scaling`: the plain rotary, which the YaRN-at-factor-1
+    `rope_parameters` spells for 5.x and vLLM): the same logits within float32 rounding, relative
+    4e-6 of the largest as between eager and SDPA (4.57 expands the latent into keys and values
+    before caching them, 5.x after: other orders of the same sums; measured 9e-7), and the same
+    greedy tokens."""
+    root, spec = mla_converted
+    old = run_in(transformers4[0], root)
+    assert old["transformers"].startswith("4.57.")
+    new = load_without_uptrain.results(
+        spec, lambda folder, backend: AutoModelForCausalLM.from_pretrained(folder, attn_implementation=backend)
+    )
+    assert sorted(old["results"]) == sorted(new) == [f"mla/{b}" for b in BACKENDS]
+    for case, expected in new.items():
+        got = old["results"][case]
+        for what in ("logits", "padded"):
+            a, b = floats(got[what]), floats(expected[what])
+            torch.testing.assert_close(a, b, rtol=0, atol=4e-6 * b.abs().max().item(), msg=f"{case}: {what}")
+        assert got["generated"] == expected["generated"], case
+        assert len({t for row in expected["generated"] for t in row[-spec["new_tokens"] :]}) > 3, case
 
 
 def floats(hexes: list[str]) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from tests.train.train_helpers import records
 from uptrain import UptrainError
@@ -26,12 +27,20 @@ def test_train_an_mla_conversion_logs_the_latents_cache_bytes(assets, base_confi
     per_layer = json.loads((mla / "uptrain.json").read_text())["kv_elements_per_token_per_layer"]["mla"]
     assert per_layer == RANK + ROPE
     assert recs[0]["model/kv_cache_bytes_per_token"] == 2 * per_layer * 4
+    # One cached vector per token and layer, read by every head: not the query heads' count.
+    assert (recs[0]["model/num_kv_heads"], recs[0]["model/kv_lora_rank"], recs[0]["model/qk_rope_head_dim"]) == (
+        1,
+        RANK,
+        ROPE,
+    )
     assert recs[-1]["eval/loss"] < recs[0]["eval/loss"]  # it trains (from random weights here)
     saved = json.loads((final / "config.json").read_text())
     assert (saved["model_type"], saved["kv_lora_rank"], saved["qk_rope_head_dim"]) == ("deepseek_v2", RANK, ROPE)
     card = (final / "README.md").read_text()  # says what it is, not a GQA model nor an unconverted one
     assert "# Uptrained multi-head latent attention model" in card
     assert f"a latent of rank {RANK} and a shared rotary key of {ROPE} columns, from 8 KV heads" in card
+    tags = yaml.safe_load(card.split("---\n")[1])["tags"]
+    assert {"mla", "multi-head-latent-attention", "uptrained"} <= set(tags) and "gqa" not in tags, tags
 
 
 def test_train_converts_its_source_to_mla_as_uptrain_convert_does(assets, base_config, tmp_path):

@@ -11,6 +11,13 @@ rank: `q_lora_rank` null), each head's rotary part last. Rotary acts on interlea
 `qk_rope_head_dim`). Layers from `first_k_dense_replace` on are MoE: set to the layer count,
 every layer has the dense `mlp.{gate,up,down}_proj` a Llama has.
 
+The rotary is written as YaRN at factor 1 (`rotary_parameters`), which is the plain rotary exactly,
+because of vLLM: its CPU build (0.32) runs `rope_type: default` through a rotary kernel
+(`torch.ops._C.rotary_embedding`) that mis-indexes DeepSeek-V2's query, a [tokens, heads, D]
+slice: row t·heads + h turns at position t·heads + h, rows past the token count not at all
+(docs/concepts/mla.md, "Serving"), where any other rope_type takes its own rotary class
+(`DeepseekScalingRotaryEmbedding`), written in PyTorch.
+
 Imports nothing from torch or transformers.
 """
 
@@ -34,9 +41,26 @@ _DROPPED_KEYS = ("head_dim", "pretraining_tp", "rope_scaling", "auto_map")
 def rope_theta_for(theta: float, rope_dims: int, head_dim: int, stride: int = 1) -> float:
     """The base at which DeepSeek-V2's rotary over `rope_dims` columns turns at the source's
     frequencies 0, s, …, s (D/2 − 1): θ'^(−2j/D) = θ^(−2sj/d) for θ' = θ^(sD/d). Its frequencies
-    are a geometric sequence from 1 (rope_type default; transformers and vLLM read only
-    `rope_theta`), so every s-th of the source's from the highest is what one base can give."""
+    are a geometric sequence from 1 (the plain rotary, `rotary_parameters`: transformers and vLLM
+    take them from `rope_theta` alone), so every s-th of the source's from the highest is what one
+    base can give."""
     return float(theta ** (stride * rope_dims / head_dim))
+
+
+def rotary_parameters(theta: float, max_positions: int) -> dict:
+    """`rope_parameters` for the plain rotary at base `theta` that vLLM's CPU build runs right: YaRN
+    at factor 1 over the model's whole length. transformers' YaRN (and vLLM's
+    `DeepseekScalingRotaryEmbedding`) then blends two equal frequency sets, θ^(−2j/D) with
+    θ^(−2j/D) / 1, and scales by an attention factor of 1 (given, not derived), and DeepSeek-V2's
+    softmax-scale correction `mscale_all_dim` is absent: the default rotary up to float rounding of
+    the blend (a float32 ulp of each frequency)."""
+    return {
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": max_positions,
+        "attention_factor": 1.0,
+        "rope_theta": theta,
+    }
 
 
 def mla_config(
@@ -51,7 +75,8 @@ def mla_config(
     """A Llama config.json (dict) as a dense DeepSeek-V2 one: every query head's key is
     `head_dim - rope_dims` columns from the latent plus the shared rotary key of `rope_dims`
     columns (so `qk_nope_head_dim + qk_rope_head_dim = head_dim` and the softmax scale
-    head_dim^−½ is the source's), values of `head_dim` columns (`o_proj` unchanged)."""
+    head_dim^−½ is the source's; `nope_dims` wider with `--rope-residual`, whose queries carry the
+    scale's correction), values of `head_dim` columns (`o_proj` unchanged)."""
     theta = rope_theta_for(rope_theta, rope_dims, head_dim, rope_stride)
     out = {k: v for k, v in config.items() if k not in _DROPPED_KEYS}
     out.update(
@@ -66,8 +91,9 @@ def mla_config(
         v_head_dim=head_dim,
         # No MoE layer: the MoE keys keep transformers' defaults, which build nothing.
         first_k_dense_replace=config["num_hidden_layers"],
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        rope_theta=theta,  # transformers 4.57 reads the top-level key
+        rope_parameters=rotary_parameters(theta, config["max_position_embeddings"]),
+        # transformers 4.57 reads the top-level key and, with no `rope_scaling`, the plain rotary
+        rope_theta=theta,
     )
     return out
 
@@ -80,3 +106,12 @@ def latent_elements_per_token(kv_rank: int, rope_dims: int) -> int:
 def cache_elements_per_token(config: dict) -> int:
     """What a DeepSeek-V2 config's model caches per token, every layer's latent and rotary key."""
     return config["num_hidden_layers"] * latent_elements_per_token(config["kv_lora_rank"], config["qk_rope_head_dim"])
+
+
+def attention_width(config: dict) -> int:
+    """What the attention term of the training FLOPs counts per layer (query heads × head width,
+    `train.metrics.train_flops_per_token`'s H·Q): transformers expands the latent into every head's
+    key of `qk_nope_head_dim + qk_rope_head_dim` columns and value of `v_head_dim`, so the scores
+    and the values read those widths; their mean is Q (the source's head_dim, as converted)."""
+    key = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    return config["num_attention_heads"] * (key + config["v_head_dim"]) // 2

@@ -14,7 +14,12 @@ from uptrain.options import parse_yaml
 CARD = "README.md"
 # Card metadata that follows the weights from source to output: the licence terms.
 CARRIED_CARD_KEYS = ("license", "license_name", "license_link")
-CARD_TAGS = ["uptrain", "grouped-query-attention", "gqa"]
+CARD_TAGS = ["uptrain"]
+# The Hub's tags for the attention an output has: grouped-query, or (`--target mla`) latent.
+ATTENTION_TAGS = {
+    "gqa": ["grouped-query-attention", "gqa"],
+    "mla": ["multi-head-latent-attention", "mla"],
+}
 
 
 # A card's YAML front matter: a `---` line opening the file, then the YAML, then a `---` line.
@@ -77,11 +82,12 @@ def front_matter(
     source_card: dict,
     extra_tags: list[str],
     pipeline_tag: str = "text-generation",
+    attention: str = "gqa",
 ) -> str:
     """Hub metadata: base model (when a Hub id is known), library, task, the source's licence
-    terms, tags."""
+    terms, tags (uptrain's, the `attention`'s of ATTENTION_TAGS, then `extra_tags`)."""
     meta = {} if base_model is None else {"base_model": base_model}
     meta.update({"library_name": "transformers", "pipeline_tag": pipeline_tag})
     meta.update({k: source_card[k] for k in CARRIED_CARD_KEYS if source_card.get(k) is not None})
-    meta["tags"] = list(dict.fromkeys(CARD_TAGS + extra_tags))
+    meta["tags"] = list(dict.fromkeys(CARD_TAGS + ATTENTION_TAGS[attention] + extra_tags))
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"

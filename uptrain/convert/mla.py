@@ -53,6 +53,7 @@ from uptrain.model_info import read_config
 FAMILIES = ("llama",)  # rotary decoders whose attention is q/k/v/o_proj without bias
 LAYER = "model.layers.{}.self_attn."
 INPUT_NORM = "model.layers.{}.input_layernorm.weight"
+EMBEDDINGS, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class MLAGeometry:
     kv_rank: int
     rope_dims: int
     rope_theta: float
-    rotary_key: str = "principal"  # a name of ROTARY_KEYS
+    rotary_key: str = "principal"  # a name of ROTARY_KEY_TEXT
     rope_stride: int = 1  # the kept frequencies are the source's 0, s, 2s, … (`rope_frequencies`)
     rope_residual: int = 0  # of the kept frequencies, the lowest this many keep the shared key's residual unrotated
 
@@ -99,6 +100,14 @@ class MLAGeometry:
     def max_rank(self) -> int:
         """The latent holds at most what the stacked K_nope/V rows span, and never more than the hidden size."""
         return min(self.hidden, self.num_heads * (self.nope_dims + self.head_dim))
+
+    def query_heads(self, weight: torch.Tensor) -> torch.Tensor:
+        """q_proj's rows per query head, float64: [heads, head_dim, hidden]."""
+        return weight.double().reshape(self.num_heads, self.head_dim, -1)
+
+    def kv_heads(self, weight: torch.Tensor) -> torch.Tensor:
+        """k_proj's or v_proj's rows per KV head, float64: [KV heads, head_dim, hidden]."""
+        return weight.double().reshape(self.num_kv_heads, self.head_dim, -1)
 
 
 def default_rope_dims(head_dim: int) -> int:
@@ -200,13 +209,13 @@ def nope_rows(head_dim: int, rope_dims: int, stride: int = 1) -> list[int]:
     return [row for row in range(head_dim) if row not in kept]
 
 
-def mean_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo: MLAGeometry):
+def mean_rope_key(q: torch.Tensor, k: torch.Tensor, geo: MLAGeometry):
     """`--rotary-key mean`: the one rotary key is the mean of the KV heads' rotary rows, each query
-    head keeps its own (the GQA paper's mean pooling, to one head). Returns each query head's rotary
-    rows (heads × D × hidden) and the key's (D × hidden), float64."""
+    head keeps its own (the GQA paper's mean pooling, to one head; in weight space, so the input
+    norm's gain plays no part). Returns each query head's rotary rows (heads × D × hidden) and the
+    key's (D × hidden), float64."""
     rows = rope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)
-    heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
-    return q.double().reshape(geo.num_heads, geo.head_dim, -1)[:, rows], heads[:, rows].mean(dim=0)
+    return geo.query_heads(q)[:, rows], geo.kv_heads(k)[:, rows].mean(dim=0)
 
 
 def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo: MLAGeometry):
@@ -219,8 +228,7 @@ def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo
     Returns as `mean_rope_key`."""
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
     gain = gain.double()
-    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
-    k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
+    q_heads, k_heads = geo.query_heads(q), geo.kv_heads(k)
     q_rope = torch.empty(geo.num_heads, geo.rope_dims, q.shape[-1], dtype=torch.float64)
     k_rope = torch.empty(geo.rope_dims, k.shape[-1], dtype=torch.float64)
     for j, i in enumerate(geo.rope_frequencies):
@@ -236,7 +244,7 @@ def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo
     return q_rope, k_rope
 
 
-ROTARY_KEYS = {"principal": principal_rope_key, "mean": mean_rope_key}
+ROTARY_KEYS = ("principal", "mean")  # the weight-space keys; `calibrated` needs calibration's moments
 ROTARY_KEY_TEXT = {
     "principal": "per frequency, the best rank-1 (complex) fit of the heads' rotary keys in weight space",
     "mean": "the mean of the source's KV heads' rotary rows",
@@ -253,8 +261,8 @@ def stacked_kv(
     (float64)."""
     group = geo.num_heads // geo.num_kv_heads
     nope = nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)
-    k_nope = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)[:, nope].repeat_interleave(group, dim=0)
-    v = v.double().reshape(geo.num_kv_heads, geo.head_dim, -1).repeat_interleave(group, dim=0)
+    k_nope = geo.kv_heads(k)[:, nope].repeat_interleave(group, dim=0)
+    v = geo.kv_heads(v).repeat_interleave(group, dim=0)
     parts = [k_nope] if residual is None else [k_nope, residual]
     return torch.cat([*parts, v], dim=1).reshape(-1, k.shape[-1])
 
@@ -267,8 +275,7 @@ def rotary_residual(q: torch.Tensor, k: torch.Tensor, q_rope: torch.Tensor, k_ro
     source's own query α_h without rotation. Returns the query's and the key's rows, (real,
     imaginary) per frequency, [heads, 2·residual, hidden] each (float64)."""
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
-    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
-    k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1).repeat_interleave(group, dim=0)
+    q_heads, k_heads = geo.query_heads(q), geo.kv_heads(k).repeat_interleave(group, dim=0)
     queries, keys = [], []
     start = geo.rope_dims // 2 - geo.rope_residual
     for j, i in enumerate(geo.residual_frequencies, start):
@@ -288,9 +295,9 @@ def reader_rows(tensors: dict[str, torch.Tensor], geo: MLAGeometry):
     head's non-rotary key rows [h, d − D, hidden] and value rows [h, d, hidden], its own non-rotary
     query rows [h, d − D, hidden] and o_proj columns [h, hidden, d]."""
     group, nope = geo.num_heads // geo.num_kv_heads, nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)
-    k = tensors["k"].double().reshape(geo.num_kv_heads, geo.head_dim, -1).repeat_interleave(group, dim=0)
-    v = tensors["v"].double().reshape(geo.num_kv_heads, geo.head_dim, -1).repeat_interleave(group, dim=0)
-    q = tensors["q"].double().reshape(geo.num_heads, geo.head_dim, -1)
+    k = geo.kv_heads(tensors["k"]).repeat_interleave(group, dim=0)
+    v = geo.kv_heads(tensors["v"]).repeat_interleave(group, dim=0)
+    q = geo.query_heads(tensors["q"])
     o = tensors["o"].double().reshape(-1, geo.num_heads, geo.head_dim).transpose(0, 1)
     return k[:, nope], v, q[:, nope], o
 
@@ -311,13 +318,11 @@ def layer_attention(
     dtype = tensors["q"].dtype
     if geo.rotary_key == "calibrated":  # solved from the calibration's moments (`mla_calibrated`)
         q_rope, k_rope = turned_queries(tensors["q"], solution.rope_turns, geo), solution.rope_key
+    elif geo.rotary_key == "principal":
+        q_rope, k_rope = principal_rope_key(tensors["q"], tensors["k"], gain, geo)
     else:
-        q_rope, k_rope = ROTARY_KEYS[geo.rotary_key](tensors["q"], tensors["k"], gain, geo)
-    q_nope = (
-        tensors["q"]
-        .double()
-        .reshape(geo.num_heads, geo.head_dim, -1)[:, nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)]
-    )
+        q_rope, k_rope = mean_rope_key(tensors["q"], tensors["k"], geo)
+    q_nope = geo.query_heads(tensors["q"])[:, nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)]
     k_residual = None
     if geo.rope_residual:
         q_residual, k_residual = rotary_residual(tensors["q"], tensors["k"], q_rope, k_rope, geo)
@@ -348,9 +353,10 @@ def check_gains(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> None:
             )
 
 
-def _output_names(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> list[tuple[str, str | None]]:
+def _output_names(checkpoint: SourceCheckpoint, geo: MLAGeometry, tied: bool) -> list[tuple[str, str | None]]:
     """(output name, source name or None for a computed tensor), in the source's file order with
-    each layer's attention in place of its q/k/v_proj."""
+    each layer's attention in place of its q/k/v_proj; with `tied` embeddings, the head written
+    too, as a copy of them (`tied_head`)."""
     replaced = {LAYER.format(i) + f"{p}_proj.weight": i for i in range(geo.num_layers) for p in "qkv"}
     missing = sorted(name for name in replaced if name not in checkpoint.tensors)
     if missing:
@@ -363,7 +369,18 @@ def _output_names(checkpoint: SourceCheckpoint, geo: MLAGeometry) -> list[tuple[
         elif info.name.endswith("q_proj.weight"):
             prefix = LAYER.format(layer)
             names += [(prefix + part, None) for part in deepseek_v2.LAYER_TENSORS]
+    if tied and HEAD not in checkpoint.tensors and EMBEDDINGS in checkpoint.tensors:
+        names.append((HEAD, EMBEDDINGS))
     return names
+
+
+def tied_head(config: dict) -> bool:
+    """Whether the output writes `lm_head.weight` as a copy of the embeddings: when the source ties
+    them (config `tie_word_embeddings`, Llama's default False). The config keeps the tie, so
+    transformers (which ties on load) runs the same model and trains one matrix; vLLM 0.32's
+    `DeepseekV2ForCausalLM` never ties, and without the copy its head stays zeros: every logit 0,
+    token 0 each step, silently. The copy costs vocabulary × hidden elements on disk only."""
+    return bool(config.get("tie_word_embeddings", False))
 
 
 def _entries(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast) -> list[OutputEntry]:
@@ -447,6 +464,29 @@ def residual_text(residual: list[int] | None) -> str:
     return f"what it misses of each head's rotary key at frequencies {residual} is kept in the latent, unrotated."
 
 
+# kv_lora_rank + qk_rope_head_dim that vLLM 0.32's MLA backends take: its GPU ones
+# (`MLACommonBackend.get_supported_head_sizes`), and the CPU ones (`CPU_MLA`, `AMX_MLA`: DeepSeek's 512 + 64).
+VLLM_LATENT_SIZES = (320, 512, 576)
+VLLM_CPU_LATENT_SIZE = 576
+
+
+def vllm_serving(p: dict) -> str:
+    """The card's line on serving in vLLM, from the latent's size (docs/concepts/mla.md, "Serving")."""
+    size = p["kv_lora_rank"] + p["qk_rope_head_dim"]
+    if size == VLLM_CPU_LATENT_SIZE:
+        return "vLLM serves it as `DeepseekV2ForCausalLM` on GPU and on CPU (bfloat16 or float16 there)."
+    if size in VLLM_LATENT_SIZES:
+        return (
+            f"vLLM serves it as `DeepseekV2ForCausalLM` on GPU; not on CPU, whose MLA kernels take a latent and "
+            f"rotary key of {VLLM_CPU_LATENT_SIZE} elements only (this one has {size})."
+        )
+    sizes = ", ".join(map(str, VLLM_LATENT_SIZES))
+    return (
+        f"vLLM does not serve it: its MLA kernels take a latent and rotary key of {sizes} elements only "
+        f"(this one has {size}); convert with `--kv-rank R --rope-dims D` giving one of those to serve it there."
+    )
+
+
 def mla_card(p: dict, source_card: dict) -> str:
     """README.md of an MLA conversion."""
     elements = p["kv_elements_per_token_per_layer"]
@@ -461,12 +501,12 @@ Initialisation: {p["initialisation_reference"]} (`{p["initialisation"]}`). \
 Rotary frequencies kept (the source's, 0 the highest): {p["rotary_frequencies_kept"]}; \
 the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`); \
 {residual_text(p.get("rotary_residual_frequencies"))} \
-Loads with transformers' own `DeepseekV2ForCausalLM`.
+Loads with transformers' own `DeepseekV2ForCausalLM` (4.57 and 5). {vllm_serving(p)}
 
 The weights have not been trained since conversion: uptrain them before use.
 `uptrain.json` records the source files' digests and the uptrain version ({p["uptrain_version"]}).
 """
-    return front_matter(p["base_model"], source_card, ["llama", "mla"]) + "\n" + body
+    return front_matter(p["base_model"], source_card, ["llama"], attention="mla") + "\n" + body
 
 
 def _read_layer(checkpoint: SourceCheckpoint, layer: int, geo: MLAGeometry):
@@ -533,7 +573,7 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False, 
     cast = DTYPES[spec.dtype] if spec.dtype is not None else None
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
-        names = _output_names(checkpoint, geo)
+        names = _output_names(checkpoint, geo, tied_head(config))
         check_gains(checkpoint, geo)
         entries = _entries(names, checkpoint, geo, cast)
         solutions, calibration = None, None

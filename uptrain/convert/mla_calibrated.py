@@ -99,8 +99,7 @@ def solve_rope_key(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, geo) -> tu
     the pair's query energy E|q|² summed over the heads reading s). Returns the shared key's rows in
     DeepSeek-V2's interleaved order (D × hidden) and σ [D/2, kv], conj(σ_s) folded into the queries."""
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
-    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
-    k_heads = k.double().reshape(geo.num_kv_heads, geo.head_dim, -1)
+    q_heads, k_heads = geo.query_heads(q), geo.kv_heads(k)
     pairs = geo.rope_frequencies
     keys = torch.stack([torch.complex(k_heads[:, i], k_heads[:, i + half]) for i in pairs])  # [D/2, kv, hidden]
     energy = torch.einsum("hdx,xy,hdy->hd", q_heads, c, q_heads)  # E[q_d²] per query head
@@ -114,7 +113,7 @@ def solve_rope_key(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, geo) -> tu
 def turned_queries(q: torch.Tensor, turns: torch.Tensor, geo) -> torch.Tensor:
     """Each query head's rotary rows (interleaved, heads × D × hidden) times conj(σ) of its KV head."""
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
-    q_heads = q.double().reshape(geo.num_heads, geo.head_dim, -1)
+    q_heads = geo.query_heads(q)
     out = torch.empty(geo.num_heads, geo.rope_dims, q_heads.shape[-1], dtype=torch.float64)
     for j, i in enumerate(geo.rope_frequencies):
         pair = torch.complex(q_heads[:, i], q_heads[:, i + half]) * turns[j].repeat_interleave(group).conj()[:, None]

@@ -262,7 +262,7 @@ def uptrained_card(record: dict, start: Path) -> str:
         tags.append("encoder-decoder")
     latent = latent_record(record["started_from"]["provenance"])
     if latent is not None:
-        tags = [latent["model_type"], "mla"]
+        tags = [latent["model_type"]]
         what = (
             f"`{portable(str(latent['source']))}` converted by uptrain to multi-head latent attention "
             f"(DeepSeek-V2 layout: a latent of rank {latent['kv_lora_rank']} and a shared rotary key of "
@@ -323,4 +323,9 @@ changed (each tensor in its dtype there). `uptrain.json` records the run's full 
 (uptrain {record["uptrain_version"]}).
 """
     task = arch.pipeline_tag if arch is not None else "text-generation"
-    return front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"], task) + "\n" + body
+    attention = "mla" if latent is not None else "gqa"
+    return (
+        front_matter(record["started_from"]["base_model"], start_card, tags + ["uptrained"], task, attention)
+        + "\n"
+        + body
+    )

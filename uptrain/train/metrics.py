@@ -3,8 +3,9 @@
 Metric names are fixed (configs, docs and dashboards rely on them):
 train/loss, train/lr, train/grad_norm, train/tokens_seen, eval/loss, eval/perplexity,
 perf/tokens_per_second (speech runs: perf/clips_per_second too), perf/step_time_s, perf/mfu,
-perf/peak_memory_bytes, model/num_kv_heads, model/kv_cache_bytes_per_token, and for encoder–decoders
-model/cross_kv_cache_bytes_per_source_token.
+perf/peak_memory_bytes, model/num_kv_heads, model/kv_cache_bytes_per_token, for encoder–decoders
+model/cross_kv_cache_bytes_per_source_token, and for multi-head latent attention model/kv_lora_rank and
+model/qk_rope_head_dim.
 """
 
 from __future__ import annotations
@@ -216,6 +217,21 @@ def kv_cache_metrics(model_config: dict, dtype_bytes: int) -> dict[str, int]:
         return per_token
     cross = arch.site("cross").geometry.read(model_config)
     return {**per_token, "model/cross_kv_cache_bytes_per_source_token": cross.kv_cache_bytes_per_token(dtype_bytes)}
+
+
+def attention_metrics(model_config: dict) -> dict[str, int]:
+    """What the model caches, by heads: `model/num_kv_heads`, the KV heads (per-layer models: the
+    largest layer's). A multi-head latent attention model (DeepSeek-V2) caches one vector per token
+    and layer that every query head reads, the latent and the shared rotary key: one head, as vLLM
+    counts it (its config's `num_key_value_heads` is the query heads, which transformers expands
+    it into), with `model/kv_lora_rank` and `model/qk_rope_head_dim` its two parts."""
+    if model_config.get("model_type") == deepseek_v2.MODEL_TYPE:
+        return {
+            "model/num_kv_heads": 1,
+            "model/kv_lora_rank": model_config["kv_lora_rank"],
+            "model/qk_rope_head_dim": model_config["qk_rope_head_dim"],
+        }
+    return {"model/num_kv_heads": config_geometry(model_config).num_kv_heads}
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float, num_processes: int) -> float:

@@ -72,7 +72,7 @@ def print_plan(run: Run) -> None:
     unit = "blocks" if speech is None else "clips"
     lines = [
         "plan:",
-        f"  model            {plan.model_path} ({plan.static_metrics['model/num_kv_heads']} KV heads, "
+        f"  model            {plan.model_path} ({_cached(plan.static_metrics)}, "
         f"{plan.static_metrics['model/kv_cache_bytes_per_token']} KV-cache bytes/token)",
         f"  budget           {budget}",
         f"  steps            {plan.total_steps}{resuming}",
@@ -84,6 +84,13 @@ def print_plan(run: Run) -> None:
         f"  output           {plan.out}",
     ]
     acc.print("\n".join([*plan.notes, *lines]))
+
+
+def _cached(metrics: dict) -> str:
+    """What each layer caches per token: its KV heads, or a latent and a shared rotary key."""
+    if "model/kv_lora_rank" in metrics:
+        return f"latent {metrics['model/kv_lora_rank']} + rotary key {metrics['model/qk_rope_head_dim']} per layer"
+    return f"{metrics['model/num_kv_heads']} KV heads"
 
 
 def perf_metrics(run: Run, step_time: float) -> dict:

@@ -17,7 +17,7 @@ import torch
 import uptrain
 import uptrain.modeling  # noqa: F401  registers gpt2_gqa, … with transformers' Auto classes
 from uptrain import UptrainError
-from uptrain.architecture import auto_class_name, block_positions, config_geometry, find_architecture
+from uptrain.architecture import auto_class_name, block_positions, config_geometry, deepseek_v2, find_architecture
 from uptrain.budgets import pretrain_tokens
 from uptrain.checkpoint.source import resolve_source
 from uptrain.convert.pipeline import calibrate, execute, prepare
@@ -236,7 +236,6 @@ def _make_plan(
     objective: str,
 ) -> Plan:
     world = accelerator.num_processes
-    geometry = config_geometry(model_config)
     source_dtype = config_dtype(model_config)
     local_eval_blocks = torch.tensor(sum(int(c.sum()) for _, c in eval_set), device=accelerator.device)
     return Plan(
@@ -248,7 +247,7 @@ def _make_plan(
         flops_per_token=flops_per_token,
         peak_flops=config.peak_flops or M.default_peak_flops(accelerator.device),
         static_metrics={
-            "model/num_kv_heads": geometry.num_kv_heads,
+            **M.attention_metrics(model_config),
             **M.kv_cache_metrics(model_config, DTYPE_BYTES.get(source_dtype, 4)),
         },
         source_dtype=source_dtype,
@@ -327,6 +326,8 @@ def _flops_per_token(
         return M.encoder_decoder_flops_per_token(model, model_config, objective.objective, config.seq_len, target_len)
     geometry = config_geometry(model_config)
     width = geometry.num_heads * geometry.head_dim
+    if model_config.get("model_type") == deepseek_v2.MODEL_TYPE:
+        width = deepseek_v2.attention_width(model_config)
     return M.train_flops_per_token(M.non_embedding_params(model), geometry.num_layers, width, config.seq_len)
 
 

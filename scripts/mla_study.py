@@ -53,6 +53,15 @@ def perplexity(folder: Path, blocks: torch.Tensor, without_norm: bool = False) -
     return math.exp(mean_loss(model, blocks))
 
 
+def validation_blocks(count: int) -> torch.Tensor:
+    """The validation split's first `count` blocks of 256 tokens (scripts/allocation_study.py's)."""
+    tokenizer = load_tokenizer(REFERENCE, "the reference")
+    blocks, _ = load_blocks(
+        str(split_path("validation")), "eval_data", tokenizer, 256, "text", "train", None, "document", False, None
+    )
+    return blocks.take(list(range(count)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eval-blocks", type=int, default=64)
@@ -60,11 +69,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="keep the conversions here (default: a temporary folder)")
     args = parser.parse_args()
     start = time.perf_counter()
-    tokenizer = load_tokenizer(REFERENCE, "the reference")
-    blocks, _ = load_blocks(
-        str(split_path("validation")), "eval_data", tokenizer, 256, "text", "train", None, "document", False, None
-    )
-    blocks = blocks.take(list(range(args.eval_blocks)))
+    blocks = validation_blocks(args.eval_blocks)
     root = Path(args.out or tempfile.mkdtemp(prefix="mla-study-"))
     convert = dict(overwrite=True, progress=False, source_hash="none")
 

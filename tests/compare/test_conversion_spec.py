@@ -40,7 +40,10 @@ TRAINED = dict(
 # and those each run sets itself.
 # target, kv_rank, rope_dims, rotary_key and mla_init: `uptrain train`'s `source` takes them too
 # (tests/train/test_mla_model.py); `uptrain compare` not yet (issue #33).
-CONVERT_ONLY = {"dtype", "max_shard_size", "allow_pickle", "target", "kv_rank", "rope_dims", "rotary_key", "mla_init"}
+CONVERT_ONLY = {
+    *("dtype", "max_shard_size", "allow_pickle", "target", "kv_rank", "rope_dims", "rotary_key", "mla_init"),
+    *("rope_stride", "rope_residual"),
+}
 PER_RUN = {
     *("source", "num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "cross_kv_weight"),
     "pooling",

@@ -104,6 +104,7 @@ def test_an_mla_compare_refuses_in_one_line_before_any_run(setup, gpt2, tmp_path
         ((*mla, "-g", "2", "--kv-budget", BUDGET), "-g/--num-kv-heads counts GQA heads, which --target mla has none"),
         (mla, "--target mla spends a --kv-budget: give one"),
         (("--kv-budget", BUDGET, "--rope-dims", "2"), "--rope-dims shape(s) the MLA runs: give them with --target mla"),
+        (("--kv-budget", BUDGET, "--rope-residual", "1"), "--rope-residual shape(s) the MLA runs: give them with"),
         ((*mla, "--kv-budget", BUDGET, "--allocation", "calibrated"), "--allocation and --allocation-cost spend"),
         ((*mla, "mla", "--kv-budget", BUDGET), "--target mla mla names a value twice"),
         ((*mla, "--kv-budget", "0.03"), "which must be a whole number above --rope-dims 4"),
@@ -128,10 +129,15 @@ def test_a_compare_made_before_mla_runs_resumes_and_may_add_them():
     from uptrain.compare.study import resume_rule
 
     old = small_spec("cmp", num_kv_heads=[], kv_budget=[0.25]).to_dict()
-    for key in ("target", "mla_init", "rope_dims", "rotary_key"):
+    for key in ("target", "mla_init", "rope_dims", "rope_stride", "rope_residual", "rotary_key"):
         del old[key]
     assert resume_rule().changes(old, small_spec("cmp", num_kv_heads=[], kv_budget=[0.25]).to_dict()) == []
     now = small_spec("cmp", num_kv_heads=[], kv_budget=[0.25], target=["gqa", "mla"], mla_init=["calibrated"])
     assert resume_rule().changes(old, now.to_dict()) == []
     turned = small_spec("cmp", num_kv_heads=[], kv_budget=[0.25], target=["gqa", "mla"], rotary_key="calibrated")
     assert [c.key for c in resume_rule().changes(old, turned.to_dict())] == ["rotary_key"]
+    kept = small_spec("cmp", num_kv_heads=[], kv_budget=[0.25], target=["mla"], rope_dims=8, rope_residual=2)
+    assert [c.key for c in resume_rule().changes(old, kept.to_dict())] == ["rope_dims", "rope_residual"]
+    for init in ("svd", "calibrated"):  # every MLA run converts with the compare's rotary part
+        spec = kept.latent_conversion_spec(0.25, init)
+        assert (spec.rope_dims, spec.rope_stride, spec.rope_residual) == (8, 1, 2)

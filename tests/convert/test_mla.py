@@ -72,6 +72,76 @@ def test_one_kv_head_at_full_rank_with_every_rotary_column_is_the_source(tmp_pat
         )
 
 
+def logits_close(got: torch.Tensor, source, ids: torch.Tensor, **inputs) -> None:
+    """`got` equals the source's logits up to 20× what float32 itself costs the source."""
+    with torch.no_grad():
+        expected = source.float()(ids, **inputs).logits
+        reference = source.double()(ids, **inputs).logits.float()
+    source.float()
+    noise = (expected - reference).abs().max().item()
+    assert (got - expected).abs().max().item() <= 20 * noise + 1e-4, "logits differ beyond float32 rounding"
+
+
+@pytest.mark.parametrize(("rope", "stride"), [(8, 3), (16, 2)])
+def test_a_stride_keeps_every_strided_frequency_rotary_and_turns_at_the_sources_frequencies(tmp_path, rope, stride):
+    """`--rope-stride S`: the source's frequencies 0, S, 2S, … stay rotary, the layout's one base
+    turning at exactly those (`rope_theta` θ^(S·D/d)). A one-KV-head source whose other frequencies
+    are zero in its queries (so their rotation never counts) is then the conversion at full rank."""
+    source = tiny_llama(tmp_path / "src", kv_heads=1)
+    kept = [stride * j for j in range(rope // 2)]
+    half = HEAD_DIM // 2
+    with torch.no_grad():
+        for layer in source.model.layers:
+            rows = layer.self_attn.q_proj.weight.view(HEADS, HEAD_DIM, -1)
+            for i in set(range(half)) - set(kept):
+                rows[:, [i, i + half]] = 0
+    source.save_pretrained(tmp_path / "src")
+    options = dict(target="mla", kv_rank=HIDDEN, rope_dims=rope, rope_stride=stride, source_hash="none")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "mla", **options)
+    mla = AutoModelForCausalLM.from_pretrained(out).eval()
+    source_freq = source.model.rotary_emb.inv_freq
+    torch.testing.assert_close(mla.model.rotary_emb.inv_freq, source_freq[kept], rtol=1e-6, atol=0)
+    assert json.loads((out / "uptrain.json").read_text())["rotary_frequencies_kept"] == kept
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits_close(mla(ids).logits, source, ids)
+    too_far = half // (rope // 2 - 1) + 1  # the last kept frequency would be past the source's
+    with pytest.raises(UptrainError, match="past its last"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "bad", **dict(options, rope_stride=too_far))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_rotary_residual_keeps_what_the_shared_key_misses_unrotated(tmp_path):
+    """`--rope-residual N`: per head, the part of its rotary key the shared key misses goes into the
+    latent, unrotated, read by the head's own query (the softmax scale kept the source's by
+    scaling the queries). Where no rotation turns anything (every position 0) four KV heads whose
+    rotary keys no one key holds are then the source exactly at full rank with every frequency
+    shared (D = d) and every residual kept; without the residual they are not. At real positions a
+    one-KV-head source (nothing to miss) stays the source, D = d, with residual columns written."""
+    source = tiny_llama(tmp_path / "src", kv_heads=4)
+    options = dict(target="mla", kv_rank=HIDDEN, rope_dims=HEAD_DIM, source_hash="none")
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    still = torch.zeros_like(ids)
+    kept = convert_checkpoint(tmp_path / "src", tmp_path / "kept", rope_residual=HEAD_DIM // 2, **options)
+    dropped = convert_checkpoint(tmp_path / "src", tmp_path / "dropped", **options)
+    config = json.loads((kept / "config.json").read_text())
+    assert (config["qk_nope_head_dim"], config["qk_rope_head_dim"]) == (HEAD_DIM, HEAD_DIM)
+    with torch.no_grad():
+        logits_close(
+            AutoModelForCausalLM.from_pretrained(kept)(ids, position_ids=still).logits, source, ids, position_ids=still
+        )
+        with pytest.raises(AssertionError, match="float32 rounding"):
+            got = AutoModelForCausalLM.from_pretrained(dropped)(ids, position_ids=still).logits
+            logits_close(got, source, ids, position_ids=still)
+    one = tiny_llama(tmp_path / "one", kv_heads=1)
+    out = convert_checkpoint(tmp_path / "one", tmp_path / "one-mla", rope_residual=3, **options)
+    assert json.loads((out / "config.json").read_text())["qk_nope_head_dim"] == 6
+    assert json.loads((out / "uptrain.json").read_text())["rotary_residual_frequencies"] == [13, 14, 15]
+    assert "at frequencies [13, 14, 15] is kept in the latent, unrotated" in (out / "README.md").read_text()
+    with torch.no_grad():
+        logits_close(AutoModelForCausalLM.from_pretrained(out)(ids).logits, one, ids)
+
+
 def llama_rope_rows(rope_dims: int) -> list[int]:
     """Llama rotates column i with i + d/2; DeepSeek-V2 rotates (2j, 2j + 1): the first D/2 pairs."""
     pairs = [(i, i + HEAD_DIM // 2) for i in range(rope_dims // 2)]

@@ -86,3 +86,5 @@ def test_a_calibrated_latent_calibrates_on_the_runs_training_text(base_config):
     assert svd.calibration_data is None  # the weight-space SVD reads no data (convert refuses it any)
     assert (calibrated.calibration_data, calibrated.calibration_seq_len) == (run["train_data"], run["seq_len"])
     assert (calibrated.mla_init, calibrated.rotary_key, calibrated.kv_rank) == ("calibrated", "calibrated", 8)
+    rotary = TrainConfig(**run, rope_dims=6, rope_stride=2, rope_residual=1).conversion_spec()
+    assert (rotary.rope_dims, rotary.rope_stride, rotary.rope_residual) == (6, 2, 1)

@@ -38,10 +38,13 @@ LAYER_TENSORS = (Q_PROJ, KV_A_PROJ, KV_A_NORM, KV_B_PROJ)  # in the order they a
 _DROPPED_KEYS = ("head_dim", "pretraining_tp", "rope_scaling", "auto_map")
 
 
-def rope_theta_for(theta: float, rope_dims: int, head_dim: int) -> float:
-    """The base at which DeepSeek-V2's rotary over `rope_dims` columns turns at the source's first
-    `rope_dims / 2` frequencies: θ'^(−2j/D) = θ^(−2j/d) for θ' = θ^(D/d)."""
-    return float(theta ** (rope_dims / head_dim))
+def rope_theta_for(theta: float, rope_dims: int, head_dim: int, stride: int = 1) -> float:
+    """The base at which DeepSeek-V2's rotary over `rope_dims` columns turns at the source's
+    frequencies 0, s, …, s (D/2 − 1): θ'^(−2j/D) = θ^(−2sj/d) for θ' = θ^(sD/d). Its frequencies
+    are a geometric sequence from 1 (the plain rotary, `rotary_parameters`: transformers and vLLM
+    take them from `rope_theta` alone), so every s-th of the source's from the highest is what one
+    base can give."""
+    return float(theta ** (stride * rope_dims / head_dim))
 
 
 def rotary_parameters(theta: float, max_positions: int) -> dict:
@@ -60,12 +63,21 @@ def rotary_parameters(theta: float, max_positions: int) -> dict:
     }
 
 
-def mla_config(config: dict, kv_rank: int, rope_dims: int, head_dim: int, rope_theta: float) -> dict:
+def mla_config(
+    config: dict,
+    kv_rank: int,
+    rope_dims: int,
+    head_dim: int,
+    rope_theta: float,
+    rope_stride: int = 1,
+    nope_dims: int | None = None,
+) -> dict:
     """A Llama config.json (dict) as a dense DeepSeek-V2 one: every query head's key is
     `head_dim - rope_dims` columns from the latent plus the shared rotary key of `rope_dims`
     columns (so `qk_nope_head_dim + qk_rope_head_dim = head_dim` and the softmax scale
-    head_dim^−½ is the source's), values of `head_dim` columns (`o_proj` unchanged)."""
-    theta = rope_theta_for(rope_theta, rope_dims, head_dim)
+    head_dim^−½ is the source's; `nope_dims` wider with `--rope-residual`, whose queries carry the
+    scale's correction), values of `head_dim` columns (`o_proj` unchanged)."""
+    theta = rope_theta_for(rope_theta, rope_dims, head_dim, rope_stride)
     out = {k: v for k, v in config.items() if k not in _DROPPED_KEYS}
     out.update(
         model_type=MODEL_TYPE,
@@ -75,7 +87,7 @@ def mla_config(config: dict, kv_rank: int, rope_dims: int, head_dim: int, rope_t
         q_lora_rank=None,
         kv_lora_rank=kv_rank,
         qk_rope_head_dim=rope_dims,
-        qk_nope_head_dim=head_dim - rope_dims,
+        qk_nope_head_dim=head_dim - rope_dims if nope_dims is None else nope_dims,
         v_head_dim=head_dim,
         # No MoE layer: the MoE keys keep transformers' defaults, which build nothing.
         first_k_dense_replace=config["num_hidden_layers"],

@@ -103,6 +103,8 @@ class CompareSpec(
         "(calibrated on train_data, as calibrated pooling is)",
     )
     rope_dims: int | None = option_like(ConversionSpec, "rope_dims", None)
+    rope_stride: int = option_like(ConversionSpec, "rope_stride", 1)
+    rope_residual: int = option_like(ConversionSpec, "rope_residual", 0)
     rotary_key: RotaryKey = option_like(
         ConversionSpec,
         "rotary_key",
@@ -232,6 +234,8 @@ class CompareSpec(
             latent = {
                 "--mla-init": self.mla_init != ["svd", "calibrated"],
                 "--rope-dims": self.rope_dims is not None,
+                "--rope-stride": self.rope_stride != 1,
+                "--rope-residual": self.rope_residual != 0,
                 "--rotary-key": self.rotary_key != "principal",
             }
             if given := [flag for flag, set_ in latent.items() if set_]:
@@ -261,11 +265,13 @@ class CompareSpec(
 
     def latent_conversion_spec(self, kv_budget: float, mla_init: str) -> ConversionSpec:
         """The conversion of one MLA run: `uptrain convert --target mla --kv-budget F --mla-init I`
-        with the compare's --rope-dims and --rotary-key (principal for svd, which reads no data), the
-        GQA route's keys at their defaults, calibrated (I = calibrated) on the training data."""
+        with the compare's --rope-dims, --rope-stride, --rope-residual and --rotary-key (principal for
+        svd, which reads no data), the GQA route's keys at their defaults, calibrated (I = calibrated)
+        on the training data."""
         rotary_key = "principal" if mla_init == "svd" and self.rotary_key == "calibrated" else self.rotary_key
         gqa_only = {"pooling": "mean", "grouping": "contiguous", "allocation": "uniform", "allocation_cost": None}
         latent = {"target": "mla", "mla_init": mla_init, "rope_dims": self.rope_dims, "rotary_key": rotary_key}
+        latent |= {"rope_stride": self.rope_stride, "rope_residual": self.rope_residual}
         if mla_init != "calibrated":  # reads no calibration data
             latent["calibration_data"] = None
         return training_conversion(

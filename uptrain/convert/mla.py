@@ -5,14 +5,19 @@ activations on calibration data (`--mla-init calibrated`, `mla_calibrated`). doc
 has the math.
 
 Per layer, with n = x / g the input RMSNorm's output before its gain g (rms 1 per token):
-- rotary: the source's first D/2 frequencies stay rotary (Llama rotates column i with i + d/2 at
-  θ^(−2i/d); DeepSeek-V2 rotates (2j, 2j+1) at θ'^(−2j/D), θ' = θ^(D/d)). DeepSeek-V2 has one
+- rotary: the source's frequencies 0, S, …, S (D/2 − 1) stay rotary, the first D/2 by default
+  (`--rope-stride S`; Llama rotates column i with i + d/2 at θ^(−2i/d); DeepSeek-V2 rotates
+  (2j, 2j+1) at θ'^(−2j/D), θ' = θ^(S·D/d): one geometric sequence from the highest frequency is all
+  the layout can state, in transformers and vLLM alike). DeepSeek-V2 has one
   rotary key for all heads: per frequency the best complex rank-1 fit of the heads' rotary keys,
   each query head's rotary rows rescaled and turned to read it (`principal_rope_key`; exact when
   the heads' keys of a frequency are complex multiples of one, as with one KV head), the mean
   of the KV heads' rotary rows (`mean_rope_key`, the ablation), or the same fit under the
   calibration's moments (`mla_calibrated.solve_rope_key`, `--rotary-key calibrated`);
 - the other d − D columns of every head's query and key lose their rotation (partial RoPE);
+- what the shared key misses of each head's rotary key is dropped, or for the lowest N kept
+  frequencies (`--rope-residual N`) kept in the latent unrotated (`rotary_residual`): 2N more
+  non-rotary columns per head, no more cache; measured much better on the reference (docs);
 - latent: the stacked non-rotary keys and values, per query head, W = [K_nope; V] · diag(g) =
   U S Vᵀ; the latent is c = V_Rᵀ n (`kv_a_proj_with_mqa` = V_Rᵀ diag(1/g)), `kv_b_proj` = U_R S_R.
   V_R has orthonormal columns, so at R = hidden c is n rotated and its rms is n's, 1: the latent
@@ -64,10 +69,32 @@ class MLAGeometry:
     rope_dims: int
     rope_theta: float
     rotary_key: str = "principal"  # a name of ROTARY_KEY_TEXT
+    rope_stride: int = 1  # the kept frequencies are the source's 0, s, 2s, … (`rope_frequencies`)
+    rope_residual: int = 0  # of the kept frequencies, the lowest this many keep the shared key's residual unrotated
+
+    @property
+    def rope_frequencies(self) -> list[int]:
+        """The source's frequencies that stay rotary, highest first: every `rope_stride`-th from the
+        first, the geometric sequence DeepSeek-V2's θ'^(−2j/D) can turn at (`deepseek_v2.rope_theta_for`)."""
+        return [self.rope_stride * j for j in range(self.rope_dims // 2)]
+
+    @property
+    def residual_frequencies(self) -> list[int]:
+        """The kept frequencies whose part of each head's key the shared rotary key misses goes into
+        the latent, unrotated (`rotary_residual`): the lowest `rope_residual` of them."""
+        kept = self.rope_frequencies
+        return kept[len(kept) - self.rope_residual :]
 
     @property
     def nope_dims(self) -> int:
-        return self.head_dim - self.rope_dims
+        """qk_nope_head_dim: the columns that lose their rotation, then the residuals' (2 per frequency)."""
+        return self.head_dim - self.rope_dims + 2 * self.rope_residual
+
+    @property
+    def query_scale(self) -> float:
+        """DeepSeek-V2's softmax scale is (qk_nope_head_dim + qk_rope_head_dim)^−½; the source's d^−½:
+        the queries are multiplied by the ratio (1 without residual columns)."""
+        return math.sqrt((self.nope_dims + self.rope_dims) / self.head_dim)
 
     @property
     def max_rank(self) -> int:
@@ -111,6 +138,8 @@ def mla_geometry(
     rope_dims: int | None,
     kv_budget: float | None = None,
     rotary_key: str = "principal",
+    rope_stride: int = 1,
+    rope_residual: int = 0,
 ) -> MLAGeometry:
     """The geometry, or one line saying what of the source or the flags this layout cannot take;
     the rank is `kv_rank`, or what `kv_budget` leaves after the rotary key."""
@@ -136,6 +165,13 @@ def mla_geometry(
     rope_dims = default_rope_dims(head_dim) if rope_dims is None else rope_dims
     if rope_dims % 2 or not 2 <= rope_dims <= head_dim:
         raise UptrainError(f"--rope-dims {rope_dims}: give an even number from 2 to the head dimension {head_dim}")
+    if rope_stride * (rope_dims // 2 - 1) >= head_dim // 2:
+        raise UptrainError(
+            f"--rope-stride {rope_stride} with --rope-dims {rope_dims}: the {rope_dims // 2}th kept frequency would be "
+            f"the source's {rope_stride * (rope_dims // 2 - 1)}, past its last ({head_dim // 2 - 1})"
+        )
+    if not 0 <= rope_residual <= rope_dims // 2:
+        raise UptrainError(f"--rope-residual {rope_residual}: give 0 to the {rope_dims // 2} kept frequencies")
     kv_heads = config.get("num_key_value_heads") or heads
     if kv_rank is None:
         kv_rank = rank_for_budget(kv_budget, 2 * kv_heads * head_dim, rope_dims)
@@ -149,6 +185,8 @@ def mla_geometry(
         rope_dims=rope_dims,
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rotary_key=rotary_key,
+        rope_stride=rope_stride,
+        rope_residual=rope_residual,
     )
     if not 1 <= kv_rank <= geometry.max_rank:
         raise UptrainError(
@@ -158,16 +196,16 @@ def mla_geometry(
     return geometry
 
 
-def rope_rows(head_dim: int, rope_dims: int) -> list[int]:
-    """A head's columns that stay rotary, in DeepSeek-V2's interleaved order: the first
-    `rope_dims / 2` frequencies, Llama's pair (i, i + d/2) becoming (2i, 2i + 1)."""
+def rope_rows(head_dim: int, rope_dims: int, stride: int = 1) -> list[int]:
+    """A head's columns that stay rotary, in DeepSeek-V2's interleaved order: the frequencies
+    0, s, …, s (D/2 − 1), Llama's pair (i, i + d/2) of the j-th kept frequency i becoming (2j, 2j + 1)."""
     half = head_dim // 2
-    return [row for i in range(rope_dims // 2) for row in (i, i + half)]
+    return [row for j in range(rope_dims // 2) for row in (stride * j, stride * j + half)]
 
 
-def nope_rows(head_dim: int, rope_dims: int) -> list[int]:
+def nope_rows(head_dim: int, rope_dims: int, stride: int = 1) -> list[int]:
     """A head's columns that lose their rotation, in the source's order."""
-    kept = set(rope_rows(head_dim, rope_dims))
+    kept = set(rope_rows(head_dim, rope_dims, stride))
     return [row for row in range(head_dim) if row not in kept]
 
 
@@ -176,7 +214,7 @@ def mean_rope_key(q: torch.Tensor, k: torch.Tensor, geo: MLAGeometry):
     head keeps its own (the GQA paper's mean pooling, to one head; in weight space, so the input
     norm's gain plays no part). Returns each query head's rotary rows (heads × D × hidden) and the
     key's (D × hidden), float64."""
-    rows = rope_rows(geo.head_dim, geo.rope_dims)
+    rows = rope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)
     return geo.query_heads(q)[:, rows], geo.kv_heads(k)[:, rows].mean(dim=0)
 
 
@@ -193,7 +231,7 @@ def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo
     q_heads, k_heads = geo.query_heads(q), geo.kv_heads(k)
     q_rope = torch.empty(geo.num_heads, geo.rope_dims, q.shape[-1], dtype=torch.float64)
     k_rope = torch.empty(geo.rope_dims, k.shape[-1], dtype=torch.float64)
-    for i in range(geo.rope_dims // 2):
+    for j, i in enumerate(geo.rope_frequencies):
         alpha = torch.complex(q_heads[:, i], q_heads[:, i + half])
         beta = torch.complex(k_heads[:, i], k_heads[:, i + half]).repeat_interleave(group, dim=0) * gain
         weight = (alpha * gain).abs().pow(2).sum(-1).sqrt()
@@ -201,8 +239,8 @@ def principal_rope_key(q: torch.Tensor, k: torch.Tensor, gain: torch.Tensor, geo
         scale = s[0] * u[:, 0] / weight.clamp_min(torch.finfo(torch.float64).tiny)  # β_h ≈ scale_h · vh[0]
         query = scale.conj()[:, None] * alpha
         key = vh[0] / gain
-        q_rope[:, 2 * i], q_rope[:, 2 * i + 1] = query.real, query.imag
-        k_rope[2 * i], k_rope[2 * i + 1] = key.real, key.imag
+        q_rope[:, 2 * j], q_rope[:, 2 * j + 1] = query.real, query.imag
+        k_rope[2 * j], k_rope[2 * j + 1] = key.real, key.imag
     return q_rope, k_rope
 
 
@@ -215,20 +253,48 @@ ROTARY_KEY_TEXT = {
 }
 
 
-def stacked_kv(k: torch.Tensor, v: torch.Tensor, geo: MLAGeometry) -> torch.Tensor:
+def stacked_kv(
+    k: torch.Tensor, v: torch.Tensor, geo: MLAGeometry, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows `kv_b_proj` must produce, as the source computes them: per query head its KV head's
-    non-rotary key rows, then its value rows (float64)."""
+    non-rotary key rows, its rotary residual's (`rotary_residual`, when given), then its value rows
+    (float64)."""
     group = geo.num_heads // geo.num_kv_heads
-    k_nope = geo.kv_heads(k)[:, nope_rows(geo.head_dim, geo.rope_dims)]
-    per_kv = torch.cat([k_nope, geo.kv_heads(v)], dim=1)
-    return per_kv.repeat_interleave(group, dim=0).reshape(-1, k.shape[-1])
+    nope = nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)
+    k_nope = geo.kv_heads(k)[:, nope].repeat_interleave(group, dim=0)
+    v = geo.kv_heads(v).repeat_interleave(group, dim=0)
+    parts = [k_nope] if residual is None else [k_nope, residual]
+    return torch.cat([*parts, v], dim=1).reshape(-1, k.shape[-1])
+
+
+def rotary_residual(q: torch.Tensor, k: torch.Tensor, q_rope: torch.Tensor, k_rope: torch.Tensor, geo: MLAGeometry):
+    """For the kept frequencies in `geo.residual_frequencies`, what the shared key misses of each
+    head's rotary score, as non-rotary columns: per query head h and frequency i, the written score
+    Re(conj(c̄_h α_h·x) (β·y) e^{iθΔ}) is the source's with key c_h β, so the residual key is
+    r_h = β_h − c_h β (c̄_h read back from the turned query, c̄_h = α_hᴴ q'_h / α_hᴴ α_h), read by the
+    source's own query α_h without rotation. Returns the query's and the key's rows, (real,
+    imaginary) per frequency, [heads, 2·residual, hidden] each (float64)."""
+    half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
+    q_heads, k_heads = geo.query_heads(q), geo.kv_heads(k).repeat_interleave(group, dim=0)
+    queries, keys = [], []
+    start = geo.rope_dims // 2 - geo.rope_residual
+    for j, i in enumerate(geo.residual_frequencies, start):
+        alpha = torch.complex(q_heads[:, i], q_heads[:, i + half])
+        beta = torch.complex(k_heads[:, i], k_heads[:, i + half])
+        turned = torch.complex(q_rope[:, 2 * j], q_rope[:, 2 * j + 1])
+        norm = (alpha.abs() ** 2).sum(-1)
+        turn = (alpha.conj() * turned).sum(-1) / norm.clamp_min(torch.finfo(torch.float64).tiny)  # c̄_h
+        residual = beta - turn.conj()[:, None] * torch.complex(k_rope[2 * j], k_rope[2 * j + 1])
+        queries += [alpha.real, alpha.imag]
+        keys += [residual.real, residual.imag]
+    return torch.stack(queries, dim=1), torch.stack(keys, dim=1)
 
 
 def reader_rows(tensors: dict[str, torch.Tensor], geo: MLAGeometry):
     """What `--mla-init calibrated` weighs the latent's error by, per query head (float64): its KV
     head's non-rotary key rows [h, d − D, hidden] and value rows [h, d, hidden], its own non-rotary
     query rows [h, d − D, hidden] and o_proj columns [h, hidden, d]."""
-    group, nope = geo.num_heads // geo.num_kv_heads, nope_rows(geo.head_dim, geo.rope_dims)
+    group, nope = geo.num_heads // geo.num_kv_heads, nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)
     k = geo.kv_heads(tensors["k"]).repeat_interleave(group, dim=0)
     v = geo.kv_heads(tensors["v"]).repeat_interleave(group, dim=0)
     q = geo.query_heads(tensors["q"])
@@ -250,19 +316,23 @@ def layer_attention(
     """One layer's source q/k/v_proj weights as the DeepSeek-V2 attention's (`o_proj` is unchanged):
     the latent by the joint SVD, or by `solution` (`--mla-init calibrated`, `mla_calibrated`)."""
     dtype = tensors["q"].dtype
-    kv = stacked_kv(tensors["k"], tensors["v"], geo)
-    if solution is None:
-        (down, up), rms = joint_svd(kv, gain, geo.kv_rank), 1.0
-    else:
-        down, up, rms = solution.down, kv @ solution.fit, solution.rms
     if geo.rotary_key == "calibrated":  # solved from the calibration's moments (`mla_calibrated`)
         q_rope, k_rope = turned_queries(tensors["q"], solution.rope_turns, geo), solution.rope_key
     elif geo.rotary_key == "principal":
         q_rope, k_rope = principal_rope_key(tensors["q"], tensors["k"], gain, geo)
     else:
         q_rope, k_rope = mean_rope_key(tensors["q"], tensors["k"], geo)
-    q_nope = geo.query_heads(tensors["q"])[:, nope_rows(geo.head_dim, geo.rope_dims)]
-    query = torch.cat([q_nope, q_rope], dim=1).reshape(-1, tensors["q"].shape[-1])
+    q_nope = geo.query_heads(tensors["q"])[:, nope_rows(geo.head_dim, geo.rope_dims, geo.rope_stride)]
+    k_residual = None
+    if geo.rope_residual:
+        q_residual, k_residual = rotary_residual(tensors["q"], tensors["k"], q_rope, k_rope, geo)
+        q_nope = torch.cat([q_nope, q_residual], dim=1)
+    kv = stacked_kv(tensors["k"], tensors["v"], geo, k_residual)
+    if solution is None:
+        (down, up), rms = joint_svd(kv, gain, geo.kv_rank), 1.0
+    else:
+        down, up, rms = solution.down, kv @ solution.fit, solution.rms
+    query = torch.cat([q_nope, q_rope], dim=1).reshape(-1, tensors["q"].shape[-1]) * geo.query_scale
     kv_a = torch.cat([down, k_rope])
     return {
         deepseek_v2.Q_PROJ: query.to(dtype),
@@ -316,7 +386,7 @@ def tied_head(config: dict) -> bool:
 def _entries(names, checkpoint: SourceCheckpoint, geo: MLAGeometry, cast) -> list[OutputEntry]:
     attention_dtype = checkpoint.tensors[LAYER.format(0) + "q_proj.weight"].dtype
     shapes = {
-        deepseek_v2.Q_PROJ: (geo.num_heads * geo.head_dim, geo.hidden),
+        deepseek_v2.Q_PROJ: (geo.num_heads * (geo.nope_dims + geo.rope_dims), geo.hidden),
         deepseek_v2.KV_A_PROJ: (geo.kv_rank + geo.rope_dims, geo.hidden),
         deepseek_v2.KV_A_NORM: (geo.kv_rank,),
         deepseek_v2.KV_B_PROJ: (geo.num_heads * (geo.nope_dims + geo.head_dim), geo.kv_rank),
@@ -380,10 +450,18 @@ def mla_record(source, source_files: dict, geo: MLAGeometry, dtype: str | None, 
         "source_num_key_value_heads": geo.num_kv_heads,
         "kv_lora_rank": geo.kv_rank,
         "qk_rope_head_dim": geo.rope_dims,
-        "rotary_frequencies_kept": list(range(geo.rope_dims // 2)),
+        "rotary_frequencies_kept": geo.rope_frequencies,
+        "rotary_residual_frequencies": geo.residual_frequencies,
         "rotary_key": geo.rotary_key,
         "kv_elements_per_token_per_layer": kv_elements_per_token(geo),
     }
+
+
+def residual_text(residual: list[int] | None) -> str:
+    """The card's sentence on `--rope-residual`."""
+    if not residual:
+        return "what it misses of each head's rotary key is dropped."
+    return f"what it misses of each head's rotary key at frequencies {residual} is kept in the latent, unrotated."
 
 
 # kv_lora_rank + qk_rope_head_dim that vLLM 0.32's MLA backends take: its GPU ones
@@ -420,8 +498,9 @@ to multi-head latent attention: a latent of rank {p["kv_lora_rank"]} and one rot
 against the source's {elements["source"]} ({elements["mla"] / elements["mha"]:.4g} of multi-head attention's).
 
 Initialisation: {p["initialisation_reference"]} (`{p["initialisation"]}`). \
-Rotary frequencies kept: the first {p["qk_rope_head_dim"] // 2} of each head; \
-the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`). \
+Rotary frequencies kept (the source's, 0 the highest): {p["rotary_frequencies_kept"]}; \
+the shared rotary key: {ROTARY_KEY_TEXT[p["rotary_key"]]} (`{p["rotary_key"]}`); \
+{residual_text(p.get("rotary_residual_frequencies"))} \
 Loads with transformers' own `DeepseekV2ForCausalLM` (4.57 and 5). {vllm_serving(p)}
 
 The weights have not been trained since conversion: uptrain them before use.
@@ -467,7 +546,15 @@ def checked_latent(spec: ConversionSpec):
     another family, biases, scaled rotary, a rank or budget it cannot give), reading only its
     config: what `convert_mla` refuses, checked before anything is written elsewhere."""
     source = resolve_source(spec.source)
-    mla_geometry(read_config(source.folder), spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
+    mla_geometry(
+        read_config(source.folder),
+        spec.kv_rank,
+        spec.rope_dims,
+        spec.kv_budget,
+        spec.rotary_key,
+        spec.rope_stride,
+        spec.rope_residual,
+    )
     return source
 
 
@@ -480,7 +567,9 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False, 
     source = resolve_source(spec.source)
     check_apart(out, [("source checkpoint", source.folder)])
     config = read_config(source.folder)
-    geo = mla_geometry(config, spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key)
+    geo = mla_geometry(
+        config, spec.kv_rank, spec.rope_dims, spec.kv_budget, spec.rotary_key, spec.rope_stride, spec.rope_residual
+    )
     cast = DTYPES[spec.dtype] if spec.dtype is not None else None
     checkpoint = SourceCheckpoint(source.folder, allow_pickle=spec.allow_pickle)
     try:
@@ -499,7 +588,9 @@ def convert_mla(spec: ConversionSpec, out: str | Path, overwrite: bool = False, 
                 for (name, _), tensor in zip(names, _tensors(names, checkpoint, geo, cast, solutions), strict=True):
                     writer.begin(name)
                     writer.write(tensor_bytes(tensor.contiguous()))
-            written = deepseek_v2.mla_config(config, geo.kv_rank, geo.rope_dims, geo.head_dim, geo.rope_theta)
+            written = deepseek_v2.mla_config(
+                config, geo.kv_rank, geo.rope_dims, geo.head_dim, geo.rope_theta, geo.rope_stride, geo.nope_dims
+            )
             set_dtype(written, spec.dtype)
             (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
             copy_side_files(source.folder, tmp, written)

@@ -28,6 +28,10 @@ B A x = W x for those x and the norm is the identity (tests/convert/test_mla.py)
 
 `--rotary-key calibrated` fits the shared rotary key on the same C (`solve_rope_key`): the
 calibrated GQA merge's rank-1 fit of the KV heads' complex key rows, per frequency.
+With `--rope-residual N` the rows B reconstructs include the rotary residual's (`mla.rotary_residual`,
+which depends on the key solved here): B is their regression on c like any row's, but G, which
+picks A, weighs only the non-rotary key and value rows (exact at full rank; D = 24, N = 6 on the reference:
+117.94 at full rank, 118.11 at R = 40, measured in docs/concepts/mla.md).
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def solve_rope_key(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, geo) -> tu
     DeepSeek-V2's interleaved order (D × hidden) and σ [D/2, kv], conj(σ_s) folded into the queries."""
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
     q_heads, k_heads = geo.query_heads(q), geo.kv_heads(k)
-    pairs = range(geo.rope_dims // 2)
+    pairs = geo.rope_frequencies
     keys = torch.stack([torch.complex(k_heads[:, i], k_heads[:, i + half]) for i in pairs])  # [D/2, kv, hidden]
     energy = torch.einsum("hdx,xy,hdy->hd", q_heads, c, q_heads)  # E[q_d²] per query head
     alpha = torch.stack([(energy[:, i] + energy[:, i + half]).reshape(-1, group).sum(1) for i in pairs])
@@ -111,9 +115,9 @@ def turned_queries(q: torch.Tensor, turns: torch.Tensor, geo) -> torch.Tensor:
     half, group = geo.head_dim // 2, geo.num_heads // geo.num_kv_heads
     q_heads = geo.query_heads(q)
     out = torch.empty(geo.num_heads, geo.rope_dims, q_heads.shape[-1], dtype=torch.float64)
-    for i in range(geo.rope_dims // 2):
-        pair = torch.complex(q_heads[:, i], q_heads[:, i + half]) * turns[i].repeat_interleave(group).conj()[:, None]
-        out[:, 2 * i], out[:, 2 * i + 1] = pair.real, pair.imag
+    for j, i in enumerate(geo.rope_frequencies):
+        pair = torch.complex(q_heads[:, i], q_heads[:, i + half]) * turns[j].repeat_interleave(group).conj()[:, None]
+        out[:, 2 * j], out[:, 2 * j + 1] = pair.real, pair.imag
     return out
 
 

@@ -274,6 +274,20 @@ class ConversionSpec(ConversionOptions):
         help="--target mla: columns of the shared rotary key (qk_rope_head_dim; the source's first D/2 "
         "frequencies stay rotary, the rest lose their rotation); default: half the head dimension",
     )
+    rope_stride: int = option(
+        1,
+        at_least=1,
+        metavar="S",
+        help="--target mla: the source's frequencies 0, S, 2S, … (every S-th from the highest) stay rotary, "
+        "D/2 of them; the rest lose their rotation",
+    )
+    rope_residual: int = option(
+        0,
+        at_least=0,
+        metavar="N",
+        help="--target mla: of the kept rotary frequencies, the lowest N keep what the shared rotary key misses "
+        "of each head's key as non-rotary columns of the latent (2 per frequency) instead of dropping it",
+    )
     rotary_key: RotaryKey = option(
         "principal",
         help="--target mla: the one rotary key all heads share: principal (per frequency, the best complex "
@@ -346,12 +360,14 @@ class ConversionSpec(ConversionOptions):
         elif (
             self.kv_rank is not None
             or self.rope_dims is not None
+            or self.rope_stride != 1
+            or self.rope_residual
             or self.rotary_key != "principal"
             or self.mla_init != "svd"
         ):
             found.append(
-                "--kv-rank, --rope-dims, --rotary-key and --mla-init shape a latent attention: "
-                "give them with --target mla"
+                "--kv-rank, --rope-dims, --rope-stride, --rope-residual, --rotary-key and --mla-init shape a latent "
+                "attention: give them with --target mla"
             )
         elif problem := kv_heads_problem(self.num_kv_heads, self.kv_heads_per_layer, self.kv_budget, self.allocation):
             found.append(problem)

@@ -325,6 +325,15 @@ class RunTarget(Schema):
     rope_dims: int | None = option(
         None, at_least=2, help="target mla: columns of the shared rotary key (default: half the head dimension)"
     )
+    rope_stride: int = option(
+        1, at_least=1, help="target mla: the source's frequencies 0, S, 2S, … stay rotary, as `uptrain convert`"
+    )
+    rope_residual: int = option(
+        0,
+        at_least=0,
+        help="target mla: the lowest N kept rotary frequencies keep what the shared key misses, unrotated in the "
+        "latent, as `uptrain convert --rope-residual`",
+    )
     rotary_key: RotaryKey = option(
         "principal", help="target mla: the one rotary key all heads share, as `uptrain convert --rotary-key`"
     )
@@ -335,7 +344,10 @@ class RunTarget(Schema):
     # The keys that choose the converted KV heads, each applied to `source` only.
     KV_HEADS_KEYS = ("num_kv_heads", "kv_heads_per_layer", "kv_budget")
     # The keys of a latent-attention conversion of `source`, at their defaults for GQA.
-    MLA_KEYS = {"target": "gqa", "kv_rank": None, "rope_dims": None, "rotary_key": "principal", "mla_init": "svd"}
+    MLA_KEYS = {
+        **{"target": "gqa", "kv_rank": None, "rope_dims": None, "rope_stride": 1, "rope_residual": 0},
+        **{"rotary_key": "principal", "mla_init": "svd"},
+    }
 
     def problems(self) -> list[str]:
         found = super().problems()

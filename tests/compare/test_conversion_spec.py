@@ -38,8 +38,8 @@ TRAINED = dict(
 )
 # ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),
 # and those each run sets itself.
-# target, kv_rank, rope_dims, rotary_key and mla_init: `uptrain train`'s `source` takes them too
-# (tests/train/test_mla_model.py); `uptrain compare` not yet (issue #33).
+# The MLA keys: `uptrain train`'s `source` takes them too (tests/train/test_mla_model.py), and
+# `uptrain compare` sets them per MLA run (its --target mla runs: tests/compare/test_mla.py).
 CONVERT_ONLY = {
     *("dtype", "max_shard_size", "allow_pickle", "target", "kv_rank", "rope_dims", "rotary_key", "mla_init"),
     *("rope_stride", "rope_residual"),

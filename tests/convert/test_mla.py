@@ -23,8 +23,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from uptrain import UptrainError
+from uptrain.architecture import REGISTRY, source_model_type
 from uptrain.cli import main
 from uptrain.convert import convert_checkpoint
+from uptrain.convert.mla import FAMILIES, FAMILY_REFUSALS, mla_geometry
 
 HEADS, HEAD_DIM, HIDDEN = 4, 32, 128
 
@@ -312,6 +314,18 @@ def test_sources_the_layout_cannot_take_are_refused(tmp_path, capsys, config, me
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_every_other_family_is_refused_with_what_the_layout_cannot_state():
+    """Each family uptrain converts to GQA, but not to MLA, has its own reason (a family added to
+    the registry without one fails here); converted `*_gqa` types read as their source's."""
+    assert set(FAMILY_REFUSALS) == set(REGISTRY) - set(FAMILIES)
+    for model_type in [*FAMILY_REFUSALS, "gpt2_gqa", "whisper_gqa", "not_a_model"]:
+        with pytest.raises(UptrainError) as refused:
+            mla_geometry({"model_type": model_type}, kv_rank=8, rope_dims=None)
+        reason = FAMILY_REFUSALS.get(source_model_type(model_type), "an architecture uptrain does not know")
+        assert f"{model_type!r} has {reason} (use --target gqa)" in str(refused.value)
+        assert "\n" not in str(refused.value)
 
 
 def test_a_zero_input_norm_gain_is_refused_before_anything_is_written(tmp_path):

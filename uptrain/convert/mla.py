@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
-from uptrain.architecture import deepseek_v2
+from uptrain.architecture import deepseek_v2, source_model_type
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
 from uptrain.checkpoint.card import card_metadata, front_matter
 from uptrain.checkpoint.hashing import BackgroundHasher
@@ -51,6 +51,35 @@ from uptrain.convert.spec import CalibrationSettings, ConversionSpec, parse_size
 from uptrain.model_info import read_config
 
 FAMILIES = ("llama",)  # rotary decoders whose attention is q/k/v/o_proj without bias
+# Why each other family uptrain converts to GQA is not converted to MLA. DeepSeek-V2's block is
+# Llama's (RMSNorm of weight w, rotary positions, separate q/k/v/o without bias, SwiGLU MLP, plain
+# residuals), so a source converts when its function is that block's; each reason names what it
+# has that the layout cannot state (tests/convert/test_mla.py checks every family has one).
+NO_LATENT_LAYOUT = "learned absolute positions, LayerNorm and a GELU MLP"
+ENCODER_DECODER = "an encoder and a decoder: DeepSeek-V2 is decoder-only, and uptrain has no latent modeling of its own"
+FAMILY_REFUSALS = {
+    "mistral": "sliding-window attention (sliding_window), which DeepSeek-V2 has no field for",
+    "qwen2": "q/k/v biases, which DeepSeek-V2's q_proj and kv_b_proj do not have",
+    "qwen3": "an RMSNorm on each head's query and key (q_norm, k_norm) before the rotary",
+    "gemma": "RMSNorm of weight 1 + w, a GELU MLP and embeddings scaled by √hidden",
+    "gemma2": "RMSNorm of weight 1 + w, norms after attention and MLP, logit soft-capping and sliding windows",
+    "phi": "partial rotary, LayerNorm, biases and attention parallel to a GELU MLP",
+    "phi3": "fused qkv_proj and gate_up_proj projections (not split for MLA yet)",
+    "stablelm": "LayerNorm and partial rotary",
+    "olmo": "LayerNorm without weights and optional q/k/v clipping",
+    "olmo2": "an RMSNorm on the queries and keys and norms after attention and MLP",
+    "starcoder2": "LayerNorm, biases, a GELU MLP and sliding windows",
+    "granite": "embedding, residual, attention and logit multipliers",
+    "gpt2": NO_LATENT_LAYOUT,
+    "opt": NO_LATENT_LAYOUT,
+    "gpt_neo": NO_LATENT_LAYOUT + ", and local attention layers",
+    "bloom": "ALiBi position biases (no rotary), LayerNorm and a GELU MLP",
+    "mpt": "ALiBi position biases (no rotary), LayerNorm and a GELU MLP",
+    "falcon": "attention parallel to a GELU MLP, LayerNorm, and ALiBi or rotary by configuration",
+    "gpt_neox": "partial rotary, LayerNorm and attention parallel to a GELU MLP",
+    "gptj": "rotary on interleaved pairs of part of each head, LayerNorm and attention parallel to a GELU MLP",
+    **dict.fromkeys(("t5", "mt5", "umt5", "bart", "mbart", "marian", "m2m_100", "pegasus", "whisper"), ENCODER_DECODER),
+}
 LAYER = "model.layers.{}.self_attn."
 INPUT_NORM = "model.layers.{}.input_layernorm.weight"
 EMBEDDINGS, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -145,9 +174,10 @@ def mla_geometry(
     the rank is `kv_rank`, or what `kv_budget` leaves after the rotary key."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
+        why = FAMILY_REFUSALS.get(source_model_type(model_type), "an architecture uptrain does not know")
         raise UptrainError(
-            f"--target mla converts the Llama family (model_type {', '.join(FAMILIES)}); {model_type!r} is not "
-            "supported yet (use --target gqa)"
+            f"--target mla converts the Llama family (model_type {', '.join(FAMILIES)}) into DeepSeek-V2's "
+            f"layout; {model_type!r} has {why} (use --target gqa)"
         )
     if config.get("attention_bias"):
         raise UptrainError(

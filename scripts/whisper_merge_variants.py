@@ -423,6 +423,12 @@ def main(argv=None) -> None:
     from uptrain.speed import load_model
 
     args = parse_args(argv)
+    from uptrain.evaluation.scores import require
+    from uptrain.evaluation.tasks import TASKS
+
+    # Every variant is scored with jiwer: refuse now, not after the calibration clips are encoded.
+    asr = TASKS["asr"]
+    require(asr.module, asr.package, "whisper_merge_variants.py's WER and CER (as uptrain evaluate --task asr)")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -454,4 +460,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from uptrain import UptrainError
+
+    try:
+        main()
+    except UptrainError as err:
+        sys.exit(f"error: {err}")

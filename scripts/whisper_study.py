@@ -14,8 +14,9 @@ self-attention converted too (calibrated, at the first G); with --kv-budgets F, 
 `--kv-budget F` of the decoder's self + cross KV bytes, spent uniformly and by the calibrated
 allocation (`--allocation-cost merge`, the cost encoder–decoders have), each layer's heads read
 from the cache; with --cross-kv-weight R a cross-attention head weighs R self heads in those budgets
-(convert's flag: R = the source frames cached per target token, 1,500 / ~40 for Whisper's clips). Conversions, calibration (on the
-training pairs, with the `--language` prompt) and uptraining are `uptrain compare`'s own
+(convert's flag: R = the source frames cached per target token, 1,500 / ~40 for Whisper's clips).
+Conversions, calibration (on the training pairs, with the `--language` prompt) and uptraining are
+`uptrain compare`'s own
 (`run_compare`: every run the same clips, order, seed and schedule; the MHA model trained alike as
 the reference row); distilled and encoder rows take the `TrainConfig` the compare gives its runs.
 

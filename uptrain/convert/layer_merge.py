@@ -254,7 +254,8 @@ class LayerMerger:
             # base's decoder self-attention at 8 of 8 heads came out with logit errors of 1e11).
             fields = {f: getattr(attention, f) for f in FIELDS}
             written = written_tensors(fields, self.layout, self.geometry.head_dim)
-            return {prefix + rel: t.to(dtypes[rel]).contiguous() for rel, t in written.items()}
+            as_read = self._query_head_tensors(prefix, list(range(attention.num_heads)))  # heads in their order
+            return as_read | {prefix + rel: t.to(dtypes[rel]).contiguous() for rel, t in written.items()}
         g = self.allocation[layer]
         solution = self.solutions.pop(layer, None)
         if solution is None:

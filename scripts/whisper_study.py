@@ -13,8 +13,10 @@ with distillation from the MHA original, train's `teacher`), and one row with th
 self-attention converted too (calibrated, at the first G); with --kv-budgets F, calibrated pooling at
 `--kv-budget F` of the decoder's self + cross KV bytes, spent uniformly and by the calibrated
 allocation (`--allocation-cost merge`, the cost encoder–decoders have), each layer's heads read
-from the cache. Conversions, calibration (on the
-training pairs, with the `--language` prompt) and uptraining are `uptrain compare`'s own
+from the cache; with --cross-kv-weight R a cross-attention head weighs R self heads in those budgets
+(convert's flag: R = the source frames cached per target token, 1,500 / ~40 for Whisper's clips).
+Conversions, calibration (on the training pairs, with the `--language` prompt) and uptraining are
+`uptrain compare`'s own
 (`run_compare`: every run the same clips, order, seed and schedule; the MHA model trained alike as
 the reference row); distilled and encoder rows take the `TrainConfig` the compare gives its runs.
 
@@ -58,7 +60,9 @@ import sys
 import time
 from pathlib import Path
 
+from uptrain import UptrainError
 from uptrain.checkpoint.atomic import atomic_directory, atomic_file, write_file
+from uptrain.convert.kv_heads import cross_kv_weight_problem
 from uptrain.data.speech import speak, write_pcm_wav
 
 POOLINGS = ("mean", "first", "random", "calibrated")
@@ -84,6 +88,7 @@ class Row:
     weighting: str = "uniform"  # the calibrated merge's `calibration_weighting`
     budget: float | None = None  # `--kv-budget`: a share of the converted attentions' KV bytes
     allocation: str = "uniform"  # how the budget is spent (`--allocation`)
+    cross_kv_weight: float | None = None  # `--cross-kv-weight R` of a budget row (None: a cross head weighs 1)
 
     @property
     def mha(self) -> bool:
@@ -96,10 +101,17 @@ class Row:
         return plain and not self.distillation and self.attention == DECODER
 
 
-def budget_rows(budgets: list[float], allocations: list[str]) -> list[Row]:
+def budget_rows(budgets: list[float], allocations: list[str], cross_kv_weight: float | None = None) -> list[Row]:
     """Per budget F and allocation: calibrated pooling at `--kv-budget F --allocation A` (the
-    calibrated allocation by the merge's cost, the one encoder–decoders have)."""
-    return [Row(f"kv{f:g}-{a}", None, "calibrated", budget=f, allocation=a) for f in budgets for a in allocations]
+    calibrated allocation by the merge's cost, the one encoder–decoders have), a cross-attention
+    head weighing `cross_kv_weight` self heads when given — named for it (kv0.25-calibrated-r37.9),
+    so that a folder's rows of another weight are converted, trained and scored apart."""
+    weight = "" if cross_kv_weight is None else f"-r{cross_kv_weight:g}"
+    return [
+        Row(f"kv{f:g}-{a}{weight}", None, "calibrated", budget=f, allocation=a, cross_kv_weight=cross_kv_weight)
+        for f in budgets
+        for a in allocations
+    ]
 
 
 def rows_of(
@@ -109,6 +121,7 @@ def rows_of(
     weighted: bool = False,
     budgets: list[float] = (),
     allocations: list[str] = ALLOCATIONS,
+    cross_kv_weight: float | None = None,
 ) -> list[Row]:
     rows = [Row("mha", None, "mha")]
     for g in kv_heads:
@@ -119,12 +132,18 @@ def rows_of(
             rows.append(Row(f"g{g}-calibrated-attention", g, "calibrated", weighting="attention"))
     if encoder_row and kv_heads:
         rows.append(Row(f"g{kv_heads[0]}-calibrated-encoder", kv_heads[0], "calibrated", attention=WITH_ENCODER))
-    return rows + budget_rows(budgets, allocations)
+    return rows + budget_rows(budgets, allocations, cross_kv_weight)
 
 
 def study_rows(args: argparse.Namespace) -> list[Row]:
     return rows_of(
-        args.kv_heads, args.poolings, not args.no_encoder_row, args.weighted_rows, args.kv_budgets, args.allocations
+        args.kv_heads,
+        args.poolings,
+        not args.no_encoder_row,
+        args.weighted_rows,
+        args.kv_budgets,
+        args.allocations,
+        args.cross_kv_weight,
     )
 
 
@@ -162,6 +181,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=ALLOCATIONS,
         help="how each --kv-budgets row spends its budget (default: both; calibrated: the merge's cost)",
     )
+    parser.add_argument(
+        "--cross-kv-weight",
+        type=float,
+        default=None,
+        metavar="R",
+        help="in the --kv-budgets rows, a cross-attention KV head weighs R self-attention heads (convert's\n"
+        "--cross-kv-weight: R = 1,500 frames / the target tokens a transcript's cache holds; default 1)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="uptraining steps (default 20; --quick 4)")
     parser.add_argument("--batch-size", type=int, default=2, help="clips per uptraining step (default 2)")
     parser.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
@@ -191,6 +218,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--model, --train-data and --eval-data are required (or --quick)")
     if min(args.steps, args.eval_every, args.eval_clips, args.batch_size, args.calibration_clips) < 1:
         parser.error("--steps, --eval-every, --eval-clips, --batch-size and --calibration-clips must be at least 1")
+    # One line, before anything is built (main's `error:`): R weighs the budget rows' cross heads only.
+    if args.cross_kv_weight is not None and not args.kv_budgets:
+        raise UptrainError(
+            f"--cross-kv-weight {args.cross_kv_weight:g} weighs the cross-attention heads of the --kv-budgets "
+            "rows, and this study has none (add --kv-budgets F, or drop it)"
+        )
+    if problem := cross_kv_weight_problem(args.kv_budgets[0] if args.kv_budgets else None, args.cross_kv_weight):
+        raise UptrainError(problem)
     names = [r.name for r in study_rows(args)]
     if args.uptrain and (unknown := [n for n in args.uptrain if n not in names]):
         parser.error(f"--uptrain {' '.join(unknown)}: not a row of this study ({', '.join(names)})")
@@ -372,11 +407,13 @@ def convert_starts(rows: list[Row], spec, root: Path, log) -> None:
 
 
 def row_conversion(row: Row, spec):
-    """The `ConversionSpec` of a row's start: compare's (its budget conversion for a budget row:
-    the allocation cost is compare's default, `merge` for encoder–decoders, the only one they
-    have), with the row's attention and weighting."""
+    """The `ConversionSpec` of a row's start: compare's (its budget conversion for a budget row, at
+    the row's --cross-kv-weight: the allocation cost is compare's default, `merge` for
+    encoder–decoders, the only one they have), with the row's attention and weighting."""
     if row.budget is not None:
         conversion = spec.budget_conversion_spec(row.budget, row.allocation, row.pooling)
+        # The row's weight on its conversion alone: the study's compare (no --kv-budget) has none to weigh.
+        conversion = dataclasses.replace(conversion, cross_kv_weight=row.cross_kv_weight)
     else:
         conversion = spec.conversion_spec(row.num_kv_heads, row.pooling)
     return dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
@@ -767,6 +804,7 @@ def table_rows(result: dict) -> list[list[str]]:
                 _heads_column(r),
                 r["pooling"]
                 + (f", {r['allocation']} allocation" if r["budget"] is not None else "")
+                + (f", cross head = {r['cross_kv_weight']:g} self" if r.get("cross_kv_weight") is not None else "")
                 + (" + distillation" if r["distillation"] else "")
                 + (" (+ encoder)" if r["attention"] != DECODER else "")
                 + (", attention-weighted" if r["weighting"] != "uniform" else ""),
@@ -882,8 +920,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from uptrain import UptrainError
-
     try:
         main()
     except UptrainError as err:

@@ -121,3 +121,48 @@ def test_whisper_study_refuses_at_start_without_jiwer(tmp_path):
     needs = "whisper_study.py's WER and CER (as uptrain evaluate --task asr) needs jiwer, which is not installed"
     assert proc.returncode != 0 and proc.stderr == f"error: {needs}: pip install 'uptrain[eval]'\n"
     assert proc.stdout == "" and not out.exists()
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng (Debian) makes the clips")
+def test_whisper_study_budget_rows_weigh_cross_heads(tmp_path):
+    """--cross-kv-weight R reaches the budget rows' conversion: at 1/4 of the tiny Whisper's decoder
+    heads with a cross head weighing 50 self heads (150 frames / ~3 tokens), the calibrated
+    allocation keeps more heads than a quarter of the count (cheap self heads, few cross ones),
+    within the weighted budget, as the cache and uptrain.json hold them (α = 0 only)."""
+    python = str(eval_python())
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    out = tmp_path / "study"
+    argv = [python, str(SCRIPT), "--quick", "--output-dir", str(out), "--start-only", "--no-encoder-row"]
+    argv += ["--poolings", "calibrated", "--kv-budgets", "0.25", "--allocations", "calibrated"]
+    proc = subprocess.run([*argv, "--cross-kv-weight", "50"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
+    assert list(rows) == ["mha", "g2-calibrated", "g2-calibrated-distill", "kv0.25-calibrated-r50"]
+    row = rows["kv0.25-calibrated-r50"]
+    assert (row["budget"], row["allocation"], row["cross_kv_weight"]) == (0.25, "calibrated", 50)
+    folder = out / "extra" / "converted" / "kv0.25-calibrated-r50"
+    record = json.loads((folder / "uptrain.json").read_text())
+    assert (record["kv_budget"], record["cross_kv_weight"]) == (0.25, 50)
+    config = json.loads((folder / "config.json").read_text())
+    own, cross = row["start"]["kv_cache_heads_per_layer"], row["start"]["cross_cache_heads_per_layer"]
+    assert tuple(own) == layer_kv_heads(config, "decoder_num_key_value_heads", 2, 8)
+    assert tuple(cross) == layer_kv_heads(config, "cross_attention_num_key_value_heads", 2, 8)
+    assert sum(own) + 50 * sum(cross) <= (16 + 50 * 16) / 4  # the weighted budget (2 layers × 8 heads each)
+    assert sum(own) + sum(cross) > (16 + 16) // 4  # counted as heads, more than a quarter: R weighed them
+    assert row["start"]["kv_cross_bytes_per_clip"] == 150 * 2 * sum(cross) * 8 * 4
+    assert ", cross head = 50 self" in (out / "results.md").read_text()
+
+
+def test_whisper_study_refuses_a_cross_kv_weight_without_budget_rows(tmp_path):
+    """R weighs the --kv-budgets rows' cross heads: without them, one line before anything is written."""
+    out = tmp_path / "study"
+    argv = [sys.executable, str(SCRIPT), "--quick", "--output-dir", str(out), "--cross-kv-weight", "37.5"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stdout == "" and not out.exists()
+    assert proc.stderr == (
+        "error: --cross-kv-weight 37.5 weighs the cross-attention heads of the --kv-budgets rows, and this study "
+        "has none (add --kv-budgets F, or drop it)\n"
+    )
+    proc = subprocess.run([*argv[:-1], "0.001", "--kv-budgets", "0.25"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.startswith("error: --cross-kv-weight 0.001 is below 0.01")
+    assert proc.stderr.count("\n") == 1 and not out.exists()

@@ -333,6 +333,27 @@ def test_calibrated_merge_solves_each_layer_at_its_g(tokenizer, calibration_text
     assert record["num_key_value_heads_per_layer"] == [4, 2] and record["calibration"]["tokens"] > 0
 
 
+def test_a_layer_at_its_source_heads_is_copied_not_solved(tokenizer, calibration_text, tmp_path):
+    """A calibrated allocation may keep a layer's every KV head (Whisper base at 1/4 with
+    --cross-kv-weight kept the decoder's self-attention whole): that layer is the source's, bit for
+    bit — the merge over groups of one head is the identity only in exact arithmetic (it divides by
+    the queries' weakest directions) — and the other layer is the uniform merge at its G."""
+    from tests.convert.test_calibrated import save as save_with_tokenizer
+    from tests.convert.test_calibrated_classic import build as build_calibrated
+    from uptrain.convert import convert_checkpoint
+
+    src = save_with_tokenizer(build_calibrated("gpt2", tokenizer), tokenizer, tmp_path / "src")
+    keys = dict(pooling="calibrated", calibration_data=str(calibration_text), calibration_tokens=512)
+    keys |= dict(calibration_device="cpu", source_hash="none", progress=False)
+    kept = tensors(convert_checkpoint(src, tmp_path / "kept", kv_heads_per_layer=f"{HEADS},2", **keys))
+    merged = tensors(convert_checkpoint(src, tmp_path / "g2", 2, **keys))
+    source = tensors(src)
+    assert sorted(kept) == sorted(source)
+    for name, t in kept.items():
+        assert torch.equal(t, (source if ".h.0." in name else merged)[name]), name
+    assert not torch.equal(merged["transformer.h.0.attn.c_attn.weight"], source["transformer.h.0.attn.c_attn.weight"])
+
+
 def test_encoder_decoder_similarity_takes_each_layers_g(tmp_path):
     """BART, similarity grouping in weight space over the decoder's two attentions: each layer's
     merge at its own G, as the uniform merge at that G."""

@@ -236,12 +236,26 @@ class LayerMerger:
     def solve(self, layer: int, c: torch.Tensor) -> None:
         """Decide what `layer`'s merge takes from its moment `c` ([(D+1)², float64), on c's device
         (a GPU's float64 when calibration ran there), and keep it (on the CPU) for the write."""
+        if self.keeps_heads(layer):
+            return  # nothing to solve: `_merge` writes the layer as read
         attention, _ = self._read_layer(layer, c.device)
         self.solutions[layer] = self._solve(attention, c, self.allocation[layer]).to("cpu")
+
+    def keeps_heads(self, layer: int) -> bool:
+        """Whether `layer` keeps its source KV heads (a per-layer allocation's G = kv): nothing to merge."""
+        return self.allocation[layer] == layer_geometry(self.geometry, layer).num_kv_heads
 
     def _merge(self, layer: int) -> dict[str, torch.Tensor]:
         prefix = self.attn_prefix.format(layer=layer) + "."
         attention, dtypes = self._read_layer(layer)
+        if self.keeps_heads(layer):
+            # Copied as read, not solved: with one source head per group the calibrated merge is the
+            # identity only in exact arithmetic — it divides by the queries' weakest directions (Whisper
+            # base's decoder self-attention at 8 of 8 heads came out with logit errors of 1e11).
+            fields = {f: getattr(attention, f) for f in FIELDS}
+            written = written_tensors(fields, self.layout, self.geometry.head_dim)
+            as_read = self._query_head_tensors(prefix, list(range(attention.num_heads)))  # heads in their order
+            return as_read | {prefix + rel: t.to(dtypes[rel]).contiguous() for rel, t in written.items()}
         g = self.allocation[layer]
         solution = self.solutions.pop(layer, None)
         if solution is None:

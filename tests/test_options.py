@@ -162,8 +162,9 @@ def test_compare_embeds_train_keys_with_their_bounds():
     for key in shared:
         train = train_keys[key.name]
         assert [getattr(key.option, c) for c in checks] == [getattr(train.option, c) for c in checks], key.name
-        # Several G, budgets, allocations and strategies to try, each as train takes one; the model is required.
-        if key.name not in ("num_kv_heads", "kv_budget", "allocation", "pooling", "model"):
+        # Several G, budgets, allocations, strategies, targets and latent initialisations to try, each as
+        # train takes one; the model is required.
+        if key.name not in ("num_kv_heads", "kv_budget", "allocation", "pooling", "target", "mla_init", "model"):
             assert key.annotation == train.annotation, key.name
     values = {"model": "m", "num_kv_heads": [2], "output_dir": "o", "max_steps": 1}
     for bad, message in (

@@ -354,6 +354,27 @@ def test_a_layer_at_its_source_heads_is_copied_not_solved(tokenizer, calibration
     assert not torch.equal(merged["transformer.h.0.attn.c_attn.weight"], source["transformer.h.0.attn.c_attn.weight"])
 
 
+def test_random_pooling_gives_a_kept_layer_fresh_heads_under_either_grouping(sources, tmp_path):
+    """Only a whole-layer merge copies a layer kept at its source heads: row pooling pools it
+    under similarity grouping as under contiguous, so `random` (the fresh-initialisation ablation)
+    re-initialises it either way, as it does at a uniform G = kv."""
+    src = sources("gpt2")
+    key = "transformer.h.0.attn.c_attn.weight"
+    source = tensors(src)[key]
+    for grouping in ("contiguous", "similarity"):
+        out = convert(
+            src,
+            tmp_path / grouping,
+            "--kv-heads-per-layer",
+            f"{HEADS},2",
+            "--pooling",
+            "random",
+            "--grouping",
+            grouping,
+        )
+        assert not torch.equal(tensors(out)[key], source), grouping
+
+
 def test_encoder_decoder_similarity_takes_each_layers_g(tmp_path):
     """BART, similarity grouping in weight space over the decoder's two attentions: each layer's
     merge at its own G, as the uniform merge at that G."""

@@ -242,8 +242,12 @@ class LayerMerger:
         self.solutions[layer] = self._solve(attention, c, self.allocation[layer]).to("cpu")
 
     def keeps_heads(self, layer: int) -> bool:
-        """Whether `layer` keeps its source KV heads (a per-layer allocation's G = kv): nothing to merge."""
-        return self.allocation[layer] == layer_geometry(self.geometry, layer).num_kv_heads
+        """Whether `layer` keeps its source KV heads (a per-layer allocation's G = kv) under a
+        whole-layer merge (calibrated): nothing to merge. Row pooling under similarity grouping
+        pools as under contiguous grouping, so `random` gives a kept layer fresh heads either way."""
+        return (
+            self.strategy.merges_layers and self.allocation[layer] == layer_geometry(self.geometry, layer).num_kv_heads
+        )
 
     def _merge(self, layer: int) -> dict[str, torch.Tensor]:
         prefix = self.attn_prefix.format(layer=layer) + "."

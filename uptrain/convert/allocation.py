@@ -69,7 +69,7 @@ from uptrain.convert.calibrated import (
     similarity_order,
 )
 from uptrain.convert.conversion import Calibration, Conversion, TensorSource
-from uptrain.convert.kv_heads import budget_units, fitting_candidates
+from uptrain.convert.kv_heads import budget_fitting, budget_units
 from uptrain.convert.layer_merge import SiteMergers
 from uptrain.convert.pooling import FieldContext, Strategy
 from uptrain.model_info import divisors
@@ -211,9 +211,8 @@ def budget_candidates(conversion: Conversion) -> dict[str, list[tuple[int, ...]]
     (`kv_heads.fitting_candidates`, in the knapsack's units); the rest could never be chosen.
     Without a pending budget, the whole cache's: every divisor."""
     budget = 1.0 if conversion.pending_budget is None else conversion.pending_budget
-    source_heads = {name: conversion.stacks[name].geometry.layer_kv_heads() for name in conversion.attention}
-    weights = conversion.head_weights
-    return fitting_candidates(source_heads, weights, budget_units(budget, source_heads, weights))
+    geometries = {name: conversion.stacks[name].geometry for name in conversion.attention}
+    return budget_fitting(geometries, conversion.attention, budget, conversion.cross_kv_weight)
 
 
 def calibration_costs(

@@ -185,6 +185,19 @@ def fitting_candidates(
     }
 
 
+def budget_fitting(
+    geometries: Mapping[str, AttentionGeometry],
+    chosen: Sequence[str],
+    budget: float,
+    cross_kv_weight: float | None = None,
+) -> dict[str, list[tuple[int, ...]]]:
+    """The `fitting_candidates` of the chosen attentions within `budget` of the source's KV heads,
+    each head weighed by its `head_weights`."""
+    source_heads = {name: geometries[name].layer_kv_heads() for name in chosen}
+    weights = head_weights(geometries, chosen, cross_kv_weight)
+    return fitting_candidates(source_heads, weights, budget_units(budget, source_heads, weights))
+
+
 def only_allocation(
     geometries: Mapping[str, AttentionGeometry],
     chosen: tuple[str, ...],
@@ -195,9 +208,7 @@ def only_allocation(
     KV head in every layer), else None: where every layer's only `fitting_candidates` is 1, the
     smallest allocation is the one within the budget, and `--allocation calibrated` takes it
     without measuring any cost."""
-    source_heads = {name: geometries[name].layer_kv_heads() for name in chosen}
-    weights = head_weights(geometries, chosen, cross_kv_weight)
-    fitting = fitting_candidates(source_heads, weights, budget_units(budget, source_heads, weights))
+    fitting = budget_fitting(geometries, chosen, budget, cross_kv_weight)
     if all(layer == (1,) for layers in fitting.values() for layer in layers):
         return {name: (1,) * len(layers) for name, layers in fitting.items()}
     return None

@@ -343,6 +343,8 @@ class RunTarget(Schema):
 
     # The keys that choose the converted KV heads, each applied to `source` only.
     KV_HEADS_KEYS = ("num_kv_heads", "kv_heads_per_layer", "kv_budget")
+    # The keys that say how a budget is spent, at their defaults (each applies to `source` only).
+    BUDGET_KEYS = {"allocation": "uniform", "allocation_cost": None, "cross_kv_weight": None}
     # The keys of a latent-attention conversion of `source`, at their defaults for GQA.
     MLA_KEYS = {
         **{"target": "gqa", "kv_rank": None, "rope_dims": None, "rope_stride": 1, "rope_residual": 0},
@@ -353,11 +355,12 @@ class RunTarget(Schema):
         found = super().problems()
         given = [key for key in self.KV_HEADS_KEYS if getattr(self, key) is not None]
         latent = [key for key, default in self.MLA_KEYS.items() if getattr(self, key) != default]
+        spending = [key for key, default in self.BUDGET_KEYS.items() if getattr(self, key) != default]
         if (self.model is None) == (self.source is None):
             found.append(
                 "give exactly one of `model` (a checkpoint to train) or `source` (an MHA checkpoint to convert first)"
             )
-        elif self.source is None and (spent := given + latent + self._budget_keys_given()):
+        elif self.source is None and (spent := given + latent + spending):
             key = spent[0]
             found.append(f"`{key}` only applies with `source`; `model` is trained as it is")
         elif self.target == "mla":
@@ -373,11 +376,6 @@ class RunTarget(Schema):
         elif self.source is not None and (problem := cross_kv_weight_problem(self.kv_budget, self.cross_kv_weight)):
             found.append(problem)
         return found
-
-    def _budget_keys_given(self) -> list[str]:
-        """The keys that say how a budget is spent, where given (each applies to `source` only)."""
-        defaults = {"allocation": "uniform", "allocation_cost": None, "cross_kv_weight": None}
-        return [key for key, default in defaults.items() if getattr(self, key) != default]
 
 
 # A dataclass lists its bases' keys last base first: the keys follow in run_config.yaml and
@@ -427,8 +425,7 @@ class TrainConfig(
 
     def conversion_spec(self) -> ConversionSpec:
         """The conversion of `source` this run starts with (calibrated on `train_data`)."""
-        spending = ("allocation", "allocation_cost", "cross_kv_weight")
-        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, *spending)}
+        kv_heads = {key: getattr(self, key) for key in (*self.KV_HEADS_KEYS, *self.BUDGET_KEYS)}
         latent = {key: getattr(self, key) for key in self.MLA_KEYS}
         if self.target == "mla" and self.mla_init != "calibrated":  # reads no calibration data
             latent["calibration_data"] = None

@@ -44,6 +44,7 @@ from uptrain.options import (
     load,
     names_of,
     option,
+    option_like,
     validated_values,
 )
 
@@ -321,22 +322,12 @@ class RunTarget(Schema):
         help="what `source` becomes: gqa (fewer KV heads: num_kv_heads, kv_heads_per_layer or kv_budget) or mla "
         "(multi-head latent attention in the DeepSeek-V2 layout, Llama family: kv_rank or kv_budget, rope_dims)",
     )
-    kv_rank: int | None = option(None, at_least=1, help="target mla: the latent's rank (kv_lora_rank)")
-    rope_dims: int | None = option(
-        None, at_least=2, help="target mla: columns of the shared rotary key (default: half the head dimension)"
-    )
-    rope_stride: int = option(
-        1, at_least=1, help="target mla: the source's frequencies 0, S, 2S, … stay rotary, as `uptrain convert`"
-    )
-    rope_residual: int = option(
-        0,
-        at_least=0,
-        help="target mla: the lowest N kept rotary frequencies keep what the shared key misses, unrotated in the "
-        "latent, as `uptrain convert --rope-residual`",
-    )
-    rotary_key: RotaryKey = option(
-        "principal", help="target mla: the one rotary key all heads share, as `uptrain convert --rotary-key`"
-    )
+    # Convert's own keys (help, bounds, metavar), as `uptrain convert --target mla` takes them.
+    kv_rank: int | None = option_like(ConversionSpec, "kv_rank", None)
+    rope_dims: int | None = option_like(ConversionSpec, "rope_dims", None)
+    rope_stride: int = option_like(ConversionSpec, "rope_stride", 1)
+    rope_residual: int = option_like(ConversionSpec, "rope_residual", 0)
+    rotary_key: RotaryKey = option_like(ConversionSpec, "rotary_key", "principal")
     mla_init: MLAInit = option(
         "svd", help="target mla: the latent's initialisation, svd or calibrated (calibrated on train_data)"
     )

@@ -347,55 +347,52 @@ def against_gqa(results: list[RunResult]) -> list[dict]:
     return rows
 
 
-def against_gqa_markdown(rows: list[dict]) -> str:
-    lines = [
-        "| budget | MLA init | MLA latent | GQA heads (uniform, calibrated pooling) | share of GQA's gap to MHA "
-        "closed, α = 0 | same, after uptraining |",
-        "|---:|---|---|---|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['kv_budget']:g} | {r['mla_init']} | R = {r['kv_rank']} + D = {r['rope_dims']} | {r['gqa_heads']} | "
-            f"{r['gap_closed_before']:.1%} | {r['gap_closed_after']:.1%} |"
-        )
+def _gap_closed_markdown(rows: list[dict], baseline: str, before: list[tuple[str, str]], cells, after=()) -> str:
+    """A table of the share of `baseline`'s eval-loss gap to MHA each row closes, at α = 0 and after
+    uptraining: `before` and `after` the (header, alignment) of the columns either side of the two
+    shares, `cells(row)` a row's cells in that order (`_shares(row)` where the shares go)."""
+    closed = [(f"share of {baseline}'s gap to MHA closed, α = 0", "---:"), ("same, after uptraining", "---:")]
+    columns = [*before, *closed, *after]
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "".join(f"{a}|" for _, a in columns)]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _shares(r: dict) -> list[str]:
+    """A comparison row's two shares of the gap closed, as the tables show them."""
+    return [f"{r['gap_closed_before']:.1%}", f"{r['gap_closed_after']:.1%}"]
+
+
+def against_gqa_markdown(rows: list[dict]) -> str:
+    def cells(r: dict) -> list[str]:
+        latent = f"R = {r['kv_rank']} + D = {r['rope_dims']}"
+        return [f"{r['kv_budget']:g}", r["mla_init"], latent, r["gqa_heads"], *_shares(r)]
+
+    columns = [("budget", "---:"), ("MLA init", "---"), ("MLA latent", "---")]
+    return _gap_closed_markdown(rows, "GQA", [*columns, ("GQA heads (uniform, calibrated pooling)", "---")], cells)
 
 
 def against_uniform_markdown(rows: list[dict]) -> str:
-    lines = [
-        "| budget | pooling | uniform heads | calibrated heads | share of uniform's gap to MHA closed, α = 0 "
-        "| same, after uptraining |",
-        "|---:|---|---|---|---:|---:|",
-    ]
-    for r in rows:
+    def cells(r: dict) -> list[str]:
         same = r["uniform_heads"] == r["calibrated_heads"]
-        shown = (
-            ("— (the same heads)",) * 2 if same else (f"{r['gap_closed_before']:.1%}", f"{r['gap_closed_after']:.1%}")
-        )
-        lines.append(
-            f"| {r['kv_budget']:g} | {r['pooling']} | {r['uniform_heads']} | {r['calibrated_heads']} | "
-            f"{shown[0]} | {shown[1]} |"
-        )
-    return "\n".join(lines) + "\n"
+        shown = ["— (the same heads)"] * 2 if same else _shares(r)
+        return [f"{r['kv_budget']:g}", r["pooling"], r["uniform_heads"], r["calibrated_heads"], *shown]
+
+    columns = [("budget", "---:"), ("pooling", "---"), ("uniform heads", "---"), ("calibrated heads", "---")]
+    return _gap_closed_markdown(rows, "uniform", columns, cells)
 
 
 def against_mean_markdown(rows: list[dict]) -> str:
-    lines = [
-        "| G | pooling | share of mean's gap to MHA closed, α = 0 | same, after uptraining "
-        "| tokens to reach mean's final loss |",
-        "|---:|---|---:|---:|---:|",
-    ]
-    for r in rows:
+    def cells(r: dict) -> list[str]:
         reach = (
             "never"
             if r["tokens_to_mean_final"] is None
             else f"{r['tokens_to_mean_final']:,.0f} ({r['tokens_to_mean_final'] / r['mean_tokens']:.0%} of mean's)"
         )
-        lines.append(
-            f"| {r['num_kv_heads']} | {r['pooling']} | {r['gap_closed_before']:.1%} | "
-            f"{r['gap_closed_after']:.1%} | {reach} |"
-        )
-    return "\n".join(lines) + "\n"
+        return [str(r["num_kv_heads"]), r["pooling"], *_shares(r), reach]
+
+    after = [("tokens to reach mean's final loss", "---:")]
+    return _gap_closed_markdown(rows, "mean", [("G", "---:"), ("pooling", "---")], cells, after)
 
 
 @dataclass(frozen=True)

@@ -141,3 +141,62 @@ def test_a_compare_made_before_mla_runs_resumes_and_may_add_them():
     for init in ("svd", "calibrated"):  # every MLA run converts with the compare's rotary part
         spec = kept.latent_conversion_spec(0.25, init)
         assert (spec.rope_dims, spec.rope_stride, spec.rope_residual) == (8, 1, 2)
+
+
+def test_mla_rows_labels_say_a_rope_stride_and_residual(setup, tmp_path):  # noqa: F811
+    """--rope-stride and --rope-residual, read from the converted checkpoint, in every label of an MLA
+    row (its result.json fields and results.csv columns, its results.md row and MLA-against-GQA row,
+    the plot's annotation) where they are not the defaults: two compares that differ in them do not
+    report alike. At the defaults the labels are as they were."""
+    from uptrain.compare.report import latent_text, write_report
+    from uptrain.compare.study import PlannedRun, RunResult, latent_fields
+    from uptrain.convert import convert_checkpoint
+
+    budget = float(BUDGET)
+    made = convert_checkpoint(
+        setup / "mha", tmp_path / "mla", target="mla", kv_budget=budget, rope_stride=2, rope_residual=1
+    )
+    fields = latent_fields(PlannedRun("b-mla-svd", "svd", kv_budget=budget, latent=True), made, ("decoder-self",), 4)
+    assert (fields["kv_rank"], fields["rope_dims"], fields["rope_stride"], fields["rope_residual"]) == (
+        RANK,
+        ROPE,
+        2,
+        1,
+    )
+
+    def row(name, pooling, loss, **fields):
+        return RunResult(
+            name,
+            fields.pop("num_kv_heads", None),
+            pooling,
+            loss,
+            loss - 1,
+            64,
+            PER_TOKEN,
+            [(0, loss), (64, loss - 1)],
+            **fields,
+        )
+
+    del fields["num_kv_heads"], fields["kv_cache_bytes_per_token"]
+    gqa = {"num_kv_heads": 2, "kv_budget": budget, "allocation": "uniform", "kv_heads_per_layer": "2,2"}
+    results = [
+        row("mha", "mha", 4.0, num_kv_heads=6),
+        row("b-uniform-calibrated", "calibrated", 6.0, **gqa),
+        row("b-mla-svd", "svd", 5.0, **fields),
+    ]
+    (tmp_path / "report").mkdir()
+    write_report(results, tmp_path / "report")
+    mla = rows_of(tmp_path / "report")[2]
+    assert (mla["target"], mla["rope_stride"], mla["rope_residual"]) == ("mla", "2", "1")
+    markdown = (tmp_path / "report" / "results.md").read_text()
+    shown = f"R = {RANK} + D = {ROPE} (principal key, rope stride 2, rope residual 1)"
+    assert f"| MLA | {BUDGET} | — | {shown} | svd |" in markdown
+    assert (
+        f"| {BUDGET} | svd | R = {RANK} + D = {ROPE} (rope stride 2, rope residual 1) | 2,2 | 50.0% | 50.0% |"
+        in markdown
+    )
+    # The plot's annotation; at the defaults (and in rows written before the options: None) no brackets.
+    assert latent_text(fields) == f"R = {RANK} + D = {ROPE} (rope stride 2, rope residual 1)"
+    assert latent_text({**fields, "rope_residual": 0}) == f"R = {RANK} + D = {ROPE} (rope stride 2)"
+    for default in ({"rope_stride": 1, "rope_residual": 0}, {"rope_stride": None, "rope_residual": None}):
+        assert latent_text({**fields, **default}) == f"R = {RANK} + D = {ROPE}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from uptrain.checkpoint.atomic import atomic_file, write_file
@@ -40,7 +40,7 @@ BUDGET_COLUMNS = ["kv_budget", "allocation", "kv_heads_per_layer", "same_heads_a
 BUDGET_PLOT = "quality_vs_kv_bytes.png"
 # A compare with MLA runs (--target mla): their latent, after the budget columns (a GQA row's empty, its
 # target gqa); an MLA row's `pooling` is its --mla-init, its `num_kv_heads` empty (a latent has none).
-MLA_COLUMNS = ["target", "kv_rank", "rope_dims", "rotary_key"]
+MLA_COLUMNS = ["target", "kv_rank", "rope_dims", "rotary_key", "rope_stride", "rope_residual"]
 
 
 def budget_runs(results: list[RunResult]) -> list[RunResult]:
@@ -57,7 +57,7 @@ def _heads(r: RunResult) -> str | tuple:
     """What identifies a run's conversion shape, for `same_heads_as`: one G in every converted layer
     (a -g run or a budget run that resolved to one G), else its heads layer by layer; an MLA run's latent."""
     if r.target == "mla":
-        return ("MLA", r.kv_rank, r.rope_dims, r.rotary_key)
+        return ("MLA", r.kv_rank, r.rope_dims, r.rotary_key, r.rope_stride, r.rope_residual)
     if r.kv_heads_per_layer is None:
         return ("G", r.num_kv_heads)
     heads = distinct_heads(r.kv_heads_per_layer)
@@ -126,6 +126,8 @@ def table_rows(results: list[RunResult]) -> list[dict]:
                     "kv_rank": r.kv_rank,
                     "rope_dims": r.rope_dims,
                     "rotary_key": r.rotary_key,
+                    "rope_stride": r.rope_stride,
+                    "rope_residual": r.rope_residual,
                 }
                 if latent
                 else {}
@@ -211,10 +213,19 @@ def _budget_cells(r: dict) -> str:
     if r["kv_budget"] is None:
         return f"{r['num_kv_heads']} | — | — | {r['num_kv_heads']} in every layer"
     if r.get("target") == "mla":  # a latent of rank R and a rotary key of D columns in every layer
-        return f"MLA | {r['kv_budget']:g} | — | R = {r['kv_rank']} + D = {r['rope_dims']} ({r['rotary_key']} key)"
+        return f"MLA | {r['kv_budget']:g} | — | {latent_text(r, r['rotary_key'] + ' key')}"
     mixed = len(distinct_heads(r["kv_heads_per_layer"])) > 1
     allocation = r["allocation"] + (f" (= {r['same_heads_as']})" if r["same_heads_as"] else "")
     return f"{'mixed' if mixed else r['num_kv_heads']} | {r['kv_budget']:g} | {allocation} | {r['kv_heads_per_layer']}"
+
+
+def latent_text(r: dict, *notes: str) -> str:
+    """An MLA row's latent as the tables show it, "R = 28 + D = 4", with `notes` and its --rope-stride
+    and --rope-residual where they are not the defaults (1, 0) in brackets after it:
+    "R = 28 + D = 4 (calibrated key, rope stride 2, rope residual 1)"."""
+    notes += (f"rope stride {r['rope_stride']}",) if r.get("rope_stride") not in (None, 1) else ()
+    notes += (f"rope residual {r['rope_residual']}",) if r.get("rope_residual") else ()
+    return f"R = {r['kv_rank']} + D = {r['rope_dims']}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def table1_markdown(results: list[RunResult]) -> str:
@@ -339,6 +350,8 @@ def against_gqa(results: list[RunResult]) -> list[dict]:
                 "mla_init": latent.pooling,
                 "kv_rank": latent.kv_rank,
                 "rope_dims": latent.rope_dims,
+                "rope_stride": latent.rope_stride,
+                "rope_residual": latent.rope_residual,
                 "gqa_heads": base.kv_heads_per_layer,
                 "gap_closed_before": closed(latent.eval_loss_before, base.eval_loss_before, mha.eval_loss_before),
                 "gap_closed_after": closed(latent.eval_loss_after, base.eval_loss_after, mha.eval_loss_after),
@@ -365,8 +378,7 @@ def _shares(r: dict) -> list[str]:
 
 def against_gqa_markdown(rows: list[dict]) -> str:
     def cells(r: dict) -> list[str]:
-        latent = f"R = {r['kv_rank']} + D = {r['rope_dims']}"
-        return [f"{r['kv_budget']:g}", r["mla_init"], latent, r["gqa_heads"], *_shares(r)]
+        return [f"{r['kv_budget']:g}", r["mla_init"], latent_text(r), r["gqa_heads"], *_shares(r)]
 
     columns = [("budget", "---:"), ("MLA init", "---"), ("MLA latent", "---")]
     return _gap_closed_markdown(rows, "GQA", [*columns, ("GQA heads (uniform, calibrated pooling)", "---")], cells)
@@ -461,7 +473,7 @@ def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
             x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03, "mla": 1.1}[kind(r)]
             ax.plot(x, math.exp(loss), marker=markers[kind(r)], color=colors[r.pooling], ms=7, ls="none")
             if kind(r) in ("calibrated", "mla"):
-                label = r.kv_heads_per_layer if kind(r) == "calibrated" else f"R={r.kv_rank}"
+                label = r.kv_heads_per_layer if kind(r) == "calibrated" else latent_text(asdict(r))
                 ax.annotate(label, (x, math.exp(loss)), fontsize=7, xytext=(5, 2), textcoords="offset points")
         mha_loss = mha.eval_loss_before if when == "before" else mha.eval_loss_after
         ax.plot(mha.kv_cache_bytes_per_token / 1024, math.exp(mha_loss), marker="*", ms=11, color="black", ls="none")

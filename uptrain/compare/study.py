@@ -119,12 +119,14 @@ class RunResult:
     kv_heads_per_layer: str | None = None
     # An MLA run's (--target mla; None: GQA, MHA, and rows written before MLA runs): "mla", and its
     # latent read from the converted checkpoint, rank R and rotary columns D (KV elements per token
-    # and layer R + D), and the rotary key it was converted with; `pooling` holds its --mla-init,
-    # `num_kv_heads` is None (a latent has no KV heads) and `allocation` None.
+    # and layer R + D), the rotary key it was converted with and its --rope-stride and --rope-residual;
+    # `pooling` holds its --mla-init, `num_kv_heads` is None (a latent has no KV heads) and `allocation` None.
     target: str | None = None
     kv_rank: int | None = None
     rope_dims: int | None = None
     rotary_key: str | None = None
+    rope_stride: int | None = None
+    rope_residual: int | None = None
 
     @property
     def perplexity_before(self) -> float:
@@ -296,11 +298,15 @@ def budget_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int
 
 def latent_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int) -> dict:
     """What an MLA run's row records of its conversion, read from the converted checkpoint: its
-    rank and rotary columns (config.json), its rotary key (uptrain.json) and its KV bytes per token
-    (`kv_cache_bytes_per_token` on its latent, as `uptrain inspect` and `uptrain speed` count them)."""
+    rank and rotary columns (config.json), its rotary key, --rope-stride and --rope-residual
+    (uptrain.json: the kept rotary frequencies 0, S, 2S, … and the residual ones among them) and its
+    KV bytes per token (`kv_cache_bytes_per_token` on its latent, as `uptrain inspect` and `uptrain
+    speed` count them)."""
     shape = model_shape(converted, run.name)
     config = read_config(converted)
     record = read_json(converted / "uptrain.json")
+    record = record if isinstance(record, dict) else {}
+    kept = record.get("rotary_frequencies_kept") or [0]  # one kept frequency: every stride keeps the same
     return {
         "num_kv_heads": None,
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(shape, dtype_bytes, None),
@@ -308,7 +314,9 @@ def latent_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int
         "target": "mla",
         "kv_rank": config["kv_lora_rank"],
         "rope_dims": config["qk_rope_head_dim"],
-        "rotary_key": record.get("rotary_key") if isinstance(record, dict) else None,
+        "rotary_key": record.get("rotary_key"),
+        "rope_stride": kept[1] - kept[0] if len(kept) > 1 else 1,
+        "rope_residual": len(record.get("rotary_residual_frequencies") or ()),
     }
 
 

@@ -11,6 +11,7 @@ import torch
 import yaml
 from transformers import T5Config, T5ForConditionalGeneration
 
+from tests.compare.test_budget import rows_of
 from uptrain.cli import main
 from uptrain.data.corpus import load_tokenizer, read_documents
 
@@ -68,8 +69,9 @@ def test_t5_compare_converts_the_decoder_uptrains_with_span_corruption_and_times
         g = int(r["num_kv_heads"])
         # α = 0.05 of the card's 20,480 tokens = 1,024 = 8 steps of 4 × 32 input tokens.
         assert int(r["uptrain_tokens"]) == 1024
-        # Self-attention per target token + cross-attention per source token, both at G.
-        assert int(r["kv_cache_bytes_per_token"]) == 2 * (2 * DECODER_LAYERS * g * D_KV * 4), r
+        # Apart, both at G: the self-attention's per target token, the cross-attention's per source position.
+        assert int(r["kv_cache_bytes_per_token"]) == int(r["cross_kv_cache_bytes_per_source_token"]), r
+        assert int(r["kv_cache_bytes_per_token"]) == 2 * DECODER_LAYERS * g * D_KV * 4, r
         # Measured from both caches after decoding: 4 self-attention positions, 16 cross-attention ones.
         per_position = 2 * DECODER_LAYERS * g * D_KV * 4 * 2
         assert (
@@ -88,3 +90,42 @@ def test_t5_compare_converts_the_decoder_uptrains_with_span_corruption_and_times
     assert converted.get("encoder_num_key_value_heads", HEADS) == HEADS  # the paper's choice: the decoder's only
     recorded = yaml.safe_load((out / "runs" / "g2-mean" / "train" / "run_config.yaml").read_text())
     assert recorded.get("objective") in (None, "span_corruption")  # T5's own objective, by default
+
+
+def test_t5_budget_rows_report_each_caches_kv_bytes_apart_and_the_budgets_weighted_bytes(t5, tmp_path):
+    """`--kv-budget F --cross-kv-weight R` on an encoder–decoder: each row's KV bytes are its decoder
+    self-attention's per target token and its cross-attention's per source position, apart (two
+    lengths: no sum of them is a cache size), each exactly what its converted heads hold; the
+    quality-vs-bytes plot's measure is the budget's own, self + R × cross: F × MHA's for a uniform
+    allocation, at most that for a calibrated one."""
+    from uptrain.compare.report import budget_bytes
+    from uptrain.compare.study import RunResult
+
+    out, weight = tmp_path / "cmp", 4
+    argv = ["compare", "--model", str(t5 / "mha"), "-g", "2", "--kv-budget", "0.5", "--cross-kv-weight", str(weight)]
+    argv += ["--allocation", "uniform", "calibrated", "--pooling", "mean", "--output-dir", str(out)]
+    argv += ["--train-data", str(t5 / "train.jsonl"), "--eval-data", str(t5 / "eval.jsonl"), "--max-tokens", "256"]
+    argv += ["--seq-len", "32", "--batch-size", "4", "--eval-every", "2", "--eval-blocks", "2", "--warmup-steps", "1"]
+    assert main([*argv, "--report-to", "jsonl", "--speed-repeats", "0", "--calibration-tokens", "256"]) == 0
+    rows = rows_of(out)
+    budgets = [("0.5", "uniform"), ("0.5", "calibrated")]
+    assert [(r["kv_budget"], r["allocation"]) for r in rows] == [("", "")] * 2 + budgets  # MHA, G = 2, budgets
+
+    def heads(r: dict) -> list[list[int]]:  # decoder self-attention's, cross-attention's, layer by layer
+        if r["kv_heads_per_layer"]:
+            return [[int(h) for h in part.split(",")] for part in r["kv_heads_per_layer"].split("/")]
+        return [[int(r["num_kv_heads"])] * DECODER_LAYERS] * 2
+
+    for r in rows:
+        own, cross = heads(r)
+        assert int(r["kv_cache_bytes_per_token"]) == 2 * sum(own) * D_KV * 4, r
+        assert int(r["cross_kv_cache_bytes_per_source_token"]) == 2 * sum(cross) * D_KV * 4, r
+    markdown = (out / "results.md").read_text()
+    assert "| KV self bytes/target token | KV cross bytes/source position |" in markdown
+    assert "A --kv-budget counts self + R × cross (R: --cross-kv-weight" in markdown
+    for r in rows:
+        cells = f"| {int(r['kv_cache_bytes_per_token']):,} | {int(r['cross_kv_cache_bytes_per_source_token']):,} |"
+        assert cells in markdown, cells
+    results = {p.parent.name: RunResult(**json.loads(p.read_text())) for p in (out / "runs").glob("*/result.json")}
+    spent = {name: budget_bytes(r, weight) / budget_bytes(results["mha"], weight) for name, r in results.items()}
+    assert spent["b0.5-uniform-mean"] == 0.5 and spent["b0.5-calibrated-mean"] <= 0.5, spent

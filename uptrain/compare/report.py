@@ -15,6 +15,7 @@ from uptrain.checkpoint.atomic import atomic_file, write_file
 from uptrain.compare.study import MHA, RunResult, recorded_group
 from uptrain.compare.task_report import prediction_tables, write_task_plots
 from uptrain.compare.task_rows import task_column
+from uptrain.convert.kv_heads import cross_weight
 from uptrain.convert.spec import distinct_heads
 
 # Measured at each row's G (`uptrain.compare.speed_rows`); empty where speed was not measured.
@@ -41,6 +42,9 @@ BUDGET_PLOT = "quality_vs_kv_bytes.png"
 # A compare with MLA runs (--target mla): their latent, after the budget columns (a GQA row's empty, its
 # target gqa); an MLA row's `pooling` is its --mla-init, its `num_kv_heads` empty (a latent has none).
 MLA_COLUMNS = ["target", "kv_rank", "rope_dims", "rotary_key", "rope_stride", "rope_residual"]
+# An encoder–decoder's cross-attention cache, after `kv_cache_bytes_per_token` (then its decoder
+# self-attention's per target token): per source position, a length of its own.
+CROSS_COLUMN = "cross_kv_cache_bytes_per_source_token"
 
 
 def budget_runs(results: list[RunResult]) -> list[RunResult]:
@@ -51,6 +55,30 @@ def budget_runs(results: list[RunResult]) -> list[RunResult]:
 def latent_runs(results: list[RunResult]) -> list[RunResult]:
     """The MLA runs of a compare (--target mla)."""
     return [r for r in results if r.target == "mla"]
+
+
+def encoder_decoder(results: list[RunResult]) -> bool:
+    """Whether the compare's model caches a cross-attention (its rows' KV bytes come in two lengths)."""
+    return any(r.cross_kv_cache_bytes_per_source_token is not None for r in results)
+
+
+def budget_bytes(r: RunResult, cross_kv_weight: float | None = None) -> float:
+    """A run's KV bytes as `--kv-budget` counts them (`kv_heads.head_weights`): per generated token,
+    an encoder–decoder's cross-attention's per source position weighing `cross_kv_weight` R (the
+    source positions cached per generated token; without R, 1: every head alike). A budget run's is
+    its budget × MHA's (at most, for a calibrated allocation)."""
+    cross = r.cross_kv_cache_bytes_per_source_token or 0
+    return r.kv_cache_bytes_per_token + float(cross_weight(cross_kv_weight) * cross)
+
+
+def budget_bytes_text(results: list[RunResult], cross_kv_weight: float | None = None, short: bool = False) -> str:
+    """What `budget_bytes` counts, in KiB, for a plot's axis (`short`: a narrow one's)."""
+    if not encoder_decoder(results):
+        return "KV cache KiB / token" if short else "KV cache KiB per token"
+    weight = f"{float(cross_weight(cross_kv_weight)):g} × " if cross_kv_weight is not None else ""
+    if short:
+        return f"KV KiB: self + {weight}cross"
+    return f"KV cache KiB per target token: self + {weight}cross per source position"
 
 
 def _heads(r: RunResult) -> str | tuple:
@@ -89,8 +117,10 @@ def task_columns(results: list[RunResult]) -> dict[str, str]:
 
 def columns_of(results: list[RunResult]) -> list[str]:
     """The results table's columns: COLUMNS (with BUDGET_COLUMNS after `pooling` where there are
-    budget runs), then one per task."""
+    budget runs, CROSS_COLUMN after the KV bytes per token for an encoder–decoder), then one per task."""
     columns = list(COLUMNS)
+    if encoder_decoder(results):
+        columns.insert(columns.index("kv_cache_bytes_per_token") + 1, CROSS_COLUMN)
     if budget_runs(results):
         at = columns.index("pooling") + 1
         columns[at:at] = BUDGET_COLUMNS + (MLA_COLUMNS if latent_runs(results) else [])
@@ -106,6 +136,7 @@ def table_rows(results: list[RunResult]) -> list[dict]:
     same = same_heads_as(results)
     budget = bool(budget_runs(results))
     latent = bool(latent_runs(results))
+    cross = encoder_decoder(results)
     return [
         {
             "num_kv_heads": r.num_kv_heads,
@@ -139,6 +170,7 @@ def table_rows(results: list[RunResult]) -> list[dict]:
             "gap_to_mha_before": r.eval_loss_before - mha.eval_loss_before,
             "gap_to_mha_after": r.eval_loss_after - mha.eval_loss_after,
             "kv_cache_bytes_per_token": r.kv_cache_bytes_per_token,
+            **({CROSS_COLUMN: r.cross_kv_cache_bytes_per_source_token} if cross else {}),
             "uptrain_tokens": r.uptrain_tokens,
             **{k: r.speed[k] if r.speed else None for k in SPEED_COLUMNS},
             **{column: _task_score(r, task) for task, column in tasks.items()},
@@ -161,8 +193,9 @@ def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> Non
 
 def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
     """The table for people; with the rows' speed measurements, a line saying how and where the
-    speed columns were measured. With budget runs, their budget, allocation and heads per layer."""
-    budget = "kv_budget" in rows[0]
+    speed columns were measured. With budget runs, their budget, allocation and heads per layer; for
+    an encoder–decoder, its two caches' bytes apart (per target token, per source position)."""
+    budget, cross = "kv_budget" in rows[0], CROSS_COLUMN in rows[0]
     head = (
         "| G | pooling | loss α=0 | ppl α=0 | Δ MHA α=0 | loss after | ppl after | Δ MHA after "
         "| KV bytes/token | uptrain tokens | time/sample s | decode tokens/s | KV cache MiB |"
@@ -173,7 +206,9 @@ def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
         head = head.replace(
             "KV heads per layer | pooling |", "KV heads per layer (MLA: latent) | pooling (MLA: init) |"
         )
-    lines = [head, "|" + "---:|" * 2 + "---|" * (3 * budget) + "---:|" * 11]
+    if cross:
+        head = head.replace("| KV bytes/token |", "| KV self bytes/target token | KV cross bytes/source position |")
+    lines = [head, "|" + "---:|" * 2 + "---|" * (3 * budget) + "---:|" * (11 + cross)]
     for r in rows:
         measured = (
             "— | — | —"
@@ -187,8 +222,17 @@ def markdown(rows: list[dict], speeds: list[dict] = ()) -> str:
             f"{first} {r['eval_loss_before']:.4f} | "
             f"{r['perplexity_before']:.1f} | {r['gap_to_mha_before']:+.4f} | {r['eval_loss_after']:.4f} | "
             f"{r['perplexity_after']:.1f} | {r['gap_to_mha_after']:+.4f} | "
-            f"{r['kv_cache_bytes_per_token']:,} | {r['uptrain_tokens']:,} | {measured} |"
+            f"{r['kv_cache_bytes_per_token']:,} | "
+            + (f"{r[CROSS_COLUMN]:,} | " if cross else "")
+            + f"{r['uptrain_tokens']:,} | {measured} |"
         )
+    if cross:
+        lines += [
+            "",
+            "KV bytes of the two caches, apart: the decoder self-attention's per target token, the cross-attention's "
+            "per source position (encoded once). A --kv-budget counts self + R × cross (R: --cross-kv-weight, the "
+            "source positions per generated token; default 1).",
+        ]
     if budget and any(r["same_heads_as"] for r in rows):
         lines += [
             "",
@@ -418,11 +462,13 @@ class _Drawn:
     strategies: list[str]
     groups: list[int]
     colors: dict[str, str]
+    cross_kv_weight: float | None  # how the KV bytes are counted (`budget_bytes`)
 
 
-def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
+def write_plots(results: list[RunResult], folder: Path, cross_kv_weight: float | None = None) -> list[Path]:
     """The paper's figures over MHA and the -g runs (where there are any), the quality against KV
-    bytes plot where there are budget runs, and each task's plot."""
+    bytes plot where there are budget runs, and each task's plot; KV bytes as the budget counts them
+    (`budget_bytes`, an encoder–decoder's cross-attention's weighing the compare's `cross_kv_weight`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
@@ -436,10 +482,10 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
         strategies = sorted({r.pooling for r in runs}, key=[r.pooling for r in runs].index)
         groups = sorted({r.num_kv_heads for r in runs}, reverse=True)
         colors = {p: f"C{i}" for i, p in enumerate(strategies)}
-        drawn = _Drawn(grouped, mha, runs, strategies, groups, colors)
+        drawn = _Drawn(grouped, mha, runs, strategies, groups, colors, cross_kv_weight)
         paths += [draw(plt, drawn, folder) for draw in (_loss_curves, _quality_vs_kv_heads, _strategies)]
     if budget_runs(results):
-        paths.append(_quality_vs_kv_bytes(plt, results, folder))
+        paths.append(_quality_vs_kv_bytes(plt, results, folder, cross_kv_weight))
     paths += write_task_plots(results, list(task_columns(results)), folder, _save)
     if runs and all(r.speed for r in grouped):
         paths += _speed_plots(mha, runs, strategies, colors, folder)
@@ -449,9 +495,10 @@ def write_plots(results: list[RunResult], folder: Path) -> list[Path]:
     return paths
 
 
-def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
+def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path, cross_kv_weight: float | None) -> Path:
     """Quality against the KV cache it costs: each run's perplexity at α = 0 and after uptraining
-    against its KV bytes per token (measured on its converted checkpoint, summed layer by layer);
+    against its KV bytes as its budget counts them (`budget_bytes`: measured on its converted
+    checkpoint, summed layer by layer, an encoder–decoder's cross-attention's weighed);
     colour = pooling (an MLA run's: its init), marker = how the heads were chosen (one G, or a budget's
     allocation) or an MLA latent."""
     mha = next(r for r in results if r.pooling == MHA)
@@ -468,7 +515,7 @@ def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
     for ax, when in zip(axes, ("before", "after")):
         for r in runs:
             loss = r.eval_loss_before if when == "before" else r.eval_loss_after
-            x = r.kv_cache_bytes_per_token / 1024
+            x = budget_bytes(r, cross_kv_weight) / 1024
             # Runs at one point (equal bytes, close quality) stay apart: uniform left, calibrated right, MLA further.
             x *= {None: 1.0, "uniform": 0.97, "calibrated": 1.03, "mla": 1.1}[kind(r)]
             ax.plot(x, math.exp(loss), marker=markers[kind(r)], color=colors[r.pooling], ms=7, ls="none")
@@ -476,11 +523,13 @@ def _quality_vs_kv_bytes(plt, results: list[RunResult], folder: Path) -> Path:
                 label = r.kv_heads_per_layer if kind(r) == "calibrated" else latent_text(asdict(r))
                 ax.annotate(label, (x, math.exp(loss)), fontsize=7, xytext=(5, 2), textcoords="offset points")
         mha_loss = mha.eval_loss_before if when == "before" else mha.eval_loss_after
-        ax.plot(mha.kv_cache_bytes_per_token / 1024, math.exp(mha_loss), marker="*", ms=11, color="black", ls="none")
+        mha_bytes = budget_bytes(mha, cross_kv_weight) / 1024
+        ax.plot(mha_bytes, math.exp(mha_loss), marker="*", ms=11, color="black", ls="none")
         ax.axhline(math.exp(mha_loss), color="black", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(lambda x, _: f"{x:g}")  # 1.5, 3, 12: not 2^1
-        ax.set_xlabel("KV cache KiB per token (log scale)")
+        small = 8 if encoder_decoder(results) else None  # the longer label
+        ax.set_xlabel(f"{budget_bytes_text(results, cross_kv_weight)} (log scale)", fontsize=small)
         ax.set_title(
             "right after conversion (α = 0)"
             if when == "before"
@@ -545,8 +594,8 @@ def _quality_vs_kv_heads(plt, drawn: _Drawn, folder: Path) -> Path:
     ax.set_ylabel("eval loss")
     twin = ax.twinx()
     sizes = sorted(
-        {(r.num_kv_heads, r.kv_cache_bytes_per_token) for r in runs}
-        | {(mha.num_kv_heads, mha.kv_cache_bytes_per_token)}
+        {(r.num_kv_heads, budget_bytes(r, drawn.cross_kv_weight)) for r in runs}
+        | {(mha.num_kv_heads, budget_bytes(mha, drawn.cross_kv_weight))}
     )
     twin.bar(
         [g for g, _ in sizes],
@@ -555,7 +604,7 @@ def _quality_vs_kv_heads(plt, drawn: _Drawn, folder: Path) -> Path:
         color="grey",
         alpha=0.25,
     )
-    twin.set_ylabel("KV cache KiB / token (bars)")
+    twin.set_ylabel(f"{budget_bytes_text(results, drawn.cross_kv_weight, short=True)} (bars)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, folder / "quality_vs_kv_heads.png")
@@ -748,7 +797,7 @@ def write_report(results: list[RunResult], folder: str | Path, spec=None) -> dic
         )
         text += against_gqa_markdown(latents)
     write_file(folder / "results.md", text)
-    plots = write_plots(results, folder)
+    plots = write_plots(results, folder, spec.cross_kv_weight if spec is not None else None)
     files = {"csv": folder / "results.csv", "markdown": folder / "results.md", **{p.stem: p for p in plots}}
     if spec is not None and "wandb" in spec.report_to:
         files["wandb"] = log_to_wandb(results, files, spec)

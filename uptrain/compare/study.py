@@ -101,6 +101,9 @@ class RunResult:
     eval_loss_before: float
     eval_loss_after: float
     uptrain_tokens: int
+    # The KV cache a generated token adds: an encoder–decoder's decoder self-attention's alone, as
+    # `uptrain inspect` and `uptrain train` count it (its cross-attention's is per source position,
+    # `cross_kv_cache_bytes_per_source_token`); a latent's (MLA) latent and rotary key, every layer.
     kv_cache_bytes_per_token: int
     curve: list[tuple[int, float]]  # (tokens seen, eval loss)
     # `measure_speed`'s result at this G, measured once per G after the runs (speed-g{G}.json);
@@ -127,6 +130,9 @@ class RunResult:
     rotary_key: str | None = None
     rope_stride: int | None = None
     rope_residual: int | None = None
+    # An encoder–decoder's cross-attention KV bytes per source position (None: decoder-only, and rows
+    # written before the split, whose `kv_cache_bytes_per_token` summed both).
+    cross_kv_cache_bytes_per_source_token: int | None = None
 
     @property
     def perplexity_before(self) -> float:
@@ -248,26 +254,28 @@ def shared_calibration(prepared, root: Path, log=print) -> Calibration:
     return calibration
 
 
-def kv_cache_bytes_per_token(shape: ModelShape, dtype_bytes: int, g: int | None, attentions=("decoder-self",)) -> int:
-    """A run's KV-cache bytes per token at G KV heads in `attentions` (the conversion's; G None:
-    the model as it is). An encoder–decoder's is its decoder self-attention's per target token
-    plus its cross-attention's per source token (the encoder keeps no cache). A latent attention's
-    (MLA) is its latent and shared rotary key, every layer."""
+def kv_cache_bytes(shape: ModelShape, dtype_bytes: int, g: int | None, attentions=("decoder-self",)) -> dict:
+    """A run's KV-cache bytes at G KV heads in `attentions` (the conversion's; G None: the model as
+    it is), as RunResult's fields: per generated token (`kv_cache_bytes_per_token`: the decoder
+    self-attention's; a latent attention's (MLA) latent and shared rotary key, every layer) and, for
+    an encoder–decoder, its cross-attention's per source position (the encoder keeps no cache)."""
     if shape.latent_elements_per_token is not None:
-        return shape.geometry.num_layers * shape.latent_elements_per_token * dtype_bytes
+        return {"kv_cache_bytes_per_token": shape.geometry.num_layers * shape.latent_elements_per_token * dtype_bytes}
     own = shape.geometry.kv_cache_bytes_per_token(dtype_bytes, g if "decoder-self" in attentions else None)
     if shape.cross is None:
-        return own
-    return own + shape.cross.kv_cache_bytes_per_token(dtype_bytes, g if "cross" in attentions else None)
+        return {"kv_cache_bytes_per_token": own}
+    cross = shape.cross.kv_cache_bytes_per_token(dtype_bytes, g if "cross" in attentions else None)
+    return {"kv_cache_bytes_per_token": own, "cross_kv_cache_bytes_per_source_token": cross}
 
 
-def _result(name: str, g: int, pooling: str, run_dir: Path, kv_bytes: int, **budget) -> RunResult:
-    """The run's row from its metrics; `budget`: a budget run's RunResult fields (kv_budget, …)."""
+def _result(name: str, g: int, pooling: str, run_dir: Path, **fields) -> RunResult:
+    """The run's row from its metrics; `fields`: its `kv_cache_bytes`, and a budget or MLA run's
+    RunResult fields (kv_budget, …)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     curve = [(r["train/tokens_seen"], r["eval/loss"]) for r in records if "eval/loss" in r]
     if not curve or curve[0][0] != 0:
         raise UptrainError(f"{run_dir}/metrics.jsonl lacks the step-0 evaluation")
-    return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], kv_bytes, curve, **budget)
+    return RunResult(name, g, pooling, curve[0][1], curve[-1][1], curve[-1][0], curve=curve, **fields)
 
 
 def converted_heads(shape: ModelShape, attentions: tuple[str, ...]) -> str:
@@ -281,14 +289,14 @@ def converted_heads(shape: ModelShape, attentions: tuple[str, ...]) -> str:
 
 def budget_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int) -> dict:
     """What a budget run's row records of its conversion, read from the converted checkpoint: its
-    config's scalar KV heads (the largest layer's), its KV bytes per token summed layer by layer
-    (`kv_cache_bytes_per_token` on its own geometry, as `uptrain inspect` and `uptrain speed` count
+    config's scalar KV heads (the largest layer's), its KV bytes summed layer by layer
+    (`kv_cache_bytes` on its own geometry, as `uptrain inspect` and `uptrain speed` count
     them), each layer's heads and the cost that chose them (uptrain.json)."""
     shape = model_shape(converted, run.name)
     record = read_json(converted / "uptrain.json")
     return {
         "num_kv_heads": shape.geometry.num_kv_heads,
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(shape, dtype_bytes, None),
+        **kv_cache_bytes(shape, dtype_bytes, None),
         "kv_budget": run.kv_budget,
         "allocation": run.allocation,
         "allocation_cost": record.get("allocation_cost") if isinstance(record, dict) else None,
@@ -300,8 +308,8 @@ def latent_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int
     """What an MLA run's row records of its conversion, read from the converted checkpoint: its
     rank and rotary columns (config.json), its rotary key, --rope-stride and --rope-residual
     (uptrain.json: the kept rotary frequencies 0, S, 2S, … and the residual ones among them) and its
-    KV bytes per token (`kv_cache_bytes_per_token` on its latent, as `uptrain inspect` and `uptrain
-    speed` count them)."""
+    KV bytes per token (`kv_cache_bytes` on its latent, as `uptrain inspect` and `uptrain speed`
+    count them)."""
     shape = model_shape(converted, run.name)
     config = read_config(converted)
     record = read_json(converted / "uptrain.json")
@@ -309,7 +317,7 @@ def latent_fields(run: PlannedRun, converted: Path, attentions, dtype_bytes: int
     kept = record.get("rotary_frequencies_kept") or [0]  # one kept frequency: every stride keeps the same
     return {
         "num_kv_heads": None,
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(shape, dtype_bytes, None),
+        **kv_cache_bytes(shape, dtype_bytes, None),
         "kv_budget": run.kv_budget,
         "target": "mla",
         "kv_rank": config["kv_lora_rank"],
@@ -474,9 +482,14 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
                 expected.update(budget_fields(run, model, attentions, dtype_bytes))
         else:
             g_eff = shape.geometry.num_kv_heads if g is None else g
-            kv_bytes = kv_cache_bytes_per_token(shape, dtype_bytes, g, attentions)
-            expected = {"name": name, "num_kv_heads": g_eff, "pooling": pooling, "kv_cache_bytes_per_token": kv_bytes}
-        if (earlier := _finished(run_dir / RESULT, expected, log)) is not None:
+            kv_bytes = kv_cache_bytes(shape, dtype_bytes, g, attentions)
+            expected = {"name": name, "num_kv_heads": g_eff, "pooling": pooling, **kv_bytes}
+        earlier = _finished(run_dir / RESULT, expected, log)
+        if earlier is not None and (earlier.cross_kv_cache_bytes_per_source_token is None) != (shape.cross is None):
+            # An encoder–decoder's row written before its caches were apart, its conversion gone: made again.
+            log(f"[compare] {name}: {run_dir / RESULT} sums both caches' KV bytes; making it again from the run")
+            earlier = None
+        if earlier is not None:
             log(f"[compare] {name}: finished earlier, reusing {run_dir / RESULT}")
             results.append(earlier)
             continue
@@ -496,10 +509,10 @@ def _run_compare(spec: CompareSpec, group: str, log) -> list[RunResult]:
         run_training(spec.train_config(_as_recorded(model, run_dir / "train"), run_dir / "train", name, group))
         if run.spends_budget:
             fields = (latent_fields if run.latent else budget_fields)(run, model, attentions, dtype_bytes)
-            g_eff, kv_bytes = fields.pop("num_kv_heads"), fields.pop("kv_cache_bytes_per_token")
-            result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes, **fields)
+            g_eff = fields.pop("num_kv_heads")
+            result = _result(name, g_eff, pooling, run_dir / "train", **fields)
         else:
-            result = _result(name, g_eff, pooling, run_dir / "train", kv_bytes)
+            result = _result(name, g_eff, pooling, run_dir / "train", **kv_bytes)
         write_file(run_dir / RESULT, json.dumps(asdict(result), indent=2) + "\n")
         results.append(result)
     return with_tasks(spec, with_speed(spec, results, log), log)

@@ -144,6 +144,14 @@ def resolved_allocation_cost(allocation_cost: str | None, encoder_decoder: bool)
 CROSS_WEIGHT_DENOMINATOR = 100
 
 
+def cross_weight(cross_kv_weight: float | None) -> Fraction:
+    """`--cross-kv-weight R` as the budget counts it: the nearest fraction `CROSS_WEIGHT_DENOMINATOR`
+    allows; 1 without R (every head alike)."""
+    if cross_kv_weight is None:
+        return Fraction(1)
+    return Fraction(cross_kv_weight).limit_denominator(CROSS_WEIGHT_DENOMINATOR)
+
+
 def head_weights(
     geometries: Mapping[str, AttentionGeometry], chosen: Sequence[str], cross_kv_weight: float | None = None
 ) -> dict[str, int]:
@@ -153,11 +161,7 @@ def head_weights(
     self-attention's holds (Whisper: 1,500 frames against some 40 tokens) —, R = p/q as
     `CROSS_WEIGHT_DENOMINATOR` allows, so cross weighs p × head_dim and the others q × head_dim.
     Without R (None), head_dim for every attention: the budget as it was."""
-    ratio = (
-        Fraction(1)
-        if cross_kv_weight is None
-        else Fraction(cross_kv_weight).limit_denominator(CROSS_WEIGHT_DENOMINATOR)
-    )
+    ratio = cross_weight(cross_kv_weight)
     return {
         name: geometries[name].head_dim * (ratio.numerator if name == "cross" else ratio.denominator) for name in chosen
     }

@@ -8,18 +8,24 @@ plain merge's values; refusals in one line."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.convert.test_calibrated_whisper import ALL, convert, logits, speech, whisper  # noqa: F401  (fixture)
 from uptrain.cli import main
 from uptrain.convert.calibrated import LayerAttention, _augment, _psd_sqrt, _value_inputs, apply_calibrated, regularised
+from uptrain.convert.calibration_seq2seq import uniform_moment
+from uptrain.convert.spec import CalibrationSettings
+from uptrain.convert.value_refit import refit_solution
+from uptrain.objectives.prompts import PromptKeys
 
 G = 2
+CLIPS = 8  # calibration reads the first 8 speech pairs (2 batches of 4)
+SETTINGS = CalibrationSettings(calibration_tokens=CLIPS * 256)
 
 
 def calibrated(src: Path, data: Path, **options):
@@ -29,6 +35,7 @@ def calibrated(src: Path, data: Path, **options):
     from uptrain.convert.spec import conversion_spec
 
     values = dict(pooling="calibrated", attention=ALL, calibration_data=str(data), language="en", value_fit="output")
+    values["calibration_tokens"] = SETTINGS.calibration_tokens
     spec = conversion_spec(source=str(src), num_kv_heads=G, **values | options)
     prepared = prepare(spec)
     return prepared, calibrate(prepared, progress=False)
@@ -51,6 +58,11 @@ def head_paths(layer: LayerAttention) -> torch.Tensor:
     )
 
 
+def module_path(attention: str, layer: int) -> str:
+    paths = {"encoder": "model.encoder.layers.{}.self_attn", "decoder-self": "model.decoder.layers.{}.self_attn"}
+    return paths.get(attention, "model.decoder.layers.{}.encoder_attn").format(layer)
+
+
 def pooled_by_transformers(src: Path, data: Path, targets: dict) -> dict:
     """Per target: (z, z') [h, n, D+1], each head's attention-pooled inputs over the kept queries,
     from transformers' own (eager) attention probabilities: the source model's, and the source
@@ -59,18 +71,15 @@ def pooled_by_transformers(src: Path, data: Path, targets: dict) -> dict:
 
     from uptrain.architecture import architecture
     from uptrain.convert.calibration_seq2seq import calibration_batches
-    from uptrain.convert.spec import CalibrationSettings
-    from uptrain.objectives.prompts import PromptKeys
 
     model = WhisperForConditionalGeneration.from_pretrained(src, attn_implementation="eager").eval()
-    batches, _ = calibration_batches(
-        src, architecture("whisper"), str(data), CalibrationSettings(), 4, PromptKeys("en")
-    )
+    batches, _ = calibration_batches(src, architecture("whisper"), str(data), SETTINGS, 4, PromptKeys("en"))
+    with torch.no_grad():  # the source model's attention, once per batch
+        source_outs = [model(**batch, output_attentions=True) for batch in batches]
     found = {}
     for (name, layer), merged in targets.items():
         keyed = copy.deepcopy(model)
-        paths = {"encoder": "model.encoder.layers.{}.self_attn", "decoder-self": "model.decoder.layers.{}.self_attn"}
-        path = paths.get(name, "model.decoder.layers.{}.encoder_attn").format(layer)
+        path = module_path(name, layer)
         module = keyed.get_submodule(path)
         h = merged.num_heads
         with torch.no_grad():
@@ -80,16 +89,16 @@ def pooled_by_transformers(src: Path, data: Path, targets: dict) -> dict:
                 merged.k_w.view(G, -1, merged.k_w.shape[1]).repeat_interleave(h // G, 0).flatten(0, 1)
             )
         rows = {"z": [], "z'": []}
-        for batch in batches:
-            read = {}
+        read = {}
 
-            def hook(module, args, kwargs):
-                kv = kwargs.get("key_value_states")
-                read["x"] = kv if kv is not None else kwargs.get("hidden_states", args[0] if args else None)
+        def hook(module, args, kwargs, read=read):
+            kv = kwargs.get("key_value_states")
+            read["x"] = kv if kv is not None else kwargs.get("hidden_states", args[0] if args else None)
 
-            handle = model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
-            with torch.no_grad():
-                outs = {key: m(**batch, output_attentions=True) for key, m in (("z", model), ("z'", keyed))}
+        for batch, source_out in zip(batches, source_outs):
+            handle = keyed.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
+            with torch.no_grad():  # the module's inputs are the source model's: only its own keys changed
+                outs = {"z": source_out, "z'": keyed(**batch, output_attentions=True)}
             handle.remove()
             x = read["x"].to(torch.float64)
             x = torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1)
@@ -132,21 +141,34 @@ def reference_refit(layer, z, z_merged, c_inputs, blend):
     return torch.stack(paths)
 
 
-def test_projected_refit_equals_the_full_moment_refit(speech, tmp_path):  # noqa: F811
-    """The second pass's projected moments are those of transformers' own attention probabilities
-    projected, and the refit from them is the full-moment refit (every attention, G = 2 of 4)."""
-    from uptrain.convert.calibration_seq2seq import collect_output_moments, uniform_moment
+@pytest.fixture(scope="module")
+def refit(speech, tmp_path_factory):  # noqa: F811
+    """The tiny Whisper converted to G = 2 in every attention with `--value-fit output` (written to
+    out/ beside it): (its calibration, each target's source layer, the plain calibrated merge's
+    solution, transformers' pooled inputs (z, z'), each `RefitTarget`, the second pass's moments)."""
+    from uptrain.convert.calibration_seq2seq import collect_output_moments
+    from uptrain.convert.pipeline import execute
     from uptrain.convert.value_refit import RefitTarget
 
-    src = whisper(tmp_path / "src")
+    src = whisper(tmp_path_factory.mktemp("valuefit") / "src")
     prepared, calibration = calibrated(src, speech)
     with prepared:
+        execute(prepared, src.parent / "out", calibration=calibration, progress=False)
         sources = source_layers(prepared)
-        merged = {t: apply_calibrated(sources[t], G, calibration.site_solved[t[0]][t[1]].merge) for t in sources}
-        assert set(sources) == {(n, layer) for n in ("encoder", "decoder-self", "cross") for layer in range(2)}
-        pooled = pooled_by_transformers(src, speech, merged)
-        targets = {t: RefitTarget(sources[t], merged[t], G) for t in sources}
-        found = collect_output_moments(str(src), str(speech), targets, keys=_keys())
+        # the plain calibrated merge: the same moments, the values not refit
+        plain = prepared.conversion.merger(prepared.checkpoint, dataclasses.replace(calibration, site_solved=None))
+        solutions = {t: plain.mergers[t[0]].solved(t[1])[0].merge for t in sources}
+    merged = {t: apply_calibrated(sources[t], G, solutions[t]) for t in sources}
+    targets = {t: RefitTarget(sources[t], merged[t], G) for t in sources}
+    found = collect_output_moments(str(src), str(speech), targets, SETTINGS, keys=PromptKeys(language="en"))
+    return calibration, sources, solutions, pooled_by_transformers(src, speech, merged), targets, found
+
+
+def test_projected_refit_equals_the_full_moment_refit(refit):
+    """The second pass's projected moments are those of transformers' own attention probabilities
+    projected, and the conversion's refit is the full-moment refit (every attention, G = 2 of 4)."""
+    calibration, sources, _, pooled, targets, found = refit
+    assert set(sources) == {(n, layer) for n in ("encoder", "decoder-self", "cross") for layer in range(2)}
     for t, layer in sources.items():
         z, z_merged = pooled[t]
         assert found[t].count == z.shape[1]
@@ -154,20 +176,60 @@ def test_projected_refit_equals_the_full_moment_refit(speech, tmp_path):  # noqa
         for q in range(layer.num_heads):
             a = targets[t].value_inputs[q // (layer.num_heads // G)]
             v = _augment(layer.v_w, layer.v_b)[q * layer.head_dim : (q + 1) * layer.head_dim]
-            torch.testing.assert_close(
-                found[t].merged[q], a @ z_merged[q].mT @ z_merged[q] @ a.mT, rtol=1e-5, atol=1e-7
-            )
+            merged_moment = a @ z_merged[q].mT @ z_merged[q] @ a.mT
+            torch.testing.assert_close(found[t].merged[q], merged_moment, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(found[t].cross[q], v @ z[q].mT @ z_merged[q] @ a.mT, rtol=1e-5, atol=1e-7)
-        refit = apply_calibrated(layer, G, calibration.site_solved[t[0]][t[1]].merge)
+        converted = apply_calibrated(layer, G, calibration.site_solved[t[0]][t[1]].merge)
         c = uniform_moment(calibration.moments, *t)
         expected = reference_refit(layer, z, z_merged, c, calibration.info["value_fit_blend"])
-        torch.testing.assert_close(head_paths(refit), expected, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(head_paths(converted), expected, rtol=1e-4, atol=1e-6)
 
 
-def _keys():
-    from uptrain.objectives.prompts import PromptKeys
+def test_the_folder_holds_the_refit_and_loads(refit, tmp_path_factory):
+    """`execute` writes the refit (not the plain merge) into the converted checkpoint, which loads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSpeechSeq2Seq
 
-    return PromptKeys(language="en")
+    import uptrain.modeling  # noqa: F401  registers whisper_gqa
+
+    calibration, sources, _, _, _, _ = refit
+    out = next(Path(tmp_path_factory.getbasetemp()).glob("valuefit*/out"))
+    tensors = load_file(out / "model.safetensors")
+    for (name, layer), source in sources.items():
+        converted = apply_calibrated(source, G, calibration.site_solved[name][layer].merge)
+        prefix = module_path(name, layer)
+        for field, rel in (("v_w", "v_proj.weight"), ("v_b", "v_proj.bias"), ("o_w", "out_proj.weight")):
+            written = tensors[f"{prefix}.{rel}"].to(torch.float64)
+            torch.testing.assert_close(written, getattr(converted, field), rtol=1e-5, atol=1e-6)
+    model = AutoModelForSpeechSeq2Seq.from_pretrained(out)
+    for name, layer in sources:
+        assert model.get_submodule(module_path(name, layer)).k_proj.weight.shape[0] == G * sources[name, layer].head_dim
+
+
+def output_error(layer: LayerAttention, merged: LayerAttention, z, z_merged) -> float:
+    """Σ_q E‖O'_q V'_g z'_q − O_q V_s z_q‖²: the attention output's error under the merged keys."""
+    wanted = z @ head_paths(layer).mT  # [h, n, D]
+    return float((z_merged @ head_paths(merged).mT - wanted).pow(2).sum(-1).mean(-1).sum())
+
+
+def test_the_refit_loses_less_of_the_attention_output_than_the_plain_merge(refit):
+    calibration, sources, solutions, pooled, _, found = refit
+    for t, layer in sources.items():
+        c = uniform_moment(calibration.moments, *t)
+        fitted = apply_calibrated(layer, G, refit_solution(layer, G, solutions[t], found[t], c, blend=0.0))
+        plain = apply_calibrated(layer, G, solutions[t])
+        assert output_error(layer, fitted, *pooled[t]) < 0.9 * output_error(layer, plain, *pooled[t]), t
+
+
+def test_a_large_blend_gives_the_plain_merge_values(refit):
+    calibration, sources, solutions, _, _, found = refit
+    for t, layer in sources.items():
+        c = uniform_moment(calibration.moments, *t)
+        blended = apply_calibrated(layer, G, refit_solution(layer, G, solutions[t], found[t], c, blend=1e8))
+        plain = apply_calibrated(layer, G, solutions[t])
+        torch.testing.assert_close(head_paths(blended), head_paths(plain), rtol=1e-4, atol=1e-6)
+        small = apply_calibrated(layer, G, refit_solution(layer, G, solutions[t], found[t], c, blend=0.1))
+        assert not torch.allclose(head_paths(small), head_paths(plain), rtol=1e-2, atol=1e-4)
 
 
 def test_exactly_related_heads_refit_exactly_and_the_folder_records_it(speech, tmp_path, capsys):  # noqa: F811
@@ -177,3 +239,41 @@ def test_exactly_related_heads_refit_exactly_and_the_folder_records_it(speech, t
     record = json.loads((tmp_path / "out" / "uptrain.json").read_text())
     assert record["calibration"]["value_fit"] == "output" and record["calibration"]["value_fit_blend"] == 0.1
     assert "--value-fit output" in (tmp_path / "out" / "README.md").read_text()
+
+
+def refused(capsys, argv: list[str], out: Path, says: str) -> None:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists()
+
+
+def test_value_fit_is_refused_in_one_line_where_it_does_not_apply(speech, tmp_path, capsys):  # noqa: F811
+    import transformers
+
+    from tests.convert.test_calibrated_encoder_decoder import build
+
+    src, out = whisper(tmp_path / "src"), tmp_path / "out"
+    whisper_argv = ["convert", str(src), str(out), "-g", "2", "--calibration-data", str(speech), "--language", "en"]
+    says = "--value-fit output refits the values of a calibrated merge, and --pooling mean solves none"
+    refused(capsys, [*whisper_argv, "--value-fit", "output"], out, says)
+    says = "--value-fit-blend weighs the inputs fit within --value-fit output"
+    refused(capsys, [*whisper_argv, "--pooling", "calibrated", "--value-fit-blend", "1"], out, says)
+    refused(capsys, [*whisper_argv, "--value-fit", "output", "--value-fit-blend", "-1"], out, "value_fit_blend")
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
+    llama.save_pretrained(tmp_path / "llama")
+    text = tmp_path / "text.txt"
+    text.write_text("some words\n")
+    calibrated = ["-g", "2", "--pooling", "calibrated", "--calibration-data", str(text), "--value-fit", "output"]
+    says = "--value-fit output applies to encoder–decoders' calibrated merge; this model is decoder-only"
+    refused(capsys, ["convert", str(tmp_path / "llama"), str(out), *calibrated], out, says)
+    mla = ["convert", str(tmp_path / "llama"), str(out), "--target", "mla", "--kv-rank", "8", "--value-fit", "output"]
+    refused(capsys, mla, out, "--target mla takes --kv-rank or --kv-budget (and --rope-dims), not --value-fit")
+    build("t5").save_pretrained(tmp_path / "t5")
+    says = "and T5's adds a relative position bias to the scores: not supported"
+    refused(capsys, ["convert", str(tmp_path / "t5"), str(out), *calibrated], out, says)

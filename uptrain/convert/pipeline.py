@@ -151,9 +151,7 @@ def check_value_fit(prepared: PreparedConversion) -> None:
         raise UptrainError(
             f"--value-fit {fit} applies to encoder–decoders' calibrated merge; this model is decoder-only (drop it)"
         )
-    if arch.position_bias_shared or any(
-        arch.site(name).layout.query_head_tensors for name in prepared.conversion.attention
-    ):
+    if any(site.layout.query_head_tensors for site in arch.sites):  # T5's family: a bias, and no scaling
         raise UptrainError(
             f"--value-fit {fit} computes each head's attention as softmax(scaling · q kᵀ), and {arch.name}'s adds a "
             "relative position bias to the scores: not supported (drop it)"

@@ -90,6 +90,11 @@ def _probabilities(layer: LayerAttention, hidden: torch.Tensor, x: torch.Tensor,
     return scores.softmax(-1)
 
 
+def _augmented(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float64)
+    return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
+
+
 def fold_example(
     target: RefitTarget,
     found: OutputMoments,
@@ -99,25 +104,28 @@ def fold_example(
     queries: torch.Tensor | None = None,
     keys: torch.Tensor | None = None,
     causal: bool = False,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Fold one example into `found`: `hidden` [tq, D] the queries' input, `kv` [tk, D] the keys'
     and values'; `queries` [tq] the queries that count (None: all), `keys` [tk] the positions that
-    may be attended (None: all), `causal` the decoder's self-attention."""
+    may be attended (None: all), `causal` the decoder's self-attention. `reference`: (hidden, kv)
+    the source attention reads where it differs from what the merged one reads (a model merged
+    layer by layer in order, the merged attention reading the merged model's states; z the
+    source model's); None: the same inputs."""
     source, g = target.source, target.groups
     h, d, kv_heads = source.num_heads, source.head_dim, source.num_kv_heads
-    hidden = hidden.to(torch.float64)
-    x = kv.to(torch.float64)
-    x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
+    x = _augmented(kv)
+    hidden_source, x_source = (hidden, x) if reference is None else (reference[0], _augmented(reference[1]))
     mask = None
     if causal:
         mask = torch.ones(len(hidden), len(x), dtype=torch.bool, device=x.device).tril()
     if keys is not None:
         mask = keys[None, :].expand(len(hidden), -1) if mask is None else mask & keys[None, :]
-    p = _probabilities(source, hidden, x, scaling, mask)
-    p_merged = _probabilities(target.merged, hidden, x, scaling, mask)
+    p = _probabilities(source, hidden_source.to(torch.float64), x_source, scaling, mask)
+    p_merged = _probabilities(target.merged, hidden.to(torch.float64), x, scaling, mask)
     if queries is not None:
         p, p_merged = p[:, queries], p_merged[:, queries]
-    values = (x @ _augment(source.v_w, source.v_b).mT).view(len(x), kv_heads, d).transpose(0, 1)
+    values = (x_source @ _augment(source.v_w, source.v_b).mT).view(len(x), kv_heads, d).transpose(0, 1)
     pooled_values = p @ values.repeat_interleave(source.n_rep, 0)  # V_s z_q, [h, n, d]
     projected = torch.stack([x @ a.mT for a in target.value_inputs])  # a x̃, [g, tk, r·d]
     pooled_merged = p_merged @ projected.repeat_interleave(h // g, 0)  # a z'_q, [h, n, r·d]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.convert.test_calibrated_whisper import ALL, convert, logits, speech, whisper  # noqa: F401  (fixture)
 from uptrain.cli import main
@@ -187,7 +188,6 @@ def test_projected_refit_equals_the_full_moment_refit(refit):
 
 def test_the_folder_holds_the_refit_and_loads(refit, tmp_path_factory):
     """`execute` writes the refit (not the plain merge) into the converted checkpoint, which loads."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForSpeechSeq2Seq
 
     import uptrain.modeling  # noqa: F401  registers whisper_gqa
@@ -232,13 +232,56 @@ def test_a_large_blend_gives_the_plain_merge_values(refit):
         assert not torch.allclose(head_paths(small), head_paths(plain), rtol=1e-2, atol=1e-4)
 
 
-def test_exactly_related_heads_refit_exactly_and_the_folder_records_it(speech, tmp_path, capsys):  # noqa: F811
+def interleave_heads(folder: Path, order: list[int]) -> None:
+    """Renumber every attention's heads of the Whisper at `folder` (q/k/v rows, o columns): exact."""
+    from transformers import WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(folder)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("Attention"):
+                d = module.head_dim
+                rows = torch.tensor([h * d + i for h in order for i in range(d)])
+                for proj in (module.q_proj, module.k_proj, module.v_proj):
+                    proj.weight.copy_(proj.weight[rows])
+                    if proj.bias is not None:
+                        proj.bias.copy_(proj.bias[rows])
+                module.out_proj.weight.copy_(module.out_proj.weight[:, rows])
+    model.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("grouping", ["contiguous", "similarity"])
+def test_exactly_related_heads_refit_exactly_and_the_folder_records_it(grouping, speech, tmp_path, capsys):  # noqa: F811
     src = whisper(tmp_path / "src", related_groups=G)
-    assert convert(src, tmp_path / "out", G, speech, "--value-fit", "output") == 0, capsys.readouterr().err
+    if grouping == "similarity":  # related heads 0, 1 and 2, 3 renumbered to 0, 2 and 1, 3: groups to find
+        interleave_heads(src, [0, 2, 1, 3])
+    argv = ["--value-fit", "output", "--grouping", grouping]
+    assert convert(src, tmp_path / "out", G, speech, *argv) == 0, capsys.readouterr().err
     torch.testing.assert_close(logits(tmp_path / "out", speech), logits(src, speech), rtol=1e-4, atol=1e-4)
     record = json.loads((tmp_path / "out" / "uptrain.json").read_text())
+    if grouping == "similarity":
+        assert record["attentions"]["cross"]["kv_head_order"]["0"] == [0, 2, 1, 3]
     assert record["calibration"]["value_fit"] == "output" and record["calibration"]["value_fit_blend"] == 0.1
     assert "--value-fit output" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_layers_an_allocation_keeps_at_their_heads_are_copied_not_refit(speech, tmp_path, capsys):  # noqa: F811
+    """Per-layer KV heads: a layer left at its 4 source heads is the source's bit for bit; the
+    merged ones are refit (they differ from the plain merge's)."""
+    src = whisper(tmp_path / "src")
+    per_layer = ["--attention", "decoder-self,cross", "--kv-heads-per-layer", "4,2/2,4", "--language", "en"]
+    for fit in ("inputs", "output"):
+        argv = ["convert", str(src), str(tmp_path / fit), "--pooling", "calibrated", "--calibration-data", str(speech)]
+        assert main([*argv, *per_layer, "--value-fit", fit]) == 0, capsys.readouterr().err
+    source = load_file(src / "model.safetensors")
+    plain, fitted = (load_file(tmp_path / fit / "model.safetensors") for fit in ("inputs", "output"))
+    for kept in ("model.decoder.layers.0.self_attn", "model.decoder.layers.1.encoder_attn"):
+        for rel in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "v_proj.bias", "out_proj.weight"):
+            assert torch.equal(fitted[f"{kept}.{rel}"], source[f"{kept}.{rel}"]), (kept, rel)
+    for merged in ("model.decoder.layers.1.self_attn", "model.decoder.layers.0.encoder_attn"):
+        assert fitted[f"{merged}.k_proj.weight"].shape[0] == 2 * 8
+        assert torch.equal(fitted[f"{merged}.k_proj.weight"], plain[f"{merged}.k_proj.weight"])  # the keys as solved
+        assert not torch.allclose(fitted[f"{merged}.out_proj.weight"], plain[f"{merged}.out_proj.weight"], atol=1e-4)
 
 
 def refused(capsys, argv: list[str], out: Path, says: str) -> None:

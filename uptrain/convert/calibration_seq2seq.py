@@ -194,8 +194,6 @@ def seq2seq_moments(
     `weighting` "attention": the decoder's attentions' attention-weighted moments too
     (`fold_attention_weighted`, from the attention probabilities the model returns: `model` must
     compute them, e.g. with eager attention)."""
-    from tqdm.auto import tqdm
-
     moments: dict[str, torch.Tensor] = {}
     counts: dict[str, float] = {}
     masks: dict[str, torch.Tensor | None] = {}
@@ -225,14 +223,7 @@ def seq2seq_moments(
             handles.append(module.register_forward_pre_hook(hook(key, site.attention, layer), with_kwargs=True))
     try:
         with torch.no_grad():
-            for batch in tqdm(
-                batches, desc="calibrate", unit="batch", disable=None if progress is None else not progress
-            ):
-                batch = _on_device(batch, model)
-                mask = batch.get("attention_mask")
-                masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
-                masks["decoder"] = batch["labels"] != -100
-                out = model(**batch, use_cache=False, output_attentions=weighted)
+            for out in _forward_batches(model, batches, masks, "calibrate", progress, output_attentions=weighted):
                 if weighted:
                     _fold_weighted_sites(moments, counts, arch, out, read, masks)
     finally:
@@ -349,6 +340,19 @@ def _calibration_run(src, data, settings: CalibrationSettings, batch_size: int, 
     return model, arch, batches, info
 
 
+def _forward_batches(model, batches, masks: dict, desc: str, progress: bool | None, **kwargs):
+    """Each batch through `model` on its device, `masks` set first to the batch's encoder and
+    decoder positions that count (None: all; the hooks read them); yields each output."""
+    from tqdm.auto import tqdm
+
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=None if progress is None else not progress):
+        batch = _on_device(batch, model)
+        mask = batch.get("attention_mask")
+        masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
+        masks["decoder"] = batch["labels"] != -100
+        yield model(**batch, use_cache=False, **kwargs)
+
+
 def _on_device(batch: dict, model) -> dict:
     """A batch on the model's device, audio features in its dtype (bfloat16 calibration); ids and labels as they are."""
     return {
@@ -401,8 +405,6 @@ def collect_output_moments(
     `value_refit.fold_example` (its source attention and its merged queries' and keys', computed
     from the inputs in float64). `targets`: (attention, layer) → `RefitTarget`; returns
     (attention, layer) → `OutputMoments`, on the CPU."""
-    from tqdm.auto import tqdm
-
     from uptrain.convert.value_refit import OutputMoments, fold_example
 
     model, arch, batches, _ = _calibration_run(src, data, settings, batch_size, keys)
@@ -442,14 +444,8 @@ def collect_output_moments(
                 handles.append(module.register_forward_pre_hook(hooked, with_kwargs=True))
     try:
         with torch.no_grad():
-            for batch in tqdm(
-                batches, desc="value fit", unit="batch", disable=None if progress is None else not progress
-            ):
-                batch = _on_device(batch, model)
-                mask = batch.get("attention_mask")
-                masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
-                masks["decoder"] = batch["labels"] != -100
-                model(**batch, use_cache=False)
+            for _ in _forward_batches(model, batches, masks, "value fit", progress):
+                pass  # the hooks fold what they read
     finally:
         for handle in handles:
             handle.remove()

@@ -19,12 +19,13 @@ attention goes. The variants, all solved by uptrain's own `solve_values` / `solv
   self-attention is (each sees the other's error);
 - `sequential-pooled`: both;
 - `output`: `uniform`'s keys, then the values refitted to the attention output as the next layer
-  reads it: with the merged keys in place each head's attention moves (p' for MHA's p), and the
+  reads it — `uptrain convert --value-fit output` (uptrain/convert/value_refit.py), which this
+  variant calls: with the merged keys in place each head's attention moves (p' for MHA's p), and the
   shared V'_g and each head's map M_h (folded into its o_proj columns) minimise
   Σ_{h∈g} E‖O_h (M_h V'_g z'_h − V_h z_h)‖², z'_h = Σ_t p'_{h,t} x̃_t, z_h = Σ_t p_{h,t} x̃_t (x̃: the
   inputs with a constant 1, so the bias is refitted too), from the moments E[z' z'ᵀ] and E[z z'ᵀ]
-  per head on the MHA model's states (`refit_values`: V'_g kept in the span of the group's source
-  value heads, and blended by λ = `--output-blend` with uptrain's value objective over every position);
+  per head on the MHA model's states (projected into the span of the group's source value heads,
+  where V'_g is kept; blended by λ = `--output-blend` with uptrain's value objective over every position);
 - `sequential-output`: `output` layer by layer in order on the decoder merged so far: z' from the
   merged model's own states, z from the MHA model's (each layer also makes up for the error of
   the layers before it).
@@ -47,6 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import whisper_study  # noqa: E402  the study's scorer and settings
 
+from uptrain.convert.spec import DEFAULT_VALUE_FIT_BLEND  # noqa: E402
+
 VARIANTS = ("uniform", "pooled-values", "pooled", "sequential", "sequential-pooled", "output", "sequential-output")
 SITES = ("decoder-self", "cross")
 
@@ -64,7 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-eval", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
-        "--output-blend", type=float, default=OUTPUT_BLEND, help="λ of the output variants (refit_values)"
+        "--output-blend",
+        type=float,
+        default=OUTPUT_BLEND,
+        help="λ of the output variants (uptrain convert --value-fit-blend)",
     )
     args = parser.parse_args(argv)
     args.quick = False
@@ -156,10 +162,17 @@ def merge(module, g: int, moments: Moments, variant: str) -> None:
 
 def solve_merge(module, g: int, moments: Moments, variant: str):
     """(the module's weights, its calibrated merge to `g` KV heads from `moments`) as LayerAttention."""
+    from uptrain.convert.calibrated import apply_calibrated
+
+    layer, solution = solve(module, g, moments, variant)
+    return layer, apply_calibrated(layer, g, solution)
+
+
+def solve(module, g: int, moments: Moments, variant: str):
+    """(the module's weights as LayerAttention, its calibrated merge's solution to `g` KV heads from `moments`)."""
     from uptrain.convert.calibrated import (
         CalibratedSolution,
         LayerAttention,
-        apply_calibrated,
         regularised,
         solve_keys,
         solve_values,
@@ -187,8 +200,7 @@ def solve_merge(module, g: int, moments: Moments, variant: str):
     c_values = regularised(moments.get("pooled" if pooled else "uniform"))
     keys_from = "received" if variant in ("pooled", "sequential-pooled") else "uniform"
     c_keys, c_query = regularised(moments.get(keys_from)), regularised(moments.get("queries"))
-    solution = CalibratedSolution(*solve_values(layer, g, c_values), *solve_keys(layer, g, c_keys, c_query))
-    return layer, apply_calibrated(layer, g, solution)
+    return layer, CalibratedSolution(*solve_values(layer, g, c_values), *solve_keys(layer, g, c_keys, c_query))
 
 
 def repeated(w: torch.Tensor, g: int, h: int) -> torch.Tensor:
@@ -210,78 +222,44 @@ def write(module, g: int, merged) -> None:
         module.out_proj.weight.copy_(merged.o_w)
 
 
-OUTPUT_BLEND = 0.1  # λ of `refit_values`
+OUTPUT_BLEND = DEFAULT_VALUE_FIT_BLEND  # λ of the output variants: `uptrain convert --value-fit-blend`'s default
 
 
-class OutputMoments:
-    """Per query head h of one attention: Σ z'_h z'_hᵀ and Σ z_h z'_hᵀ over the kept queries, where
-    z' pools the inputs with the merged keys' attention and z with MHA's."""
+def collect_outputs(model, targets: dict, batches, encoded, reference: dict | None = None) -> dict:
+    """uptrain's `OutputMoments` (`--value-fit output`'s second pass, `value_refit.fold_example`) of
+    each target in `targets` (target → `RefitTarget`: the merged queries and keys make p'), over
+    one pass of `model`: z' from the model's own states; z from the same states with the source
+    weights, or from `reference[target][batch]` where given (the MHA model's inputs of the module,
+    `reference_inputs`)."""
+    from uptrain.convert.value_refit import OutputMoments, fold_example
 
-    def __init__(self):
-        self.merged: torch.Tensor | float = 0.0  # [h, D+1, D+1]
-        self.cross: torch.Tensor | float = 0.0
-        self.count = 0
-
-    def add(self, pooled_merged: torch.Tensor, pooled: torch.Tensor) -> None:
-        """Rows [h, n, D+1] of z' and z."""
-        self.merged = self.merged + pooled_merged.mT @ pooled_merged
-        self.cross = self.cross + pooled.mT @ pooled_merged
-        self.count += pooled.shape[1]
-
-
-def _probabilities(site: str, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ) [b, h, tq, tk] in float64 (q scaled already; decoder self-attention causal)."""
-    scores = (q @ k.mT).to(torch.float64)
-    if site == "decoder-self":
-        tq = scores.shape[-1]
-        scores = scores.masked_fill(~torch.ones(tq, tq, dtype=torch.bool).tril(), float("-inf"))
-    return scores.softmax(-1)
-
-
-def pooled_inputs(mod, site: str, hidden, kv, q_w=None, q_b=None, k_w=None) -> torch.Tensor:
-    """Each head's attention-pooled inputs Σ_t p_t x̃_t [b, h, tq, D+1], the attention from the
-    module's own queries and keys or, given, from `q_w`, `q_b`, `k_w` (float64, MHA-shaped)."""
-    b, tq, _ = hidden.shape
-    h, d = mod.num_heads, mod.head_dim
-    if q_w is None:
-        q = mod.q_proj(hidden).to(torch.float64) * mod.scaling
-        k = mod.k_proj(kv).to(torch.float64)
-    else:
-        q = (hidden.to(torch.float64) @ q_w.mT + q_b) * mod.scaling
-        k = kv.to(torch.float64) @ k_w.mT
-    q = q.view(b, tq, h, d).transpose(1, 2)
-    k = k.view(b, kv.shape[1], h, d).transpose(1, 2)
-    return _probabilities(site, q, k) @ _rows(kv)[:, None]
-
-
-def collect_outputs(model, merged: dict, batches, encoded, reference: dict | None = None) -> dict:
-    """OutputMoments of each target in `merged` (target → the merged LayerAttention whose queries
-    and keys make p'), over one pass of `model`: z' from the model's own states; z from the same
-    states with the module's own (MHA) weights, or `reference[target][batch]` where given (the MHA
-    model's z, `reference_pooled`)."""
-    found = {t: OutputMoments() for t in merged}
+    found = {t: OutputMoments() for t in targets}
     state: dict = {}
 
     def hook(target):
         site = target[0]
-        m = merged[target]
-        module = attention_module(model, *target)
-        g, h = m.num_kv_heads, m.num_heads
-        k_w = repeated(m.k_w, g, h)
 
         def fold(mod, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             kv = kwargs.get("key_value_states")
             kv = hidden if kv is None else kv
-            z_merged = pooled_inputs(mod, site, hidden, kv, m.q_w, m.q_b, k_w)
-            z = reference[target][state["batch"]] if reference else pooled_inputs(mod, site, hidden, kv)
             valid = state["valid"]
             for i in range(len(valid)):
-                found[target].add(z_merged[i][:, valid[i]], z[i][:, valid[i]])
+                given = reference[target][state["batch"]] if reference else None
+                fold_example(
+                    targets[target],
+                    found[target],
+                    hidden[i],
+                    kv[i],
+                    mod.scaling,
+                    valid[i],
+                    causal=site == "decoder-self",
+                    reference=None if given is None else (given[0][i], given[1][i]),
+                )
 
-        return module.register_forward_pre_hook(fold, with_kwargs=True)
+        return attention_module(model, *target).register_forward_pre_hook(fold, with_kwargs=True)
 
-    handles = [hook(t) for t in merged]
+    handles = [hook(t) for t in targets]
     try:
         with torch.inference_mode():
             for n, (batch, outputs) in enumerate(zip(batches, encoded)):
@@ -293,15 +271,14 @@ def collect_outputs(model, merged: dict, batches, encoded, reference: dict | Non
     return found
 
 
-def reference_pooled(source, target, batches, encoded) -> list[torch.Tensor]:
-    """The MHA model's attention-pooled inputs z of one target, per batch."""
-    site = target[0]
-    kept: list[torch.Tensor] = []
+def reference_inputs(source, target, batches, encoded) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What one target module reads in the MHA model, (hidden, kv) per batch."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fold(mod, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         kv = kwargs.get("key_value_states")
-        kept.append(pooled_inputs(mod, site, hidden, hidden if kv is None else kv))
+        kept.append((hidden, hidden if kv is None else kv))
 
     handle = attention_module(source, *target).register_forward_pre_hook(fold, with_kwargs=True)
     try:
@@ -313,77 +290,37 @@ def reference_pooled(source, target, batches, encoded) -> list[torch.Tensor]:
     return kept
 
 
-def refit_values(layer, merged, g: int, found: OutputMoments, c_inputs: torch.Tensor, blend: float):
-    """`merged` with its values refitted to the attention output (the `output` variant): per group
-    the shared V'_g (d × (D+1), the bias its last column) and per head h the map M_h folded into
-    O_h minimising Σ_h E‖O_h (M_h V' z'_h − V_h z_h)‖². Given V', M_h = V_h X_h V'ᵀ (V' C'_h V'ᵀ)⁻¹
-    (X_h = E[z z'ᵀ], C'_h = E[z' z'ᵀ]). V' is kept in the span of the group's source value heads
-    (a = √(O_hᵀ O_h) V_h stacked, as uptrain's value merge: the merged values read only what the
-    source values read; unconstrained, the fit leans on directions the pooled inputs barely
-    visit and blows up on held-out speech): V' = Lᵀ a with L the top-d generalized eigenvectors
-    of a (Σ_h X_hᵀ V_hᵀ O_hᵀ O_h V_h X_h) aᵀ against a C'_g aᵀ, C'_g the group's C' (heads
-    averaged: where every head's C'_h is that average this is the exact optimum in the span; with
-    p' = p and one input moment it is uptrain's value merge).
+def refit(model, targets, solved, moments, outputs, g: int, blend: float) -> None:
+    """Write each target's merge with its values refit (`value_refit.refit_solution`) into `model`."""
+    from uptrain.convert.calibrated import apply_calibrated
+    from uptrain.convert.value_refit import refit_solution
 
-    `blend` λ adds λ·Σ_h E‖O_h (M_h V' x − V_h x)‖² over every position x (`c_inputs`: C = E[x xᵀ],
-    uptrain's value objective): X_h + λC for X_h and C'_h + λC for C'_h. The pooled inputs of a
-    few dozen clips leave directions barely visited, where the fit alone puts large weights that
-    held-out speech then reads; λ → ∞ is uptrain's value merge."""
-    from dataclasses import replace
-
-    from uptrain.convert.calibrated import _augment, _psd_sqrt, _split, _value_inputs, regularised
-
-    h, d = layer.num_heads, layer.head_dim
-    if layer.num_kv_heads != h:
-        raise ValueError("refit_values merges MHA modules")
-    r = h // g
-    c_merged = found.merged / found.count + blend * c_inputs
-    cross = found.cross / found.count + blend * c_inputs
-    v_aug = _augment(layer.v_w, layer.v_b)
-    o_w, shared = merged.o_w.clone(), []
-    for j in range(g):
-        heads = range(j * r, (j + 1) * r)
-        a = _value_inputs(layer, v_aug, j, r)  # [r·d, D+1]
-        c_group = regularised(a @ (sum(c_merged[s] for s in heads) / r) @ a.mT)
-        target = 0.0
-        for s in heads:
-            o = layer.o_w[:, s * d : (s + 1) * d]
-            read = _psd_sqrt(o.mT @ o) @ v_aug[s * d : (s + 1) * d] @ cross[s] @ a.mT  # [d, r·d]
-            target = target + read.mT @ read
-        lower = torch.linalg.cholesky(c_group)
-        whiten = torch.linalg.solve_triangular(lower, torch.eye(len(lower), dtype=lower.dtype), upper=False)
-        vals, vecs = torch.linalg.eigh(whiten @ target @ whiten.mT)
-        w = (whiten.mT @ vecs[:, -d:].flip(1)).mT @ a  # [d, D+1], w C'_g wᵀ = I
-        shared.append(w)
-        for s in heads:
-            own = regularised(w @ c_merged[s] @ w.mT)
-            head_map = torch.linalg.solve(own, (v_aug[s * d : (s + 1) * d] @ cross[s] @ w.mT).mT).mT
-            o_w[:, s * d : (s + 1) * d] = layer.o_w[:, s * d : (s + 1) * d] @ head_map
-    v_w, v_b = _split(torch.cat(shared), layer.v_b is not None)
-    return replace(merged, v_w=v_w, v_b=v_b, o_w=o_w)
+    for t in targets:
+        layer, solution = solved[t]
+        fitted = refit_solution(layer, g, solution, outputs[t], moments[t].get("uniform"), blend)
+        write(attention_module(model, *t), g, apply_calibrated(layer, g, fitted))
 
 
 def output_model(source, g: int, batches, encoded, sequential: bool, blend: float):
     """A copy of the MHA model merged with `uniform`'s keys and values refitted to the attention
-    output (`refit_values`): all at once from the MHA model's states, or layer by layer in order."""
+    output (uptrain's `--value-fit output`, `value_refit.py`): all at once from the MHA model's
+    states, or layer by layer in order."""
     import copy
+
+    from uptrain.convert.calibrated import apply_calibrated
+    from uptrain.convert.value_refit import RefitTarget
 
     model = copy.deepcopy(source)
     layers = len(model.model.decoder.layers)
     targets = [(s, layer) for layer in range(layers) for s in SITES]
-    if not sequential:
-        found = collect(model, targets, batches, encoded)
-        solved = {t: solve_merge(attention_module(model, *t), g, found[t], "uniform") for t in targets}
-        outputs = collect_outputs(model, {t: m for t, (_, m) in solved.items()}, batches, encoded)
-        for t, (layer, m) in solved.items():
-            write(attention_module(model, *t), g, refit_values(layer, m, g, outputs[t], found[t].get("uniform"), blend))
-        return model
-    for t in targets:
-        found = collect(model, [t], batches, encoded)[t]
-        layer, m = solve_merge(attention_module(model, *t), g, found, "uniform")
-        reference = {t: reference_pooled(source, t, batches, encoded)}
-        outputs = collect_outputs(model, {t: m}, batches, encoded, reference)
-        write(attention_module(model, *t), g, refit_values(layer, m, g, outputs[t], found.get("uniform"), blend))
+    groups = [targets] if not sequential else [[t] for t in targets]
+    for chosen in groups:  # all at once, or each on the model merged so far
+        found = collect(model, chosen, batches, encoded)
+        solved = {t: solve(attention_module(model, *t), g, found[t], "uniform") for t in chosen}
+        refits = {t: RefitTarget(layer, apply_calibrated(layer, g, sol), g) for t, (layer, sol) in solved.items()}
+        reference = {t: reference_inputs(source, t, batches, encoded) for t in chosen} if sequential else None
+        outputs = collect_outputs(model, refits, batches, encoded, reference)
+        refit(model, chosen, solved, found, outputs, g, blend)
     return model
 
 

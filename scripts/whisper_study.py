@@ -10,7 +10,10 @@ Rows: the MHA model (G = h = 8 for Whisper base) and, for each G of --kv-heads, 
 and cross-attention (the paper's setting, `--attention decoder-self,cross`) converted with mean,
 first, random and calibrated pooling, calibrated + distillation (the calibrated conversion uptrained
 with distillation from the MHA original, train's `teacher`), and one row with the encoder's
-self-attention converted too (calibrated, at the first G); with --kv-budgets F, calibrated pooling at
+self-attention converted too (calibrated, at the first G); with --weighted-rows, per G, calibrated with
+`--calibration-weighting attention` (g{G}-calibrated-attention); with --output-rows, per G, calibrated
+with `--value-fit output` (g{G}-calibrated-output: the values refit to each head's attention output
+under the merged keys, from a second calibration pass); with --kv-budgets F, calibrated pooling at
 `--kv-budget F` of the decoder's self + cross KV bytes, spent uniformly and by the calibrated
 allocation (`--allocation-cost merge`, the cost encoder–decoders have), each layer's heads read
 from the cache; with --cross-kv-weight R a cross-attention head weighs R self heads in those budgets
@@ -86,6 +89,7 @@ class Row:
     distillation: bool = False
     attention: str = DECODER
     weighting: str = "uniform"  # the calibrated merge's `calibration_weighting`
+    value_fit: str = "inputs"  # the calibrated merge's `value_fit` (output: refit to the attention output)
     budget: float | None = None  # `--kv-budget`: a share of the converted attentions' KV bytes
     allocation: str = "uniform"  # how the budget is spent (`--allocation`)
     cross_kv_weight: float | None = None  # `--cross-kv-weight R` of a budget row (None: a cross head weighs 1)
@@ -97,7 +101,7 @@ class Row:
     @property
     def in_compare(self) -> bool:
         """Made and trained by `run_compare` (the others take its TrainConfig by hand)."""
-        plain = self.budget is None and self.weighting == "uniform"
+        plain = self.budget is None and self.weighting == "uniform" and self.value_fit == "inputs"
         return plain and not self.distillation and self.attention == DECODER
 
 
@@ -122,6 +126,7 @@ def rows_of(
     budgets: list[float] = (),
     allocations: list[str] = ALLOCATIONS,
     cross_kv_weight: float | None = None,
+    output: bool = False,
 ) -> list[Row]:
     rows = [Row("mha", None, "mha")]
     for g in kv_heads:
@@ -130,6 +135,8 @@ def rows_of(
             rows.append(Row(f"g{g}-calibrated-distill", g, "calibrated", distillation=True))
         if weighted:
             rows.append(Row(f"g{g}-calibrated-attention", g, "calibrated", weighting="attention"))
+        if output:
+            rows.append(Row(f"g{g}-calibrated-output", g, "calibrated", value_fit="output"))
     if encoder_row and kv_heads:
         rows.append(Row(f"g{kv_heads[0]}-calibrated-encoder", kv_heads[0], "calibrated", attention=WITH_ENCODER))
     return rows + budget_rows(budgets, allocations, cross_kv_weight)
@@ -144,6 +151,7 @@ def study_rows(args: argparse.Namespace) -> list[Row]:
         args.kv_budgets,
         args.allocations,
         args.cross_kv_weight,
+        args.output_rows,
     )
 
 
@@ -165,6 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--weighted-rows",
         action="store_true",
         help="also, per G, calibrated with --calibration-weighting attention (errors weighed where attention goes)",
+    )
+    parser.add_argument(
+        "--output-rows",
+        action="store_true",
+        help="also, per G, calibrated with --value-fit output (the values refit to each head's attention output\n"
+        "under the merged keys, a second calibration pass; λ = convert's --value-fit-blend default)",
     )
     parser.add_argument(
         "--kv-budgets",
@@ -363,7 +377,7 @@ def study_spec(args: argparse.Namespace, kv_heads: list[int], poolings: list[str
 def start_folder(row: Row, spec, root: Path) -> Path:
     if row.mha:
         return Path(spec.model)
-    if row.attention != DECODER or row.weighting != "uniform" or row.budget is not None:
+    if row.attention != DECODER or row.weighting != "uniform" or row.value_fit != "inputs" or row.budget is not None:
         return root / "extra" / "converted" / row.name
     return Path(spec.output_dir) / "converted" / f"g{row.num_kv_heads}-{row.pooling}"
 
@@ -416,7 +430,9 @@ def row_conversion(row: Row, spec):
         conversion = dataclasses.replace(conversion, cross_kv_weight=row.cross_kv_weight)
     else:
         conversion = spec.conversion_spec(row.num_kv_heads, row.pooling)
-    return dataclasses.replace(conversion, attention=row.attention, calibration_weighting=row.weighting)
+    return dataclasses.replace(
+        conversion, attention=row.attention, calibration_weighting=row.weighting, value_fit=row.value_fit
+    )
 
 
 def uptrain_row(row: Row, args: argparse.Namespace, root: Path, log) -> None:
@@ -807,7 +823,8 @@ def table_rows(result: dict) -> list[list[str]]:
                 + (f", cross head = {r['cross_kv_weight']:g} self" if r.get("cross_kv_weight") is not None else "")
                 + (" + distillation" if r["distillation"] else "")
                 + (" (+ encoder)" if r["attention"] != DECODER else "")
-                + (", attention-weighted" if r["weighting"] != "uniform" else ""),
+                + (", attention-weighted" if r["weighting"] != "uniform" else "")
+                + (", values fit to the attention output" if r.get("value_fit", "inputs") != "inputs" else ""),
                 num(s, "kv_self_bytes_per_token", ","),
                 num(s, "kv_cross_bytes_per_clip", ","),
                 num(s, "wer", ".1f"),

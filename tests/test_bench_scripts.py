@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.convert.test_calibrated_whisper import speech  # noqa: F401  (the fixture)
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -155,6 +157,20 @@ def test_bench_calibrate_tiny(tmp_path):
     assert set(result["targets_met"]) == {"rss_ratio_vs_whole<=0.25", "double_layers_rss_not_higher"}
     assert all(math.isfinite(x) for x in numbers(result))
     assert list(tmp_path.iterdir()) == []  # checkpoints cleaned up
+
+
+def test_bench_value_fit_tiny(speech, tmp_path):  # noqa: F811
+    from tests.convert.test_calibrated_whisper import whisper
+
+    src = whisper(tmp_path / "src")
+    argv = ["--model", str(src), "--calibration-data", str(speech), "--language", "en", "--kv-heads", "2"]
+    result = run_script("bench_value_fit.py", *argv, "--clips", "4", "--workdir", str(tmp_path / "out"))
+    assert set(result["wall_s"]) == set(result["peak_rss_bytes"]) == {"inputs", "output"}
+    assert result["output_over_inputs"] == result["wall_s"]["output"] / result["wall_s"]["inputs"]
+    assert all(math.isfinite(x) and x > 0 for x in numbers(result))
+    for fit in ("inputs", "output"):  # each conversion is the one its name says
+        record = json.loads((tmp_path / "out" / fit / "uptrain.json").read_text())["calibration"]
+        assert record.get("value_fit", "inputs") == fit and record["examples"] == 4
 
 
 def device_check(env: dict, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -74,11 +74,19 @@ def test_output_refit_exact_where_merge_is(variant):
 
 
 def test_output_moments_and_maps_by_hand():
+    """The variant's moments (uptrain's `--value-fit output` pass, projected into each group's value
+    span) are those of transformers' own attention probabilities, and each head's refit map is the
+    by-hand least squares fit."""
+    from uptrain.convert.calibrated import _augment, apply_calibrated
+    from uptrain.convert.value_refit import RefitTarget, refit_solution
+
     model, batches, encoded = tiny_whisper()
     target = ("cross", 1)
     found = variants.collect(model, [target], batches, encoded)[target]
-    layer, merged = variants.solve_merge(variants.attention_module(model, *target), 2, found, "uniform")
-    moments = variants.collect_outputs(model, {target: merged}, batches, encoded)[target]
+    layer, solution = variants.solve(variants.attention_module(model, *target), 2, found, "uniform")
+    merged = apply_calibrated(layer, 2, solution)
+    refit_target = RefitTarget(layer, merged, 2)
+    moments = variants.collect_outputs(model, {target: refit_target}, batches, encoded)[target]
     # By hand: the attention transformers computes with the merged queries and keys of this one
     # module (everything before it MHA), and MHA's own, pooling the encoder's states.
     keyed = copy.deepcopy(model)
@@ -98,13 +106,15 @@ def test_output_moments_and_maps_by_hand():
                 kept += [pooled[i][:, valid[i]] for i in range(len(valid))]
     z, z_merged = torch.cat(rows, 1), torch.cat(rows_merged, 1)  # [h, n, D+1]
     assert moments.count == z.shape[1]
-    torch.testing.assert_close(moments.merged, z_merged.mT @ z_merged, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(moments.cross, z.mT @ z_merged, rtol=1e-5, atol=1e-6)
+    source_v = _augment(layer.v_w, layer.v_b)
+    for h in range(HEADS):
+        a, v = refit_target.value_inputs[h // (HEADS // 2)], source_v[h * DIM : (h + 1) * DIM]
+        torch.testing.assert_close(moments.merged[h], a @ z_merged[h].mT @ z_merged[h] @ a.mT, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(moments.cross[h], v @ z[h].mT @ z_merged[h] @ a.mT, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(z, z_merged, atol=1e-3)  # the merged keys move the attention
     # Each head's map, given the refit's shared values V', is the least squares fit of V_h z by M_h V' z'.
-    refit = variants.refit_values(layer, merged, 2, moments, found.get("uniform"), blend=0.0)
-    shared = torch.cat([refit.v_w, refit.v_b[:, None]], 1)
-    source_v = torch.cat([layer.v_w, layer.v_b[:, None]], 1)
+    refit = apply_calibrated(layer, 2, refit_solution(layer, 2, solution, moments, found.get("uniform"), blend=0.0))
+    shared = _augment(refit.v_w, refit.v_b)
     for h in range(HEADS):
         group = h // (HEADS // 2)
         read = z_merged[h] @ shared[group * DIM : (group + 1) * DIM].mT  # [n, d]

@@ -39,6 +39,7 @@ def test_whisper_study_quick(tmp_path):
         "mean",
         "calibrated",
         "--weighted-rows",
+        "--output-rows",
         "--kv-budgets",
         "0.25",
     ]
@@ -49,6 +50,7 @@ def test_whisper_study_quick(tmp_path):
     rows = {r["name"]: r for r in study["rows"]}
     scored = []  # (wer, cer, [references, predictions]) of every row and time, checked with jiwer below
     names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-attention"]
+    names.append("g2-calibrated-output")
     budgets = ["kv0.25-uniform", "kv0.25-calibrated"]
     assert list(rows) == [*names, "g2-calibrated-encoder", *budgets]
     # The tiny model: 2 decoder layers, 8 heads of 8 dims, float32; 3 s of audio = 150 frames.
@@ -102,6 +104,10 @@ def test_whisper_study_quick(tmp_path):
     record = json.loads((out / "extra" / "converted" / "g2-calibrated-attention" / "uptrain.json").read_text())
     assert record["calibration"]["weighting"] == "attention"
     assert rows["g2-calibrated-attention"]["start"]["perplexity"] != rows["g2-calibrated"]["start"]["perplexity"]
+    # So is the refit to the attention output (`--value-fit output`, convert's own), from compare's moments.
+    record = json.loads((out / "extra" / "converted" / "g2-calibrated-output" / "uptrain.json").read_text())
+    assert (record["calibration"]["value_fit"], record["calibration"]["value_fit_blend"]) == ("output", 0.1)
+    assert rows["g2-calibrated-output"]["start"]["perplexity"] != rows["g2-calibrated"]["start"]["perplexity"]
     for name in ("results.md", "results.csv", "quality_vs_time.png", "wer_vs_steps.png"):
         assert (out / name).stat().st_size > 0
     # A rerun picks everything up: nothing converted, trained or scored again.

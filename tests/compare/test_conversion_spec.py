@@ -34,6 +34,8 @@ TRAINED = dict(
     calibration_device="cpu",
     calibration_dtype="bfloat16",
     calibration_weighting="attention",
+    value_fit="output",
+    value_fit_blend=0.5,
     source_hash="sha256",
 )
 # ConversionSpec keys `uptrain convert` alone sets (train and compare convert with their defaults),

@@ -153,7 +153,9 @@ class CalibratedSolution:
     """What the calibrated merge of one layer takes from C (see the module docstring)."""
 
     value_mix: list[torch.Tensor]  # per group: [r·d, d]; the shared V is value_mixᵀ · a (a: `_value_inputs`)
-    value_maps: list[torch.Tensor]  # per source KV head s: M_s [d, d], folded into its queries' o_proj columns
+    # per source KV head s: M_s [d, d], folded into its queries' o_proj columns; or, one per query head
+    # (`value_refit`: each query head's own map), M_q folded into its own
+    value_maps: list[torch.Tensor]
     key_rotary: list[RankOne | None]  # per group: the rotary pairs' complex scales (None without rotary dims)
     key_plain: FullMaps | None  # the dims RoPE leaves alone: any map per head (None if all rotate)
 
@@ -209,12 +211,14 @@ def apply_values(
     r = kv // groups
     v_aug = _augment(layer.v_w, layer.v_b)
     o_w = layer.o_w.clone()
+    per_query = len(solution.value_maps) == layer.num_heads  # (equal to per source head where kv = h)
     new_v = []
     for j in range(groups):
         new_v.append(solution.value_mix[j].mT @ _value_inputs(layer, v_aug, j, r))
         for s in range(j * r, (j + 1) * r):
             for q in range(s * layer.n_rep, (s + 1) * layer.n_rep):
-                o_w[:, q * d : (q + 1) * d] = layer.o_w[:, q * d : (q + 1) * d] @ solution.value_maps[s]
+                head_map = solution.value_maps[q if per_query else s]
+                o_w[:, q * d : (q + 1) * d] = layer.o_w[:, q * d : (q + 1) * d] @ head_map
     v_w, v_b = _split(torch.cat(new_v), layer.v_b is not None)
     return v_w, v_b, o_w
 

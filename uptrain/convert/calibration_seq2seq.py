@@ -194,8 +194,6 @@ def seq2seq_moments(
     `weighting` "attention": the decoder's attentions' attention-weighted moments too
     (`fold_attention_weighted`, from the attention probabilities the model returns: `model` must
     compute them, e.g. with eager attention)."""
-    from tqdm.auto import tqdm
-
     moments: dict[str, torch.Tensor] = {}
     counts: dict[str, float] = {}
     masks: dict[str, torch.Tensor | None] = {}
@@ -225,18 +223,7 @@ def seq2seq_moments(
             handles.append(module.register_forward_pre_hook(hook(key, site.attention, layer), with_kwargs=True))
     try:
         with torch.no_grad():
-            for batch in tqdm(
-                batches, desc="calibrate", unit="batch", disable=None if progress is None else not progress
-            ):
-                # Audio features in the model's dtype (bfloat16 calibration); ids and labels as they are.
-                batch = {
-                    k: v.to(model.device, model.dtype) if v.is_floating_point() else v.to(model.device)
-                    for k, v in batch.items()
-                }
-                mask = batch.get("attention_mask")
-                masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
-                masks["decoder"] = batch["labels"] != -100
-                out = model(**batch, use_cache=False, output_attentions=weighted)
+            for out in _forward_batches(model, batches, masks, "calibrate", progress, output_attentions=weighted):
                 if weighted:
                     _fold_weighted_sites(moments, counts, arch, out, read, masks)
     finally:
@@ -334,6 +321,45 @@ def calibration_batches(
     return examples, info
 
 
+def _calibration_run(src, data, settings: CalibrationSettings, batch_size: int, keys: PromptKeys):
+    """(the source model on the calibration device, its architecture, the calibration batches,
+    their description): what a calibration pass runs."""
+    from uptrain.architecture import architecture
+    from uptrain.checkpoint.source import resolve_source
+    from uptrain.convert.calibration import calibration_device
+    from uptrain.loading import load_model
+    from uptrain.model_info import read_config
+
+    model_dir = resolve_source(src).folder
+    arch = architecture(read_config(model_dir).get("model_type"))
+    run_device, run_dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
+    batches, info = calibration_batches(model_dir, arch, data, settings, batch_size, keys)
+    import uptrain.modeling  # noqa: F401  registers t5_gqa, …: a converted checkpoint loads here too
+
+    model = load_model(model_dir, "calibration's source", arch.auto_class, dtype=run_dtype).to(run_device).eval()
+    return model, arch, batches, info
+
+
+def _forward_batches(model, batches, masks: dict, desc: str, progress: bool | None, **kwargs):
+    """Each batch through `model` on its device, `masks` set first to the batch's encoder and
+    decoder positions that count (None: all; the hooks read them); yields each output."""
+    from tqdm.auto import tqdm
+
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=None if progress is None else not progress):
+        batch = _on_device(batch, model)
+        mask = batch.get("attention_mask")
+        masks["encoder"] = None if mask is None or "input_features" in batch else mask.bool()
+        masks["decoder"] = batch["labels"] != -100
+        yield model(**batch, use_cache=False, **kwargs)
+
+
+def _on_device(batch: dict, model) -> dict:
+    """A batch on the model's device, audio features in its dtype (bfloat16 calibration); ids and labels as they are."""
+    return {
+        k: v.to(model.device, model.dtype) if v.is_floating_point() else v.to(model.device) for k, v in batch.items()
+    }
+
+
 def collect_seq2seq_moments(
     src: str | Path,
     data,
@@ -348,19 +374,7 @@ def collect_seq2seq_moments(
     by default); the whole model runs as `settings` say (dtype, device). `keys`: the prompt of the
     targets of a family that trains on pairs (`--language`, `--speech-task`, `--source-lang`,
     `--target-lang`)."""
-    from uptrain.architecture import architecture
-    from uptrain.checkpoint.source import resolve_source
-    from uptrain.convert.calibration import calibration_device
-    from uptrain.loading import load_model
-    from uptrain.model_info import read_config
-
-    model_dir = resolve_source(src).folder
-    arch = architecture(read_config(model_dir).get("model_type"))
-    run_device, run_dtype = calibration_device(settings.calibration_device, settings.calibration_dtype)
-    batches, info = calibration_batches(model_dir, arch, data, settings, batch_size, keys)
-    import uptrain.modeling  # noqa: F401  registers t5_gqa, …: a converted checkpoint loads here too
-
-    model = load_model(model_dir, "calibration's source", arch.auto_class, dtype=run_dtype).to(run_device).eval()
+    model, arch, batches, info = _calibration_run(src, data, settings, batch_size, keys)
     if settings.calibration_weighting == "attention":
         model.set_attn_implementation("eager")  # the attention probabilities, returned
         info["weighting"] = settings.calibration_weighting
@@ -368,3 +382,73 @@ def collect_seq2seq_moments(
     info["tokens"] = sum(int((b["labels"] != -100).sum()) for b in batches)
     info["dtype"] = settings.calibration_dtype
     return {k: m.cpu() for k, m in moments.items()}, info
+
+
+def uniform_moment(moments: Mapping, attention: str, layer: int) -> torch.Tensor:
+    """C = E[x̃ x̃ᵀ] over every position one attention's keys and values read, however the merge
+    was weighted: the layer's own input, or (cross-attention) the encoder's output."""
+    return moments[CROSS_KEYS_VALUES if attention == "cross" else f"{attention}.{layer}"]
+
+
+def collect_output_moments(
+    src: str | Path,
+    data,
+    targets: dict,
+    settings: CalibrationSettings = DEFAULT_CALIBRATION,
+    *,
+    batch_size: int = 4,
+    progress: bool | None = None,
+    keys: PromptKeys = CHECKPOINT_PROMPT,
+) -> dict:
+    """`--value-fit output`'s second calibration pass: the source model over the same batches as
+    `collect_seq2seq_moments`, each target attention's inputs hooked and folded by
+    `value_refit.fold_example` (its source attention and its merged queries' and keys', computed
+    from the inputs in float64). `targets`: (attention, layer) → `RefitTarget`; returns
+    (attention, layer) → `OutputMoments`, on the CPU."""
+    from uptrain.convert.value_refit import OutputMoments, fold_example
+
+    model, arch, batches, _ = _calibration_run(src, data, settings, batch_size, keys)
+    found = {t: OutputMoments() for t in targets}
+    masks: dict[str, torch.Tensor | None] = {}
+    handles = []
+
+    def hook(target: tuple[str, int], refit):
+        site = target[0]
+
+        def fold(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            encoded = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
+            kv = encoded if site == "cross" else hidden
+            queries = masks["encoder" if site == "encoder" else "decoder"]
+            source_keys = None if site == "decoder-self" else masks["encoder"]
+            for i in range(len(hidden)):  # one example at a time: [h, tq, tk] float64 probabilities
+                fold_example(
+                    refit,
+                    found[target],
+                    hidden[i],
+                    kv[i],
+                    module.scaling,
+                    None if queries is None else queries[i],
+                    None if source_keys is None else source_keys[i],
+                    causal=site == "decoder-self",
+                )
+
+        return fold
+
+    on_device = {t: refit.to(model.device) for t, refit in targets.items()}
+    for site in arch.sites:
+        for attention, layer in targets:
+            if attention == site.attention:
+                module = model.get_submodule(site.layout.attn_prefix.format(layer=layer))
+                hooked = hook((attention, layer), on_device[(attention, layer)])
+                handles.append(module.register_forward_pre_hook(hooked, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for _ in _forward_batches(model, batches, masks, "value fit", progress):
+                pass  # the hooks fold what they read
+    finally:
+        for handle in handles:
+            handle.remove()
+    for moments in found.values():
+        moments.merged, moments.cross = moments.merged.cpu(), moments.cross.cpu()
+    return found

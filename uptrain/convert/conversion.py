@@ -69,6 +69,9 @@ class Calibration:
     # (`allocation.py`), what chose the allocation; None otherwise.
     allocation_costs: dict[str, list[dict[int, float]]] | None = None
     allocation_cost: str | None = None  # which cost that is: "loss" (measured) or "merge"
+    # `--value-fit output` (encoder–decoders): per attention, layer → its merge with the values refit
+    # (`pipeline.fit_values`), for the conversion `solved_for` names; None: not refit.
+    site_solved: dict[str, dict[int, LayerSolution]] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,17 +137,24 @@ class Conversion:
         (each reading its own moments, `calibration_seq2seq.site_moments`)."""
         if not self.arch.encoder_decoder:
             moments = calibration.moments if calibration else None
-            return self._site_merger(DECODER_SELF, source, moments, calibration, progress)
+            return self._site_merger(
+                DECODER_SELF, source, moments, calibration.solved if calibration else None, progress
+            )
+        refit = (calibration.site_solved if calibration else None) or {}
         return SiteMergers(
             {
                 name: self._site_merger(
-                    name, source, site_moments(calibration.moments, name) if calibration else None, None, progress
+                    name,
+                    source,
+                    site_moments(calibration.moments, name) if calibration else None,
+                    refit.get(name),
+                    progress,
                 )
                 for name in self.attention
             }
         )
 
-    def _site_merger(self, name: str, source: TensorSource, moments, calibration, progress) -> LayerMerger:
+    def _site_merger(self, name: str, source: TensorSource, moments, solutions, progress) -> LayerMerger:
         stack = self.stacks[name]
         return LayerMerger(
             source,
@@ -158,7 +168,7 @@ class Conversion:
             self.seed,
             self.init_std,
             progress,
-            solutions=calibration.solved if calibration else None,
+            solutions=solutions,
             rotary_pairs=self.arch.rotary.pairs if self.arch.rotary is not None else "half",
         )
 

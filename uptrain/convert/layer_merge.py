@@ -233,6 +233,15 @@ class LayerMerger:
             attention = permute_kv_heads(attention, order)
         return LayerSolution(order, self.strategy.solve(attention, g, c))
 
+    def solved(self, layer: int) -> tuple[LayerSolution, LayerAttention]:
+        """`layer`'s solution from its moment, and its source projections in the solution's head
+        order (similarity grouping renumbers them): what `--value-fit output` refits."""
+        attention = self.attention(layer)
+        solution = self._solve(attention, self._second_moment(layer), self.allocation[layer])
+        if solution.order is not None:
+            attention = permute_kv_heads(attention, solution.order)
+        return solution, attention
+
     def solve(self, layer: int, c: torch.Tensor) -> None:
         """Decide what `layer`'s merge takes from its moment `c` ([(D+1)², float64), on c's device
         (a GPU's float64 when calibration ran there), and keep it (on the CPU) for the write."""

@@ -475,6 +475,12 @@ def _encoder_decoder_text(p: dict, arch: Architecture) -> str:
                 "(each key's error weighed by the attention its position receives, each value's by the "
                 "attention-pooled inputs the output reads)"
             )
+        if (p.get("calibration") or {}).get("value_fit") == "output":
+            moments += (
+                "; a second pass over the same calibration batches, the merged queries and keys in place, refit "
+                "each merged layer's shared values and per-head output maps to its heads' attention output "
+                f"(`--value-fit output`, blend {p['calibration'].get('value_fit_blend')})"
+            )
         rewritten = f"`{q}` and the K and V projections ({parts})"
         data = _calibration_data_text(p)
         done = merge.card_text(MergeCard(arch, q, o, rewritten, data, moments, "each pooled attention", cast))

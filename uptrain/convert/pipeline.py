@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF
 from uptrain.checkpoint.atomic import atomic_directory, check_apart, check_output_path
@@ -133,9 +135,79 @@ def _check_calibration_inputs(prepared: PreparedConversion) -> None:
             f"--calibration-weighting {prepared.spec.calibration_weighting} applies to encoder–decoders' "
             "calibration; this model is decoder-only (drop it)"
         )
+    if prepared.spec.value_fit != "inputs":
+        check_value_fit(prepared)
     resolve_data(prepared.spec.calibration_data, "calibration_data")
     load_calibration_tokenizer(prepared.source.folder)
     calibration_device(prepared.spec.calibration_device, prepared.spec.calibration_dtype)
+
+
+def check_value_fit(prepared: PreparedConversion) -> None:
+    """`--value-fit output` refits the calibrated merge's values to each head's attention, which it
+    computes itself as softmax(scaling · q kᵀ): an encoder–decoder whose attention adds no position
+    bias to the scores (BART's family, Marian, M2M100/NLLB, Pegasus, Whisper; not T5's)."""
+    arch, fit = prepared.conversion.arch, prepared.spec.value_fit
+    if not arch.encoder_decoder:
+        raise UptrainError(
+            f"--value-fit {fit} applies to encoder–decoders' calibrated merge; this model is decoder-only (drop it)"
+        )
+    if any(site.layout.query_head_tensors for site in arch.sites):  # T5's family: a bias, and no scaling
+        raise UptrainError(
+            f"--value-fit {fit} computes each head's attention as softmax(scaling · q kᵀ), and {arch.name}'s adds a "
+            "relative position bias to the scores: not supported (drop it)"
+        )
+
+
+def refits_values(prepared: PreparedConversion) -> bool:
+    """Whether the conversion refits its calibrated merge's values (`--value-fit output`, `fit_values`)."""
+    return (
+        prepared.spec.value_fit == "output"
+        and prepared.strategy.needs_calibration
+        and prepared.strategy.merges_layers
+        and prepared.conversion.arch.encoder_decoder
+    )
+
+
+def fit_values(prepared: PreparedConversion, calibration: Calibration, progress: bool | None = None) -> Calibration:
+    """`--value-fit output` (`value_refit.py`): every merged layer of the converted attentions solved
+    from `calibration`'s moments, then a second pass of the source model over the same calibration
+    batches, the merged queries and keys in its hooks, folds what refits each layer's values to its
+    heads' attention output; `calibration` with those solutions (`site_solved`, for this conversion
+    alone), not changed itself. A layer the allocation leaves at its source KV heads is copied, not
+    refit (`LayerMerger.keeps_heads`)."""
+    from uptrain.convert.calibration_seq2seq import collect_output_moments, uniform_moment
+    from uptrain.convert.layer_merge import LayerSolution
+    from uptrain.convert.value_refit import RefitTarget, refit_solution
+
+    check_value_fit(prepared)
+    spec = prepared.spec
+    merger = prepared.conversion.merger(prepared.checkpoint, calibration, progress=False)
+    solved, targets = {}, {}
+    for name, site in merger.mergers.items():
+        for layer in range(site.geometry.num_layers):
+            if site.keeps_heads(layer):
+                continue
+            solution, attention = site.solved(layer)
+            g = site.allocation[layer]
+            solved[(name, layer)] = solution
+            targets[(name, layer)] = RefitTarget(attention, site.strategy.apply(attention, g, solution.merge), g)
+    found = collect_output_moments(
+        prepared.source.folder,
+        spec.calibration_data,
+        targets,
+        CalibrationSettings.of(spec),
+        progress=progress,
+        keys=_prompt_keys(spec),
+    )
+    refit: dict[str, dict[int, LayerSolution]] = {name: {} for name in merger.mergers}
+    for (name, layer), target in targets.items():
+        c = uniform_moment(calibration.moments, name, layer).to(torch.float64)
+        merge = refit_solution(
+            target.source, target.groups, solved[(name, layer)].merge, found[(name, layer)], c, spec.value_fit_blend
+        )
+        refit[name][layer] = LayerSolution(solved[(name, layer)].order, merge)
+    info = {**calibration.info, "value_fit": spec.value_fit, "value_fit_blend": spec.value_fit_blend}
+    return replace(calibration, info=info, site_solved=refit, solved_for=_solved_for(prepared))
 
 
 def _prompt_keys(spec: ConversionSpec):
@@ -153,7 +225,8 @@ def _prompt_keys(spec: ConversionSpec):
 def _solved_for(prepared: PreparedConversion) -> tuple:
     spec = prepared.spec
     allocation = tuple(sorted(prepared.plan.allocation.items()))  # each layer's KV heads decide its merge
-    return (str(prepared.source.folder), allocation, spec.pooling, spec.grouping)
+    fit = (spec.value_fit, spec.value_fit_blend, spec.calibration_weighting) if spec.value_fit != "inputs" else ()
+    return (str(prepared.source.folder), allocation, spec.pooling, spec.grouping, *fit)
 
 
 def calibrate(
@@ -186,6 +259,8 @@ def calibrate(
         calibration = Calibration(moments, info)
         if settle:
             settle_allocation(prepared, calibration)
+        if refits_values(prepared) and not keep_moments:  # kept moments serve any conversion: refit in `execute`
+            calibration = fit_values(prepared, calibration, progress)
         return calibration
     solver = None if keep_moments or settle else prepared.conversion.merger(prepared.checkpoint, None, progress=False)
     moments, info = collect_attention_moments(
@@ -300,7 +375,10 @@ def execute(
         )
     if prepared.strategy.needs_calibration and calibration is None:
         raise UptrainError(f"--pooling {spec.pooling} needs calibration statistics; run calibrate() first")
-    if calibration is not None and calibration.solved and calibration.solved_for != _solved_for(prepared):
+    if calibration is not None and refits_values(prepared) and calibration.site_solved is None:
+        calibration = fit_values(prepared, calibration, progress)  # moments computed earlier (compare's)
+    solved = calibration is not None and (calibration.solved or calibration.site_solved is not None)
+    if solved and calibration.solved_for != _solved_for(prepared):
         raise UptrainError(
             f"this calibration was solved for another conversion {calibration.solved_for}; "
             "calibrate(..., keep_moments=True) gives moments that serve any conversion of the source"

@@ -29,6 +29,8 @@ Grouping = Literal["contiguous", "similarity"]
 DType = Literal["float32", "float16", "bfloat16"]
 SourceHash = Literal["blake3", "sha256", "none"]
 CalibrationWeighting = Literal["uniform", "attention"]
+ValueFit = Literal["inputs", "output"]
+DEFAULT_VALUE_FIT_BLEND = 0.1  # λ of `--value-fit output` (`value_refit.py`)
 Target = Literal["gqa", "mla"]
 RotaryKey = Literal["principal", "mean", "calibrated"]
 MLAInit = Literal["svd", "calibrated"]
@@ -241,6 +243,19 @@ class ConversionOptions(Schema):
         "alike) or attention (encoder–decoders' decoder self- and cross-attention: the keys' error by the "
         "attention each position receives, the values' by the attention-pooled inputs the output reads)",
     )
+    value_fit: ValueFit = option(
+        "inputs",
+        help="what the calibrated merge fits the values to: inputs (each value head on every position it reads) or "
+        "output (encoder–decoders: after the keys are merged, the shared values and each head's o_proj map refit "
+        "to each head's attention output under the merged keys; a second calibration pass)",
+    )
+    value_fit_blend: float = option(
+        DEFAULT_VALUE_FIT_BLEND,
+        at_least=0,
+        metavar="LAMBDA",
+        help="--value-fit output: the weight of the inputs fit blended into the output fit (large: the inputs fit's "
+        "values; 0: the output fit alone, which can lean on directions the calibration barely visits)",
+    )
     source_hash: SourceHash = option(
         "blake3",
         help="digest of each source file recorded in uptrain.json, computed "
@@ -395,6 +410,7 @@ _GQA_ONLY = {
     "cross_kv_weight": (None, "--cross-kv-weight"),
     "pooling": ("mean", "--pooling"),
     "grouping": ("contiguous", "--grouping"),
+    "value_fit": ("inputs", "--value-fit"),
 }
 
 
@@ -496,6 +512,13 @@ class ConvertCommand(ConversionSpec):
                 f"--pooling {self.pooling} solves none (drop it, or --pooling "
                 f"{' / '.join(calibrating_strategies())})"
             )
+        if self.value_fit != "inputs" and self.pooling not in calibrating_strategies():
+            found.append(
+                f"--value-fit {self.value_fit} refits the values of a calibrated merge, and --pooling {self.pooling} "
+                f"solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
+            )
+        elif self.value_fit == "inputs" and self.value_fit_blend != DEFAULT_VALUE_FIT_BLEND:
+            found.append("--value-fit-blend weighs the inputs fit within --value-fit output: give it with that")
         return found
 
     def spec(self) -> ConversionSpec:

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import whisper_study  # noqa: E402  the study's scorer and settings
 
+from uptrain.convert.calibrated import augmented_inputs  # noqa: E402
 from uptrain.convert.spec import DEFAULT_VALUE_FIT_BLEND  # noqa: E402
 
 VARIANTS = ("uniform", "pooled-values", "pooled", "sequential", "sequential-pooled", "output", "sequential-output")
@@ -75,12 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.quick = False
     return args
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[n, D] → [n, D+1] float64 with the constant 1 (biases ride along)."""
-    x = x.to(torch.float64)
-    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1)
 
 
 class Moments:
@@ -119,8 +114,8 @@ def hook(module, site: str, moments: Moments, state: dict):
             causal = torch.ones(tq, tq, dtype=torch.bool).tril()
             scores = scores.masked_fill(~causal, float("-inf"))
         p = scores.softmax(-1).to(torch.float64)  # [b, h, tq, tk]
-        x = _rows(kv)  # [b, tk, D+1]
-        xq = _rows(hidden)
+        x = augmented_inputs(kv)  # [b, tk, D+1]
+        xq = augmented_inputs(hidden)
         for i in range(b):
             rows_q = valid[i]
             keys_valid = rows_q if site == "decoder-self" else torch.ones(kv.shape[1], dtype=torch.bool)

@@ -98,7 +98,8 @@ def test_output_moments_and_maps_by_hand():
     rows, rows_merged = [], []
     with torch.inference_mode():
         for batch, outputs in zip(batches, encoded):
-            x = variants._rows(outputs.last_hidden_state)
+            x = outputs.last_hidden_state.to(torch.float64)
+            x = torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1)  # x̃ = [x, 1], by hand
             valid = batch["labels"] != -100
             for source, kept in ((model, rows), (keyed, rows_merged)):
                 p = source(encoder_outputs=outputs, labels=batch["labels"], output_attentions=True).cross_attentions[1]

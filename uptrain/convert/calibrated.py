@@ -101,6 +101,13 @@ def _augment(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([w, ones_col[:, None]], dim=1)
 
 
+def augmented_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x̃ = [x, 1] in float64 ([..., D] → [..., D+1]): the inputs with a constant 1, so that a
+    moment of x̃ carries what `_augment`'s bias column reads."""
+    x = x.to(torch.float64)
+    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1)
+
+
 def _split(w_aug: torch.Tensor, had_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w_aug[:, :-1].contiguous(), (w_aug[:, -1].contiguous() if had_bias else None)
 

@@ -40,6 +40,7 @@ from uptrain import UptrainError
 from uptrain.architecture import DECODER_SELF, architecture
 from uptrain.checkpoint.reader import SourceCheckpoint, tensor_bytes
 from uptrain.checkpoint.source import resolve_source
+from uptrain.convert.calibrated import augmented_inputs
 from uptrain.convert.spec import DEFAULT_CALIBRATION, CalibrationSettings
 from uptrain.data.blocks import Blocks
 from uptrain.data.text import TextStream, head_blocks, load_blocks
@@ -68,8 +69,7 @@ def load_calibration_tokenizer(model_dir: Path):
 
 def fold_attention_input(moment: torch.Tensor, x: torch.Tensor) -> None:
     """Add Σ x̃ x̃ᵀ over the tokens of `x` ([..., hidden]) to `moment`, x̃ = [x, 1], in float64."""
-    x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+    x = augmented_inputs(x.reshape(-1, x.shape[-1]))
     moment.addmm_(x.mT, x)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError, exception_line
-from uptrain.convert.calibrated import CrossMoments
+from uptrain.convert.calibrated import CrossMoments, augmented_inputs
 from uptrain.convert.spec import DEFAULT_CALIBRATION, CalibrationSettings
 from uptrain.objectives.prompts import APPLIES_TO, KEYS_OF, SPEECH_KEYS, PromptKeys
 from uptrain.strict_json import parse_json
@@ -145,8 +145,7 @@ def _json_lines(file) -> bool:
 def _fold(moments: dict, counts: dict, key: str, x: torch.Tensor, keep: torch.Tensor | None) -> None:
     """Add Σ x̃ x̃ᵀ over the kept positions of `x` ([b, t, D]) to moments[key], x̃ = [x, 1], in float64."""
     rows = x[keep] if keep is not None else x.reshape(-1, x.shape[-1])
-    rows = rows.to(torch.float64)
-    rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)], dim=1)
+    rows = augmented_inputs(rows)
     if key not in moments:
         moments[key] = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
         counts[key] = 0
@@ -164,11 +163,6 @@ def _fold_weighted(moments: dict, counts: dict, key: str, rows: torch.Tensor, we
     counts[key] += float(weights.sum())
 
 
-def _augmented(x: torch.Tensor) -> torch.Tensor:
-    x = x.to(torch.float64)
-    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1)
-
-
 def fold_attention_weighted(moments: dict, counts: dict, key: str, x, probs, queries) -> None:
     """What the next layer reads of one attention: add to moments[KEY.pooled] the moment of each
     head's attention-pooled input y = Σ_t p_t x̃_t (every head, every kept query: the value error
@@ -176,7 +170,7 @@ def fold_attention_weighted(moments: dict, counts: dict, key: str, x, probs, que
     position weighted by the attention it receives (summed over heads and kept queries: where a
     key's score error moves the output). `x`: [b, s, D] what keys and values read; `probs`:
     [b, h, t, s] the attention; `queries`: [b, t] the queries that count (not padding)."""
-    x = _augmented(x)
+    x = augmented_inputs(x)
     p = probs.to(torch.float64) * queries[:, None, :, None].to(torch.float64)
     pooled = p @ x[:, None]  # [b, h, t, D+1]
     rows = pooled[queries[:, None, :].expand(-1, p.shape[1], -1)]

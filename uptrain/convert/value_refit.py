@@ -38,6 +38,7 @@ from uptrain.convert.calibrated import (
     _augment,
     _psd_sqrt,
     _value_inputs,
+    augmented_inputs,
     regularised,
 )
 from uptrain.convert.spec import DEFAULT_VALUE_FIT_BLEND as DEFAULT_BLEND  # λ: `--value-fit-blend`
@@ -90,11 +91,6 @@ def _probabilities(layer: LayerAttention, hidden: torch.Tensor, x: torch.Tensor,
     return scores.softmax(-1)
 
 
-def _augmented(x: torch.Tensor) -> torch.Tensor:
-    x = x.to(torch.float64)
-    return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
-
-
 def fold_example(
     target: RefitTarget,
     found: OutputMoments,
@@ -114,8 +110,8 @@ def fold_example(
     source model's); None: the same inputs."""
     source, g = target.source, target.groups
     h, d, kv_heads = source.num_heads, source.head_dim, source.num_kv_heads
-    x = _augmented(kv)
-    hidden_source, x_source = (hidden, x) if reference is None else (reference[0], _augmented(reference[1]))
+    x = augmented_inputs(kv)
+    hidden_source, x_source = (hidden, x) if reference is None else (reference[0], augmented_inputs(reference[1]))
     mask = None
     if causal:
         mask = torch.ones(len(hidden), len(x), dtype=torch.bool, device=x.device).tril()

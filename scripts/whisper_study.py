@@ -99,10 +99,15 @@ class Row:
         return self.num_kv_heads is None and self.budget is None
 
     @property
+    def compare_start(self) -> bool:
+        """Starts from a conversion `run_compare` makes (its G and pooling, nothing else)."""
+        plain = self.budget is None and self.weighting == "uniform" and self.value_fit == "inputs"
+        return plain and self.attention == DECODER
+
+    @property
     def in_compare(self) -> bool:
         """Made and trained by `run_compare` (the others take its TrainConfig by hand)."""
-        plain = self.budget is None and self.weighting == "uniform" and self.value_fit == "inputs"
-        return plain and not self.distillation and self.attention == DECODER
+        return self.compare_start and not self.distillation
 
 
 def budget_rows(budgets: list[float], allocations: list[str], cross_kv_weight: float | None = None) -> list[Row]:
@@ -377,7 +382,7 @@ def study_spec(args: argparse.Namespace, kv_heads: list[int], poolings: list[str
 def start_folder(row: Row, spec, root: Path) -> Path:
     if row.mha:
         return Path(spec.model)
-    if row.attention != DECODER or row.weighting != "uniform" or row.value_fit != "inputs" or row.budget is not None:
+    if not row.compare_start:
         return root / "extra" / "converted" / row.name
     return Path(spec.output_dir) / "converted" / f"g{row.num_kv_heads}-{row.pooling}"
 

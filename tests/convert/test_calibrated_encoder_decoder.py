@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,16 +328,23 @@ def test_attention_weighting_is_refused_where_nothing_is_calibrated(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
-def test_attention_weighting_is_refused_for_decoder_only_models(tmp_path, capsys):
+def decoder_only_source(folder: Path) -> tuple[Path, Path]:
+    """A one-layer Llama in `folder`/llama and a line of calibration text beside it: the decoder-only
+    model that encoder–decoder-only calibration options are refused for."""
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
         )
     )
-    llama.save_pretrained(tmp_path / "src")
-    text = tmp_path / "text.txt"
+    llama.save_pretrained(folder / "llama")
+    text = folder / "text.txt"
     text.write_text("some words\n")
-    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
+    return folder / "llama", text
+
+
+def test_attention_weighting_is_refused_for_decoder_only_models(tmp_path, capsys):
+    src, text = decoder_only_source(tmp_path)
+    argv = ["convert", str(src), str(tmp_path / "out"), "-g", "2", "--pooling", "calibrated"]
     capsys.readouterr()
     assert main([*argv, "--calibration-data", str(text), "--calibration-weighting", "attention"]) == 2
     err = capsys.readouterr().err.strip()

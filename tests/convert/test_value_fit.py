@@ -293,9 +293,7 @@ def refused(capsys, argv: list[str], out: Path, says: str) -> None:
 
 
 def test_value_fit_is_refused_in_one_line_where_it_does_not_apply(speech, tmp_path, capsys):  # noqa: F811
-    import transformers
-
-    from tests.convert.test_calibrated_encoder_decoder import build
+    from tests.convert.test_calibrated_encoder_decoder import build, decoder_only_source
 
     src, out = whisper(tmp_path / "src"), tmp_path / "out"
     whisper_argv = ["convert", str(src), str(out), "-g", "2", "--calibration-data", str(speech), "--language", "en"]
@@ -304,18 +302,11 @@ def test_value_fit_is_refused_in_one_line_where_it_does_not_apply(speech, tmp_pa
     says = "--value-fit-blend weighs the inputs fit within --value-fit output"
     refused(capsys, [*whisper_argv, "--pooling", "calibrated", "--value-fit-blend", "1"], out, says)
     refused(capsys, [*whisper_argv, "--value-fit", "output", "--value-fit-blend", "-1"], out, "value_fit_blend")
-    llama = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
-        )
-    )
-    llama.save_pretrained(tmp_path / "llama")
-    text = tmp_path / "text.txt"
-    text.write_text("some words\n")
+    llama, text = decoder_only_source(tmp_path)
     calibrated = ["-g", "2", "--pooling", "calibrated", "--calibration-data", str(text), "--value-fit", "output"]
     says = "--value-fit output applies to encoder–decoders' calibrated merge; this model is decoder-only"
-    refused(capsys, ["convert", str(tmp_path / "llama"), str(out), *calibrated], out, says)
-    mla = ["convert", str(tmp_path / "llama"), str(out), "--target", "mla", "--kv-rank", "8", "--value-fit", "output"]
+    refused(capsys, ["convert", str(llama), str(out), *calibrated], out, says)
+    mla = ["convert", str(llama), str(out), "--target", "mla", "--kv-rank", "8", "--value-fit", "output"]
     refused(capsys, mla, out, "--target mla takes --kv-rank or --kv-budget (and --rope-dims), not --value-fit")
     build("t5").save_pretrained(tmp_path / "t5")
     says = "and T5's adds a relative position bias to the scores: not supported"

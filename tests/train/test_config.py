@@ -102,6 +102,10 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
         ({"model": None, "source": "s", "num_kv_heads": 2, "cross_kv_weight": 4}, "weighs cross-attention heads"),
         ({"model": None, "source": "s", "num_kv_heads": 2, "kv_budget": 0.5}, "give exactly one of -g/--num-kv-heads"),
         ({"model": None, "source": "s", "kv_heads_per_layer": "4,x"}, "'4,x' is not a comma list"),
+        # The conversion's calibrated-merge keys with a pooling that solves no merge: refused, not ignored.
+        ({"model": None, "source": "s", "num_kv_heads": 2, "value_fit": "output"}, "--pooling mean solves none"),
+        ({"model": None, "source": "s", "num_kv_heads": 2, "calibration_weighting": "attention"}, "solves none"),
+        ({"model": None, "source": "s", "num_kv_heads": 2, "value_fit_blend": 1.0}, "give it with that"),
         ({"resume": True, "overwrite": True}, "exclude each other"),
         ({"seq_len": 1}, "seq_len"),
         ({"train_data": None}, "train_data"),

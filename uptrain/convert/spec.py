@@ -506,24 +506,32 @@ class ConvertCommand(ConversionSpec):
                 f"calibrates nothing ({', '.join(f'--pooling {n}' for n in calibrating_strategies())}, or --grouping "
                 "similarity with --calibration-data)"
             )
-        if self.calibration_weighting != "uniform" and self.pooling not in calibrating_strategies():
-            found.append(
-                f"--calibration-weighting {self.calibration_weighting} weighs the errors of a calibrated merge, and "
-                f"--pooling {self.pooling} solves none (drop it, or --pooling "
-                f"{' / '.join(calibrating_strategies())})"
-            )
-        if self.value_fit != "inputs" and self.pooling not in calibrating_strategies():
-            found.append(
-                f"--value-fit {self.value_fit} refits the values of a calibrated merge, and --pooling {self.pooling} "
-                f"solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
-            )
-        elif self.value_fit == "inputs" and self.value_fit_blend != DEFAULT_VALUE_FIT_BLEND:
-            found.append("--value-fit-blend weighs the inputs fit within --value-fit output: give it with that")
-        return found
+        return found + merge_key_problems(self)
 
     def spec(self) -> ConversionSpec:
         """The conversion alone."""
         return ConversionSpec(**{k: v for k, v in vars(self).items() if k not in ("out", "overwrite")})
+
+
+def merge_key_problems(spec: ConversionOptions) -> list[str]:
+    """--calibration-weighting and --value-fit shape a calibrated merge: refused with a pooling that
+    solves none, and --value-fit-blend without --value-fit output (`uptrain convert`'s and `uptrain
+    train`'s conversions alike; a compare applies them to its calibrated runs)."""
+    found = []
+    solves = spec.pooling in calibrating_strategies()
+    if spec.calibration_weighting != "uniform" and not solves:
+        found.append(
+            f"--calibration-weighting {spec.calibration_weighting} weighs the errors of a calibrated merge, and "
+            f"--pooling {spec.pooling} solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
+        )
+    if spec.value_fit != "inputs" and not solves:
+        found.append(
+            f"--value-fit {spec.value_fit} refits the values of a calibrated merge, and --pooling {spec.pooling} "
+            f"solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
+        )
+    elif spec.value_fit == "inputs" and spec.value_fit_blend != DEFAULT_VALUE_FIT_BLEND:
+        found.append("--value-fit-blend weighs the inputs fit within --value-fit output: give it with that")
+    return found
 
 
 def conversion_spec(**values) -> ConversionSpec:

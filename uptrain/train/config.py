@@ -34,6 +34,7 @@ from uptrain.convert.spec import (
     kv_budget_option,
     kv_heads_option,
     kv_heads_per_layer_option,
+    merge_key_problems,
     seed_option,
 )
 from uptrain.options import (
@@ -412,6 +413,8 @@ class TrainConfig(
         found = super().problems()
         if self.resume and self.overwrite:
             found.append("`resume` and `overwrite` exclude each other")
+        if self.source is not None and self.target == "gqa":
+            found += merge_key_problems(self)
         return found
 
     def conversion_spec(self) -> ConversionSpec:

@@ -350,10 +350,15 @@ def _finished(path: Path, expected: dict, log) -> RunResult | None:
     name = expected["name"]
     if not path.exists():
         return None
+    # A record an older uptrain wrote (a field added or renamed since) reads as one that does not
+    # fit: said so, not only "damaged", since upgrading is the likelier cause.
+    stale = f"{path} is out of date or damaged"
     try:
         result = RunResult(**read_json(path))  # a list, or missing or unknown fields: TypeError
-    except (UptrainError, TypeError) as err:
-        problem = str(err) if isinstance(err, UptrainError) else "not a record of a run"
+    except UptrainError as err:
+        problem = str(err)  # parse_json's: the file and what is wrong with it
+    except TypeError:
+        problem = f"{stale} (not this uptrain's record of a run)"
     else:
 
         def number(v) -> bool:
@@ -369,8 +374,8 @@ def _finished(path: Path, expected: dict, log) -> RunResult | None:
         )
         if whole and all(getattr(result, k) == v for k, v in expected.items()):
             return result
-        problem = "not a record of this run"
-    log(f"[compare] {name}: {path} is damaged ({problem}); making it again from the run")
+        problem = f"{stale} (it does not hold this run's values)"
+    log(f"[compare] {name}: {problem}; making it again from the run")
     return None
 
 

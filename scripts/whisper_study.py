@@ -9,7 +9,8 @@
 Rows: the MHA model (G = h = 8 for Whisper base) and, for each G of --kv-heads, the decoder's self-
 and cross-attention (the paper's setting, `--attention decoder-self,cross`) converted with mean,
 first, random and calibrated pooling, calibrated + distillation (the calibrated conversion uptrained
-with distillation from the MHA original, train's `teacher`), and one row with the encoder's
+with distillation from the MHA original, train's `teacher`; with --trained-teacher-rows also from the
+MHA row as uptrained here, g{G}-calibrated-distill-trained), and one row with the encoder's
 self-attention converted too (calibrated, at the first G); with --weighted-rows, per G, calibrated with
 `--calibration-weighting attention` (g{G}-calibrated-attention); with --output-rows, per G, calibrated
 with `--value-fit output` (g{G}-calibrated-output: the values refit to each head's attention output
@@ -37,6 +38,10 @@ Every row is scored at α = 0 (the model it starts from) and after uptraining, o
   "not measured".
 The encoder's output is computed once per distinct encoder: rows that keep the source's encoder
 (every decoder-only conversion at α = 0) reuse the MHA model's, whose measured time stands for theirs.
+
+Each uptrained row's final WER is also given over the MHA row's trained alike, with the 95 %
+interval of a paired bootstrap over the held-out clips (`wer_ratio`): how well the clips resolve a
+relative gap (one training seed: --seed reruns the study with another clip order and calibration).
 
 Whisper's pretraining budget is not public, so α is stated as what uptraining saw: --steps ×
 --batch-size clips (and the target tokens the training loop counted). Fig. 5's view, WER against
@@ -87,6 +92,7 @@ class Row:
     num_kv_heads: int | None  # None: the MHA model, or a budget row's per-layer heads
     pooling: str
     distillation: bool = False
+    teacher: str = "original"  # a distilled row's teacher: the MHA original, or the MHA row "trained" alike
     attention: str = DECODER
     weighting: str = "uniform"  # the calibrated merge's `calibration_weighting`
     value_fit: str = "inputs"  # the calibrated merge's `value_fit` (output: refit to the attention output)
@@ -132,12 +138,16 @@ def rows_of(
     allocations: list[str] = ALLOCATIONS,
     cross_kv_weight: float | None = None,
     output: bool = False,
+    trained_teacher: bool = False,
 ) -> list[Row]:
     rows = [Row("mha", None, "mha")]
     for g in kv_heads:
         rows += [Row(f"g{g}-{p}", g, p) for p in poolings]
         if "calibrated" in poolings:
             rows.append(Row(f"g{g}-calibrated-distill", g, "calibrated", distillation=True))
+            if trained_teacher:
+                name = f"g{g}-calibrated-distill-trained"
+                rows.append(Row(name, g, "calibrated", distillation=True, teacher="trained"))
         if weighted:
             rows.append(Row(f"g{g}-calibrated-attention", g, "calibrated", weighting="attention"))
         if output:
@@ -157,6 +167,7 @@ def study_rows(args: argparse.Namespace) -> list[Row]:
         args.allocations,
         args.cross_kv_weight,
         args.output_rows,
+        args.trained_teacher_rows,
     )
 
 
@@ -186,6 +197,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "under the merged keys, a second calibration pass; λ = convert's --value-fit-blend default)",
     )
     parser.add_argument(
+        "--trained-teacher-rows",
+        action="store_true",
+        help="also, per G, calibrated + distillation from the MHA row as uptrained here (its final model, on\n"
+        "the same clips) instead of the MHA original (g{G}-calibrated-distill-trained; trains the MHA row first)",
+    )
+    parser.add_argument(
         "--kv-budgets",
         type=float,
         nargs="+",
@@ -212,6 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2, help="clips per uptraining step (default 2)")
     parser.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="warm-up steps (default 2)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the compare's seed: clip order, calibration and init (default 0)"
+    )
     parser.add_argument("--eval-every", type=int, default=None, help="checkpoint (Fig. 5) every K steps (default 5)")
     parser.add_argument("--eval-clips", type=int, default=40, help="held-out clips scored per model (default 40)")
     parser.add_argument("--batch-eval", type=int, default=8, help="clips transcribed together (default 8)")
@@ -367,6 +387,7 @@ def study_spec(args: argparse.Namespace, kv_heads: list[int], poolings: list[str
         batch_size=args.batch_size,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
+        seed=args.seed,
         max_steps=args.steps,
         eval_every=args.eval_every,
         eval_blocks=min(args.eval_clips, 8),  # the loop's own evaluation: a few clips (the study scores its own)
@@ -389,7 +410,7 @@ def start_folder(row: Row, spec, root: Path) -> Path:
 
 def start_name(row: Row) -> str:
     """The name a row's α = 0 score is kept under: a distilled row starts where calibrated does."""
-    return row.name.removesuffix("-distill")
+    return row.name.partition("-distill")[0]
 
 
 def train_folder(row: Row, spec, root: Path) -> Path:
@@ -450,18 +471,30 @@ def uptrain_row(row: Row, args: argparse.Namespace, root: Path, log) -> None:
     spec = study_spec(args, args.kv_heads, args.poolings)
     folder = train_folder(row, spec, root)
     if not (folder / "final" / "config.json").is_file():
+        teacher = teacher_folder(row, args, root, log) if row.distillation else None  # before the hold: it may train
         with hold_compare_dir(spec):
             name = "mha" if row.mha else row.name
             config = spec.train_config(start_folder(row, spec, root), folder, name)
             config = dataclasses.replace(config, keep_checkpoints=spec.max_steps // spec.eval_every + 1)
             if row.distillation:
-                config = dataclasses.replace(config, teacher=str(spec.model))
+                config = dataclasses.replace(config, teacher=str(teacher))
             log(f"[whisper] {row.name}: uptraining" + (" with distillation" if row.distillation else ""))
             run_training(config)
     if row.in_compare and not row.mha:
         run_compare(study_spec(args, [row.num_kv_heads], [row.pooling]), log)
     elif not row.in_compare:
         write_file(folder.parent / RESULT, json.dumps({"name": row.name}) + "\n")
+
+
+def teacher_folder(row: Row, args: argparse.Namespace, root: Path, log) -> Path:
+    """A distilled row's teacher: the MHA original, or the MHA row's uptrained model (trained first
+    where it is not yet: the same clips, order, seed and schedule as every row)."""
+    spec = study_spec(args, args.kv_heads, args.poolings)
+    if row.teacher == "original":
+        return Path(spec.model)
+    mha = Row("mha", None, "mha")
+    uptrain_row(mha, args, root, log)
+    return train_folder(mha, spec, root) / "final"
 
 
 def training_record(row: Row, spec, root: Path) -> dict | None:
@@ -757,6 +790,7 @@ def collect(rows: list[Row], spec, root: Path, args) -> dict:
         entry["steps"] = dict(sorted(entry["steps"].items()))
         out.append(entry)
     _gaps(out)
+    _wer_ratios(rows, root, out)
     return {
         "model": args.model,
         "eval_data": args.eval_data,
@@ -774,6 +808,46 @@ def _summary(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return {k: v for k, v in stored.items() if k not in ("predictions", "setting")}
+
+
+def clip_errors(path: Path) -> list[tuple[int, int]] | None:
+    """Per held-out clip of a kept score: its word errors (substitutions, deletions, insertions)
+    and its reference's words, on the normalised text WER compares; None before it is scored."""
+    import jiwer
+
+    try:
+        predictions = json.loads(path.read_text())["predictions"]
+    except (OSError, ValueError, KeyError):
+        return None
+    counts = []
+    for p in predictions:
+        m = jiwer.process_words(normalise(p["reference"]), normalise(p["prediction"]))
+        counts.append((m.substitutions + m.deletions + m.insertions, m.substitutions + m.deletions + m.hits))
+    return counts
+
+
+def wer_ratio(row: list[tuple[int, int]], mha: list[tuple[int, int]], resamples: int = 2000) -> dict:
+    """A row's corpus WER over MHA's on the same clips, and its 95 % interval by a paired bootstrap
+    over the clips (each resample draws clips, the same ones for both models): how far the held-out
+    set's few clips resolve a relative gap (training seeds are not resampled)."""
+    import numpy as np
+
+    errors, words = np.array(row, dtype=float).T
+    base, base_words = np.array(mha, dtype=float).T
+    if not np.array_equal(words, base_words):
+        raise UptrainError("the row and the MHA row were scored on different clips")
+    draws = np.random.default_rng(0).integers(0, len(errors), size=(resamples, len(errors)))
+    ratios = errors[draws].sum(1) / np.maximum(base[draws].sum(1), 1)
+    low, high = np.quantile(ratios, [0.025, 0.975])
+    return {"ratio": float(errors.sum() / base.sum()), "low": float(low), "high": float(high)}
+
+
+def _wer_ratios(rows: list[Row], root: Path, out: list[dict]) -> None:
+    """Each uptrained row's final WER relative to the MHA row trained alike (`wer_ratio`)."""
+    mha = clip_errors(root / "scores" / "final" / "mha.json")
+    for row, entry in zip(rows, out):
+        own = None if row.mha or mha is None else clip_errors(root / "scores" / "final" / f"{row.name}.json")
+        entry["final_wer_vs_mha"] = None if own is None else wer_ratio(own, mha)
 
 
 def _gaps(rows: list[dict]) -> None:
@@ -803,6 +877,7 @@ COLUMNS = (
     "ppl α=0",
     "gap closed α=0",
     "WER end",
+    "WER end / MHA's (95 % CI)",
     "CER end",
     "ppl end",
     "s/sample (transformers)",
@@ -827,6 +902,7 @@ def table_rows(result: dict) -> list[list[str]]:
                 + (f", {r['allocation']} allocation" if r["budget"] is not None else "")
                 + (f", cross head = {r['cross_kv_weight']:g} self" if r.get("cross_kv_weight") is not None else "")
                 + (" + distillation" if r["distillation"] else "")
+                + (" from the MHA row uptrained" if r["distillation"] and r.get("teacher") == "trained" else "")
                 + (" (+ encoder)" if r["attention"] != DECODER else "")
                 + (", attention-weighted" if r["weighting"] != "uniform" else "")
                 + (", values fit to the attention output" if r.get("value_fit", "inputs") != "inputs" else ""),
@@ -837,6 +913,7 @@ def table_rows(result: dict) -> list[list[str]]:
                 num(s, "perplexity", ".4g"),
                 "—" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.0f} %",
                 num(f, "wer", ".1f"),
+                _ratio_column(r["final_wer_vs_mha"]),
                 num(f, "cer", ".1f"),
                 num(f, "perplexity", ".4g"),
                 num(timing, "time_per_sample_s", ".3f"),
@@ -844,6 +921,12 @@ def table_rows(result: dict) -> list[list[str]]:
             ]
         )
     return lines
+
+
+def _ratio_column(ratio: dict | None) -> str:
+    if ratio is None:
+        return "—"
+    return f"{ratio['ratio']:.2f} ({ratio['low']:.2f}–{ratio['high']:.2f})"
 
 
 def _heads_column(r: dict) -> str:

@@ -9,6 +9,7 @@ one-line message naming the extra): it runs in the metric libraries' cached envi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.evaluation.test_metric_environment import eval_python
+from uptrain import UptrainError
 from uptrain.model_info import layer_kv_heads
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "whisper_study.py"
@@ -40,6 +42,7 @@ def test_whisper_study_quick(tmp_path):
         "calibrated",
         "--weighted-rows",
         "--output-rows",
+        "--trained-teacher-rows",
         "--kv-budgets",
         "0.25",
     ]
@@ -49,8 +52,8 @@ def test_whisper_study_quick(tmp_path):
     study = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["name"]: r for r in study["rows"]}
     scored = []  # (wer, cer, [references, predictions]) of every row and time, checked with jiwer below
-    names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-attention"]
-    names.append("g2-calibrated-output")
+    names = ["mha", "g2-mean", "g2-calibrated", "g2-calibrated-distill", "g2-calibrated-distill-trained"]
+    names += ["g2-calibrated-attention", "g2-calibrated-output"]
     budgets = ["kv0.25-uniform", "kv0.25-calibrated"]
     assert list(rows) == [*names, "g2-calibrated-encoder", *budgets]
     # The tiny model: 2 decoder layers, 8 heads of 8 dims, float32; 3 s of audio = 150 frames.
@@ -69,7 +72,7 @@ def test_whisper_study_quick(tmp_path):
             assert s["kv_cross_bytes_per_frame"] == 2 * sum(cross) * 8 * 4
             assert s["kv_cross_bytes_per_clip"] == 150 * s["kv_cross_bytes_per_frame"]
             assert s["perplexity"] > 1 and s["time_per_sample_s"] > 0
-            kept = out / "scores" / when / f"{name.removesuffix('-distill') if when == 'start' else name}.json"
+            kept = out / "scores" / when / f"{name.partition('-distill')[0] if when == 'start' else name}.json"
             predictions = json.loads(kept.read_text())["predictions"]
             assert len(predictions) == 2
             norm = [[" ".join(p[k].lower().split()) for p in predictions] for k in ("reference", "prediction")]
@@ -97,9 +100,18 @@ def test_whisper_study_quick(tmp_path):
     chosen = rows["kv0.25-calibrated"]["start"]
     assert chosen["kv_cache_heads_per_layer"] + chosen["cross_cache_heads_per_layer"] != [2, 2, 2, 2]
     assert rows["g2-calibrated-distill"]["start"] == rows["g2-calibrated"]["start"]
-    # Distillation and the encoder's conversion change what is trained: their ends differ from calibrated's.
-    ends = {rows[n]["final"]["perplexity"] for n in ("g2-calibrated", "g2-calibrated-distill", "g2-calibrated-encoder")}
-    assert len(ends) == 3
+    assert rows["g2-calibrated-distill-trained"]["start"] == rows["g2-calibrated"]["start"]
+    # Distillation (from either teacher) and the encoder's conversion change what is trained: their
+    # ends differ from calibrated's and from each other's.
+    changed = ("g2-calibrated-distill", "g2-calibrated-distill-trained", "g2-calibrated-encoder")
+    assert len({rows[n]["final"]["perplexity"] for n in ("g2-calibrated", *changed)}) == 4
+    # The teachers: the MHA original, and the MHA row as uptrained here.
+    teachers = {
+        n: (out / "extra" / n / "train" / "run_config.yaml").read_text()
+        for n in ("g2-calibrated-distill", "g2-calibrated-distill-trained")
+    }
+    assert f"teacher: {out / 'compare' / 'runs' / 'mha' / 'train' / 'final'}\n" in teachers[changed[1]]
+    assert "compare/runs/mha" not in teachers[changed[0]] and "teacher: " in teachers[changed[0]]
     # The attention-weighted calibration is its own (the record says so) and merges otherwise.
     record = json.loads((out / "extra" / "converted" / "g2-calibrated-attention" / "uptrain.json").read_text())
     assert record["calibration"]["weighting"] == "attention"
@@ -108,6 +120,14 @@ def test_whisper_study_quick(tmp_path):
     record = json.loads((out / "extra" / "converted" / "g2-calibrated-output" / "uptrain.json").read_text())
     assert (record["calibration"]["value_fit"], record["calibration"]["value_fit_blend"]) == ("output", 0.1)
     assert rows["g2-calibrated-output"]["start"]["perplexity"] != rows["g2-calibrated"]["start"]["perplexity"]
+    # Each uptrained row's WER over MHA's trained alike (same clips: the ratio of the two corpus WERs),
+    # inside its paired-bootstrap interval; none for the MHA row itself.
+    assert rows["mha"]["final_wer_vs_mha"] is None
+    for name in names[1:]:
+        ratio, mha_wer = rows[name]["final_wer_vs_mha"], rows["mha"]["final"]["wer"]
+        if mha_wer > 0:
+            assert ratio["ratio"] == pytest.approx(rows[name]["final"]["wer"] / mha_wer)
+        assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
     for name in ("results.md", "results.csv", "quality_vs_time.png", "wer_vs_steps.png"):
         assert (out / name).stat().st_size > 0
     # A rerun picks everything up: nothing converted, trained or scored again.
@@ -172,3 +192,29 @@ def test_whisper_study_refuses_a_cross_kv_weight_without_budget_rows(tmp_path):
     proc = subprocess.run([*argv[:-1], "0.001", "--kv-budgets", "0.25"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and proc.stderr.startswith("error: --cross-kv-weight 0.001 is below 0.01")
     assert proc.stderr.count("\n") == 1 and not out.exists()
+
+
+def study_module():
+    spec = importlib.util.spec_from_file_location("whisper_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wer_ratio_is_the_corpus_ratio_inside_a_paired_bootstrap_interval():
+    """Per clip (word errors, reference words): a row with exactly MHA's errors is 1 with no spread,
+    one with twice them on every clip 2 with none (the clips are drawn alike for both); uneven
+    errors give an interval around the corpus ratio that narrows as the clips grow in number."""
+    wer_ratio = study_module().wer_ratio
+    mha = [(e, 20) for e in (1, 3, 0, 2, 5, 1, 2, 4)]
+    assert wer_ratio(mha, mha) == {"ratio": 1.0, "low": 1.0, "high": 1.0}
+    assert wer_ratio([(2 * e, w) for e, w in mha], mha) == {"ratio": 2.0, "low": 2.0, "high": 2.0}
+    row = [(e + (i % 2), w) for i, (e, w) in enumerate(mha)]  # 4 more errors than MHA's 18
+    few = wer_ratio(row, mha)
+    assert few["ratio"] == pytest.approx(22 / 18) and few["low"] < few["ratio"] < few["high"]
+    many = wer_ratio(row * 25, mha * 25)
+    assert many["ratio"] == pytest.approx(22 / 18)
+    assert many["high"] - many["low"] < (few["high"] - few["low"]) / 3  # ~1/√25 as wide
+    with pytest.raises(UptrainError, match="different clips"):
+        wer_ratio(row[:-1] + [(1, 7)], mha)

@@ -218,3 +218,37 @@ def test_wer_ratio_is_the_corpus_ratio_inside_a_paired_bootstrap_interval():
     assert many["high"] - many["low"] < (few["high"] - few["low"]) / 3  # ~1/√25 as wide
     with pytest.raises(UptrainError, match="different clips"):
         wer_ratio(row[:-1] + [(1, 7)], mha)
+
+
+def test_whisper_seeds_pools_each_row_over_the_folders(tmp_path):
+    """scripts/whisper_seeds.py on two study folders' kept scores: the rows every folder uptrained,
+    each folder's WER, and the errors summed over both over MHA's (a row only one folder has is
+    left out; a folder without the MHA row is refused in one line)."""
+    references = ["the cat sat on the mat", "a dog ran", "one two three four"]
+
+    def kept(folder: Path, name: str, predictions: list[str]) -> None:
+        pairs = [{"reference": r, "prediction": p} for r, p in zip(references, predictions)]
+        (folder / "scores" / "final").mkdir(parents=True, exist_ok=True)
+        (folder / "scores" / "final" / f"{name}.json").write_text(json.dumps({"predictions": pairs}))
+
+    seeds = [tmp_path / "seed0", tmp_path / "seed1"]
+    kept(seeds[0], "mha", ["the cat sat on a mat", "a dog ran", "one two three four"])  # 1 error of 13 words
+    kept(seeds[1], "mha", ["The cat sat on the mat.", "a dog", "one two three four"])  # 1 (case, punctuation: 0)
+    kept(seeds[0], "g4", ["the cat sat on a mat", "a dog ran far", "one too three four"])  # 3
+    kept(seeds[1], "g4", ["the cat sat", "a dog ran", "one two three four"])  # 3
+    kept(seeds[1], "g2", ["", "", ""])
+    python, script = str(eval_python()), str(SCRIPT.parent / "whisper_seeds.py")
+    proc = subprocess.run([python, script, *map(str, seeds)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
+    assert list(rows) == ["mha", "g4"]
+    assert rows["mha"]["wer_per_seed"] == pytest.approx([100 / 13, 100 / 13]) and rows["mha"]["vs_mha"] is None
+    assert rows["g4"]["wer_per_seed"] == pytest.approx([300 / 13, 300 / 13])
+    ratio = rows["g4"]["vs_mha"]
+    assert ratio["ratio"] == pytest.approx(6 / 2) and ratio["low"] <= 3 <= ratio["high"]
+    assert "| g4 | 23.1 | 23.1 | 3.000 (" in proc.stdout
+    lone = tmp_path / "lone"
+    kept(lone, "g4", references)
+    proc = subprocess.run([python, script, str(seeds[0]), str(lone)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"error: no uptrained MHA row in {lone}: run the study's mha row there first\n"

@@ -25,7 +25,7 @@ Conversions, calibration (on the training pairs, with the `--language` prompt) a
 the reference row); distilled and encoder rows take the `TrainConfig` the compare gives its runs.
 
 Every row is scored at α = 0 (the model it starts from) and after uptraining, on the first
---eval-clips held-out speech pairs, with one pass of the encoder per clip:
+--eval-clips held-out speech pairs (--score-data, by default --eval-data), with one pass of the encoder per clip:
 - WER and CER (jiwer, as `uptrain evaluate --task asr` computes them) of greedy transcription with
   the KV cache (`generate` with the prompt `--language` forces), on text lower-cased with
   punctuation removed on both sides;
@@ -179,6 +179,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-data", help="speech pairs (jsonl audio/text) for calibration and uptraining")
     parser.add_argument("--eval-data", help="held-out speech pairs (jsonl audio/text), never trained on")
     parser.add_argument(
+        "--score-data",
+        help="held-out pairs the rows are scored on (default: --eval-data, which the uptraining loop also reads\n"
+        "for its own few-clip evaluation): rescore a finished study on a larger held-out set",
+    )
+    parser.add_argument(
         "--output-dir", default="whisper-study", help="runs, scores and results (default: whisper-study)"
     )
     parser.add_argument("--language", default="en", help="the audio's language, Whisper's prompt (default en)")
@@ -247,6 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a tiny Whisper and four espeak clips (the test's)")
     args = parser.parse_args(argv)
+    args.score_data = args.score_data or args.eval_data
     args.kv_heads = args.kv_heads or ([2] if args.quick else [4, 2, 1])
     args.steps = args.steps or (4 if args.quick else 20)
     args.eval_every = args.eval_every or (2 if args.quick else 5)
@@ -357,6 +363,7 @@ def quick_inputs(args: argparse.Namespace) -> None:
     args.model = str(tiny_whisper(root / "model"))
     args.train_data = str(speech_pairs(QUICK_SENTENCES, root / "speech", "train"))
     args.eval_data = str(speech_pairs(QUICK_EVAL, root / "speech", "test"))
+    args.score_data = args.score_data or args.eval_data
 
 
 # --- the comparison: conversions and uptraining on compare's machinery ---------------------------
@@ -546,14 +553,14 @@ class Scorer:
         self.framing = target_framing(arch, objective, keys, self.tokenizer, args.model, config)
         target_len = len(self.framing.label_prefix) + 1 + args.max_new_tokens
         examples = load_pairs(
-            args.eval_data, "eval_data", objective, self.tokenizer, args.model, config, 256, target_len, self.framing
+            args.score_data, "score_data", objective, self.tokenizer, args.model, config, 256, target_len, self.framing
         )
         self.count = min(args.eval_clips, len(examples))
         self.examples = examples
         self.references = [r["text"] for _, r in examples.records[: self.count]]
         self.encoded: dict[str, tuple[list, float]] = {}  # encoder fingerprint → (outputs per batch, seconds)
         self.setting = {
-            "eval_data": str(Path(args.eval_data).absolute()),
+            "eval_data": str(Path(args.score_data).absolute()),
             "clips": self.count,
             "batch": args.batch_eval,
             "max_new_tokens": args.max_new_tokens,
@@ -794,6 +801,7 @@ def collect(rows: list[Row], spec, root: Path, args) -> dict:
     return {
         "model": args.model,
         "eval_data": args.eval_data,
+        "score_data": args.score_data,
         "train_data": args.train_data,
         "language": args.language,
         "budget": {"steps": spec.max_steps, "batch_size": spec.batch_size, "clips": spec.max_steps * spec.batch_size},
@@ -802,25 +810,31 @@ def collect(rows: list[Row], spec, root: Path, args) -> dict:
     }
 
 
-def _summary(path: Path) -> dict | None:
+def _stored(path: Path) -> dict | None:
+    """A kept score, or None before it is scored."""
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return {k: v for k, v in stored.items() if k not in ("predictions", "setting")}
+    return stored if isinstance(stored, dict) else None
 
 
-def clip_errors(path: Path) -> list[tuple[int, int]] | None:
+def _summary(path: Path) -> dict | None:
+    stored = _stored(path)
+    return None if stored is None else {k: v for k, v in stored.items() if k not in ("predictions", "setting")}
+
+
+def clip_errors(path: Path, setting: dict | None = None) -> list[tuple[int, int]] | None:
     """Per held-out clip of a kept score: its word errors (substitutions, deletions, insertions)
-    and its reference's words, on the normalised text WER compares; None before it is scored."""
+    and its reference's words, on the normalised text WER compares; None before it is scored (or
+    when it was scored with another `setting` than the one given)."""
     import jiwer
 
-    try:
-        predictions = json.loads(path.read_text())["predictions"]
-    except (OSError, ValueError, KeyError):
+    kept = _stored(path)
+    if kept is None or "predictions" not in kept or (setting is not None and kept.get("setting") != setting):
         return None
     counts = []
-    for p in predictions:
+    for p in kept["predictions"]:
         m = jiwer.process_words(normalise(p["reference"]), normalise(p["prediction"]))
         counts.append((m.substitutions + m.deletions + m.insertions, m.substitutions + m.deletions + m.hits))
     return counts
@@ -843,10 +857,13 @@ def wer_ratio(row: list[tuple[int, int]], mha: list[tuple[int, int]], resamples:
 
 
 def _wer_ratios(rows: list[Row], root: Path, out: list[dict]) -> None:
-    """Each uptrained row's final WER relative to the MHA row trained alike (`wer_ratio`)."""
-    mha = clip_errors(root / "scores" / "final" / "mha.json")
+    """Each uptrained row's final WER relative to the MHA row trained alike (`wer_ratio`), where
+    both were scored alike (a study being rescored with --score-data has rows of both settings)."""
+    final = root / "scores" / "final"
+    mha = clip_errors(final / "mha.json")
+    setting = None if mha is None else _stored(final / "mha.json").get("setting")
     for row, entry in zip(rows, out):
-        own = None if row.mha or mha is None else clip_errors(root / "scores" / "final" / f"{row.name}.json")
+        own = None if row.mha or mha is None else clip_errors(final / f"{row.name}.json", setting)
         entry["final_wer_vs_mha"] = None if own is None else wer_ratio(own, mha)
 
 
@@ -944,7 +961,7 @@ def report(result: dict, root: Path) -> None:
     rows = table_rows(result)
     budget = result["budget"]
     md = [
-        f"Whisper study: {result['model']}, held-out {result['eval_data']}; uptraining budget "
+        f"Whisper study: {result['model']}, held-out {result['score_data']}; uptraining budget "
         f"{budget['steps']} steps × {budget['batch_size']} clips = {budget['clips']} clips; — : not measured yet",
         "",
         "| " + " | ".join(COLUMNS) + " |",

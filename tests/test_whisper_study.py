@@ -135,6 +135,17 @@ def test_whisper_study_quick(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[whisper]" not in again.stderr and "uptraining" not in again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["rows"] == study["rows"]
+    # --score-data rescores the finished study on other held-out pairs (here the training clips),
+    # the uptraining loop's --eval-data unchanged: nothing converted or trained again.
+    train_pairs = out / "quick-inputs" / "speech" / "train.jsonl"
+    rescored = subprocess.run(
+        [*argv, "--score-data", str(train_pairs)], capture_output=True, text=True, timeout=1800, env=env
+    )
+    assert rescored.returncode == 0, rescored.stderr[-3000:]
+    assert "converting" not in rescored.stderr and "uptraining" not in rescored.stderr
+    assert json.loads(rescored.stdout.strip().splitlines()[-1])["score_data"] == str(train_pairs)
+    kept = json.loads((out / "scores" / "final" / "g2-calibrated.json").read_text())
+    assert [p["reference"] for p in kept["predictions"]] == ["the cat sat", "my dog sat on a mat"]
 
 
 def test_whisper_study_refuses_at_start_without_jiwer(tmp_path):

@@ -14,27 +14,17 @@ table on stdout; one line of JSON after it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from uptrain import UptrainError
 
-STUDY = Path(__file__).resolve().parent / "whisper_study.py"
-
-
-def study_module():
-    spec = importlib.util.spec_from_file_location("whisper_study", STUDY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
 
 def pooled(folders: list[Path]) -> list[dict]:
     """Per row with a final score in every folder (MHA's first): each folder's WER and the pooled ratio."""
-    study = study_module()
+    import whisper_study as study  # beside this script: the first entry of sys.path when it runs
+
     finals = [{p.stem: p for p in (f / "scores" / "final").glob("*.json")} for f in folders]
     if not all("mha" in kept for kept in finals):
         missing = [str(f) for f, kept in zip(folders, finals) if "mha" not in kept]

@@ -131,6 +131,9 @@ def test_a_budget_compare_refuses_in_one_line_before_any_run(setup, tmp_path, ca
         (("--kv-budget", "0.5", "--cross-kv-weight", "4"), "weighs cross-attention KV heads in the budget; the model"),
         (("--kv-budget", "0.5", "0.5"), "--kv-budget 0.5 0.5 names a value twice"),
         (("--kv-budget", "0.1", "--allocation", "calibrated"), "--kv-budget 0.1 is below what any allocation"),
+        # A calibrated merge's keys with no calibrated run to apply them to (the helper pools by mean).
+        (("-g", "2", "--value-fit", "output"), "--value-fit output refits the values of a calibrated merge, and "),
+        (("-g", "2", "--calibration-weighting", "attention"), "--pooling mean solves none"),
     ):
         assert compare(setup, out, *runs) == 2, runs
         err = capsys.readouterr().err.strip()

@@ -23,6 +23,7 @@ from uptrain.convert.spec import (
     RotaryKey,
     Target,
     kv_heads_option,
+    merge_key_problems,
     seed_option,
 )
 from uptrain.data.corpus import split_path
@@ -197,6 +198,8 @@ class CompareSpec(
         if set(self.allocation) != {"uniform"} and not self.kv_budget:
             found.append(f"--allocation {' '.join(self.allocation)} spends a --kv-budget; give one (--kv-budget F …)")
         found += self._target_problems()
+        if "gqa" in self.target:
+            found += merge_key_problems(self, self.pooling)
         spent = "calibrated" if "calibrated" in self.allocation else "uniform"
         if (problem := allocation_cost_problem(spent, self.allocation_cost)) is not None:
             found.append(problem)

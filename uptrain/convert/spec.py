@@ -513,20 +513,23 @@ class ConvertCommand(ConversionSpec):
         return ConversionSpec(**{k: v for k, v in vars(self).items() if k not in ("out", "overwrite")})
 
 
-def merge_key_problems(spec: ConversionOptions) -> list[str]:
+def merge_key_problems(spec: ConversionOptions, poolings: list[str] | None = None) -> list[str]:
     """--calibration-weighting and --value-fit shape a calibrated merge: refused with a pooling that
     solves none, and --value-fit-blend without --value-fit output (`uptrain convert`'s and `uptrain
-    train`'s conversions alike; a compare applies them to its calibrated runs)."""
+    train`'s conversions alike; a compare's `poolings`, when none of them solves one, too: it
+    applies the keys to its calibrated runs)."""
     found = []
-    solves = spec.pooling in calibrating_strategies()
+    poolings = [spec.pooling] if poolings is None else poolings
+    solves = any(p in calibrating_strategies() for p in poolings)
+    named = " ".join(poolings)
     if spec.calibration_weighting != "uniform" and not solves:
         found.append(
             f"--calibration-weighting {spec.calibration_weighting} weighs the errors of a calibrated merge, and "
-            f"--pooling {spec.pooling} solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
+            f"--pooling {named} solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
         )
     if spec.value_fit != "inputs" and not solves:
         found.append(
-            f"--value-fit {spec.value_fit} refits the values of a calibrated merge, and --pooling {spec.pooling} "
+            f"--value-fit {spec.value_fit} refits the values of a calibrated merge, and --pooling {named} "
             f"solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
         )
     elif spec.value_fit == "inputs" and spec.value_fit_blend != DEFAULT_VALUE_FIT_BLEND:

@@ -30,15 +30,16 @@ def pooled(folders: list[Path]) -> list[dict]:
         missing = [str(f) for f, kept in zip(folders, finals) if "mha" not in kept]
         raise UptrainError(f"no uptrained MHA row in {', '.join(missing)}: run the study's mha row there first")
     names = sorted(set.intersection(*(set(kept) for kept in finals)), key=lambda n: (n != "mha", n))
+    mha = [study.clip_errors(kept["mha"]) for kept in finals]
+    mha_flat = [pair for errors in mha for pair in errors]
     rows = []
     for name in names:
         per_seed = [study.clip_errors(kept[name]) for kept in finals]
-        mha = [study.clip_errors(kept["mha"]) for kept in finals]
         if len({len(errors) for errors in per_seed + mha}) != 1:
             raise UptrainError(f"{name}: the folders were scored on different numbers of clips")
         wers = [100 * sum(e for e, _ in errors) / sum(w for _, w in errors) for errors in per_seed]
         flat = [pair for errors in per_seed for pair in errors]
-        ratio = None if name == "mha" else study.wer_ratio(flat, [pair for errors in mha for pair in errors])
+        ratio = None if name == "mha" else study.wer_ratio(flat, mha_flat)
         rows.append({"name": name, "wer_per_seed": wers, "vs_mha": ratio})
     return rows
 

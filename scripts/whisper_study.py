@@ -41,7 +41,7 @@ The encoder's output is computed once per distinct encoder: rows that keep the s
 
 Each uptrained row's final WER is also given over the MHA row's trained alike, with the 95 %
 interval of a paired bootstrap over the held-out clips (`wer_ratio`): how well the clips resolve a
-relative gap (one training seed: --seed reruns the study with another clip order and calibration).
+relative gap (one training seed: --seed reruns the study with another clip order).
 
 Whisper's pretraining budget is not public, so α is stated as what uptraining saw: --steps ×
 --batch-size clips (and the target tokens the training loop counted). Fig. 5's view, WER against
@@ -235,7 +235,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="warm-up steps (default 2)")
     parser.add_argument(
-        "--seed", type=int, default=0, help="the compare's seed: clip order, calibration and init (default 0)"
+        "--seed", type=int, default=0, help="the compare's seed: the uptraining's clip order (default 0)"
     )
     parser.add_argument("--eval-every", type=int, default=None, help="checkpoint (Fig. 5) every K steps (default 5)")
     parser.add_argument("--eval-clips", type=int, default=40, help="held-out clips scored per model (default 40)")
@@ -252,7 +252,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a tiny Whisper and four espeak clips (the test's)")
     args = parser.parse_args(argv)
-    args.score_data = args.score_data or args.eval_data
     args.kv_heads = args.kv_heads or ([2] if args.quick else [4, 2, 1])
     args.steps = args.steps or (4 if args.quick else 20)
     args.eval_every = args.eval_every or (2 if args.quick else 5)
@@ -363,7 +362,6 @@ def quick_inputs(args: argparse.Namespace) -> None:
     args.model = str(tiny_whisper(root / "model"))
     args.train_data = str(speech_pairs(QUICK_SENTENCES, root / "speech", "train"))
     args.eval_data = str(speech_pairs(QUICK_EVAL, root / "speech", "test"))
-    args.score_data = args.score_data or args.eval_data
 
 
 # --- the comparison: conversions and uptraining on compare's machinery ---------------------------
@@ -739,6 +737,7 @@ def study(args: argparse.Namespace, log) -> dict:
     root = Path(args.output_dir).absolute()
     if args.quick:
         quick_inputs(args)
+    args.score_data = args.score_data or args.eval_data  # known here for --quick too
     rows = study_rows(args)
     spec = study_spec(args, args.kv_heads, args.poolings)
     began = time.perf_counter()
@@ -828,10 +827,16 @@ def clip_errors(path: Path, setting: dict | None = None) -> list[tuple[int, int]
     """Per held-out clip of a kept score: its word errors (substitutions, deletions, insertions)
     and its reference's words, on the normalised text WER compares; None before it is scored (or
     when it was scored with another `setting` than the one given)."""
+    kept = _stored(path)
+    if kept is None or (setting is not None and kept.get("setting") != setting):
+        return None
+    return _clip_errors(kept)
+
+
+def _clip_errors(kept: dict) -> list[tuple[int, int]] | None:
     import jiwer
 
-    kept = _stored(path)
-    if kept is None or "predictions" not in kept or (setting is not None and kept.get("setting") != setting):
+    if "predictions" not in kept:
         return None
     counts = []
     for p in kept["predictions"]:
@@ -860,8 +865,9 @@ def _wer_ratios(rows: list[Row], root: Path, out: list[dict]) -> None:
     """Each uptrained row's final WER relative to the MHA row trained alike (`wer_ratio`), where
     both were scored alike (a study being rescored with --score-data has rows of both settings)."""
     final = root / "scores" / "final"
-    mha = clip_errors(final / "mha.json")
-    setting = None if mha is None else _stored(final / "mha.json").get("setting")
+    kept = _stored(final / "mha.json")
+    mha = None if kept is None else _clip_errors(kept)
+    setting = None if kept is None else kept.get("setting")
     for row, entry in zip(rows, out):
         own = None if row.mha or mha is None else clip_errors(final / f"{row.name}.json", setting)
         entry["final_wer_vs_mha"] = None if own is None else wer_ratio(own, mha)

@@ -520,18 +520,15 @@ def merge_key_problems(spec: ConversionOptions, poolings: list[str] | None = Non
     applies the keys to its calibrated runs)."""
     found = []
     poolings = [spec.pooling] if poolings is None else poolings
-    solves = any(p in calibrating_strategies() for p in poolings)
-    named = " ".join(poolings)
+    calibrating = calibrating_strategies()
+    solves = any(p in calibrating for p in poolings)
+    none = f"--pooling {' '.join(poolings)} solves none (drop it, or --pooling {' / '.join(calibrating)})"
     if spec.calibration_weighting != "uniform" and not solves:
         found.append(
-            f"--calibration-weighting {spec.calibration_weighting} weighs the errors of a calibrated merge, and "
-            f"--pooling {named} solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
+            f"--calibration-weighting {spec.calibration_weighting} weighs the errors of a calibrated merge, and {none}"
         )
     if spec.value_fit != "inputs" and not solves:
-        found.append(
-            f"--value-fit {spec.value_fit} refits the values of a calibrated merge, and --pooling {named} "
-            f"solves none (drop it, or --pooling {' / '.join(calibrating_strategies())})"
-        )
+        found.append(f"--value-fit {spec.value_fit} refits the values of a calibrated merge, and {none}")
     elif spec.value_fit == "inputs" and spec.value_fit_blend != DEFAULT_VALUE_FIT_BLEND:
         found.append("--value-fit-blend weighs the inputs fit within --value-fit output: give it with that")
     return found

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from uptrain.compare.spec import CompareSpec
-from uptrain.convert.spec import ConversionSpec
+from uptrain.convert.spec import DEFAULT_VALUE_FIT_BLEND, ConversionSpec
 from uptrain.options import keys_of
 from uptrain.train.config import TrainConfig
 
@@ -108,3 +108,27 @@ def test_train_carries_each_way_of_choosing_the_kv_heads(tmp_path):
         keys = ("num_kv_heads", "kv_heads_per_layer", "kv_budget", "allocation", "allocation_cost", "cross_kv_weight")
         default = dict.fromkeys(keys) | {"allocation": "uniform"}
         assert {k: getattr(spec, k) for k in keys} == default | chosen
+
+
+def test_mla_runs_convert_without_the_gqa_merges_keys(tmp_path):
+    """`--target gqa mla` with the calibrated merge's keys: the GQA runs take them, the MLA runs
+    (which `uptrain convert --target mla` refuses them for) convert at their defaults."""
+    keys = {"calibration_weighting": "attention", "value_fit": "output", "value_fit_blend": 0.5}
+    spec = CompareSpec(
+        model="src",
+        kv_budget=[0.25],
+        target=["gqa", "mla"],
+        pooling=["calibrated"],
+        output_dir=str(tmp_path / "cmp"),
+        max_steps=3,
+        train_data="train.jsonl",
+        grouping="similarity",
+        **keys,
+    )
+    gqa = spec.budget_conversion_spec(0.25, "uniform", "calibrated")
+    assert {k: getattr(gqa, k) for k in keys} == keys and gqa.grouping == "similarity"
+    defaults = {"calibration_weighting": "uniform", "value_fit": "inputs", "value_fit_blend": DEFAULT_VALUE_FIT_BLEND}
+    for init in ("svd", "calibrated"):
+        latent = spec.latent_conversion_spec(0.25, init)
+        assert latent.target == "mla" and {k: getattr(latent, k) for k in keys} == defaults
+        assert latent.grouping == "contiguous"

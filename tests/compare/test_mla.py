@@ -109,6 +109,9 @@ def test_an_mla_compare_refuses_in_one_line_before_any_run(setup, gpt2, tmp_path
         ((*mla, "mla", "--kv-budget", BUDGET), "--target mla mla names a value twice"),
         ((*mla, "--kv-budget", "0.03"), "which must be a whole number above --rope-dims 4"),
         ((*mla, "--kv-budget", BUDGET, "--rope-dims", "3"), "--rope-dims 3: give an even number"),
+        # A calibrated merge's keys with no GQA run to merge (they were refused at the MLA run's conversion).
+        ((*mla, "--kv-budget", BUDGET, "--value-fit", "output"), "--value-fit shape(s) the GQA runs' merge: give"),
+        ((*mla, "--kv-budget", BUDGET, "--calibration-weighting", "attention"), "--calibration-weighting shape(s)"),
     ):
         assert compare(setup, out, *runs) == 2, runs
         err = capsys.readouterr().err.strip()

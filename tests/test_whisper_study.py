@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.evaluation.test_metric_environment import eval_python
 from uptrain import UptrainError
@@ -263,3 +264,56 @@ def test_whisper_seeds_pools_each_row_over_the_folders(tmp_path):
     proc = subprocess.run([python, script, str(seeds[0]), str(lone)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == f"error: no uptrained MHA row in {lone}: run the study's mha row there first\n"
+
+
+def test_kv_lr_scale_moves_the_decoders_k_and_v_that_many_times_further(tmp_path, monkeypatch):
+    """scripts/whisper_kv_lr.py's optimizer on a tiny real Whisper: with every gradient 1, AdamW's
+    first step moves each weight by its group's lr, so the decoder's self- and cross-attention
+    k_proj/v_proj move `scale` × as far as the rest (the encoder's K/V not), also after the state
+    dict is reloaded as accelerate's prepare does; the loop's scheduled lr stays in the groups. A
+    study folder that already holds uptrained runs is refused."""
+    from types import SimpleNamespace
+
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("whisper_kv_lr", SCRIPT.parent / "whisper_kv_lr.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    config = WhisperConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_mel_bins=8,
+        max_source_positions=8, max_target_positions=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1,
+    )  # fmt: skip
+    model = WhisperForConditionalGeneration(config)
+    settings = SimpleNamespace(lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-12)
+    optimizer = script.kv_scaled_adamw(10.0)(settings, model, torch.device("cpu"))
+    for reload in (False, True):
+        if reload:
+            optimizer.load_state_dict(optimizer.state_dict())
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3  # as the loop sets it
+        optimizer.step()
+        assert all(group["lr"] == 1e-3 for group in optimizer.param_groups)
+        kv = 0
+        for name, p in model.named_parameters():
+            moved = (before[name] - p.detach()).abs().max().item()
+            if not p.requires_grad:  # Whisper's sinusoidal encoder positions are frozen
+                assert moved == 0, name
+                continue
+            attention = ".self_attn." in name or ".encoder_attn." in name
+            is_kv = ".decoder.layers." in name and attention and ("k_proj" in name or "v_proj" in name)
+            kv += is_kv
+            assert moved == pytest.approx(1e-2 if is_kv else 1e-3, rel=1e-3), name
+        assert kv == 2 * 2 * 3  # 2 layers × self and cross × k weight, v weight, v bias
+
+    folder = tmp_path / "study"
+    (folder / "compare" / "runs").mkdir(parents=True)
+    with pytest.raises(UptrainError, match="holds uptrained runs"):
+        study = ["--model", "m", "--train-data", "t.jsonl", "--eval-data", "e.jsonl", "--output-dir", str(folder)]
+        script.main(["--kv-lr-scale", "10", "--", *study])

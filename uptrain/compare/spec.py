@@ -15,7 +15,7 @@ from pathlib import Path
 from uptrain.budgets import UptrainingBudget
 from uptrain.convert.kv_heads import allocation_cost_problem, cross_kv_weight_problem
 from uptrain.convert.spec import (
-    DEFAULT_VALUE_FIT_BLEND,
+    MERGE_DEFAULTS,
     Allocation,
     AllocationCost,
     ConversionOptions,
@@ -246,13 +246,10 @@ class CompareSpec(
                 found.append(f"{', '.join(given)} shape(s) the MLA runs: give them with --target mla")
         if "gqa" not in self.target and (set(self.allocation) != {"uniform"} or self.allocation_cost is not None):
             found.append("--allocation and --allocation-cost spend a budget on GQA heads: give them with --target gqa")
-        merge = {
-            "--calibration-weighting": self.calibration_weighting != "uniform",
-            "--value-fit": self.value_fit != "inputs",
-            "--value-fit-blend": self.value_fit_blend != DEFAULT_VALUE_FIT_BLEND,
-        }
-        if "gqa" not in self.target and (given := [flag for flag, set_ in merge.items() if set_]):
-            found.append(f"{', '.join(given)} shape(s) the GQA runs' merge: give them with --target gqa")
+        merge = [key for key, default in MERGE_DEFAULTS.items() if getattr(self, key) != default]
+        if "gqa" not in self.target and merge:
+            flags = ", ".join(f"--{key.replace('_', '-')}" for key in merge)
+            found.append(f"{flags} shape(s) the GQA runs' merge: give them with --target gqa")
         return found
 
     def conversion_spec(self, num_kv_heads: int, pooling: str) -> ConversionSpec:
@@ -281,13 +278,12 @@ class CompareSpec(
         on the training data."""
         rotary_key = "principal" if mla_init == "svd" and self.rotary_key == "calibrated" else self.rotary_key
         gqa_only = {"pooling": "mean", "grouping": "contiguous", "allocation": "uniform", "allocation_cost": None}
-        merge = {"calibration_weighting": "uniform", "value_fit": "inputs", "value_fit_blend": DEFAULT_VALUE_FIT_BLEND}
         latent = {"target": "mla", "mla_init": mla_init, "rope_dims": self.rope_dims, "rotary_key": rotary_key}
         latent |= {"rope_stride": self.rope_stride, "rope_residual": self.rope_residual}
         if mla_init != "calibrated":  # reads no calibration data
             latent["calibration_data"] = None
         return training_conversion(
-            self, source=self.model, num_kv_heads=None, kv_budget=kv_budget, **gqa_only, **merge, **latent
+            self, source=self.model, num_kv_heads=None, kv_budget=kv_budget, **gqa_only, **MERGE_DEFAULTS, **latent
         )
 
     def train_config(self, model: str | Path, output_dir: str | Path, run: str, group: str | None = None):

@@ -513,6 +513,11 @@ class ConvertCommand(ConversionSpec):
         return ConversionSpec(**{k: v for k, v in vars(self).items() if k not in ("out", "overwrite")})
 
 
+# The keys that shape a calibrated merge (`merge_key_problems`), at their defaults: what a conversion
+# that solves no merge (a compare's MLA runs) takes.
+MERGE_DEFAULTS = {"calibration_weighting": "uniform", "value_fit": "inputs", "value_fit_blend": DEFAULT_VALUE_FIT_BLEND}
+
+
 def merge_key_problems(spec: ConversionOptions, poolings: list[str] | None = None) -> list[str]:
     """--calibration-weighting and --value-fit shape a calibrated merge: refused with a pooling that
     solves none, and --value-fit-blend without --value-fit output (`uptrain convert`'s and `uptrain

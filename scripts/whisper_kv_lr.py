@@ -22,30 +22,27 @@ from pathlib import Path
 import torch
 
 from uptrain import UptrainError
+from uptrain.train import optimizer as optimizer_module
 
 # Whisper's decoder K/V projections, self- and cross-attention (transformers' and uptrain's names).
 DECODER_KV = re.compile(r"(^|\.)decoder\.layers\.\d+\.(self_attn|encoder_attn)\.(k_proj|v_proj)\.")
 
 
 def kv_scaled_adamw(scale: float):
-    """`uptrain.train.optimizer.adamw` with the decoder's K/V in groups of their own at `scale` × lr."""
+    """`uptrain.train.optimizer.adamw` with the decoder's K/V split off its groups into groups of
+    their own (the same settings) at `scale` × lr."""
 
     def adamw(config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
-        for name, param in model.named_parameters():
-            if param.requires_grad:  # matrices decayed, the rest not, as uptrain's own groups
-                groups.setdefault((param.ndim >= 2, bool(DECODER_KV.search(name))), []).append(param)
-        if not any(kv for _, kv in groups):
+        optimizer = optimizer_module.adamw(config, model, device)
+        kv = {id(param) for name, param in model.named_parameters() if DECODER_KV.search(name)}
+        if not kv:
             raise UptrainError("--kv-lr-scale: the model has no decoder.layers.N.{self_attn,encoder_attn}.{k,v}_proj")
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": p, "weight_decay": config.weight_decay if matrix else 0.0, "lr_scale": scale if kv else 1}
-                for (matrix, kv), p in groups.items()
-            ],
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-        )
+        for group in list(optimizer.param_groups):  # before any step: no state to move
+            scaled = [param for param in group["params"] if id(param) in kv]
+            group["params"] = [param for param in group["params"] if id(param) not in kv]
+            if scaled:
+                settings = {key: value for key, value in group.items() if key != "params"}
+                optimizer.add_param_group({**settings, "params": scaled, "lr_scale": scale})
         plain_step = optimizer.step
 
         # The loop sets every group's lr each step, and accelerate's prepare reloads the state dict

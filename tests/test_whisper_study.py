@@ -288,7 +288,9 @@ def test_kv_lr_scale_moves_the_decoders_k_and_v_that_many_times_further(tmp_path
         decoder_start_token_id=1,
     )  # fmt: skip
     model = WhisperForConditionalGeneration(config)
-    settings = SimpleNamespace(lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-12)
+    settings = SimpleNamespace(
+        lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-12, fused_adamw="auto"
+    )
     optimizer = script.kv_scaled_adamw(10.0)(settings, model, torch.device("cpu"))
     for reload in (False, True):
         if reload:
